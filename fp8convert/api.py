@@ -1,0 +1,135 @@
+"""The Python API. The CLI is a thin layer over these functions; tests and other tools call them too."""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import FP8ConvertError
+from .options import Options, parse_size
+from .output import finalize, prepare_output, record_shard_done, WORK_DIR
+from .pipeline import make_batches, run
+from .plan import Plan, build_plan
+from .progress import Progress
+from .reader import BatchReader
+from .source import Source, open_local
+from .writer import ShardWriter
+
+DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}
+
+
+@dataclass
+class Report:
+    """What a conversion did."""
+
+    out_dir: str
+    source: str
+    scheme: str
+    format: str
+    device: str
+    shards: int
+    shards_resumed: int
+    tensors_quantized: int
+    tensors_kept: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    peak_device_bytes: int | None
+    ignore: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    already_complete: bool = False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise FP8ConvertError(f"--device {device!r}: not a device (auto, cpu, cuda or cuda:N)") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise FP8ConvertError(f"--device {device!r}: only cpu and cuda are supported")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FP8ConvertError(f"--device {device}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise FP8ConvertError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def budget_for(dev: torch.device, max_resident: int | str | None) -> int:
+    return parse_size(max_resident, "--max-resident") if max_resident else DEFAULT_MAX_RESIDENT[dev.type]
+
+
+def open_source(src: str | Path, revision: str | None = None, token: str | None = None) -> Source:
+    from .hub import download_source, looks_like_repo_id
+    text = str(src)
+    if Path(text).exists():
+        if revision:
+            raise FP8ConvertError(f"--revision applies to Hub repo ids, but {text} is a local directory")
+        return open_local(Path(text))
+    if looks_like_repo_id(text):
+        return open_local(download_source(text, revision=revision, token=token), label=text)
+    raise FP8ConvertError(f"{text}: no such directory, and not a Hub repo id (owner/name)")
+
+
+def plan(src: str | Path, *, scheme: str = "tensor", format: str = "compressed-tensors", ignore=(),
+         max_shard_size: int | str = "5GB", revision: str | None = None, token: str | None = None) -> Plan:
+    """Plan a conversion from headers and config alone; reads no tensor data."""
+    options = Options(scheme, format, tuple(ignore), max_shard_size)
+    return build_plan(open_source(src, revision, token), options)
+
+
+def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format: str = "compressed-tensors",
+             ignore=(), device: str = "auto", max_shard_size: int | str = "5GB",
+             max_resident: int | str | None = None, overwrite: bool = False, revision: str | None = None,
+             token: str | None = None, progress: bool = False, read_threads: int = 8) -> Report:
+    """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`."""
+    started = time.monotonic()
+    options = Options(scheme, format, tuple(ignore), max_shard_size)  # bad options fail before any I/O
+    dev = resolve_device(device)
+    budget = budget_for(dev, max_resident)
+    the_plan = build_plan(open_source(src, revision, token), options)
+    out_dir = Path(out)
+    done, complete = prepare_output(the_plan, out_dir, overwrite)
+    report = Report(str(out_dir), the_plan.source.label, scheme, format, str(dev), len(the_plan.shards), len(done),
+                    sum(t.quantize for t in the_plan.tensors), sum(not t.quantize for t in the_plan.tensors),
+                    the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None, the_plan.ignore_list,
+                    list(the_plan.notes), complete)
+    if complete:
+        report.seconds = time.monotonic() - started
+        return report
+    check_free_space(the_plan, out_dir, done)
+
+    units = [u for u in the_plan.units if any(the_plan.shard_of[t.name] not in done for t in u.tensors)]
+    batches = make_batches(units, budget)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}", enabled=progress)
+    reader = BatchReader(the_plan.source.root, dev, threads=read_threads)
+    writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done,
+                         on_shard_done=lambda i: record_shard_done(out_dir, the_plan, i))
+    try:
+        run(the_plan, batches, reader, writer, dev, bar)
+    finally:
+        reader.close()
+        writer.close()
+        bar.close()
+    finalize(the_plan, out_dir)
+    if dev.type == "cuda":
+        report.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def check_free_space(the_plan: Plan, out_dir: Path, done: set[int]) -> None:
+    needed = sum(s.size for s in the_plan.shards if s.index not in done)
+    free = shutil.disk_usage(out_dir).free
+    if free < needed:
+        raise FP8ConvertError(f"{out_dir}: needs {needed / 1e9:.2f} GB free for the output, only "
+                              f"{free / 1e9:.2f} GB available")

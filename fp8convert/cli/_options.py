@@ -1,0 +1,19 @@
+"""Option aliases shared by the commands, defined once so every command spells them the same way."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Scheme = Annotated[str, typer.Option("--scheme", help="Scale granularity: tensor, channel (per output row) or block (128x128).")]
+Format = Annotated[str, typer.Option("--format", help="Output format: compressed-tensors or fp8 (vLLM/DeepSeek native).")]
+Ignore = Annotated[Optional[list[str]], typer.Option(
+    "--ignore", help="Keep matching modules in high precision, on top of the defaults: exact module name, "
+                     "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+MaxShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest output shard, e.g. 5GB, 500MB.")]
+MaxResident = Annotated[Optional[str], typer.Option(
+    "--max-resident", help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
+                           "1GiB on CPU); larger layers are split, never inside a fused group.")]
+Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of SRC.")]
+Json = Annotated[bool, typer.Option("--json", help="Print a JSON document instead of text.")]

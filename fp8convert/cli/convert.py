@@ -1,0 +1,117 @@
+"""quantize, inspect and demo."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import api
+from ..summary import describe, render
+from ._options import Device, Format, Ignore, Json, MaxResident, MaxShardSize, Revision, Scheme
+
+Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
+Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
+                                     show_default=False)]
+
+
+def token() -> str | None:
+    return os.environ.get("HF_TOKEN") or None  # else huggingface_hub uses the saved login
+
+
+def quantize(
+    src: Src, out: Out, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
+    device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace whatever OUT holds.")] = False,
+    revision: Revision = None, json_out: Json = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+):
+    """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
+
+    Examples:
+
+      fp8convert quantize Qwen/Qwen3-8B ./Qwen3-8B-FP8
+
+      fp8convert quantize ./llama --scheme channel --ignore 're:.*down_proj' ./llama-fp8
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
+    """
+    the_plan = api.plan(src, scheme=scheme, format=format, ignore=ignore or (), max_shard_size=max_shard_size,
+                        revision=revision, token=token())
+    info = describe(the_plan, 1 << 62, "cpu")
+    if not quiet:
+        for line in info["warnings"] + info["notes"]:
+            print(f"warning: {line}", file=sys.stderr)
+    report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
+                          max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
+                          revision=revision, token=token(), progress=not quiet)
+    if json_out:
+        print(json.dumps(asdict(report), indent=2))
+    elif report.already_complete:
+        print(f"{out}: already complete (same plan); nothing to do")
+    else:
+        resumed = f", {report.shards_resumed} resumed" if report.shards_resumed else ""
+        print(f"wrote {out}: {report.shards} shard(s){resumed}, {report.tensors_quantized} tensors quantized, "
+              f"{report.tensors_kept} kept, {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
+              f"in {report.seconds:.1f}s on {report.device}")
+
+
+def inspect(
+    src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
+    device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
+    revision: Revision = None, json_out: Json = False,
+    tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and what becomes of it.")] = False,
+):
+    """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
+    groups, output size, shard count, and estimated peak memory.
+
+    Examples:
+
+      fp8convert inspect meta-llama/Llama-3.1-8B-Instruct
+
+      fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
+    """
+    the_plan = api.plan(src, scheme=scheme, format=format, ignore=ignore or (), max_shard_size=max_shard_size,
+                        revision=revision, token=token())
+    dev = api.resolve_device(device)
+    budget = api.budget_for(dev, max_resident)
+    info = describe(the_plan, budget, dev.type)
+    if tensors:
+        info["tensor_plan"] = [{"name": t.name, "shape": list(t.source.shape), "dtype": t.source.dtype,
+                                "quantize": t.quantize, "reason": t.reason, "group": t.group}
+                               for t in the_plan.tensors]
+    if json_out:
+        print(json.dumps(info, indent=2))
+        return
+    print(render(info))
+    if tensors:
+        for t in info["tensor_plan"]:
+            what = "fp8" if t["quantize"] else f"keep ({t['reason']})"
+            print(f"  {t['name']:<70} {str(t['shape']):<16} {what}")
+
+
+def demo(
+    directory: Annotated[Path, typer.Argument(help="Where to put the demo model and its FP8 conversion.")] = Path("fp8convert-demo"),
+    scheme: Scheme = "tensor", format: Format = "compressed-tensors", device: Device = "auto",
+):
+    """Build a small random Llama-shaped BF16 model (embedded, no download) in DIRECTORY/source and
+    convert it to DIRECTORY/fp8.
+
+    Example:
+
+      fp8convert demo /tmp/fp8demo
+    """
+    from ..demo import make_demo_model
+    src = make_demo_model(directory / "source")
+    print(f"built demo model {src}")
+    quantize(str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(quantize)
+    app.command()(inspect)
+    app.command()(demo)

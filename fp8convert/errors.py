@@ -1,0 +1,14 @@
+"""The one exception every bad input becomes: a single line that names the file or tensor."""
+
+
+class FP8ConvertError(Exception):
+    """A user-facing failure. `str(err)` is one line; the CLI prints it and exits non-zero."""
+
+    exit_code = 1
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class PlanMismatchError(FP8ConvertError):
+    """The output directory holds work from a different plan (or different files)."""

@@ -1,0 +1,143 @@
+"""The output directory: refusing to clobber, the manifest that makes runs resumable, and finalize.
+
+An output is complete when config.json and the index exist (written last, after every shard was
+fsynced and renamed). Until then `.fp8convert/manifest.json` records the plan's fingerprint and the
+finished shards, so rerunning the same command continues where the last run stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .errors import FP8ConvertError, PlanMismatchError
+from .plan import Plan
+from .source import INDEX_NAME
+from .writer import fsync_dir
+
+WORK_DIR = ".fp8convert"
+MANIFEST = "manifest.json"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+class Manifest:
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / WORK_DIR / MANIFEST
+
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise FP8ConvertError(f"{self.path}: unreadable ({e}); remove it or pass --overwrite") from e
+
+    def write(self, data: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, json_bytes(data))
+
+
+def is_inside(child: Path, parent: Path) -> bool:
+    child, parent = child.resolve(), parent.resolve()
+    return child == parent or parent in child.parents
+
+
+def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int], bool]:
+    """Make OUT ready. Returns (indices of shards finished by an earlier run of this plan, complete?)."""
+    out_dir = Path(out_dir)
+    src = plan.source.root
+    if is_inside(out_dir, src):
+        raise FP8ConvertError(f"{out_dir}: the output must not be the source directory or inside it")
+    if is_inside(src, out_dir):
+        raise FP8ConvertError(f"{out_dir}: the output must not contain the source directory {src}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
+    manifest = Manifest(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        state = manifest.read()
+        if overwrite:
+            clear_directory(out_dir)
+        elif state is None:
+            raise FP8ConvertError(f"{out_dir}: already holds files that fp8convert did not write; "
+                                  "choose an empty directory or pass --overwrite")
+        elif state.get("fingerprint") != plan.fingerprint:
+            raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan (another source, "
+                                    "options or version); pass --overwrite to replace it")
+        else:
+            done = set()
+            for name, size in state.get("shards_done", {}).items():
+                index = next((s.index for s in plan.shards if s.name == name), None)
+                path = out_dir / name
+                if index is not None and path.is_file() and path.stat().st_size == size == plan.shards[index].size:
+                    done.add(index)
+            return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
+                and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / WORK_DIR).mkdir(exist_ok=True)
+    except OSError as e:
+        raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
+    if not os.access(out_dir, os.W_OK):
+        raise FP8ConvertError(f"{out_dir}: not writable")
+    manifest.write(new_manifest(plan))
+    return set(), False
+
+
+def new_manifest(plan: Plan) -> dict:
+    return {"tool": "fp8convert", "fingerprint": plan.fingerprint, "source": plan.source.label,
+            "scheme": plan.options.scheme, "format": plan.options.format,
+            "shards": len(plan.shards), "shards_done": {}, "complete": False}
+
+
+def clear_directory(out_dir: Path) -> None:
+    for entry in out_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def record_shard_done(out_dir: Path, plan: Plan, index: int) -> None:
+    manifest = Manifest(out_dir)
+    state = manifest.read() or new_manifest(plan)
+    shard = plan.shards[index]
+    state["shards_done"][shard.name] = shard.size
+    manifest.write(state)
+
+
+def finalize(plan: Plan, out_dir: Path, extra: dict | None = None) -> None:
+    """Copy side files, then write the index and config.json last: their presence means complete."""
+    out_dir = Path(out_dir)
+    for name in plan.shards:
+        path = out_dir / name.name
+        if not path.is_file() or path.stat().st_size != name.size:
+            raise FP8ConvertError(f"{path}: missing or incomplete; rerun the conversion to finish it")
+    for name in plan.source.copy_files:
+        shutil.copyfile(plan.source.root / name, out_dir / name)
+    weight_map = {}
+    for shard in plan.shards:
+        weight_map.update({t: shard.name for t in shard.tensors})
+    index = {"metadata": {"total_size": sum(t.nbytes for s in plan.shards for t in s.tensors.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(out_dir / INDEX_NAME, json_bytes(index))
+    config = dict(plan.source.config)
+    config["quantization_config"] = plan.quantization_config()
+    write_atomic(out_dir / "config.json", json_bytes(config))
+    state = Manifest(out_dir).read() or new_manifest(plan)
+    state["complete"] = True
+    state.update(extra or {})
+    Manifest(out_dir).write(state)
+    fsync_dir(out_dir)

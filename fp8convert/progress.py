@@ -1,0 +1,53 @@
+"""Progress: a rich bar (bytes, throughput, ETA) on a terminal; plain timestamped lines otherwise."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, interval_s: float = 10.0):
+        self.total, self.label, self.enabled = total_bytes, label, enabled
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self.start = time.monotonic()
+        self.last_log = self.start
+        self.interval = interval_s
+        self.bar = None
+        if enabled and self.stream.isatty():
+            from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+            from rich.console import Console
+            self.bar = RichProgress("[bold]{task.description}", BarColumn(), DownloadColumn(),
+                                    TransferSpeedColumn(), TimeRemainingColumn(),
+                                    console=Console(file=self.stream), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total_bytes)
+
+    def advance(self, nbytes: int, what: str = "") -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done, description=f"{self.label} {what}".strip())
+        elif self.enabled:
+            now = time.monotonic()
+            if now - self.last_log >= self.interval or self.done >= self.total:
+                self.last_log = now
+                self.log(self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        return (f"{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB ({pct:.0f}%) "
+                f"{rate / 1e9:.2f} GB/s, eta {eta:.0f}s")
+
+    def log(self, message: str) -> None:
+        if self.enabled and self.bar is None:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            print(f"{stamp} {message}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

@@ -1,0 +1,130 @@
+"""safetensors file format helpers: parse and build headers. No tensor math, no torch import needed.
+
+A safetensors file is: 8-byte little-endian header length N, N bytes of JSON, then the data buffer.
+The JSON maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (relative to the
+buffer) plus an optional "__metadata__" of strings. Offsets must tile the buffer with no holes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from .errors import FP8ConvertError
+
+# safetensors dtype name -> bytes per element
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+FLOAT_SOURCE_DTYPES = ("BF16", "F16", "F32")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in a source file. `offset` is absolute (header included)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # file name relative to the checkpoint directory
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors header. Returns (tensors by name, metadata)."""
+    label = file_name or os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise FP8ConvertError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise FP8ConvertError(f"{label}: corrupt safetensors header (claims {header_len} bytes, file has {size})")
+            raw = f.read(header_len)
+    except OSError as e:
+        raise FP8ConvertError(f"{label}: cannot read ({e.strerror})") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FP8ConvertError(f"{label}: corrupt safetensors header (not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise FP8ConvertError(f"{label}: corrupt safetensors header (not a JSON object)")
+    return parse_header(header, label, data_start=8 + header_len, file_size=size)
+
+
+def parse_header(header: dict, label: str, data_start: int, file_size: int | None
+                 ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the buffer."""
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise FP8ConvertError(f"{label}: corrupt header entry for tensor {name}") from e
+        if dtype not in DTYPE_SIZES:
+            raise FP8ConvertError(f"{label}: tensor {name} has unsupported dtype {dtype}")
+        if any(d < 0 for d in shape) or not (isinstance(begin, int) and isinstance(end, int)) or end < begin:
+            raise FP8ConvertError(f"{label}: tensor {name} has invalid shape or offsets")
+        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise FP8ConvertError(f"{label}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
+                                  f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}")
+        tensors[name] = TensorInfo(name, dtype, shape, label, data_start + begin, end - begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    cursor = 0
+    for begin, end, name in spans:
+        if begin != cursor:
+            raise FP8ConvertError(f"{label}: tensor {name} overlaps another or leaves a gap in the data")
+        cursor = end
+    if file_size is not None and data_start + cursor != file_size:
+        what = "truncated" if data_start + cursor > file_size else "has trailing bytes"
+        raise FP8ConvertError(f"{label}: file is {what} (header describes {data_start + cursor} bytes, "
+                              f"file has {file_size})")
+    return tensors, metadata
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of an output shard, as the plan lays it out. `offset` is relative to the data buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def layout_shard(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, dict[str, OutputTensor]]:
+    """Lay out a shard: wider dtypes first so every tensor is aligned to its element size.
+
+    `entries` are (name, dtype, shape) in plan order. Returns the complete header bytes (length prefix
+    included, JSON padded with spaces to a multiple of 8) and each tensor's place in the data buffer.
+    """
+    order = sorted(range(len(entries)), key=lambda i: -DTYPE_SIZES[entries[i][1]])  # stable: plan order kept
+    placed: dict[str, OutputTensor] = {}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    cursor = 0
+    for i in order:
+        name, dtype, shape = entries[i]
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        placed[name] = OutputTensor(name, dtype, tuple(shape), cursor, nbytes)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        cursor += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, placed

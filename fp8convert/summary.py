@@ -1,0 +1,131 @@
+"""What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+from .options import BLOCK
+from .pipeline import make_batches
+from .plan import Plan
+
+CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
+PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
+EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int = 8,
+                    chunk_bytes: int = 32 << 20) -> dict:
+    """Peak bytes: the device holds one batch's input and outputs plus float32 temporaries of the
+    largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
+    batches = make_batches(plan.units, budget)
+    largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
+    largest_tensor = max((t.source.numel for t in plan.tensors if t.quantize), default=0)
+    device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
+    if device_type == "cuda":
+        host = CUDA_CONTEXT_HOST_BYTES + (read_threads + 1) * chunk_bytes
+    else:
+        host = PYTHON_HOST_BYTES + device
+    return {"batches": len(batches), "largest_batch_bytes": largest_batch, "device_bytes": device,
+            "host_bytes": host}
+
+
+def compatibility_warnings(plan: Plan) -> list[str]:
+    """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
+    scheme, fmt = plan.options.scheme, plan.options.format
+    quantized = [t for t in plan.tensors if t.quantize]
+    has_experts = any(EXPERT.search(t.name) for t in quantized)
+    warnings = []
+    if fmt == "fp8" and scheme == "tensor":
+        warnings.append("transformers cannot load fp8-format per-tensor checkpoints (vLLM and SGLang can); "
+                        "use --format compressed-tensors to load it in transformers")
+    if fmt == "compressed-tensors" and scheme == "block" and has_experts:
+        warnings.append("transformers cannot load compressed-tensors block scales for MoE experts (vLLM can); "
+                        "use --format fp8 --scheme block, or --scheme channel, to load it in transformers")
+    if scheme == "block":
+        odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
+        if odd:
+            what = ("transformers infers the block size from the scale grid and dequantizes these wrongly"
+                    if fmt == "fp8" else "transformers cannot load these (needs both dims divisible by 128)")
+            warnings.append(f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}")
+        sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
+                        re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
+        for size in sizes:
+            ok = [tp for tp in (1, 2, 4, 8) if size % tp == 0 and (size // tp) % BLOCK == 0]
+            bad = [tp for tp in (2, 4, 8) if tp not in ok]
+            if bad:
+                warnings.append(f"block MoE in vLLM needs the expert intermediate size per tensor-parallel rank "
+                                f"divisible by {BLOCK}: {size} works at TP {ok or 'none'}, fails at TP {bad}")
+    return warnings
+
+
+def describe(plan: Plan, budget: int, device_type: str) -> dict:
+    tensors = plan.tensors
+    kept_reasons = Counter()
+    kept_bytes = Counter()
+    for t in tensors:
+        if not t.quantize:
+            reason = t.reason.split(" [")[0] if t.reason else "?"
+            reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
+            kept_reasons[reason] += 1
+            kept_bytes[reason] += t.source.nbytes
+    groups = Counter()
+    for key in {t.group for t in tensors if t.group and t.quantize}:
+        groups[key.rsplit(".", 1)[-1]] += 1
+    return {
+        "source": plan.source.label,
+        "scheme": plan.options.scheme,
+        "format": plan.options.format,
+        "fingerprint": plan.fingerprint,
+        "tensors": len(tensors),
+        "units": len(plan.units),
+        "quantized": {"tensors": sum(t.quantize for t in tensors),
+                      "bytes_in": sum(t.source.nbytes for t in tensors if t.quantize),
+                      "bytes_out": sum(t.out_bytes for t in tensors if t.quantize)},
+        "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
+        "fused_groups": dict(groups),
+        "scale_sharing": plan.options.scheme == "tensor",
+        "bytes_in": plan.source.total_bytes,
+        "bytes_out": plan.out_bytes,
+        "shards": len(plan.shards),
+        "ignore": plan.ignore_list,
+        "memory": memory_estimate(plan, budget, device_type),
+        "warnings": compatibility_warnings(plan),
+        "notes": plan.notes,
+    }
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def render(info: dict) -> str:
+    q = info["quantized"]
+    lines = [
+        f"source      {info['source']}",
+        f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
+        f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
+        f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales",
+    ]
+    for reason, k in info["kept"].items():
+        lines.append(f"kept        {k['tensors']:>5} tensors {human(k['bytes']):>10}  {reason}")
+    if info["fused_groups"]:
+        share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
+        groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
+        lines.append(f"fused       {groups} ({share})")
+    mem = info["memory"]
+    lines += [
+        f"output      {human(info['bytes_out'])} in {info['shards']} shard(s) (input {human(info['bytes_in'])}, "
+        f"{info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
+        f"memory      peak device ~{human(mem['device_bytes'])}, peak host ~{human(mem['host_bytes'])} "
+        f"({mem['batches']} batches, largest {human(mem['largest_batch_bytes'])})",
+        f"ignore list {len(info['ignore'])} modules: {', '.join(info['ignore'][:6])}"
+        + (" ..." if len(info["ignore"]) > 6 else ""),
+    ]
+    lines += [f"warning     {w}" for w in info["warnings"]]
+    lines += [f"note        {n}" for n in info["notes"]]
+    return "\n".join(lines)

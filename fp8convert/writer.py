@@ -1,0 +1,116 @@
+"""Write stage: stream tensors into shards whose headers the plan already fixed.
+
+Each shard is a hidden partial file, preallocated to its final size with the header written first;
+tensors land at their planned offsets as they arrive (in any order). When the last tensor of a shard
+arrives it is fsynced and renamed into place, and the manifest records it, so a rerun skips it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import FP8ConvertError
+from .plan import Plan
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], on_shard_done,
+                 chunk_bytes: int = 32 << 20):
+        self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
+        self.on_shard_done = on_shard_done
+        self.remaining = {s.index: set(s.tensors) for s in plan.shards if s.index not in skip_shards}
+        self.fds: dict[int, int] = {}
+        self.chunk = chunk_bytes
+        self.staging: torch.Tensor | None = None
+        self.stream = None
+        self.bytes_written = 0
+
+    def partial_path(self, index: int) -> Path:
+        return self.work_dir / (self.plan.shards[index].name + ".partial")
+
+    def _fd(self, index: int) -> int:
+        if index not in self.fds:
+            shard = self.plan.shards[index]
+            path = self.partial_path(index)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                pwrite_all(fd, memoryview(shard.header), 0)
+                os.ftruncate(fd, shard.size)
+            except OSError as e:
+                raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
+            self.fds[index] = fd
+        return self.fds[index]
+
+    def write(self, name: str, data: torch.Tensor) -> None:
+        """Write one output tensor (any device; raw bytes taken in memory order)."""
+        index = self.plan.shard_of[name]
+        if index not in self.remaining:
+            return  # finished in an earlier run
+        shard = self.plan.shards[index]
+        placed = shard.tensors[name]
+        raw = data.contiguous().view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
+        if raw.numel() != placed.nbytes:
+            raise AssertionError(f"{name}: {raw.numel()} bytes, plan says {placed.nbytes}")
+        fd = self._fd(index)
+        offset = len(shard.header) + placed.offset
+        try:
+            if raw.device.type == "cpu":
+                pwrite_all(fd, memoryview(raw.numpy()), offset)
+            else:
+                self._write_from_device(fd, raw, offset)
+        except OSError as e:
+            raise FP8ConvertError(f"{self.partial_path(index)}: write failed ({e.strerror}); "
+                                  "rerun the same command to resume once the problem is fixed") from e
+        self.bytes_written += placed.nbytes
+        self.remaining[index].discard(name)
+        if not self.remaining[index]:
+            self._finish(index)
+
+    def _write_from_device(self, fd: int, raw: torch.Tensor, offset: int) -> None:
+        if self.staging is None:  # pinned: device->host copies at full speed, one bounded chunk
+            self.staging = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True)
+            self.stream = torch.cuda.Stream(raw.device)
+        for start in range(0, raw.numel(), self.chunk):
+            n = min(self.chunk, raw.numel() - start)
+            with torch.cuda.stream(self.stream):
+                self.staging[:n].copy_(raw[start:start + n], non_blocking=True)
+            self.stream.synchronize()
+            pwrite_all(fd, memoryview(self.staging[:n].numpy()), offset + start)
+
+    def _finish(self, index: int) -> None:
+        fd = self.fds.pop(index)
+        final = self.out_dir / self.plan.shards[index].name
+        try:
+            os.fsync(fd)
+            os.close(fd)
+            os.replace(self.partial_path(index), final)
+            fsync_dir(self.out_dir)
+        except OSError as e:
+            raise FP8ConvertError(f"{final}: cannot finish shard ({e.strerror})") from e
+        del self.remaining[index]
+        self.on_shard_done(index)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    @property
+    def done(self) -> bool:
+        return not self.remaining
