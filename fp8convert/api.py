@@ -10,7 +10,7 @@ import torch
 
 from .errors import FP8ConvertError
 from .options import Options, parse_size
-from .output import finalize, prepare_output, record_shard_done, WORK_DIR
+from .output import WORK_DIR, finalize, prepare_output
 from .pipeline import make_batches, run
 from .plan import Plan, build_plan
 from .progress import Progress
@@ -112,8 +112,7 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
         torch.cuda.reset_peak_memory_stats(dev)
     bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}", enabled=progress)
     reader = BatchReader(the_plan.source.root, dev, threads=read_threads)
-    writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done,
-                         on_shard_done=lambda i: record_shard_done(out_dir, the_plan, i))
+    writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done)
     try:
         run(the_plan, batches, reader, writer, dev, bar)
     finally:

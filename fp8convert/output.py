@@ -1,8 +1,9 @@
 """The output directory: refusing to clobber, the manifest that makes runs resumable, and finalize.
 
 An output is complete when config.json and the index exist (written last, after every shard was
-fsynced and renamed). Until then `.fp8convert/manifest.json` records the plan's fingerprint and the
-finished shards, so rerunning the same command continues where the last run stopped.
+fsynced and renamed). `.fp8convert/manifest.json` records the plan's fingerprint. A shard only ever
+gets its final name by an atomic rename after fsync, so a final-named shard of the planned size is
+finished: rerunning the same command (or another worker) skips it and continues with the rest.
 """
 from __future__ import annotations
 
@@ -77,12 +78,7 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
             raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan (another source, "
                                     "options or version); pass --overwrite to replace it")
         else:
-            done = set()
-            for name, size in state.get("shards_done", {}).items():
-                index = next((s.index for s in plan.shards if s.name == name), None)
-                path = out_dir / name
-                if index is not None and path.is_file() and path.stat().st_size == size == plan.shards[index].size:
-                    done.add(index)
+            done = finished_shards(plan, out_dir)
             return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
                 and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
     try:
@@ -96,10 +92,19 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
     return set(), False
 
 
+def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
+    done = set()
+    for shard in plan.shards:
+        path = Path(out_dir) / shard.name
+        if path.is_file() and path.stat().st_size == shard.size:
+            done.add(shard.index)
+    return done
+
+
 def new_manifest(plan: Plan) -> dict:
     return {"tool": "fp8convert", "fingerprint": plan.fingerprint, "source": plan.source.label,
             "scheme": plan.options.scheme, "format": plan.options.format,
-            "shards": len(plan.shards), "shards_done": {}, "complete": False}
+            "shards": len(plan.shards), "complete": False}
 
 
 def clear_directory(out_dir: Path) -> None:
@@ -110,21 +115,13 @@ def clear_directory(out_dir: Path) -> None:
             entry.unlink()
 
 
-def record_shard_done(out_dir: Path, plan: Plan, index: int) -> None:
-    manifest = Manifest(out_dir)
-    state = manifest.read() or new_manifest(plan)
-    shard = plan.shards[index]
-    state["shards_done"][shard.name] = shard.size
-    manifest.write(state)
-
-
 def finalize(plan: Plan, out_dir: Path, extra: dict | None = None) -> None:
     """Copy side files, then write the index and config.json last: their presence means complete."""
     out_dir = Path(out_dir)
-    for name in plan.shards:
-        path = out_dir / name.name
-        if not path.is_file() or path.stat().st_size != name.size:
-            raise FP8ConvertError(f"{path}: missing or incomplete; rerun the conversion to finish it")
+    missing = [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]
+    if missing:
+        raise FP8ConvertError(f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
+                              f"{len(plan.shards)} shards); rerun the conversion to finish it")
     for name in plan.source.copy_files:
         shutil.copyfile(plan.source.root / name, out_dir / name)
     weight_map = {}

@@ -2,7 +2,7 @@
 
 Each shard is a hidden partial file, preallocated to its final size with the header written first;
 tensors land at their planned offsets as they arrive (in any order). When the last tensor of a shard
-arrives it is fsynced and renamed into place, and the manifest records it, so a rerun skips it.
+arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
 """
 from __future__ import annotations
 
@@ -30,10 +30,8 @@ def fsync_dir(path: Path) -> None:
 
 
 class ShardWriter:
-    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], on_shard_done,
-                 chunk_bytes: int = 32 << 20):
+    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
-        self.on_shard_done = on_shard_done
         self.remaining = {s.index: set(s.tensors) for s in plan.shards if s.index not in skip_shards}
         self.fds: dict[int, int] = {}
         self.chunk = chunk_bytes
@@ -104,7 +102,6 @@ class ShardWriter:
         except OSError as e:
             raise FP8ConvertError(f"{final}: cannot finish shard ({e.strerror})") from e
         del self.remaining[index]
-        self.on_shard_done(index)
 
     def close(self) -> None:
         for fd in self.fds.values():
