@@ -23,17 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     except FP8ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130
     except typer.Exit as e:
         return e.exit_code
-    except Exception as e:  # click usage errors and the like
-        import click
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            return e.exit_code
-        if isinstance(e, click.exceptions.Abort):
-            return 130
-        raise
+    except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
+        e.show()
+        return getattr(e, "exit_code", 2)
     return 0
