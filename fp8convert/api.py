@@ -41,6 +41,7 @@ class Report:
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     already_complete: bool = False
+    stage_seconds: dict = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -114,7 +115,7 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
     reader = BatchReader(the_plan.source.root, dev, threads=read_threads)
     writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done)
     try:
-        run(the_plan, batches, reader, writer, dev, bar)
+        report.stage_seconds = run(the_plan, batches, reader, writer, dev, bar).as_dict()
     finally:
         reader.close()
         writer.close()

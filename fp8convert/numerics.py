@@ -27,7 +27,9 @@ def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """scale = amax / 448 in float32. An all-zero tensor (or block/row) gets scale 1.0: finite and
     positive, so consumers can divide or multiply by it, and every code is 0 anyway."""
-    scale = amax.float() / FP8_MAX
+    # Divide by a tensor, not a Python number: CUDA turns division by a scalar into multiplication by
+    # its reciprocal, which rounds differently from the CPU's true division.
+    scale = amax.float() / torch.full_like(amax, FP8_MAX, dtype=torch.float32)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -85,13 +86,26 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
     return outputs
 
 
+@dataclass
+class StageSeconds:
+    """Where the main thread's time went: waiting for reads, quantizing, waiting for writes."""
+
+    wait_read: float = 0.0
+    quantize: float = 0.0
+    wait_write: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 3) for k, v in vars(self).items()}
+
+
 class _Failed:
     def __init__(self, error: BaseException):
         self.error = error
 
 
 def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter, device: torch.device,
-        progress) -> None:
+        progress) -> StageSeconds:
+    seconds = StageSeconds()
     scheme = plan.options.scheme
     to_main: queue.Queue = queue.Queue(maxsize=1)
     to_writer: queue.Queue = queue.Queue(maxsize=1)
@@ -143,24 +157,34 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
         th.start()
     try:
         while True:
+            t0 = time.monotonic()
             item = to_main.get()
+            seconds.wait_read += time.monotonic() - t0
             if item is None:
                 break
             if isinstance(item, _Failed):
                 raise item.error
             batch, buf, offsets = item
+            del item  # the buffer must be freed as soon as the batch is quantized
+            t0 = time.monotonic()
             write_slot.acquire()
+            t1 = time.monotonic()
             if writer_error:
                 raise writer_error[0]
             outputs = quantize_batch(batch, buf, offsets, scheme)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # outputs ready before another stream reads them
+            seconds.wait_write += t1 - t0
+            seconds.quantize += time.monotonic() - t1
             del buf
             read_slot.release()
             to_writer.put((batch, outputs))
+        t0 = time.monotonic()
         write_slot.acquire()  # the last batch is written
+        seconds.wait_write += time.monotonic() - t0
         if writer_error:
             raise writer_error[0]
+        return seconds
     finally:
         stop.set()
         to_writer.put(None)  # the writer finishes what it holds, then stops

@@ -7,18 +7,25 @@ arrives it is fsynced and renamed into place; a rerun skips shards that already 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from .errors import FP8ConvertError
 from .plan import Plan
+from .writeback import start_writeback
+
+# Test-only: seconds to sleep before writing each tensor, so tests can kill or interrupt a run of a
+# tiny model at a chosen moment (tests/test_resume.py). Unset in normal use; never set it in production.
+TEST_DELAY_ENV = "FP8CONVERT_TEST_DELAY"
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
+    start_writeback(fd, offset, len(data))
 
 
 def fsync_dir(path: Path) -> None:
@@ -38,6 +45,7 @@ class ShardWriter:
         self.staging: torch.Tensor | None = None
         self.stream = None
         self.bytes_written = 0
+        self.test_delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
 
     def partial_path(self, index: int) -> Path:
         return self.work_dir / (self.plan.shards[index].name + ".partial")
@@ -65,6 +73,8 @@ class ShardWriter:
         raw = data.contiguous().view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
         if raw.numel() != placed.nbytes:
             raise AssertionError(f"{name}: {raw.numel()} bytes, plan says {placed.nbytes}")
+        if self.test_delay:
+            time.sleep(self.test_delay)
         fd = self._fd(index)
         offset = len(shard.header) + placed.offset
         try:

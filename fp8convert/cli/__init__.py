@@ -17,18 +17,25 @@ app = typer.Typer(name="fp8convert", no_args_is_help=True, add_completion=False,
 convert.register(app)
 
 
+INTERRUPTED = "interrupted: rerun the same command to resume"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        app(args=argv, standalone_mode=False)
+        # With standalone_mode=False typer returns exit codes instead of raising them; in particular
+        # it turns Ctrl-C inside a command into a returned 130.
+        rc = app(args=argv, standalone_mode=False)
     except FP8ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except (KeyboardInterrupt, typer.Abort):
-        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     except typer.Exit as e:
         return e.exit_code
     except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
         e.show()
         return getattr(e, "exit_code", 2)
-    return 0
+    if rc == 130:
+        print(INTERRUPTED, file=sys.stderr)
+    return rc if isinstance(rc, int) else 0
