@@ -1,24 +1,30 @@
-"""The Python API. The CLI is a thin layer over these functions; tests and other tools call them too."""
+"""The Python API. The CLI is a thin layer over these functions; tests and other tools call them too.
+
+torch is imported only once the plan is made and the prefetcher is reading: importing it takes
+seconds, which the disk spends better reading the checkpoint.
+"""
 from __future__ import annotations
 
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from .errors import FP8ConvertError
 from .options import Options, parse_size
 from .output import WORK_DIR, finalize, prepare_output
-from .pipeline import make_batches, run
-from .plan import Plan, build_plan
+from .plan import Plan, build_plan, make_batches
+from .prefetch import Prefetcher
 from .progress import Progress
-from .reader import BatchReader
 from .source import Source, open_local
-from .writer import ShardWriter
+from .summary import compatibility_warnings
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}
+DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
 
 
 @dataclass
@@ -40,11 +46,13 @@ class Report:
     peak_device_bytes: int | None
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     already_complete: bool = False
     stage_seconds: dict = field(default_factory=dict)
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> "torch.device":
+    import torch
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -63,7 +71,7 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def budget_for(dev: torch.device, max_resident: int | str | None) -> int:
+def budget_for(dev: "torch.device", max_resident: int | str | None) -> int:
     return parse_size(max_resident, "--max-resident") if max_resident else DEFAULT_MAX_RESIDENT[dev.type]
 
 
@@ -89,42 +97,66 @@ def plan(src: str | Path, *, scheme: str = "tensor", format: str = "compressed-t
 def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format: str = "compressed-tensors",
              ignore=(), device: str = "auto", max_shard_size: int | str = "5GB",
              max_resident: int | str | None = None, overwrite: bool = False, revision: str | None = None,
-             token: str | None = None, progress: bool = False, read_threads: int = 8) -> Report:
-    """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`."""
+             token: str | None = None, progress: bool = False, read_threads: int = 8,
+             prefetch: int | str = DEFAULT_PREFETCH, on_plan: Callable[[Plan], None] | None = None) -> Report:
+    """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`.
+
+    `on_plan` is called with the plan before any data is read (the CLI prints its warnings there)."""
     started = time.monotonic()
     options = Options(scheme, format, tuple(ignore), max_shard_size)  # bad options fail before any I/O
-    dev = resolve_device(device)
-    budget = budget_for(dev, max_resident)
     the_plan = build_plan(open_source(src, revision, token), options)
+    if on_plan:
+        on_plan(the_plan)
     out_dir = Path(out)
     done, complete = prepare_output(the_plan, out_dir, overwrite)
-    report = Report(str(out_dir), the_plan.source.label, scheme, format, str(dev), len(the_plan.shards), len(done),
+    report = Report(str(out_dir), the_plan.source.label, scheme, format, device, len(the_plan.shards), len(done),
                     sum(t.quantize for t in the_plan.tensors), sum(not t.quantize for t in the_plan.tensors),
                     the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None, the_plan.ignore_list,
-                    list(the_plan.notes), complete)
+                    list(the_plan.notes), compatibility_warnings(the_plan), complete)
     if complete:
         report.seconds = time.monotonic() - started
         return report
     check_free_space(the_plan, out_dir, done)
-
     units = [u for u in the_plan.units if any(the_plan.shard_of[t.name] not in done for t in u.tensors)]
-    batches = make_batches(units, budget)
+    window = parse_size(prefetch, "--prefetch") if prefetch else 0
+    prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
+                            window).start() if window else None
+    try:
+        report.stage_seconds, report.device, report.peak_device_bytes = _run(
+            the_plan, units, out_dir, done, device, max_resident, progress, read_threads, prefetcher)
+    finally:
+        if prefetcher:
+            prefetcher.stop()
+    finalize(the_plan, out_dir)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_resident, progress: bool,
+         read_threads: int, prefetcher: Prefetcher | None) -> tuple[dict, str, int | None]:
+    """The heavy part, and the only one that needs torch."""
+    import torch
+
+    from .pipeline import run
+    from .reader import BatchReader
+    from .writer import ShardWriter
+
+    dev = resolve_device(device)
+    batches = make_batches(units, budget_for(dev, max_resident))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}", enabled=progress)
     reader = BatchReader(the_plan.source.root, dev, threads=read_threads)
     writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done)
     try:
-        report.stage_seconds = run(the_plan, batches, reader, writer, dev, bar).as_dict()
+        stages = run(the_plan, batches, reader, writer, dev, bar,
+                     on_read=prefetcher.advance if prefetcher else None)
     finally:
         reader.close()
         writer.close()
         bar.close()
-    finalize(the_plan, out_dir)
-    if dev.type == "cuda":
-        report.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
-    report.seconds = time.monotonic() - started
-    return report
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    return stages.as_dict(), str(dev), peak
 
 
 def check_free_space(the_plan: Plan, out_dir: Path, done: set[int]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from .errors import FP8ConvertError, PlanMismatchError
 from .plan import Plan
 from .source import INDEX_NAME
-from .writer import fsync_dir
+from .writeback import fsync_dir
 
 WORK_DIR = ".fp8convert"
 MANIFEST = "manifest.json"

@@ -16,46 +16,11 @@ import torch
 
 from .errors import FP8ConvertError
 from .numerics import quantize_group
-from .plan import Plan, TensorPlan, Unit
+from .plan import Batch, Plan, TensorPlan
 from .reader import BatchReader
 from .writer import ShardWriter
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-@dataclass
-class Batch:
-    unit: Unit
-    atoms: list[list[TensorPlan]]
-    label: str
-
-    @property
-    def tensors(self) -> list[TensorPlan]:
-        return [t for atom in self.atoms for t in atom]
-
-    @property
-    def in_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
-
-
-def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
-    """Split units over the memory budget between atoms (a fused group is never split)."""
-    batches = []
-    for unit in units:
-        if unit.in_bytes <= max_resident:
-            batches.append(Batch(unit, unit.atoms(), unit.label))
-            continue
-        parts: list[list[list[TensorPlan]]] = [[]]
-        used = 0
-        for atom in unit.atoms():
-            size = sum(t.source.nbytes for t in atom)
-            if used and used + size > max_resident:
-                parts.append([])
-                used = 0
-            parts[-1].append(atom)
-            used += size
-        batches += [Batch(unit, p, f"{unit.label} (part {i + 1}/{len(parts)})") for i, p in enumerate(parts)]
-    return batches
 
 
 def tensor_view(buf: torch.Tensor, offset: int, t: TensorPlan) -> torch.Tensor:
@@ -68,12 +33,16 @@ def tensor_view(buf: torch.Tensor, offset: int, t: TensorPlan) -> torch.Tensor:
 
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str
                    ) -> list[tuple[str, torch.Tensor]]:
-    """Outputs (name, tensor) for every output tensor of the batch, none of them views of `buf`."""
+    """Outputs (name, tensor) for every output tensor of the batch. Kept tensors are copied out of
+    `buf` so it can be freed at once, unless the batch keeps everything: then they are views and
+    `buf` lives until they are written, which costs no extra memory."""
+    all_kept = not any(t.quantize for t in batch.tensors)
     outputs = []
     for atom in batch.atoms:
         if not atom[0].quantize:
             t = atom[0]
-            outputs.append((t.name, buf[offsets[t.name]:offsets[t.name] + t.source.nbytes].clone()))
+            raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
+            outputs.append((t.name, raw if all_kept else raw.clone()))
             continue
         weights = [tensor_view(buf, offsets[t.name], t) for t in atom]
         try:
@@ -104,7 +73,7 @@ class _Failed:
 
 
 def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter, device: torch.device,
-        progress) -> StageSeconds:
+        progress, on_read=None) -> StageSeconds:
     seconds = StageSeconds()
     scheme = plan.options.scheme
     to_main: queue.Queue = queue.Queue(maxsize=1)
@@ -129,8 +98,12 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 while not read_slot.acquire(timeout=0.1):
                     if stop.is_set():
                         return
-                if stop.is_set() or not hand_to_main((batch, *reader.read([t.source for t in batch.tensors]))):
+                item = (batch, *reader.read([t.source for t in batch.tensors]))
+                if on_read:
+                    on_read(batch.in_bytes)
+                if stop.is_set() or not hand_to_main(item):
                     return
+                del item
             hand_to_main(None)
         except BaseException as e:  # handed to the main thread, which raises it
             hand_to_main(_Failed(e))
@@ -142,8 +115,11 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 return
             try:
                 batch, outputs = item
-                for name, tensor in outputs:
+                del item
+                while outputs:  # drop each output as soon as it is written: device memory is freed early
+                    name, tensor = outputs.pop(0)
                     writer.write(name, tensor)
+                    del tensor
                 progress.advance(batch.in_bytes, batch.label)
             except BaseException as e:
                 writer_error.append(e)

@@ -20,7 +20,6 @@ from .safetensors_io import DTYPE_SIZES, OutputTensor, TensorInfo, layout_shard
 from .source import Source
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
-OTHER_UNIT = "(non-layer tensors)"
 FP8 = "F8_E4M3"
 SCALE_DTYPE = "F32"
 
@@ -117,18 +116,54 @@ class Plan:
         return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list)
 
 
+@dataclass
+class Batch:
+    unit: Unit
+    atoms: list[list[TensorPlan]]
+    label: str
+
+    @property
+    def tensors(self) -> list[TensorPlan]:
+        return [t for atom in self.atoms for t in atom]
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(t.source.nbytes for t in self.tensors)
+
+
+def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
+    """Split units over the memory budget between atoms (a fused group is never split)."""
+    batches = []
+    for unit in units:
+        if unit.in_bytes <= max_resident:
+            batches.append(Batch(unit, unit.atoms(), unit.label))
+            continue
+        parts: list[list[list[TensorPlan]]] = [[]]
+        used = 0
+        for atom in unit.atoms():
+            size = sum(t.source.nbytes for t in atom)
+            if used and used + size > max_resident:
+                parts.append([])
+                used = 0
+            parts[-1].append(atom)
+            used += size
+        batches += [Batch(unit, p, f"{unit.label} (part {i + 1}/{len(parts)})") for i, p in enumerate(parts)]
+    return batches
+
+
 def natural_key(text: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
 def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
-    """Non-layer tensors (embeddings, final norm, head) first, then each layer in numeric order."""
+    """One unit per decoder layer; each tensor outside the layers (embeddings, final norm, head) is a
+    unit of its own, so no unit is larger than a layer or a single tensor. Natural name order."""
     by_label: dict[str, list[TensorPlan]] = {}
     for t in tensors:
         m = LAYER_PATTERN.match(t.name)
-        by_label.setdefault(m.group(1) if m else OTHER_UNIT, []).append(t)
-    labels = sorted(by_label, key=lambda lbl: (lbl != OTHER_UNIT, natural_key(lbl)))
-    return [Unit(lbl, sorted(by_label[lbl], key=lambda t: natural_key(t.name))) for lbl in labels]
+        by_label.setdefault(m.group(1) if m else t.name, []).append(t)
+    return [Unit(lbl, sorted(by_label[lbl], key=lambda t: natural_key(t.name)))
+            for lbl in sorted(by_label, key=natural_key)]
 
 
 def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int, list[TensorPlan]]]]:

@@ -6,8 +6,7 @@ import re
 from collections import Counter
 
 from .options import BLOCK
-from .pipeline import make_batches
-from .plan import Plan
+from .plan import Plan, make_batches
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly

@@ -8,6 +8,7 @@ little left to do. Linux only; elsewhere this is a no-op and fsync does all the 
 from __future__ import annotations
 
 import ctypes
+import os
 import ctypes.util
 import sys
 
@@ -28,6 +29,15 @@ def _load():
 
 
 _sync_file_range = _load()
+
+
+def fsync_dir(path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from .errors import FP8ConvertError
 from .plan import Plan
-from .writeback import start_writeback
+from .writeback import fsync_dir, start_writeback
 
 # Test-only: seconds to sleep before writing each tensor, so tests can kill or interrupt a run of a
 # tiny model at a chosen moment (tests/test_resume.py). Unset in normal use; never set it in production.
@@ -26,14 +26,6 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
     start_writeback(fd, offset, len(data))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:

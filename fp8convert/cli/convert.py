@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from .. import api
-from ..summary import describe, render
+from ..summary import compatibility_warnings, describe, render
 from ._options import Device, Format, Ignore, Json, MaxResident, MaxShardSize, Revision, Scheme
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
@@ -40,15 +40,14 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
     """
-    the_plan = api.plan(src, scheme=scheme, format=format, ignore=ignore or (), max_shard_size=max_shard_size,
-                        revision=revision, token=token())
-    info = describe(the_plan, 1 << 62, "cpu")
-    if not quiet:
-        for line in info["warnings"] + info["notes"]:
-            print(f"warning: {line}", file=sys.stderr)
+    def show_warnings(the_plan):
+        if not quiet:
+            for line in compatibility_warnings(the_plan) + the_plan.notes:
+                print(f"warning: {line}", file=sys.stderr)
+
     report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
                           max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                          revision=revision, token=token(), progress=not quiet)
+                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
     elif report.already_complete:

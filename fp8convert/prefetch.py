@@ -1,0 +1,91 @@
+"""Pull the source's bytes into the page cache ahead of the reader, in the order it will read them.
+
+Cold reads are the bottleneck, so the disk should be busy from the first second: the prefetcher
+starts before torch is even imported (that import alone takes seconds) and keeps large sequential
+reads in flight with several threads, never more than `window` bytes ahead of what the reader has
+consumed, so page-cache use stays bounded. The reader then copies from the page cache. Nothing here
+is needed for correctness: if the prefetcher falls behind, the reader simply reads from disk itself.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .safetensors_io import TensorInfo
+
+
+def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
+    """(file, start, end) byte spans in reading order, adjacent ranges of one file merged."""
+    spans: list[list] = []
+    for t in tensors:
+        if spans and spans[-1][0] == t.file and spans[-1][2] == t.offset:
+            spans[-1][2] += t.nbytes
+        else:
+            spans.append([t.file, t.offset, t.offset + t.nbytes])
+    return [tuple(s) for s in spans]
+
+
+class Prefetcher:
+    def __init__(self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8,
+                 chunk_bytes: int = 16 << 20):
+        self.root, self.window, self.chunk = Path(root), window_bytes, chunk_bytes
+        self.spans = merge_spans(tensors)
+        self.threads = threads
+        self.consumed = 0
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._dispatch, name="fp8convert-prefetch", daemon=True)
+        self.local = threading.local()
+
+    def start(self) -> "Prefetcher":
+        self.thread.start()
+        return self
+
+    def advance(self, nbytes: int) -> None:
+        """The reader consumed `nbytes` more, in the same order as the spans."""
+        with self.cond:
+            self.consumed += nbytes
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    def _dispatch(self) -> None:
+        fds: dict[str, int] = {}
+        in_flight = threading.BoundedSemaphore(self.threads * 2)
+        dispatched = 0
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-prefetch") as pool:
+                for file, start, end in self.spans:
+                    if file not in fds:
+                        fds[file] = os.open(self.root / file, os.O_RDONLY)
+                    for offset in range(start, end, self.chunk):
+                        length = min(self.chunk, end - offset)
+                        with self.cond:
+                            self.cond.wait_for(lambda: self.stopped or dispatched - self.consumed < self.window)
+                            if self.stopped:
+                                return
+                        in_flight.acquire()
+                        pool.submit(self._read, fds[file], offset, length).add_done_callback(
+                            lambda _: in_flight.release())
+                        dispatched += length
+        except OSError:
+            return  # the reader will report the problem with the file itself
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _read(self, fd: int, offset: int, length: int) -> None:
+        if self.stopped:
+            return
+        if not hasattr(self.local, "scratch"):
+            self.local.scratch = bytearray(self.chunk)
+        try:
+            os.preadv(fd, [memoryview(self.local.scratch)[:length]], offset)
+        except OSError:
+            pass
