@@ -14,46 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FP8ConvertError
-from .numerics import quantize_group
-from .plan import Batch, Plan, TensorPlan
+from .plan import Batch, Plan
+from .quantizer import quantize_batch, read_order
 from .reader import BatchReader
 from .writer import ShardWriter
-
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def tensor_view(buf: torch.Tensor, offset: int, t: TensorPlan) -> torch.Tensor:
-    info = t.source
-    raw = buf[offset:offset + info.nbytes]
-    if info.dtype in TORCH_DTYPES:
-        return raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
-    return raw  # kept as bytes
-
-
-def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """Outputs (name, tensor) for every output tensor of the batch. Kept tensors are copied out of
-    `buf` so it can be freed at once, unless the batch keeps everything: then they are views and
-    `buf` lives until they are written, which costs no extra memory."""
-    all_kept = not any(t.quantize for t in batch.tensors)
-    outputs = []
-    for atom in batch.atoms:
-        if not atom[0].quantize:
-            t = atom[0]
-            raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
-            outputs.append((t.name, raw if all_kept else raw.clone()))
-            continue
-        weights = [tensor_view(buf, offsets[t.name], t) for t in atom]
-        try:
-            codes, scales = quantize_group(weights, scheme)
-        except ValueError as e:
-            bad = atom[e.args[0]].source
-            raise FP8ConvertError(f"{bad.file}: tensor {bad.name} contains NaN or Inf; refusing to quantize it") from None
-        for t, q, s in zip(atom, codes, scales):
-            outputs += [(t.name, q), (t.scale_name, s)]
-    return outputs
-
 
 @dataclass
 class StageSeconds:
@@ -98,7 +62,7 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 while not read_slot.acquire(timeout=0.1):
                     if stop.is_set():
                         return
-                item = (batch, *reader.read([t.source for t in batch.tensors]))
+                item = (batch, *reader.read([t.source for t in read_order(batch)]))
                 if on_read:
                     on_read(batch.in_bytes)
                 if stop.is_set() or not hand_to_main(item):

@@ -1,0 +1,88 @@
+"""Quantize stage: one batch's outputs from its input buffer on the device.
+
+Same-shaped weights (a MoE layer's experts, above all) are quantized as stacks, a few launches for
+hundreds of tensors, instead of one launch chain each. The reader lays out each family of
+same-shaped groups member by member, so a stack is a plain view of the input buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FP8ConvertError
+from .numerics import NonFiniteWeight, quantize_group
+from .plan import Batch, TensorPlan
+
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise launches, small
+                        # enough that float32 temporaries stay a sliver of device memory
+ALIGN = 64  # the reader starts every tensor at a multiple of this
+
+
+@dataclass
+class Family:
+    """Groups (atoms) whose members have the same dtypes and shapes, e.g. every expert's gate/up."""
+
+    atoms: list[list[TensorPlan]]
+
+    def chunks(self) -> list[list[list[TensorPlan]]]:
+        per_atom = sum(t.source.nbytes for t in self.atoms[0])
+        step = max(1, STACK_BYTES // per_atom)
+        return [self.atoms[i:i + step] for i in range(0, len(self.atoms), step)]
+
+
+def families(batch: Batch) -> list[Family]:
+    by_signature: dict[tuple, Family] = {}
+    for atom in batch.atoms:
+        if atom[0].quantize:
+            signature = tuple((t.source.dtype, t.source.shape) for t in atom)
+            by_signature.setdefault(signature, Family([])).atoms.append(atom)
+    return list(by_signature.values())
+
+
+def read_order(batch: Batch) -> list[TensorPlan]:
+    """Kept tensors, then each stack chunk member by member, so every stack is contiguous."""
+    order = [t for atom in batch.atoms if not atom[0].quantize for t in atom]
+    for family in families(batch):
+        for chunk in family.chunks():
+            for member in range(len(chunk[0])):
+                order += [atom[member] for atom in chunk]
+    return order
+
+
+def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan]) -> torch.Tensor:
+    """[N, out, in] view of same-shaped tensors laid out back to back, or a copy if they are not."""
+    first = tensors[0].source
+    start, size = offsets[first.name], first.nbytes
+    dtype = TORCH_DTYPES[first.dtype]
+    if size % ALIGN == 0 and all(offsets[t.name] == start + i * size for i, t in enumerate(tensors)):
+        return buf[start:start + size * len(tensors)].view(dtype).view(len(tensors), *first.shape)
+    return torch.stack([buf[offsets[t.name]:offsets[t.name] + size].view(dtype).view(first.shape) for t in tensors])
+
+
+def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Outputs (name, tensor) for every output tensor of the batch. Kept tensors are copied out of
+    `buf` so it can be freed at once, unless the batch keeps everything: then they are views and
+    `buf` lives until they are written, which costs no extra memory."""
+    all_kept = not any(t.quantize for t in batch.tensors)
+    outputs = []
+    for atom in batch.atoms:
+        if not atom[0].quantize:
+            t = atom[0]
+            raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
+            outputs.append((t.name, raw if all_kept else raw.clone()))
+    for family in families(batch):
+        for chunk in family.chunks():
+            members = [[atom[m] for atom in chunk] for m in range(len(chunk[0]))]
+            try:
+                codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme)
+            except NonFiniteWeight as e:
+                bad = members[e.member][e.index].source
+                raise FP8ConvertError(f"{bad.file}: tensor {bad.name} contains NaN or Inf; "
+                                      "refusing to quantize it") from None
+            for tensors, q, s in zip(members, codes, scales):
+                for n, t in enumerate(tensors):
+                    outputs += [(t.name, q[n]), (t.scale_name, s[n])]
+    return outputs
