@@ -67,7 +67,7 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
     if out_dir.exists() and not out_dir.is_dir():
         raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
     manifest = Manifest(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()):
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir):
         state = manifest.read()
         if overwrite:
             clear_directory(out_dir)
@@ -75,8 +75,8 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
             raise FP8ConvertError(f"{out_dir}: already holds files that fp8convert did not write; "
                                   "choose an empty directory or pass --overwrite")
         elif state.get("fingerprint") != plan.fingerprint:
-            raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan (another source, "
-                                    "options or version); pass --overwrite to replace it")
+            raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan ({plan_change(state, plan)}); "
+                                    "rerun the original command to resume it, or pass --overwrite to replace it")
         else:
             done = finished_shards(plan, out_dir)
             return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
@@ -90,6 +90,23 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
         raise FP8ConvertError(f"{out_dir}: not writable")
     manifest.write(new_manifest(plan))
     return set(), False
+
+
+def killed_before_manifest(out_dir: Path) -> bool:
+    """OUT holds only what a run killed before its manifest existed leaves: the work directory, empty
+    or with the manifest's temporary file. Such a directory is ours and empty in every way that matters."""
+    work = out_dir / WORK_DIR
+    return [p.name for p in out_dir.iterdir()] == [WORK_DIR] and work.is_dir() and not work.is_symlink() \
+        and all(p.name == f".{MANIFEST}.tmp" for p in work.iterdir())
+
+
+def plan_change(state: dict, plan: Plan) -> str:
+    """What differs between the recorded run and this one, as far as the manifest can tell."""
+    now = new_manifest(plan)
+    diffs = [f"{key} was {state.get(key)!r}, now {now[key]!r}" for key in ("source", "scheme", "format", "shards")
+             if state.get(key) != now[key]]
+    return "; ".join(diffs) or "same source, scheme and format: the source's tensors or config, --ignore, " \
+                               "--max-shard-size or the fp8convert version changed"
 
 
 def finished_shards(plan: Plan, out_dir: Path) -> set[int]:

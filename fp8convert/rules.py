@@ -49,15 +49,21 @@ def matches_pattern(module: str, pattern: str) -> bool:
     return module == pattern or module.startswith(pattern + ".")
 
 
+class UnsupportedLayout(FP8ConvertError):
+    """A weight that looks like a linear layer but is not 2-D (e.g. fused 3-D experts)."""
+
+
 def default_keep_reason(info: TensorInfo) -> str | None:
-    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8."""
-    if not info.name.endswith(".weight"):
-        return "not a weight (bias or buffer)"
+    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8.
+    Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
     if info.dtype not in FLOAT_SOURCE_DTYPES:
         return f"not floating point ({info.dtype})"
     if len(info.shape) < 2:
-        return "1-D (norm)"
+        return "1-D (norm or bias)"
     parts = module_of(info.name).split(".")
+    # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
+    if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):
+        return "not a weight (bias or buffer)"
     leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
     if TOWER_PARTS.intersection(parts):
         return "vision/audio tower or projector"
@@ -70,9 +76,7 @@ def default_keep_reason(info: TensorInfo) -> str | None:
     if len(info.shape) > 2:
         if "conv" in leaf:
             return "convolution"
-        raise FP8ConvertError(
-            f"tensor {info.name} is {len(info.shape)}-D {list(info.shape)}: fp8convert quantizes 2-D linear "
-            f"weights only (fused 3-D expert layouts are not supported); keep it with --ignore '{module_of(info.name)}'")
+        raise UnsupportedLayout(f"{info.name} {list(info.shape)}")
     if info.shape[0] % KERNEL_MULTIPLE or info.shape[1] % KERNEL_MULTIPLE:
         return f"shape {list(info.shape)} not divisible by {KERNEL_MULTIPLE}"
     return None
@@ -98,14 +102,24 @@ def decide(tensors: list[TensorInfo], ignore: tuple[str, ...]) -> tuple[dict[str
     notes: list[str] = []
     reasons: dict[str, str | None] = {}
     used_patterns: set[str] = set()
+    unsupported: list[str] = []
     for info in tensors:
-        reason = default_keep_reason(info)
-        if reason is None:
-            hit = next((p for p in ignore if matches_pattern(module_of(info.name), p)), None)
-            if hit is not None:
-                used_patterns.add(hit)
-                reason = f"--ignore {hit}"
+        hit = next((p for p in ignore if matches_pattern(module_of(info.name), p)), None)
+        try:
+            reason = default_keep_reason(info)
+        except UnsupportedLayout as e:
+            if hit is None:
+                unsupported.append(str(e))
+            reason = None  # the user chose to keep it
+        if reason is None and hit is not None:
+            used_patterns.add(hit)
+            reason = f"--ignore {hit}"
         reasons[info.name] = reason
+    if unsupported:
+        more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
+        raise UnsupportedLayout(
+            f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D; fp8convert quantizes 2-D linear weights "
+            f"only (fused 3-D expert layouts are not supported); keep them in high precision with --ignore")
     for pattern in ignore:
         if pattern not in used_patterns:
             notes.append(f"--ignore {pattern!r} matched no weight that would otherwise be quantized")

@@ -36,8 +36,9 @@ def compatibility_warnings(plan: Plan) -> list[str]:
     has_experts = any(EXPERT.search(t.name) for t in quantized)
     warnings = []
     if fmt == "fp8" and scheme == "tensor":
-        warnings.append("transformers cannot load fp8-format per-tensor checkpoints (vLLM and SGLang can); "
-                        "use --format compressed-tensors to load it in transformers")
+        warnings.append("transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense "
+                        "models load but ignore the scales and give wrong outputs, MoE models fail; use "
+                        "--format compressed-tensors to load it in transformers")
     if fmt == "compressed-tensors" and scheme == "block" and has_experts:
         warnings.append("transformers cannot load compressed-tensors block scales for MoE experts (vLLM can); "
                         "use --format fp8 --scheme block, or --scheme channel, to load it in transformers")
@@ -47,6 +48,18 @@ def compatibility_warnings(plan: Plan) -> list[str]:
             what = ("transformers infers the block size from the scale grid and dequantizes these wrongly"
                     if fmt == "fp8" else "transformers cannot load these (needs both dims divisible by 128)")
             warnings.append(f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}")
+        fused = {}
+        for t in quantized:
+            if t.group:
+                fused.setdefault(t.group, []).append(t)
+        for group, members in fused.items():
+            order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
+            members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
+            if any(t.source.shape[0] % BLOCK for t in members[:-1]):
+                warnings.append(f"vLLM's fused block GEMM needs every member but the last to have an output size "
+                                f"divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
+                                f"{list(members[0].source.shape)})")
+                break
         sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
                         re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
         for size in sizes:

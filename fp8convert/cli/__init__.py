@@ -10,11 +10,12 @@ import sys
 import typer
 
 from ..errors import FP8ConvertError
-from . import convert
+from . import convert, verify
 
 app = typer.Typer(name="fp8convert", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers.")
 convert.register(app)
+verify.register(app)
 
 
 INTERRUPTED = "interrupted: rerun the same command to resume"

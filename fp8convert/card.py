@@ -1,0 +1,216 @@
+"""The model card (OUT/README.md) of a converted checkpoint.
+
+A YAML header the Hub understands (base_model + base_model_relation: quantized links the repo to its
+source; license and library_name carried over from the source card), then what was done, what stayed
+in high precision and why, the command that reproduces it, and how to load it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import yaml
+
+from . import __version__
+from .hub import REPO_ID
+from .options import Options
+
+# Fields copied from the source card's YAML header (license_name/link go with license "other").
+COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
+SCHEME_TEXT = {
+    "tensor": "per-tensor: one float32 scale per weight (members of a fused q/k/v or gate/up group share one "
+              "scale, so engines that fuse them need no re-quantization)",
+    "channel": "per-channel: one float32 scale per output row",
+    "block": "block: one float32 scale per 128x128 weight block",
+}
+ACTIVATIONS_TEXT = {
+    ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
+    ("compressed-tensors", "channel"): "dynamic per-token FP8",
+    ("compressed-tensors", "block"): "dynamic per-group (128) FP8",
+    ("fp8", "tensor"): "dynamic FP8",
+    ("fp8", "block"): "dynamic per-group (128) FP8",
+}
+DEFAULT_MAX_SHARD = Options().max_shard_size
+
+
+def split_front_matter(text: str | None) -> tuple[dict, str]:
+    """(YAML header as a dict, body) of a model card; ({}, text) when it has none or it is unreadable."""
+    if not text:
+        return {}, ""
+    m = re.match(r"\A\ufeff?---[ \t]*\r?\n(.*?)(?:\r?\n)?^---[ \t]*(?:\r?\n|\Z)", text, re.S | re.M)
+    if not m:
+        return {}, text
+    try:
+        data = yaml.safe_load(m.group(1)) or {}
+    except yaml.YAMLError:
+        data = {}
+    return (data if isinstance(data, dict) else {}), text[m.end():]
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _plan_info(plan) -> tuple[dict, dict]:
+    """describe() of a Plan, plus what the reproduce command needs (user ignore patterns, shard size, revision)."""
+    from .summary import describe
+    info = describe(plan, 1 << 30, "cpu")
+    source = plan.source
+    revision = getattr(source, "revision", None)
+    root = Path(source.root)
+    if revision is None and root.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", root.name):
+        revision = root.name  # a huggingface_hub cache snapshot: the directory is the commit
+    extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
+             "revision": revision if REPO_ID.match(str(source.label)) else None}
+    return info, extra
+
+
+def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_patterns=(),
+                      max_shard_size: int | None = None, revision: str | None = None) -> str:
+    args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
+    for pattern in ignore_patterns:
+        args += ["--ignore", pattern]
+    if max_shard_size and max_shard_size != DEFAULT_MAX_SHARD:
+        args += ["--max-shard-size", str(max_shard_size)]
+    if revision:
+        args += ["--revision", revision]
+    return shlex.join(args)
+
+
+def transformers_support(fmt: str, scheme: str, warnings: list[str]) -> tuple[bool, str]:
+    """Whether transformers loads this combination (see the README's table), and why not."""
+    if fmt == "fp8" and scheme == "tensor":
+        return False, "transformers has no loader for per-tensor `weight_scale` in the fp8 format"
+    for w in warnings:
+        if "transformers cannot" in w:
+            return False, w
+    return True, ""
+
+
+def _fmt_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_fmt_value(v) for v in value)
+    return str(value)
+
+
+def make_card(plan_or_info, source_card_text: str | None = None, command: str | None = None,
+              verify: dict | None = None, repo_id: str | None = None) -> str:
+    """The README.md of a converted checkpoint.
+
+    `plan_or_info`: the Plan, or a `summary.describe()` dict. `source_card_text`: the source's README.md
+    (its YAML header gives license, library_name, pipeline_tag). `command`: the exact command line;
+    generated from the plan when None. `verify`: optional figures (e.g. worst relative error, min SNR)
+    rendered as a table. `repo_id`: where it will be published (used in the load examples)."""
+    if isinstance(plan_or_info, dict):
+        info, extra = plan_or_info, {"ignore_patterns": plan_or_info.get("ignore_patterns", []),
+                                     "max_shard_size": None, "revision": plan_or_info.get("revision")}
+    else:
+        info, extra = _plan_info(plan_or_info)
+    source, scheme, fmt = str(info["source"]), info["scheme"], info["format"]
+    source_meta, _ = split_front_matter(source_card_text)
+    base_model = source if REPO_ID.match(source) else None
+    name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
+    if not repo_id:
+        name = f"{name}-FP8"
+    target = repo_id or f"./{name}"
+    where = repo_id or target
+
+    meta: dict = {}
+    if base_model:
+        meta["base_model"] = base_model
+        meta["base_model_relation"] = "quantized"
+    for key in COPIED_FIELDS:
+        if source_meta.get(key) not in (None, "", []):
+            meta[key] = source_meta[key]
+    meta["tags"] = ["fp8", fmt, "fp8convert"]
+    header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
+
+    from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
+    revision = extra.get("revision")
+    lines = [f"---\n{header}---", "", f"# {name}", "",
+             f"FP8 (e4m3) weights of {from_text}" + (f" at commit `{revision[:12]}`" if revision else "")
+             + f", converted offline with fp8convert {__version__}. "
+             "Activations are quantized dynamically at run time, so no calibration data was used.", "",
+             "## Quantization", "",
+             f"- Format: `{fmt}` (`quantization_config` in config.json)",
+             f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}; scales are float32",
+             f"- Activations: {ACTIVATIONS_TEXT.get((fmt, scheme), 'dynamic FP8')}"]
+    q = info.get("quantized")
+    if q:
+        lines.append(f"- Quantized: {q['tensors']} linear weights, {human(q['bytes_in'])} -> "
+                     f"{human(q['bytes_out'])} with scales")
+    if info.get("bytes_in") and info.get("bytes_out"):
+        lines.append(f"- Checkpoint: {human(info['bytes_in'])} -> {human(info['bytes_out'])} "
+                     f"({info['bytes_out'] / info['bytes_in']:.0%})")
+    kept = info.get("kept") or {}
+    lines += ["", "### Kept in high precision", ""]
+    if kept:
+        lines += ["| reason | tensors | size |", "|---|---:|---:|"]
+        lines += [f"| {reason} | {k['tensors']} | {human(k['bytes'])} |" for reason, k in kept.items()]
+        lines.append("")
+    ignore = info.get("ignore") or []
+    lines.append(f"Engines skip the {len(ignore)} linear module(s) listed in the config's ignore list"
+                 + (f" ({', '.join(f'`{m}`' for m in ignore[:8])}{', ...' if len(ignore) > 8 else ''})."
+                    if ignore else "."))
+
+    if verify:
+        lines += ["", "## Verification", "", "Dequantized weights compared with the source:", "",
+                  "| measure | value |", "|---|---|"]
+        lines += [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in verify.items()]
+
+    cmd = command or reproduce_command(source, target, scheme, fmt, extra.get("ignore_patterns") or (),
+                                       extra.get("max_shard_size"), extra.get("revision"))
+    lines += ["", "## Reproduce", "", "```bash", cmd, "```",
+              "", "## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
+              "```bash", f"vllm serve {where}", "```"]
+    if fmt == "compressed-tensors":
+        lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {where}", "```"]
+    ok, why = transformers_support(fmt, scheme, list(info.get("warnings") or []))
+    lines += ["", "transformers:", ""]
+    if ok:
+        need = " (needs `pip install compressed-tensors`)" if fmt == "compressed-tensors" else ""
+        lines += [f"Loads with transformers{need}; weights are dequantized on CPU.", "", "```python",
+                  "from transformers import AutoModelForCausalLM", "",
+                  f'model = AutoModelForCausalLM.from_pretrained("{where}", device_map="auto")', "```"]
+    else:
+        lines += [f"Not loadable in transformers: {why}. Use vLLM or SGLang, or convert with "
+                  "`--format compressed-tensors` (tensor or channel scheme)."]
+    caveats = [w for w in info.get("warnings") or [] if w != why]
+    if caveats:
+        lines += ["", "Notes:", ""] + [f"- {w}" for w in caveats]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
+    """A card for an output that has none (made before cards existed), from its manifest and config only."""
+    out = Path(out)
+    try:
+        manifest = json.loads((out / ".fp8convert" / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    config = json.loads((out / "config.json").read_text())
+    qc = config.get("quantization_config") or {}
+    fmt = manifest.get("format") or ("fp8" if qc.get("quant_method") == "fp8" else "compressed-tensors")
+    scheme = manifest.get("scheme")
+    if scheme is None:
+        if fmt == "fp8":
+            scheme = "block" if qc.get("weight_block_size") else "tensor"
+        else:
+            weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {})
+            scheme = weights.get("strategy", "tensor")
+    source = manifest.get("source") or "unknown"
+    source_card = None
+    if Path(source).is_dir() and (Path(source) / "README.md").is_file():
+        source_card = (Path(source) / "README.md").read_text(encoding="utf-8", errors="replace")
+    info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
+            "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
+            "warnings": []}
+    return make_card(info, source_card, repo_id=repo_id)

@@ -1,0 +1,466 @@
+"""Check an FP8 checkpoint against its source: structure and numbers, with bounded memory.
+
+Both checkpoints are streamed: kept tensors are compared byte for byte in chunks, quantized ones are
+read a slab of rows at a time (source weight, codes, the matching slice of the scales), so memory
+stays at a few slabs whatever the model. Works for both output formats:
+
+- compressed-tensors: `X.weight` F8_E4M3 + `X.weight_scale` F32 shaped [1] (tensor), [out, 1] (channel)
+  or [ceil(out/128), ceil(in/128)] (block);
+- fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
+  [ceil(out/128), ceil(in/128)] (block).
+
+The numeric bound (why a conversion passes or fails)
+---------------------------------------------------
+e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most half a
+step: 2^-4 * |x| where x is a normal number (|x| >= 2^-6), and 2^-10 where it is subnormal (fixed
+spacing 2^-9 below 2^-6). In weight units every element's error is therefore at most
+max(2^-4 * |w|, 2^-10 * scale), and ||w - dequant|| at most sqrt(sum of those squared). When every
+element is normal that is exactly 2^-4 = 6.25 % of ||w||; a per-tensor (or shared fused-group) scale
+pushes small elements into the subnormal range, and the second term is the exact allowance for them,
+not a guessed slack. A tensor whose relative error exceeds its bound is not a rounding of its source.
+
+A norm cannot see one corrupted code among millions, so each element is also checked on its own:
+the code must lie within half an e4m3 step of w / scale (computed in float32 exactly as the quantizer
+does). Round-to-nearest always satisfies this; any other code, and a NaN code, does not.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import FP8ConvertError
+from .options import BLOCK
+from .rules import default_keep_reason, fused_group_key, is_linear_weight, module_of
+from .safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, read_header
+from .source import INDEX_NAME, Source, safe_relative_name
+
+FP8 = "F8_E4M3"
+CHUNK_ELEMENTS = 1 << 22        # elements per slab of a quantized tensor (a few 16 MB float32 temporaries)
+CHUNK_BYTES = 16 << 20          # bytes per piece when comparing kept tensors
+FLOAT_SLACK = 1e-5              # float32 arithmetic in dequant / division, far below any real error
+WORK_DIR = ".fp8convert"        # output.WORK_DIR (not imported: output pulls in the planner)
+
+
+class VerifyFailed(FP8ConvertError):
+    """Verification found problems; the message names the first."""
+
+
+@dataclass
+class TensorCheck:
+    """The numbers of one quantized tensor."""
+
+    name: str
+    shape: list[int]
+    scale_shape: list[int]
+    rel_error: float          # ||w - dequant|| / ||w||; 0 when both are zero, inf when only w is zero
+    snr_db: float             # 20 log10(||w|| / ||w - dequant||); inf when exact
+    bound: float              # largest rel_error e4m3 rounding allows with these scales (module docstring)
+    off_grid: int             # elements whose code is not within half a step of w / scale (must be 0)
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    src: str
+    out: str
+    format: str | None = None
+    scheme: str | None = None
+    ok: bool = False
+    tensors_quantized: int = 0
+    tensors_kept: int = 0
+    max_rel_error: float = 0.0
+    min_snr_db: float = math.inf
+    failures: list[str] = field(default_factory=list)   # one line each, naming the tensor or file
+    warnings: list[str] = field(default_factory=list)
+    tensors: list[TensorCheck] = field(default_factory=list)
+
+    def worst(self, n: int = 10) -> list[TensorCheck]:
+        """The quantized tensors with the largest relative error (failed ones first)."""
+        return sorted(self.tensors, key=lambda t: (t.ok, -_sortable(t.rel_error)))[:n]
+
+    def to_dict(self, worst: int = 10) -> dict:
+        """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan" (strict JSON)."""
+        data = asdict(self)
+        del data["tensors"]
+        data["worst"] = [asdict(t) for t in self.worst(worst)]
+        return _json_safe(data)
+
+
+def _sortable(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- reading, one slab at a time
+
+def _torch_dtypes():
+    import torch
+    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+            FP8: torch.float8_e4m3fn}
+
+
+class _Files:
+    """Open file descriptors by path, closed together."""
+
+    def __init__(self):
+        self.fds: dict[Path, int] = {}
+
+    def pread(self, path: Path, offset: int, length: int) -> bytearray:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        buf = bytearray(length)
+        view, done = memoryview(buf), 0
+        while done < length:
+            n = os.preadv(self.fds[path], [view[done:]], offset + done)
+            if n <= 0:
+                raise FP8ConvertError(f"{path.name}: unexpected end of file (truncated?)")
+            done += n
+        return buf
+
+    def rows(self, path: Path, info: TensorInfo, start: int, stop: int):
+        """Rows [start, stop) of a tensor with at least one dimension."""
+        per_row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        return self._tensor(path, info, info.offset + start * per_row, (stop - start, *info.shape[1:]))
+
+    def whole(self, path: Path, info: TensorInfo):
+        return self._tensor(path, info, info.offset, info.shape)
+
+    def _tensor(self, path: Path, info: TensorInfo, offset: int, shape: tuple[int, ...]):
+        import torch
+        dtype = _torch_dtypes()[info.dtype]
+        length = math.prod(shape) * dtype.itemsize
+        if not length:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.pread(path, offset, length), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+# ---------------------------------------------------------------- what the output says it is
+
+@dataclass(frozen=True)
+class OutputFormat:
+    format: str                 # compressed-tensors | fp8
+    scheme: str                 # tensor | channel | block
+    ignore: tuple[str, ...]     # modules left unquantized, as engines match them
+
+    def scale_name(self, weight: str) -> str:
+        return weight + ("_scale_inv" if self.format == "fp8" and self.scheme == "block" else "_scale")
+
+    def scale_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        out, inp = shape
+        if self.scheme == "block":
+            return [(-(-out // BLOCK), -(-inp // BLOCK))]
+        if self.scheme == "channel":
+            return [(out, 1)]
+        return [(1,)] if self.format == "compressed-tensors" else [(), (1,)]
+
+    def ignores(self, module: str) -> bool:
+        """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""
+        return any(module == p or (p.startswith("re:") and re.match(p[3:], module)) for p in self.ignore)
+
+
+def read_output_format(config: dict, where: str) -> OutputFormat:
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise FP8ConvertError(f"{where}: has no quantization_config; not an FP8 checkpoint")
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        strategies = {(g.get("weights") or {}).get("strategy") for g in groups.values() if isinstance(g, dict)}
+        weights = [(g.get("weights") or {}) for g in groups.values() if isinstance(g, dict)]
+        if qc.get("format") != "float-quantized" or len(strategies) != 1 or \
+                any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
+            raise FP8ConvertError(f"{where}: quantization_config is not one FP8 float-quantized group")
+        scheme = strategies.pop()
+        if scheme not in ("tensor", "channel", "block"):
+            raise FP8ConvertError(f"{where}: unsupported weight strategy {scheme!r}")
+        if scheme == "block" and any(w.get("block_structure") != [BLOCK, BLOCK] for w in weights):
+            raise FP8ConvertError(f"{where}: block_structure is not [{BLOCK}, {BLOCK}]")
+        return OutputFormat("compressed-tensors", scheme, tuple(qc.get("ignore") or ()))
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block not in (None, [BLOCK, BLOCK]):
+            raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}]")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise FP8ConvertError(f"{where}: fmt {qc.get('fmt')!r} is not e4m3")
+        ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
+        return OutputFormat("fp8", "block" if block else "tensor", tuple(dict.fromkeys(ignore)))
+    raise FP8ConvertError(f"{where}: quant_method {method!r} is neither compressed-tensors nor fp8")
+
+
+def read_output_layout(out: Path, report: VerifyReport) -> dict[str, tuple[Path, TensorInfo]]:
+    """Every output tensor and where it is, checking the index against the shards' headers."""
+    index_path = out / INDEX_NAME
+    tensors: dict[str, tuple[Path, TensorInfo]] = {}
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            files = sorted({safe_relative_name(f, INDEX_NAME) for f in weight_map.values()})
+        except FP8ConvertError as e:
+            report.failures.append(str(e))
+            return tensors
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            report.failures.append(f"{INDEX_NAME}: not a valid safetensors index ({e})")
+            return tensors
+    elif (out / "model.safetensors").is_file():
+        index, weight_map, files = None, None, ["model.safetensors"]
+    else:
+        report.failures.append(f"{out}: no {INDEX_NAME} (or model.safetensors): the output is incomplete")
+        return tensors
+    total = 0
+    for file in files:
+        path = out / file
+        if not path.is_file():
+            report.failures.append(f"{INDEX_NAME}: names {file}, which does not exist")
+            continue
+        try:
+            header, _ = read_header(str(path), file)
+        except FP8ConvertError as e:
+            report.failures.append(str(e))
+            continue
+        for name, info in header.items():
+            total += info.nbytes
+            if name in tensors:
+                report.failures.append(f"tensor {name} appears twice: in {tensors[name][1].file} and {file}")
+            elif weight_map is not None and weight_map.get(name) != file:
+                report.failures.append(f"{file}: holds tensor {name}, which {INDEX_NAME} "
+                                       + (f"places in {weight_map[name]}" if name in weight_map else "does not list"))
+            tensors[name] = (path, info)
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if name not in tensors and (out / file).is_file():
+                report.failures.append(f"{INDEX_NAME}: names tensor {name} in {file}, but {file} does not hold it")
+        declared = (index.get("metadata") or {}).get("total_size") if isinstance(index, dict) else None
+        if declared is not None and declared != total:
+            report.failures.append(f"{INDEX_NAME}: metadata.total_size is {declared}, the shards hold {total} bytes")
+        stray = sorted(p.name for p in out.glob("*.safetensors") if p.name not in files)
+        if stray:
+            report.warnings.append(f"{out}: safetensors files not in the index: {', '.join(stray)}")
+    return tensors
+
+
+# ---------------------------------------------------------------- the checks
+
+def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None) -> VerifyReport:
+    """Verify the FP8 checkpoint in `out` against its source `src` (directory or Hub repo id)."""
+    from .api import open_source  # late: api imports the whole pipeline
+
+    source = open_source(src, revision, token)
+    out = Path(out)
+    if not out.is_dir():
+        raise FP8ConvertError(f"{out}: not a directory")
+    report = VerifyReport(str(src), str(out))
+    files = _Files()
+    try:
+        _verify(source, out, report, files)
+    finally:
+        files.close()
+    report.ok = not report.failures
+    return report
+
+
+def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> None:
+    manifest = out / WORK_DIR / "manifest.json"
+    if manifest.is_file():
+        try:
+            if not json.loads(manifest.read_text()).get("complete"):
+                report.failures.append(f"{manifest}: the conversion did not finish; rerun it")
+        except (OSError, ValueError, AttributeError):
+            report.failures.append(f"{manifest}: unreadable")
+    config_path = out / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        if not isinstance(config, dict):
+            raise FP8ConvertError(f"{config_path}: not a JSON object")
+        fmt = read_output_format(config, str(config_path))
+    except FileNotFoundError:
+        report.failures.append(f"{config_path}: missing: the output is incomplete")
+        return
+    except ValueError as e:
+        report.failures.append(f"{config_path}: not valid JSON ({e})")
+        return
+    except FP8ConvertError as e:
+        report.failures.append(str(e))
+        return
+    report.format, report.scheme = fmt.format, fmt.scheme
+    rest = {k: v for k, v in config.items() if k != "quantization_config"}
+    if rest != source.config:
+        keys = sorted(k for k in set(rest) | set(source.config) if rest.get(k) != source.config.get(k))
+        report.failures.append(f"{config_path}: differs from the source's config.json beyond quantization_config "
+                               f"(keys: {', '.join(keys)})")
+    for name in source.copy_files:
+        copied = out / name
+        if not copied.is_file() or copied.read_bytes() != (source.root / name).read_bytes():
+            report.warnings.append(f"{copied}: missing or different from the source's {name}")
+
+    outputs = read_output_layout(out, report)
+    accounted: set[str] = set()
+    group_scales: dict[str, set[float]] = {}
+    for info in source.tensors:
+        name = info.name
+        if name not in outputs:
+            report.failures.append(f"{name}: source tensor missing from the output")
+            continue
+        accounted.add(name)
+        path, got = outputs[name]
+        if got.dtype == FP8:
+            scale_name = fmt.scale_name(name)
+            accounted.add(scale_name)
+            report.tensors_quantized += 1
+            scale = _check_quantized(source, info, path, got, outputs.get(scale_name), scale_name, fmt, report, files)
+            if scale is not None and fmt.scheme == "tensor" and (key := fused_group_key(name)):
+                group_scales.setdefault(key, set()).add(scale.reshape(-1)[0].item())
+        else:
+            report.tensors_kept += 1
+            _check_kept(source, info, path, got, fmt, report, files)
+    for name in sorted(set(outputs) - accounted):
+        report.failures.append(f"{name}: in the output ({outputs[name][1].file}) but not derived from any source tensor")
+    for key, scales in group_scales.items():
+        if len(scales) > 1:
+            report.warnings.append(f"{key}: fused members have different per-tensor scales; vLLM re-quantizes "
+                                   "them to the largest (a second rounding)")
+    if report.tensors:
+        report.max_rel_error = max(_sortable(t.rel_error) for t in report.tensors)
+        report.min_snr_db = min(t.snr_db if not math.isnan(t.snr_db) else -math.inf for t in report.tensors)
+
+
+def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, fmt: OutputFormat,
+                report: VerifyReport, files: _Files) -> None:
+    name = info.name
+    if got.dtype != info.dtype or got.shape != info.shape:
+        report.failures.append(f"{name}: kept as {got.dtype} {list(got.shape)} but the source is "
+                               f"{info.dtype} {list(info.shape)}")
+        return
+    if len(info.shape) == 2 and is_linear_weight(info, default_keep_reason(info)) \
+            and not fmt.ignores(module_of(name)):
+        report.failures.append(f"{name}: kept in high precision, but {module_of(name)} is not in the ignore list "
+                               "(engines would expect FP8 weights for it)")
+    import torch
+    dtype = _torch_dtypes().get(info.dtype)
+    for start in range(0, info.nbytes, CHUNK_BYTES):
+        n = min(CHUNK_BYTES, info.nbytes - start)
+        a = files.pread(source.root / info.file, info.offset + start, n)
+        b = files.pread(path, got.offset + start, n)
+        if a != b:
+            report.failures.append(f"{name}: kept in high precision, but its bytes differ from the source")
+            return
+        if dtype is not None and dtype.is_floating_point and \
+                not bool(torch.isfinite(torch.frombuffer(b, dtype=torch.uint8).view(dtype)).all()):
+            report.failures.append(f"{name}: contains NaN or Inf")
+            return
+
+
+def _check_quantized(source: Source, info: TensorInfo, path: Path, got: TensorInfo,
+                     scale_at: tuple[Path, TensorInfo] | None, scale_name: str, fmt: OutputFormat,
+                     report: VerifyReport, files: _Files):
+    """Structure, then numbers, of one quantized tensor. Returns its scales (None when unusable)."""
+    name = info.name
+    problems = []
+    if info.dtype not in FLOAT_SOURCE_DTYPES or len(info.shape) != 2:
+        problems.append(f"quantized, but the source is {info.dtype} {list(info.shape)} (FP8 needs a 2-D float weight)")
+    elif got.shape != info.shape:
+        problems.append(f"shape {list(got.shape)} differs from the source's {list(info.shape)}")
+    if fmt.ignores(module_of(name)):
+        problems.append(f"quantized, but the ignore list names {module_of(name)}")
+    if scale_at is None:
+        problems.append(f"its scale {scale_name} is missing")
+    elif scale_at[1].dtype != "F32" or (not problems and scale_at[1].shape not in fmt.scale_shapes(info.shape)):
+        problems.append(f"scale {scale_name} is {scale_at[1].dtype} {list(scale_at[1].shape)}, expected F32 "
+                        f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(info.shape))}")
+    if problems:
+        report.failures.append(f"{name}: {'; '.join(problems)}")
+        return None
+    import torch
+    scale = files.whole(*scale_at)
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        report.failures.append(f"{name}: scale {scale_name} is not finite and positive everywhere")
+        return None
+    check = _numbers(source, info, path, got, scale, fmt.scheme, files)
+    report.tensors.append(check)
+    if not check.ok:
+        what = []
+        if check.off_grid:
+            what.append(f"{check.off_grid} code(s) are not the nearest e4m3 value of weight/scale")
+        if not check.rel_error <= check.bound * (1 + FLOAT_SLACK):
+            what.append(f"relative error {check.rel_error:.4g} exceeds the e4m3 bound {check.bound:.4g}")
+        report.failures.append(f"{name}: {'; '.join(what)} (SNR {check.snr_db:.1f} dB)")
+    return scale
+
+
+def _numbers(source: Source, info: TensorInfo, path: Path, got: TensorInfo, scale, scheme: str,
+             files: _Files) -> TensorCheck:
+    import torch
+
+    from .numerics import FP8_MAX, dequantize, expand_scale
+
+    rows, cols = info.shape
+    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    if scheme == "block":  # slabs start on block rows, so each slab's scale rows expand on their own
+        step = max(BLOCK, step // BLOCK * BLOCK)
+    w2 = e2 = bound2 = 0.0
+    off_grid = 0
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w = files.rows(source.root / info.file, info, r0, r1).float()
+        q = files.rows(path, got, r0, r1)
+        if scheme == "tensor":
+            s = scale.reshape(1, 1)
+        elif scheme == "channel":
+            s = scale[r0:r1]
+        else:
+            s = scale[r0 // BLOCK: -(-r1 // BLOCK)]
+        s_full = expand_scale(s, (r1 - r0, cols), scheme)
+        dq = dequantize(q, s, scheme)
+        e2 += float((w.double() - dq.double()).square().sum())
+        w2 += float(w.double().square().sum())
+        # per element: max(2^-4 |w|, 2^-10 scale), the worst e4m3 rounding (module docstring)
+        bound2 += float(torch.maximum(w.abs() * 2.0**-4, (s_full * 2.0**-10).expand_as(w)).double().square().sum())
+        # the code must be within half an e4m3 step of x = w / scale, computed as the quantizer does
+        x = (w / s_full).clamp(-FP8_MAX, FP8_MAX)
+        _, exponent = torch.frexp(x)  # |x| = m * 2^exponent, m in [0.5, 1): binade floor(log2|x|) = exponent - 1
+        binade = torch.where(x == 0, torch.full_like(exponent, -6), (exponent - 1).clamp(min=-6))
+        half_step = torch.ldexp(torch.ones_like(x), binade - 4)
+        off_grid += int((~((x - q.float()).abs() <= half_step)).sum())
+    err, norm = math.sqrt(e2), math.sqrt(w2)
+    rel = err / norm if norm else (0.0 if err == 0 else math.inf)
+    snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm else -math.inf)
+    bound = math.sqrt(bound2) / norm if norm else math.inf
+    ok = off_grid == 0 and e2 <= bound2 * (1 + FLOAT_SLACK) ** 2
+    return TensorCheck(info.name, list(info.shape), list(scale.shape), rel, snr, bound, off_grid, ok)
+
+
+def render(report: VerifyReport, worst: int = 10) -> str:
+    lines = [f"verify {report.src} -> {report.out}: {report.format or '?'} format, {report.scheme or '?'} scheme",
+             f"  {report.tensors_quantized} tensors quantized, {report.tensors_kept} kept"]
+    if report.tensors:
+        lines.append(f"  relative error max {report.max_rel_error:.4g}, SNR min {report.min_snr_db:.1f} dB")
+        lines.append("  worst tensors:")
+        for t in report.worst(worst):
+            lines.append(f"    {t.name:<60} rel {t.rel_error:.4g} (bound {t.bound:.4g})  SNR {t.snr_db:6.1f} dB"
+                         + ("" if t.ok else "  FAILED"))
+    for w in report.warnings:
+        lines.append(f"  warning: {w}")
+    if report.ok:
+        lines.append("  OK")
+    else:
+        lines.append(f"  FAILED: {len(report.failures)} problem(s)")
+        lines += [f"    - {f}" for f in report.failures]
+    return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""Independent, deliberately plain implementation of DESIGN.md's FP8 numerics.
+
+Used only by the tests to compute expected outputs from the *source* tensors. It shares no code
+with `fp8convert` on purpose: if both were wrong in the same way the tests could not notice.
+
+Rules (DESIGN.md, "Numerics"):
+- scale = float32(amax) / 448, computed in float32; amax over the whole tensor (tensor), each row
+  (channel) or each 128x128 block (block; edge blocks are partial, the scale grid is ceil-div).
+- codes = clamp(float32(w) / scale, -448, 448).to(float8_e4m3fn) (true division, RNE cast).
+- amax == 0 -> scale 1.0 (finite and positive; the codes are then all 0).
+- fused groups (per-tensor scheme only) share one scale: the one computed from max(amax of members).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+BLOCK = 128
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scalar tensor: amax / 448 in float32, or 1.0 when amax == 0."""
+    amax = amax.to(torch.float32).reshape(())
+    if amax.item() == 0.0:
+        return torch.tensor(1.0, dtype=torch.float32)
+    return amax / torch.tensor(FP8_MAX, dtype=torch.float32)
+
+
+def amax_of(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.float32).abs().max()
+
+
+def codes_with_scale(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize `w` (any float dtype) with a scale that broadcasts against it."""
+    x = w.to(torch.float32) / scale.to(torch.float32)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+# ---------------------------------------------------------------- per-tensor
+
+
+def tensor_scale(w: torch.Tensor) -> torch.Tensor:
+    """0-d float32 scale for the whole tensor."""
+    return scale_from_amax(amax_of(w))
+
+
+def group_tensor_scale(members: list[torch.Tensor]) -> torch.Tensor:
+    """0-d float32 scale shared by a fused group: from the max of the members' amax."""
+    amax = max(amax_of(m).item() for m in members)
+    return scale_from_amax(torch.tensor(amax, dtype=torch.float32))
+
+
+def quantize_tensor(w: torch.Tensor, scale: torch.Tensor | None = None):
+    """(codes, 0-d scale). `scale` overrides the tensor's own (fused groups)."""
+    if scale is None:
+        scale = tensor_scale(w)
+    return codes_with_scale(w, scale), scale
+
+
+# ---------------------------------------------------------------- per-channel
+
+
+def channel_scales(w: torch.Tensor) -> torch.Tensor:
+    """[out, 1] float32: one scale per row, computed row by row."""
+    rows = [scale_from_amax(amax_of(w[r])) for r in range(w.shape[0])]
+    return torch.stack(rows).reshape(w.shape[0], 1)
+
+
+def quantize_channel(w: torch.Tensor):
+    s = channel_scales(w)
+    codes = torch.empty(w.shape, dtype=FP8_DTYPE)
+    for r in range(w.shape[0]):
+        codes[r] = codes_with_scale(w[r], s[r, 0])
+    return codes, s
+
+
+# ---------------------------------------------------------------- 128x128 blocks
+
+
+def block_grid(shape) -> tuple[int, int]:
+    rows, cols = shape
+    return math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
+
+
+def block_scales(w: torch.Tensor) -> torch.Tensor:
+    """[ceil(out/128), ceil(in/128)] float32; edge blocks are partial."""
+    gr, gc = block_grid(w.shape)
+    s = torch.empty(gr, gc, dtype=torch.float32)
+    for i in range(gr):
+        for j in range(gc):
+            blk = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
+            s[i, j] = scale_from_amax(amax_of(blk))
+    return s
+
+
+def quantize_block(w: torch.Tensor):
+    s = block_scales(w)
+    codes = torch.empty(w.shape, dtype=FP8_DTYPE)
+    gr, gc = s.shape
+    for i in range(gr):
+        for j in range(gc):
+            rs = slice(i * BLOCK, (i + 1) * BLOCK)
+            cs = slice(j * BLOCK, (j + 1) * BLOCK)
+            codes[rs, cs] = codes_with_scale(w[rs, cs], s[i, j])
+    return codes, s
+
+
+# ---------------------------------------------------------------- dequant
+
+
+def dequant(codes: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """float32 w' = float32(q) * scale, expanding block scales to the weight shape."""
+    q = codes.to(torch.float32)
+    if scheme == "tensor":
+        return q * scale.reshape(())
+    if scheme == "channel":
+        return q * scale.reshape(-1, 1)
+    rows, cols = q.shape
+    full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+    return q * full
+
+
+def quantize(w: torch.Tensor, scheme: str, shared_scale: torch.Tensor | None = None):
+    """(codes, scale) for one 2D weight; scale is 0-d (tensor), [out,1] (channel) or the block grid."""
+    assert w.dim() == 2, w.shape
+    if scheme == "tensor":
+        return quantize_tensor(w, shared_scale)
+    assert shared_scale is None, "only the per-tensor scheme shares scales"
+    if scheme == "channel":
+        return quantize_channel(w)
+    if scheme == "block":
+        return quantize_block(w)
+    raise ValueError(scheme)
+
+
+# ================================================================ DESIGN's tensor rules
+# Which tensors are quantized, which fused groups vLLM builds, and what the output looks like,
+# written from DESIGN.md ("What stays in high precision", "Output formats") and vLLM's loaders.
+
+import re  # noqa: E402
+
+# MoE routers stay high precision (vLLM's Qwen3-MoE even builds `mlp.gate` with the quant config,
+# so it must be listed in the ignore list).
+ROUTER_RE = re.compile(r"(^|\.)(mlp\.gate|block_sparse_moe\.gate|mlp\.router|shared_expert_gate)$")
+
+# vLLM's fused modules: (regex over module names with a `p` prefix group, members, vLLM's name).
+FUSED_GROUP_PATTERNS = (
+    (re.compile(r"^(?P<p>.+\.self_attn)\.(q_proj|k_proj|v_proj)$"), ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    (
+        re.compile(r"^(?P<p>.+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)$"),
+        ("q_a_proj", "kv_a_proj_with_mqa"),
+        "fused_qkv_a_proj",
+    ),
+    (re.compile(r"^(?P<p>.+)\.(gate_proj|up_proj)$"), ("gate_proj", "up_proj"), "gate_up_proj"),
+    (re.compile(r"^(?P<p>.+\.experts\.\d+)\.(w1|w3)$"), ("w1", "w3"), "w13"),
+)
+
+
+def module_of(tensor_name: str) -> str:
+    assert tensor_name.endswith(".weight"), tensor_name
+    return tensor_name[: -len(".weight")]
+
+
+def is_embedding(module: str) -> bool:
+    return "embed_tokens" in module or module.endswith(".wte") or module.endswith(".embeddings")
+
+
+def default_keep_reason(tensor_name: str, shape, scheme: str) -> str | None:
+    """Why DESIGN keeps this tensor in high precision by default, or None if it is quantized."""
+    if len(shape) != 2 or not tensor_name.endswith(".weight"):
+        return "not a 2D weight"
+    mod = module_of(tensor_name)
+    last = mod.rsplit(".", 1)[-1]
+    if is_embedding(mod):
+        return "embedding"
+    if mod == "lm_head" or last == "lm_head":
+        return "lm_head"
+    if "norm" in last:
+        return "norm"
+    if ROUTER_RE.search(mod):
+        return "router"
+    if scheme in ("tensor", "channel") and (shape[0] % 16 or shape[1] % 16):
+        return "shape not divisible by 16"
+    return None
+
+
+def fused_groups(module_names) -> dict[str, list[str]]:
+    """{vLLM fused module name: [member module names]} for groups whose members all exist."""
+    names = set(module_names)
+    groups: dict[str, list[str]] = {}
+    for pat, members, fused in FUSED_GROUP_PATTERNS:
+        for m in sorted(names):
+            hit = pat.match(m)
+            if not hit:
+                continue
+            full = [f"{hit.group('p')}.{x}" for x in members]
+            if all(f in names for f in full):
+                groups[f"{hit.group('p')}.{fused}"] = full
+    return groups
+
+
+def expected_quantized(shapes: dict, scheme: str, user_ignored=frozenset()) -> set[str]:
+    """Tensor names DESIGN quantizes, given {tensor name: shape} of the source and the modules the
+    user ignored. A fused group is quantized only if every member is (vLLM refuses mixed groups)."""
+    quant = {
+        n
+        for n, s in shapes.items()
+        if default_keep_reason(n, s, scheme) is None and module_of(n) not in user_ignored
+    }
+    modules = {module_of(n) for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2}
+    for members in fused_groups(modules).values():
+        if not all(m + ".weight" in quant for m in members):
+            quant -= {m + ".weight" for m in members}
+    return quant
+
+
+def expected_ignore_list(shapes: dict, quantized: set[str]) -> set[str]:
+    """Every 2D linear weight's module left unquantized (embeddings are not linears), plus lm_head."""
+    out = {"lm_head"}
+    for n, s in shapes.items():
+        if n.endswith(".weight") and len(s) == 2 and n not in quantized and not is_embedding(module_of(n)):
+            out.add(module_of(n))
+    return out
+
+
+def scale_name_and_shape(fmt: str, scheme: str, weight_shape) -> tuple[str, tuple]:
+    """(suffix replacing `.weight`, shape) of the scale tensor DESIGN specifies for each format."""
+    rows, cols = weight_shape
+    if fmt == "compressed-tensors":
+        shape = {"tensor": (1,), "channel": (rows, 1), "block": block_grid(weight_shape)}[scheme]
+        return ".weight_scale", tuple(shape)
+    if fmt == "fp8":
+        if scheme == "tensor":
+            return ".weight_scale", ()
+        if scheme == "block":
+            return ".weight_scale_inv", tuple(block_grid(weight_shape))
+    raise ValueError(f"no {scheme} scheme in format {fmt}")
+
+
+def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=frozenset()):
+    """{output name: expected tensor} computed from the source tensors with this module's math."""
+    shapes = {n: tuple(t.shape) for n, t in src_tensors.items()}
+    quant = expected_quantized(shapes, scheme, user_ignored)
+    shared = {}
+    if scheme == "tensor":
+        for members in fused_groups({module_of(n) for n in quant}).values():
+            s = group_tensor_scale([src_tensors[m + ".weight"] for m in members])
+            for m in members:
+                shared[m + ".weight"] = s
+    out = {}
+    for n, t in src_tensors.items():
+        if n not in quant:
+            out[n] = t
+            continue
+        codes, scale = quantize(t, scheme, shared.get(n))
+        suffix, sshape = scale_name_and_shape(fmt, scheme, t.shape)
+        out[n] = codes
+        out[module_of(n) + suffix] = scale.reshape(sshape).to(torch.float32)
+    return out, quant
