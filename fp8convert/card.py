@@ -14,8 +14,9 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .hub import REPO_ID
+from .hub import looks_like_repo_id
 from .options import Options
+from .summary import describe, human
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
 COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
@@ -33,6 +34,17 @@ ACTIVATIONS_TEXT = {
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
 DEFAULT_MAX_SHARD = Options().max_shard_size
+# Marks a generated card and records the local path its examples use, so `push` can put the repo id there.
+TARGET_MARK = "<!-- fp8convert card; examples use: {} -->"
+
+
+def read_source_card(root: str | Path) -> str | None:
+    """The source checkpoint's README.md (never copied to the output: the new card replaces it)."""
+    path = Path(root) / "README.md"
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def split_front_matter(text: str | None) -> tuple[dict, str]:
@@ -49,17 +61,8 @@ def split_front_matter(text: str | None) -> tuple[dict, str]:
     return (data if isinstance(data, dict) else {}), text[m.end():]
 
 
-def human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 def _plan_info(plan) -> tuple[dict, dict]:
     """describe() of a Plan, plus what the reproduce command needs (user ignore patterns, shard size, revision)."""
-    from .summary import describe
     info = describe(plan, 1 << 30, "cpu")
     source = plan.source
     revision = getattr(source, "revision", None)
@@ -67,7 +70,7 @@ def _plan_info(plan) -> tuple[dict, dict]:
     if revision is None and root.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", root.name):
         revision = root.name  # a huggingface_hub cache snapshot: the directory is the commit
     extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
-             "revision": revision if REPO_ID.match(str(source.label)) else None}
+             "revision": revision if looks_like_repo_id(str(source.label)) else None}
     return info, extra
 
 
@@ -85,11 +88,11 @@ def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_pa
 
 def transformers_support(fmt: str, scheme: str, warnings: list[str]) -> tuple[bool, str]:
     """Whether transformers loads this combination (see the README's table), and why not."""
-    if fmt == "fp8" and scheme == "tensor":
-        return False, "transformers has no loader for per-tensor `weight_scale` in the fp8 format"
     for w in warnings:
         if "transformers cannot" in w:
             return False, w
+    if fmt == "fp8" and scheme == "tensor":
+        return False, "transformers has no per-tensor `weight_scale` path for the fp8 format"
     return True, ""
 
 
@@ -102,13 +105,14 @@ def _fmt_value(value) -> str:
 
 
 def make_card(plan_or_info, source_card_text: str | None = None, command: str | None = None,
-              verify: dict | None = None, repo_id: str | None = None) -> str:
+              verify: dict | None = None, repo_id: str | None = None, out_dir: str | Path | None = None) -> str:
     """The README.md of a converted checkpoint.
 
     `plan_or_info`: the Plan, or a `summary.describe()` dict. `source_card_text`: the source's README.md
     (its YAML header gives license, library_name, pipeline_tag). `command`: the exact command line;
     generated from the plan when None. `verify`: optional figures (e.g. worst relative error, min SNR)
-    rendered as a table. `repo_id`: where it will be published (used in the load examples)."""
+    rendered as a table. `repo_id`: where it will be published, else `out_dir`: where it was written
+    (the load examples and the command use it; `push` later replaces it with the repo id)."""
     if isinstance(plan_or_info, dict):
         info, extra = plan_or_info, {"ignore_patterns": plan_or_info.get("ignore_patterns", []),
                                      "max_shard_size": None, "revision": plan_or_info.get("revision")}
@@ -116,12 +120,11 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
         info, extra = _plan_info(plan_or_info)
     source, scheme, fmt = str(info["source"]), info["scheme"], info["format"]
     source_meta, _ = split_front_matter(source_card_text)
-    base_model = source if REPO_ID.match(source) else None
+    base_model = source if looks_like_repo_id(source) else None
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
         name = f"{name}-FP8"
-    target = repo_id or f"./{name}"
-    where = repo_id or target
+    where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
 
     meta: dict = {}
     if base_model:
@@ -130,7 +133,7 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     for key in COPIED_FIELDS:
         if source_meta.get(key) not in (None, "", []):
             meta[key] = source_meta[key]
-    meta["tags"] = ["fp8", fmt, "fp8convert"]
+    meta["tags"] = list(dict.fromkeys(["fp8", fmt, "fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
 
     from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
@@ -141,7 +144,7 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
              "Activations are quantized dynamically at run time, so no calibration data was used.", "",
              "## Quantization", "",
              f"- Format: `{fmt}` (`quantization_config` in config.json)",
-             f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}; scales are float32",
+             f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}",
              f"- Activations: {ACTIVATIONS_TEXT.get((fmt, scheme), 'dynamic FP8')}"]
     q = info.get("quantized")
     if q:
@@ -166,27 +169,41 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
                   "| measure | value |", "|---|---|"]
         lines += [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in verify.items()]
 
-    cmd = command or reproduce_command(source, target, scheme, fmt, extra.get("ignore_patterns") or (),
+    cmd = command or reproduce_command(source, where, scheme, fmt, extra.get("ignore_patterns") or (),
                                        extra.get("max_shard_size"), extra.get("revision"))
     lines += ["", "## Reproduce", "", "```bash", cmd, "```",
               "", "## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
-              "```bash", f"vllm serve {where}", "```"]
-    if fmt == "compressed-tensors":
-        lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {where}", "```"]
+              "```bash", f"vllm serve {shlex.quote(where)}", "```"]
+    lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
     ok, why = transformers_support(fmt, scheme, list(info.get("warnings") or []))
     lines += ["", "transformers:", ""]
     if ok:
         need = " (needs `pip install compressed-tensors`)" if fmt == "compressed-tensors" else ""
         lines += [f"Loads with transformers{need}; weights are dequantized on CPU.", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
-                  f'model = AutoModelForCausalLM.from_pretrained("{where}", device_map="auto")', "```"]
+                  f'model = AutoModelForCausalLM.from_pretrained({json.dumps(where)}, device_map="auto")', "```"]
     else:
-        lines += [f"Not loadable in transformers: {why}. Use vLLM or SGLang, or convert with "
-                  "`--format compressed-tensors` (tensor or channel scheme)."]
+        lines += [f"Not loadable in transformers: {why.rstrip('.')}. Serve it with vLLM or SGLang."]
     caveats = [w for w in info.get("warnings") or [] if w != why]
     if caveats:
         lines += ["", "Notes:", ""] + [f"- {w}" for w in caveats]
+    lines += ["", TARGET_MARK.format(where)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def retarget_card(text: str, repo_id: str) -> str:
+    """A generated card's examples name where it was written (a directory, or the repo of an earlier
+    push); on push they should name the repo. Cards without the mark are left alone."""
+    m = re.search(r"^" + re.escape(TARGET_MARK).replace(r"\{\}", "(.+?)") + r"\n?\Z", text, re.M)
+    if not m:
+        return text
+    old = m.group(1)
+    body = text[:m.start()].rstrip() + "\n"
+    for before, after in ((f"vllm serve {shlex.quote(old)}\n", f"vllm serve {repo_id}\n"),
+                          (f"--model-path {shlex.quote(old)}\n", f"--model-path {repo_id}\n"),
+                          (f"from_pretrained({json.dumps(old)}", f"from_pretrained({json.dumps(repo_id)}")):
+        body = body.replace(before, after)
+    return body + "\n" + TARGET_MARK.format(repo_id) + "\n"
 
 
 def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
@@ -207,9 +224,7 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
             weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {})
             scheme = weights.get("strategy", "tensor")
     source = manifest.get("source") or "unknown"
-    source_card = None
-    if Path(source).is_dir() and (Path(source) / "README.md").is_file():
-        source_card = (Path(source) / "README.md").read_text(encoding="utf-8", errors="replace")
+    source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
             "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
             "warnings": []}

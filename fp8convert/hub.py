@@ -20,13 +20,12 @@ import struct
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FP8ConvertError
 from .safetensors_io import MAX_HEADER_BYTES, TensorInfo, parse_header, read_header
-from .source import (INDEX_NAME, Source, collect_tensors, is_copied_file, load_config,
+from .source import (INDEX_NAME, Source, collect_tensors, is_copied_file, load_config, open_local,
                      refuse_quantized, safe_relative_name)
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -188,6 +187,15 @@ def _read_range(url: str, headers: dict, start: int, length: int, timeout: float
         return bytes(out[:length])
 
 
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise KeyError(key)
+        result[key] = value
+    return result
+
+
 def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """One shard's safetensors header over HTTP Range requests, validated exactly as a local one
     (offsets absolute: 8 + header length + data_offsets begin; the file size from the repo listing)."""
@@ -197,6 +205,8 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     headers = build_hf_headers(token=repo.token)
     timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
     size = repo.sizes.get(filename)
+    if size is not None and size < 8:
+        raise FP8ConvertError(f"{filename}: not a safetensors file ({size} bytes)")
     first = repo.call(_read_range, url, headers, 0, FIRST_HEADER_READ if size is None else min(size, FIRST_HEADER_READ),
                       timeout)
     if len(first) < 8:
@@ -208,9 +218,11 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     if len(raw) < header_len:
         raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FP8ConvertError(f"{filename}: corrupt safetensors header (not JSON: {e})") from e
+    except KeyError as e:  # json would keep the last silently; which bytes are the tensor then?
+        raise FP8ConvertError(f"{filename}: tensor {e.args[0]} is named twice in the header") from None
     if not isinstance(header, dict):
         raise FP8ConvertError(f"{filename}: corrupt safetensors header (not a JSON object)")
     return parse_header(header, filename, data_start=8 + header_len, file_size=size)
@@ -223,20 +235,32 @@ def _snapshot_dir(repo: RemoteRepo) -> Path:
 
 def _source_from_repo(repo: RemoteRepo, layout: RemoteLayout, root: Path) -> Source:
     config = load_config(repo.download("config.json").parent)
-    with ThreadPoolExecutor(min(PARALLEL_REQUESTS, len(layout.shards))) as pool:
-        headers = dict(zip(layout.shards, pool.map(lambda f: remote_header(repo, f)[0], layout.shards)))
-    tensors = collect_tensors(headers, layout.index_map)
+    headers = dict(zip(layout.shards, parallel(lambda f: remote_header(repo, f)[0], layout.shards)))
+    tensors = collect_tensors(headers, layout.index_map, repo.repo_id)
     refuse_quantized(config, tensors, repo.repo_id)
     source = Source(Path(root), list(layout.shards), tensors, config, list(layout.side_files), repo.repo_id)
     source.revision = repo.sha  # the commit the plan describes (model card, reports)
     return source
 
 
+def offline_snapshot(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path | None:
+    """With HF_HUB_OFFLINE set: the cached snapshot of an earlier download (None when online)."""
+    from huggingface_hub import constants, snapshot_download
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    probe = RemoteRepo(repo_id, "", {}, None, cache_dir, revision)
+    return Path(probe.call(snapshot_download, repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+
+
 def remote_source(repo_id: str, revision: str | None = None, token: str | None = None,
                   root: str | Path | None = None, cache_dir: str | None = None) -> Source:
     """A Source from the Hub without downloading weights: the repo listing, config.json and the
     index (small files, into the cache) and each shard's header (Range requests). `root` is where the
-    files would be downloaded: by default the cache snapshot that `download_source` fills."""
+    files would be downloaded: by default the cache snapshot that `download_source` fills.
+    Offline (HF_HUB_OFFLINE), the cached snapshot of an earlier download is read instead."""
+    cached = offline_snapshot(repo_id, revision, cache_dir)
+    if cached is not None:
+        return open_local(cached, label=repo_id)
     repo = resolve_repo(repo_id, revision, token, cache_dir)
     layout = remote_layout(repo)
     return _source_from_repo(repo, layout, Path(root) if root is not None else _snapshot_dir(repo))
@@ -248,37 +272,69 @@ def download_source(repo_id: str, revision: str | None = None, token: str | None
     files and README.md into the huggingface_hub cache; returns the snapshot directory.
 
     Nothing else is fetched (no .bin, no original/ folder). Finished files are re-used by a rerun and
-    a partial one resumes, since the cache keeps `.incomplete` blobs."""
+    a partial one resumes, since the cache keeps `.incomplete` blobs. Offline (HF_HUB_OFFLINE), the
+    cached snapshot of an earlier download is used as it is."""
+    cached = offline_snapshot(repo_id, revision, cache_dir)
+    if cached is not None:
+        return cached
     repo = resolve_repo(repo_id, revision, token, cache_dir)
     layout = remote_layout(repo)
     root = _snapshot_dir(repo)
     small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
     for name in dict.fromkeys(small):
         repo.download(name)
-    # Biggest first keeps the tail short; the pool stops handing out files after the first failure.
-    shards = sorted(layout.shards, key=lambda n: -(repo.sizes.get(n) or 0))
-    failed: list[BaseException] = []
-
-    def fetch(name: str) -> None:
-        if not failed:
-            try:
-                repo.download(name)
-            except BaseException as e:
-                failed.append(e)
-
-    with ThreadPoolExecutor(min(PARALLEL_REQUESTS, len(shards))) as pool:
-        list(pool.map(fetch, shards))
-    if failed:
-        raise failed[0]
+    # Biggest first keeps the tail short.
+    parallel(repo.download, sorted(layout.shards, key=lambda n: -(repo.sizes.get(n) or 0)))
+    _remember_ref(root, repo)
     return root
 
 
-def read_source_card(root: str | Path) -> str | None:
-    path = Path(root) / CARD_NAME
+def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
+    """fn over items on daemon threads, results in order. The first failure stops handing out items
+    and is raised; Ctrl-C returns at once (a thread pool would wait for every download in flight,
+    whose partial files a rerun resumes anyway)."""
+    items = list(items)
+    results: list = [None] * len(items)
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+    cursor = iter(range(len(items)))
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if failed else next(cursor, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:
+                with lock:
+                    failed.append(e)
+
+    threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True)
+               for _ in range(max(1, min(workers, len(items))))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        while th.is_alive():
+            th.join(timeout=0.2)
+    if failed:
+        raise failed[0]
+    return results
+
+
+def _remember_ref(snapshot: Path, repo: RemoteRepo) -> None:
+    """Record branch -> commit in the cache as huggingface_hub does (refs/<branch>), so an offline rerun
+    finds this snapshot: the files were fetched by commit, which records no ref."""
+    ref = repo.revision or "main"
+    if COMMIT_SHA.match(ref) or snapshot.parent.name != "snapshots":
+        return
+    path = snapshot.parent.parent / "refs" / ref
     try:
-        return path.read_text(encoding="utf-8") if path.is_file() else None
-    except (OSError, UnicodeDecodeError):
-        return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(repo.sha)
+    except OSError:
+        pass  # only offline reruns need it
 
 
 # ----------------------------------------------------------------------------------- streaming download
@@ -316,6 +372,7 @@ class StreamingFetcher:
         self.events: list[tuple[str, str]] = []    # ("download" | "release", file), in order: for tests, logs
         self.peak_present = 0                      # most shards on disk (or downloading) at once
         self._waiting: Counter = Counter()         # files some need() call is blocked on
+        self._release_when_done: set[str] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -391,7 +448,8 @@ class StreamingFetcher:
                 if f not in self.state:
                     continue
                 if self.state[f] == self.DOWNLOADING:
-                    continue  # cannot happen with need-before-read; the download finishes and is kept
+                    self._release_when_done.add(f)  # released before it was needed: drop it on arrival
+                    continue
                 if self.state[f] == self.PRESENT:
                     self._delete(f)
                 self.state[f] = self.RELEASED
@@ -404,7 +462,7 @@ class StreamingFetcher:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=2)  # a download in flight finishes on its own (daemon thread)
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -454,7 +512,12 @@ class StreamingFetcher:
             except BaseException as e:  # handed to need(), which raises it in the pipeline
                 error = e if isinstance(e, FP8ConvertError) else hub_error(self.repo.repo_id, e)
             with self._cond:
-                if error is None:
+                if error is None and name in self._release_when_done:
+                    self._release_when_done.discard(name)
+                    self._delete(name)
+                    self.state[name] = self.RELEASED
+                    self.events.append(("release", name))
+                elif error is None:
                     self.state[name] = self.PRESENT
                 else:
                     self.state[name] = self.FAILED
@@ -543,7 +606,10 @@ def check_output_complete(out: str | Path) -> dict:
     for name in shards:
         if not (out / name).is_file():
             raise FP8ConvertError(f"{out / name}: missing (the index names it); refusing to push")
-        read_header(str(out / name), name)  # raises on a truncated or padded shard
+        try:
+            read_header(str(out / name), name)  # a truncated or padded shard fails here
+        except FP8ConvertError as e:
+            raise FP8ConvertError(f"{out}: {e}; refusing to push") from e
     return config
 
 
@@ -552,17 +618,23 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
     """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL.
 
     Uses huggingface_hub's `upload_folder`, which (with hf_xet) uploads in resumable batched commits:
-    rerunning an interrupted push skips what already arrived. `.fp8convert/` is never uploaded; a
-    model card is generated first if OUT has none; `*.safetensors` on the remote that this output
-    does not have (an older push with other sharding; top level only) are deleted in the same commit."""
+    rerunning an interrupted push skips what already arrived. `.fp8convert/` is never uploaded. A
+    model card is generated first if OUT has none (a generated one is re-pointed at `repo_id`).
+    Top-level `*.safetensors` on the remote that this output lacks (an earlier push with other
+    sharding) are deleted in the same upload."""
     from huggingface_hub import HfApi
     out = Path(out)
     if not REPO_ID.match(repo_id):
         raise FP8ConvertError(f"{repo_id}: not a Hub repo id (owner/name)")
     config = check_output_complete(out)
-    if not (out / CARD_NAME).is_file():
-        from .card import card_from_output
-        (out / CARD_NAME).write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
+    from .card import card_from_output, retarget_card
+    card_path = out / CARD_NAME
+    if card_path.is_file():  # a generated card's examples should name the repo, not the local directory
+        text = card_path.read_text(encoding="utf-8")
+        if retarget_card(text, repo_id) != text:
+            card_path.write_text(retarget_card(text, repo_id), encoding="utf-8")
+    else:
+        card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
     qc = config.get("quantization_config") or {}
     api = HfApi(token=token)
     try:

@@ -24,17 +24,21 @@ class NonFiniteWeight(ValueError):
 
 def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """Largest magnitude in float32, per tensor [..., 1, 1], per row [..., out, 1] or per 128x128
-    block [..., ceil(out/128), ceil(in/128)]."""
-    a = w.abs()
+    block [..., ceil(out/128), ceil(in/128)]. max|w| = max(max w, -min w): two reductions and no
+    full-size |w| temporary. NaN propagates through both."""
     if scheme == "tensor":
-        return a.amax(dim=(-2, -1), keepdim=True).float()
-    if scheme == "channel":
-        return a.amax(dim=-1, keepdim=True).float()
-    out, inp = w.shape[-2:]
-    rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
-    if out % BLOCK or inp % BLOCK:  # edge blocks are partial: pad with zeros, which never raise a max
-        a = torch.nn.functional.pad(a, (0, cols * BLOCK - inp, 0, rows * BLOCK - out))
-    return a.reshape(*w.shape[:-2], rows, BLOCK, cols, BLOCK).amax(dim=(-3, -1)).float()
+        dims = (-2, -1)
+    elif scheme == "channel":
+        dims = (-1,)
+    else:
+        out, inp = w.shape[-2:]
+        rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
+        if out % BLOCK or inp % BLOCK:  # edge blocks are partial: pad with zeros, which never raise a max
+            w = torch.nn.functional.pad(w, (0, cols * BLOCK - inp, 0, rows * BLOCK - out))
+        w = w.reshape(*w.shape[:-2], rows, BLOCK, cols, BLOCK)
+        dims = (-3, -1)
+    return torch.maximum(w.amax(dim=dims, keepdim=scheme != "block"),
+                         w.amin(dim=dims, keepdim=scheme != "block").neg()).float()
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -56,8 +60,34 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """q = clamp(float32(w) / scale, -448, 448) cast to e4m3 (round to nearest even)."""
+    if w.device.type == "cpu" and w.dim() == 3:
+        return _quantize_rows(w, scale, scheme)
     q = w.float().div_(expand_scale(scale, tuple(w.shape), scheme))
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+CPU_TILE_BYTES = 512 << 10  # float32 working tile that stays in a core's L2
+
+
+def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The same arithmetic as above, a few rows at a time through one small float32 tile: on a CPU,
+    three passes over a tile in cache are about 3x faster than three passes over main memory."""
+    stack, out, inp = w.shape
+    rows = 1 << max(0, min(7, (CPU_TILE_BYTES // (4 * inp)).bit_length() - 1))  # a power of 2 <= 128,
+    tile = torch.empty(rows, inp, dtype=torch.float32)                          # so no tile spans two blocks
+    q = torch.empty(w.shape, dtype=FP8_DTYPE)
+    for n in range(stack):
+        for r in range(0, out, rows):
+            part = tile[:min(rows, out - r)]
+            if scheme == "tensor":
+                s = scale[n]
+            elif scheme == "channel":
+                s = scale[n, r:r + rows]
+            else:
+                s = scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp]
+            part.copy_(w[n, r:r + rows]).div_(s).clamp_(-FP8_MAX, FP8_MAX)
+            q[n, r:r + rows].copy_(part)
+    return q
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:

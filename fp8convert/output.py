@@ -7,6 +7,7 @@ finished: rerunning the same command (or another worker) skips it and continues 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,12 +23,20 @@ MANIFEST = "manifest.json"
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Write under a temporary name, fsync, rename: `path` is never seen half-written, whenever the
+    process dies. A failure (disk full) is one resumable error."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise FP8ConvertError(f"{path}: cannot write ({e.strerror}); rerun the same command to resume once "
+                              "the problem is fixed") from e
 
 
 def json_bytes(obj) -> bytes:
@@ -140,7 +149,7 @@ def finalize(plan: Plan, out_dir: Path, extra: dict | None = None) -> None:
         raise FP8ConvertError(f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
                               f"{len(plan.shards)} shards); rerun the conversion to finish it")
     for name in plan.source.copy_files:
-        shutil.copyfile(plan.source.root / name, out_dir / name)
+        write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
     weight_map = {}
     for shard in plan.shards:
         weight_map.update({t: shard.name for t in shard.tensors})

@@ -56,6 +56,14 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 continue
         return False
 
+    def next_from_reader():
+        while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
+            try:
+                return to_main.get(timeout=0.1)
+            except queue.Empty:
+                if writer_error:
+                    raise writer_error[0]
+
     def read_loop():
         try:
             for batch in batches:
@@ -98,7 +106,7 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
     try:
         while True:
             t0 = time.monotonic()
-            item = to_main.get()
+            item = next_from_reader()
             seconds.wait_read += time.monotonic() - t0
             if item is None:
                 break

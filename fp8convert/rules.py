@@ -60,6 +60,8 @@ def default_keep_reason(info: TensorInfo) -> str | None:
         return f"not floating point ({info.dtype})"
     if len(info.shape) < 2:
         return "1-D (norm or bias)"
+    if info.numel == 0:
+        return "empty"
     parts = module_of(info.name).split(".")
     # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
     if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):

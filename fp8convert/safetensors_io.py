@@ -47,39 +47,73 @@ def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, Tens
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise FP8ConvertError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise FP8ConvertError(f"{label}: corrupt safetensors header (claims {header_len} bytes, file has {size})")
+            header_len = header_length(f.read(8), size, label)
             raw = f.read(header_len)
     except OSError as e:
         raise FP8ConvertError(f"{label}: cannot read ({e.strerror})") from e
+    return parse_header(decode_header(raw, label), label, data_start=8 + header_len, file_size=size)
+
+
+def header_length(first8: bytes, file_size: int | None, label: str) -> int:
+    """The header length from a file's first 8 bytes, checked against the file size (if known)."""
+    if len(first8) < 8:
+        raise FP8ConvertError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
+    (header_len,) = struct.unpack("<Q", first8[:8])
+    if header_len > MAX_HEADER_BYTES or (file_size is not None and 8 + header_len > file_size):
+        raise FP8ConvertError(f"{label}: corrupt safetensors header (claims {header_len} bytes, file has {file_size})")
+    return header_len
+
+
+def decode_header(raw: bytes, label: str) -> dict:
+    """The header's JSON object. A name given twice is an error: json would silently keep the last
+    entry, and then which bytes are the tensor?"""
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FP8ConvertError(f"{label}: corrupt safetensors header (not JSON: {e})") from e
+    except _DuplicateKey as e:
+        raise FP8ConvertError(f"{label}: tensor {e.args[0]} is named twice in the header") from None
     if not isinstance(header, dict):
         raise FP8ConvertError(f"{label}: corrupt safetensors header (not a JSON object)")
-    return parse_header(header, label, data_start=8 + header_len, file_size=size)
+    return header
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def parse_header(header: dict, label: str, data_start: int, file_size: int | None
                  ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the buffer."""
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise FP8ConvertError(f"{label}: corrupt safetensors header (__metadata__ is not an object)")
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise FP8ConvertError(f"{label}: corrupt header entry for tensor {name}") from e
         if dtype not in DTYPE_SIZES:
             raise FP8ConvertError(f"{label}: tensor {name} has unsupported dtype {dtype}")
-        if any(d < 0 for d in shape) or not (isinstance(begin, int) and isinstance(end, int)) or end < begin:
-            raise FP8ConvertError(f"{label}: tensor {name} has invalid shape or offsets")
+        if not all(_is_int(d) and d >= 0 for d in shape) or not (_is_int(begin) and _is_int(end)) \
+                or not 0 <= begin <= end:
+            raise FP8ConvertError(f"{label}: tensor {name} has invalid shape {entry['shape']} or "
+                                  f"offsets {entry['data_offsets']}")
         if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise FP8ConvertError(f"{label}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
                                   f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}")

@@ -98,7 +98,8 @@ def refuse_quantized(config: dict, tensors: list[TensorInfo], where: str) -> Non
                                   "fp8convert needs a BF16/FP16/FP32 source")
 
 
-def collect_tensors(headers: dict[str, dict[str, TensorInfo]], index_map: dict[str, str] | None) -> list[TensorInfo]:
+def collect_tensors(headers: dict[str, dict[str, TensorInfo]], index_map: dict[str, str] | None,
+                    where: str = "the checkpoint") -> list[TensorInfo]:
     """Merge per-file headers; a tensor named twice, or where the index says it is not, is an error."""
     seen: dict[str, TensorInfo] = {}
     for file in sorted(headers):
@@ -116,7 +117,7 @@ def collect_tensors(headers: dict[str, dict[str, TensorInfo]], index_map: dict[s
             if name not in index_map:
                 raise FP8ConvertError(f"{INDEX_NAME}: does not list tensor {name} found in {info.file}")
     if not seen:
-        raise FP8ConvertError("the checkpoint holds no tensors")
+        raise FP8ConvertError(f"{where}: holds no tensors ({', '.join(sorted(headers))} empty)")
     return sorted(seen.values(), key=lambda t: (t.file, t.offset))
 
 
@@ -138,7 +139,7 @@ def open_local(root: Path, label: str | None = None) -> Source:
     index_map = None
     if (root / INDEX_NAME).is_file():
         index_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-    tensors = collect_tensors(headers, index_map)
+    tensors = collect_tensors(headers, index_map, str(root))
     refuse_quantized(config, tensors, str(root))
     copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
     return Source(root, shards, tensors, config, copy, label or str(root))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .errors import FP8ConvertError
 from .options import BLOCK
+from .output import MANIFEST, WORK_DIR
 from .rules import default_keep_reason, fused_group_key, is_linear_weight, module_of
 from .safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, read_header
 from .source import INDEX_NAME, Source, safe_relative_name
@@ -42,7 +43,6 @@ FP8 = "F8_E4M3"
 CHUNK_ELEMENTS = 1 << 22        # elements per slab of a quantized tensor (a few 16 MB float32 temporaries)
 CHUNK_BYTES = 16 << 20          # bytes per piece when comparing kept tensors
 FLOAT_SLACK = 1e-5              # float32 arithmetic in dequant / division, far below any real error
-WORK_DIR = ".fp8convert"        # output.WORK_DIR (not imported: output pulls in the planner)
 
 
 class VerifyFailed(FP8ConvertError):
@@ -278,7 +278,7 @@ def verify(src: str | Path, out: str | Path, *, revision: str | None = None, tok
 
 
 def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> None:
-    manifest = out / WORK_DIR / "manifest.json"
+    manifest = out / WORK_DIR / MANIFEST
     if manifest.is_file():
         try:
             if not json.loads(manifest.read_text()).get("complete"):

@@ -3,11 +3,15 @@
 Each shard is a hidden partial file, preallocated to its final size with the header written first;
 tensors land at their planned offsets as they arrive (in any order). When the last tensor of a shard
 arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
+
+Writes go through a few threads (a disk takes parallel writes faster than one stream); from CUDA each
+chunk is first copied into one of a small ring of pinned buffers, so host memory stays fixed.
 """
 from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,12 +33,17 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class ShardWriter:
-    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20):
+    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 16 << 20,
+                 threads: int = 4):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
         self.remaining = {s.index: set(s.tensors) for s in plan.shards if s.index not in skip_shards}
         self.fds: dict[int, int] = {}
         self.chunk = chunk_bytes
-        self.staging: torch.Tensor | None = None
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-write")
+        self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
+        self.ring: list[tuple[torch.Tensor, Future | None]] = []  # pinned staging buffers (CUDA)
+        self.ring_size = threads + 1
+        self.next_slot = 0
         self.stream = None
         self.bytes_written = 0
         self.test_delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
@@ -48,11 +57,15 @@ class ShardWriter:
             path = self.partial_path(index)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as e:
+                raise FP8ConvertError(f"{path}: cannot create ({e.strerror})") from e
+            self.fds[index] = fd  # closed by close(), also when the next lines fail
+            try:
                 pwrite_all(fd, memoryview(shard.header), 0)
                 os.ftruncate(fd, shard.size)
             except OSError as e:
-                raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
-            self.fds[index] = fd
+                raise FP8ConvertError(f"{path}: write failed ({e.strerror}); rerun the same command to "
+                                      "resume once the problem is fixed") from e
         return self.fds[index]
 
     def write(self, name: str, data: torch.Tensor) -> None:
@@ -71,41 +84,67 @@ class ShardWriter:
         offset = len(shard.header) + placed.offset
         try:
             if raw.device.type == "cpu":
-                pwrite_all(fd, memoryview(raw.numpy()), offset)
+                # `raw` stays referenced by the task until its bytes are written
+                self._submit(index, fd, raw, offset)
             else:
-                self._write_from_device(fd, raw, offset)
+                self._write_from_device(index, fd, raw, offset)
         except OSError as e:
-            raise FP8ConvertError(f"{self.partial_path(index)}: write failed ({e.strerror}); "
-                                  "rerun the same command to resume once the problem is fixed") from e
+            self._raise_write_error(index, e)
         self.bytes_written += placed.nbytes
         self.remaining[index].discard(name)
         if not self.remaining[index]:
             self._finish(index)
 
-    def _write_from_device(self, fd: int, raw: torch.Tensor, offset: int) -> None:
-        if self.staging is None:  # pinned: device->host copies at full speed, one bounded chunk
-            self.staging = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True)
+    def _submit(self, index: int, fd: int, host: torch.Tensor, offset: int) -> Future:
+        # The task holds `host` until it has run; the future's result is None, so the bytes are freed
+        # as soon as they are written, not when the shard is finished.
+        future = self.pool.submit(pwrite_all, fd, memoryview(host.numpy()), offset)
+        self.pending.setdefault(index, []).append(future)
+        return future
+
+    def _write_from_device(self, index: int, fd: int, raw: torch.Tensor, offset: int) -> None:
+        if self.stream is None:
             self.stream = torch.cuda.Stream(raw.device)
         for start in range(0, raw.numel(), self.chunk):
             n = min(self.chunk, raw.numel() - start)
+            slot = self.next_slot
+            self.next_slot = (slot + 1) % self.ring_size
+            if slot == len(self.ring):
+                self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
+            staging, busy = self.ring[slot]
+            if busy is not None:
+                busy.result()  # the buffer's previous write must finish before it is refilled
             with torch.cuda.stream(self.stream):
-                self.staging[:n].copy_(raw[start:start + n], non_blocking=True)
+                staging[:n].copy_(raw[start:start + n], non_blocking=True)
             self.stream.synchronize()
-            pwrite_all(fd, memoryview(self.staging[:n].numpy()), offset + start)
+            self.ring[slot] = (staging, self._submit(index, fd, staging[:n], offset + start))
+
+    def _raise_write_error(self, index: int, error: OSError) -> None:
+        raise FP8ConvertError(f"{self.partial_path(index)}: write failed ({error.strerror}); "
+                              "rerun the same command to resume once the problem is fixed") from error
 
     def _finish(self, index: int) -> None:
+        for future in self.pending.pop(index, []):
+            try:
+                future.result()
+            except OSError as e:
+                self._raise_write_error(index, e)
         fd = self.fds.pop(index)
         final = self.out_dir / self.plan.shards[index].name
         try:
-            os.fsync(fd)
-            os.close(fd)
+            try:
+                os.fsync(fd)  # a full disk often shows only here (delayed allocation)
+            finally:
+                os.close(fd)
             os.replace(self.partial_path(index), final)
             fsync_dir(self.out_dir)
         except OSError as e:
-            raise FP8ConvertError(f"{final}: cannot finish shard ({e.strerror})") from e
+            raise FP8ConvertError(f"{final}: cannot finish shard ({e.strerror}); rerun the same command to "
+                                  "resume once the problem is fixed") from e
         del self.remaining[index]
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)  # no write may land after its file is closed
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()

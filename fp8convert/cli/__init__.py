@@ -16,6 +16,7 @@ app = typer.Typer(name="fp8convert", no_args_is_help=True, add_completion=False,
                   help="Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers.")
 convert.register(app)
 verify.register(app)
+from . import hub as _hub; _hub.register(app)  # noqa: E402,E702  (push)
 
 
 INTERRUPTED = "interrupted: rerun the same command to resume"

@@ -6,11 +6,12 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from .. import api
+from .. import api, hub
+from ..errors import FP8ConvertError
 from ..summary import compatibility_warnings, describe, render
 from ._options import Device, Format, Ignore, Json, MaxResident, MaxShardSize, Revision, Scheme
 
@@ -29,6 +30,12 @@ def quantize(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace whatever OUT holds.")] = False,
     revision: Revision = None, json_out: Json = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    push_to_hub: Annotated[Optional[str], typer.Option(
+        "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")] = None,
+    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
+    stream_download: Annotated[bool, typer.Option(
+        "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
+                                  "converted (for models larger than the free disk).")] = False,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -39,7 +46,15 @@ def quantize(
       fp8convert quantize ./llama --scheme channel --ignore 're:.*down_proj' ./llama-fp8
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
+
+      fp8convert quantize Qwen/Qwen3-8B ./Qwen3-8B-FP8 --push-to-hub me/Qwen3-8B-FP8 --stream-download
     """
+    if private and not push_to_hub:
+        raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
+    if push_to_hub and not hub.REPO_ID.match(push_to_hub):
+        raise FP8ConvertError(f"--push-to-hub {push_to_hub}: not a Hub repo id (owner/name)")
+    streaming = {"stream_download": True} if stream_download else {}  # only Hub sources stream
+
     def show_warnings(the_plan):
         if not quiet:
             for line in compatibility_warnings(the_plan) + the_plan.notes:
@@ -47,7 +62,7 @@ def quantize(
 
     report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
                           max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings)
+                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings, **streaming)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
     elif report.already_complete:
@@ -57,6 +72,9 @@ def quantize(
         print(f"wrote {out}: {report.shards} shard(s){resumed}, {report.tensors_quantized} tensors quantized, "
               f"{report.tensors_kept} kept, {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
               f"in {report.seconds:.1f}s on {report.device}")
+    if push_to_hub:
+        url = hub.push(out, push_to_hub, private=private, token=token())
+        print(f"pushed {out} to {push_to_hub}: {url}", file=sys.stderr if json_out else sys.stdout)
 
 
 def inspect(

@@ -1,0 +1,391 @@
+"""A corpus of bad inputs. Each must end in one `error:` line naming the file or tensor, a non-zero
+exit code, and no output that looks complete; inputs the headers already condemn must fail before
+OUT is even created (preflight: seconds, not 97 %). Plus the edge inputs that are valid."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8convert.cli import main
+from tiny_ckpt import INDEX, llama_tensors, looks_complete, rewrite_index, tree_bytes, write_checkpoint, write_raw
+
+SHARD2 = "model-00002-of-00003.safetensors"  # layer 1 (shard_by_layer: layer 0, layer 1, the rest)
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    rc = main([*map(str, args)])
+    return rc, capsys.readouterr().err
+
+
+def assert_refused(rc: int, err: str, out, *names: str, preflight: bool = True) -> str:
+    """One error line that names every one of `names`; non-zero exit; no complete-looking output."""
+    assert rc != 0, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in errors[0], (name, errors[0])
+    assert not looks_complete(out)
+    if preflight:
+        assert not out.exists(), f"OUT was created before the input was validated: {sorted(tree_bytes(out))}"
+    return errors[0]
+
+
+# ---------------------------------------------------------------- broken files and indexes
+# Each builder gets a valid checkpoint directory, breaks it, and returns the names the error must contain.
+
+def truncated_shard(src):
+    path = src / SHARD2
+    path.write_bytes(path.read_bytes()[:-10])
+    return SHARD2, "truncated"
+
+
+def trailing_bytes(src):
+    with open(src / SHARD2, "ab") as f:
+        f.write(b"\0" * 8)
+    return SHARD2, "trailing"
+
+
+def corrupt_header_json(src):
+    data = bytearray((src / SHARD2).read_bytes())
+    data[8:20] = b"#" * 12
+    (src / SHARD2).write_bytes(bytes(data))
+    return SHARD2, "corrupt safetensors header"
+
+
+def oversized_header(src):
+    data = bytearray((src / SHARD2).read_bytes())
+    data[:8] = struct.pack("<Q", 2**40)
+    (src / SHARD2).write_bytes(bytes(data))
+    return SHARD2, "corrupt safetensors header"
+
+
+def header_longer_than_file(src):
+    data = bytearray((src / SHARD2).read_bytes())
+    data[:8] = struct.pack("<Q", len(data))
+    (src / SHARD2).write_bytes(bytes(data))
+    return SHARD2, "corrupt safetensors header"
+
+
+def short_file(src):
+    (src / SHARD2).write_bytes(b"\x01\x02")
+    return SHARD2, "not a safetensors file"
+
+
+def shape_disagrees_with_bytes(src):
+    write_raw(src / SHARD2, {"model.layers.1.x.weight": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 30]}},
+              b"\0" * 30)
+    rewrite_index(src, lambda ix: ix.update(weight_map={"model.layers.1.x.weight": SHARD2}))
+    return SHARD2, "model.layers.1.x.weight"
+
+
+def overlapping_tensors(src):
+    write_raw(src / SHARD2, {"a.weight": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]},
+                             "b.weight": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8)
+    rewrite_index(src, lambda ix: ix.update(weight_map={"a.weight": SHARD2, "b.weight": SHARD2}))
+    return SHARD2, "overlaps"
+
+
+def non_integer_shape(src):
+    write_raw(src / SHARD2, {"a.weight": {"dtype": "BF16", "shape": [2.5, 2], "data_offsets": [0, 8]}}, b"\0" * 8)
+    rewrite_index(src, lambda ix: ix.update(weight_map={"a.weight": SHARD2}))
+    return SHARD2, "a.weight"
+
+
+def unsupported_dtype(src):
+    # F8_E8M0 is a real safetensors dtype (MX scales) that no BF16 -> FP8 conversion can take
+    write_raw(src / SHARD2, {"model.layers.1.mlp.up_proj.weight": {"dtype": "F8_E8M0", "shape": [16, 16],
+                                                                  "data_offsets": [0, 256]}}, b"\0" * 256)
+    rewrite_index(src, lambda ix: ix.update(weight_map={"model.layers.1.mlp.up_proj.weight": SHARD2}))
+    return SHARD2, "model.layers.1.mlp.up_proj.weight", "F8_E8M0"
+
+
+def named_twice_in_one_header(src):
+    entry = '{"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}'
+    raw = f'{{"model.norm.weight": {entry}, "model.norm.weight": {entry}}}'.encode()
+    (src / SHARD2).write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+    rewrite_index(src, lambda ix: ix.update(weight_map={"model.norm.weight": SHARD2}))
+    return SHARD2, "model.norm.weight", "twice"
+
+
+def named_twice_in_two_shards(src):
+    os.remove(src / INDEX)  # without an index every *.safetensors is read
+    extra = {"model.layers.0.mlp.up_proj.weight": torch.zeros(16, 16, dtype=torch.bfloat16)}
+    save_file(extra, str(src / "extra.safetensors"))
+    return "model.layers.0.mlp.up_proj.weight", "twice"
+
+
+def index_names_missing_file(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.norm.weight": "model-00009-of-00009.safetensors"}))
+    return "model-00009-of-00009.safetensors", "does not exist"
+
+
+def index_dotdot(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.norm.weight": "../outside.safetensors"}))
+    return "../outside.safetensors"
+
+
+def index_dotdot_inside(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.norm.weight": f"sub/../{SHARD2}"}))
+    return f"sub/../{SHARD2}"
+
+
+def index_absolute(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.norm.weight": str(src / SHARD2)}))
+    return str(src / SHARD2)
+
+
+def index_names_absent_tensor(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.layers.1.ghost.weight": SHARD2}))
+    return "model.layers.1.ghost.weight", SHARD2
+
+
+def index_wrong_file(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.layers.1.mlp.up_proj.weight":
+                                                            "model-00001-of-00003.safetensors"}))
+    return "model.layers.1.mlp.up_proj.weight", "model-00001-of-00003.safetensors", SHARD2
+
+
+def index_omits_tensor(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].pop("model.layers.1.mlp.up_proj.weight"))
+    return "model.layers.1.mlp.up_proj.weight", SHARD2
+
+
+def index_not_json(src):
+    (src / INDEX).write_text("{not json")
+    return INDEX
+
+
+def index_without_weight_map(src):
+    (src / INDEX).write_text('{"metadata": {}}')
+    return INDEX
+
+
+def config_missing(src):
+    os.remove(src / "config.json")
+    return "config.json"
+
+
+def config_not_json(src):
+    (src / "config.json").write_text("[1, 2")
+    return "config.json"
+
+
+def already_quantized_config(src):
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (src / "config.json").write_text(json.dumps(config))
+    return "config.json", "already quantized"
+
+
+def already_quantized_tensors(src):
+    tensors = load_file(str(src / SHARD2))
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, str(src / SHARD2))
+    return SHARD2, "model.layers.1.mlp.up_proj.weight", "already quantized"
+
+
+def scale_tensor_in_source(src):
+    tensors = load_file(str(src / SHARD2))
+    tensors["model.layers.1.mlp.up_proj.weight_scale"] = torch.ones(1)
+    save_file(tensors, str(src / SHARD2))
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.layers.1.mlp.up_proj.weight_scale": SHARD2}))
+    return "model.layers.1.mlp.up_proj.weight_scale", "already quantized"
+
+
+def three_d_linear(src):
+    tensors = load_file(str(src / SHARD2))
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    save_file(tensors, str(src / SHARD2))
+    return "model.layers.1.mlp.down_proj.weight", "3-D"
+
+
+def empty_shard(src):
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    os.remove(src / INDEX)
+    save_file({}, str(src / "model.safetensors"))
+    return str(src), "no tensors"
+
+
+def no_weights_at_all(src):
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    os.remove(src / INDEX)
+    return str(src), "no safetensors"
+
+
+def pickle_only(src):
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    os.remove(src / INDEX)
+    (src / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really a zip")
+    return str(src), "pickle"
+
+
+BROKEN = [truncated_shard, trailing_bytes, corrupt_header_json, oversized_header, header_longer_than_file, short_file,
+          shape_disagrees_with_bytes, overlapping_tensors, non_integer_shape, unsupported_dtype,
+          named_twice_in_one_header, named_twice_in_two_shards, index_names_missing_file, index_dotdot,
+          index_dotdot_inside, index_absolute, index_names_absent_tensor, index_wrong_file, index_omits_tensor,
+          index_not_json, index_without_weight_map, config_missing, config_not_json, already_quantized_config,
+          already_quantized_tensors, scale_tensor_in_source, three_d_linear, empty_shard, no_weights_at_all,
+          pickle_only]
+
+
+@pytest.mark.parametrize("breaker", BROKEN, ids=lambda f: f.__name__)
+def test_broken_source_is_refused_before_any_output(tmp_path, capsys, breaker):
+    src = write_checkpoint(tmp_path / "src")
+    names = breaker(src)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert_refused(rc, err, out, *names)
+    # inspect plans from the same headers: it refuses the same way
+    rc, err = run_cli(capsys, "inspect", src)
+    assert rc != 0 and names[0] in err
+
+
+# ---------------------------------------------------------------- bad weights (found while reading)
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weight_names_the_tensor(tmp_path, capsys, value):
+    tensors = llama_tensors()
+    tensors["model.layers.1.self_attn.k_proj.weight"][5, 7] = value  # a fused q/k/v member
+    src = write_checkpoint(tmp_path / "src", tensors)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    line = assert_refused(rc, err, out, "model.layers.1.self_attn.k_proj.weight", SHARD2, preflight=False)
+    assert "NaN or Inf" in line
+    # a rerun on a repaired source resumes and then matches a clean conversion
+    write_checkpoint(tmp_path / "src", llama_tensors())
+    assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0
+    assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q")[0] == 0
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+def test_all_zero_weights_are_valid(tmp_path, capsys):
+    tensors = {n: torch.zeros_like(t) if t.dim() == 2 else t for n, t in llama_tensors().items()}
+    src = write_checkpoint(tmp_path / "src", tensors)
+    for scheme in ("tensor", "channel", "block"):
+        out = tmp_path / scheme
+        assert run_cli(capsys, "quantize", src, out, "-q", "--scheme", scheme)[0] == 0
+        converted = {}
+        for shard in sorted(out.glob("model-*.safetensors")):
+            converted.update(load_file(str(shard)))
+        scales = {n: t for n, t in converted.items() if n.endswith("_scale")}
+        assert len(scales) == 14
+        for name, scale in scales.items():
+            assert scale.dtype == torch.float32 and bool(torch.isfinite(scale).all()) and bool((scale > 0).all()), name
+            codes = converted[name[: -len("_scale")]]
+            assert codes.dtype == torch.float8_e4m3fn and not bool(codes.view(torch.uint8).any()), name
+        assert run_cli(capsys, "verify", src, out)[0] == 0
+
+
+# ---------------------------------------------------------------- where the output goes
+
+def test_out_inside_src_is_refused(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src")
+    out = src / "fp8"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert_refused(rc, err, out, str(out), "inside")
+    rc, err = run_cli(capsys, "quantize", src, src, "-q")
+    assert rc != 0 and "must not be the source" in err and not (src / ".fp8convert").exists()
+
+
+def test_out_containing_src_is_refused(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "out" / "src")
+    before = tree_bytes(tmp_path / "out")
+    rc, err = run_cli(capsys, "quantize", src, tmp_path / "out", "-q", "--overwrite")
+    assert rc != 0 and "must not contain the source" in err
+    assert tree_bytes(tmp_path / "out") == before  # --overwrite did not clear the source away
+
+
+def test_out_with_unrelated_files_needs_overwrite(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    line = assert_refused(rc, err, out, str(out), "--overwrite", preflight=False)
+    assert "did not write" in line and tree_bytes(out) == {"notes.txt": b"mine"}
+    assert run_cli(capsys, "quantize", src, out, "-q", "--overwrite")[0] == 0
+    assert looks_complete(out) and not (out / "notes.txt").exists()
+
+
+def test_out_is_a_file_or_under_one(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, err = run_cli(capsys, "quantize", src, blocker, "-q")
+    assert rc != 0 and str(blocker) in err and "not a directory" in err and blocker.read_text() == "x"
+    rc, err = run_cli(capsys, "quantize", src, blocker / "out", "-q")
+    assert rc != 0 and str(blocker / "out") in err and "cannot create" in err
+
+
+def test_out_not_writable(tmp_path, capsys, monkeypatch):
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    real_access = os.access
+    # chmod does not stop root, so deny write access the way the converter asks for it
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(out) and mode & os.W_OK
+                        else real_access(p, mode, **kw))
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert_refused(rc, err, out, str(out), "not writable", preflight=False)
+
+
+def test_not_enough_free_space_fails_before_writing_then_resumes(tmp_path, capsys, monkeypatch):
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert_refused(rc, err, out, str(out), "free", preflight=False)
+    assert not list(out.rglob("*.safetensors*")), "wrote shards despite too little space"
+    monkeypatch.undo()
+    assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0
+    assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q")[0] == 0
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the file behind an fd in /proc")
+def test_disk_full_while_finishing_is_resumable(tmp_path, capsys, monkeypatch):
+    """ENOSPC surfaces at fsync (delayed allocation): here while the index is written, the step just
+    before the output would look complete."""
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f".{INDEX}.tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    line = assert_refused(rc, err, out, INDEX, preflight=False)
+    assert "No space left" in line and "rerun" in line
+    assert not (out / f".{INDEX}.tmp").exists()
+    monkeypatch.undo()
+    assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0
+    assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q")[0] == 0
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+def test_zero_sized_linear_weight(tmp_path, capsys):
+    """A [0, 64] weight passes the divisible-by-16 test; it must be kept (or refused) up front, not
+    crash amax() halfway through the run."""
+    tensors = llama_tensors()
+    tensors["model.layers.1.mlp.extra_proj.weight"] = torch.zeros(0, 64, dtype=torch.bfloat16)
+    src = write_checkpoint(tmp_path / "src", tensors)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert "Traceback" not in err and "error:" in err or rc == 0, err
+    if rc:
+        assert_refused(rc, err, out, "model.layers.1.mlp.extra_proj.weight")
+    else:
+        assert run_cli(capsys, "verify", src, out)[0] == 0

@@ -1,0 +1,516 @@
+"""Hugging Face Hub in and out, against tests/fakehub.py (the real huggingface_hub client on 127.0.0.1).
+
+Sources: a repo id converts with only the files it needs (never .bin, never original/), at a pinned
+revision, with the token sent; gated / missing repos and network failures are one clear line; a rerun
+re-uses what the failed run downloaded; `inspect` reads headers with Range requests only.
+Streaming: StreamingFetcher keeps at most `keep` shards on disk. Publishing: push and
+quantize --push-to-hub upload every file byte for byte with a model card, never .fp8convert/.
+"""
+from __future__ import annotations
+
+import inspect as pyinspect
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from fakehub import FakeHub, fake_hub  # noqa: F401  (fake_hub is a fixture)
+except ImportError:  # tests/ imported as a package
+    from tests.fakehub import FakeHub, fake_hub  # noqa: F401
+from tiny_ckpt import llama_tensors, write_checkpoint
+
+from fp8convert import api, hub
+from fp8convert.card import make_card, retarget_card, split_front_matter
+from fp8convert.cli import main
+from fp8convert.errors import FP8ConvertError
+
+# huggingface_hub's own LFS upload passes a file object as `data=`, which httpx2 deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+
+REPO = "acme/tiny-llama"
+SOURCE_CARD = """---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+language: [en]
+tags: [llama]
+---
+# tiny llama
+
+A source model card.
+"""
+# Files a conversion must never fetch: other weight formats and the original/ folder.
+UNWANTED = {"pytorch_model.bin": b"\x80\x02pickle" * 4096, "original/consolidated.00.pth": b"\x80\x02" * 4096,
+            "original/params.json": b'{"dim": 64}'}
+
+
+def _hub_files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path: Path) -> Path:
+    """A 3-shard Llama-shaped BF16 checkpoint with tokenizer/generation config, remote code and a card."""
+    root = write_checkpoint(tmp_path / "src")
+    (root / "README.md").write_text(SOURCE_CARD)
+    (root / "tokenizer.json").write_text('{"version": "1.0"}')
+    (root / "modeling_tiny.py").write_text("# remote code\n")
+    return root
+
+
+@pytest.fixture
+def tiny_repo(fake_hub: FakeHub, tiny_ckpt: Path) -> Path:
+    """REPO on the fake hub: the checkpoint plus files nobody should download."""
+    fake_hub.add_repo(REPO, {**_hub_files(tiny_ckpt), **UNWANTED})
+    return tiny_ckpt
+
+
+def resolve_requests(fake_hub: FakeHub, start: int = 0):
+    """(method, file path in repo, request) of every file request since `start`."""
+    out = []
+    for r in fake_hub.requests[start:]:
+        parts = r.path.lstrip("/").split("/")
+        if len(parts) >= 5 and parts[2] == "resolve":
+            out.append((r.method, "/".join(parts[4:]), r))
+    return out
+
+
+def out_files(out: Path) -> dict[str, bytes]:
+    return {k: v for k, v in _hub_files(out).items() if not k.startswith(".fp8convert/")}
+
+
+def same_conversion(a: Path, b: Path) -> bool:
+    """Same files, byte for byte, except the card (its examples name the output directory)."""
+    def strip(files):
+        return {k: v for k, v in files.items() if k != "README.md"}
+    return strip(out_files(a)) == strip(out_files(b))
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def test_quantize_from_repo_id_pinned_revision_fetches_only_needed_files(fake_hub, tiny_repo, tmp_path):
+    # A "dev" branch whose config differs from main's: the output must come from dev.
+    dev_files = {**_hub_files(tiny_repo), **UNWANTED}
+    dev_config = json.loads(dev_files["config.json"])
+    dev_config["rms_norm_eps"] = 1e-6
+    dev_files["config.json"] = json.dumps(dev_config).encode()
+    fake_hub.commit_files(REPO, dev_files, branch="dev")
+
+    out = tmp_path / "out"
+    report = api.quantize(REPO, out, revision="dev", token=fake_hub.token, device="cpu")
+    assert report.source == REPO
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["rms_norm_eps"] == 1e-6 and "quantization_config" in config
+    # Same bytes as converting the local copy.
+    local = tmp_path / "local-out"
+    api.quantize(tiny_repo, local, device="cpu")
+    for name, data in out_files(local).items():
+        if name.endswith(".safetensors") or name == hub.INDEX_NAME:
+            assert out_files(out)[name] == data, name
+    # Side files travel; the card is read, never copied verbatim.
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "modeling_tiny.py"):
+        assert (out / name).read_bytes() == (tiny_repo / name).read_bytes()
+
+    fetched = resolve_requests(fake_hub)
+    names = {path for _, path, _ in fetched}
+    assert not any(n.endswith(".bin") or n.startswith("original/") for n in names), names
+    assert {"config.json", "README.md", "model-00001-of-00003.safetensors"} <= names
+    # Every request carried the token, and every file came from the dev commit.
+    assert all(r.token == fake_hub.token for r in fake_hub.requests)
+    dev_sha = fake_hub.repo_sha(REPO, "dev")
+    assert {r.path.split("/")[4] for _, _, r in fetched} == {dev_sha}, "files must come from the pinned commit"
+
+
+def test_bin_only_repo_is_refused_before_any_weight_download(fake_hub, tmp_path):
+    fake_hub.add_repo("acme/pickled", {"config.json": b'{"model_type": "llama"}', **UNWANTED})
+    with pytest.raises(FP8ConvertError, match=r"acme/pickled: holds only pickle weights"):
+        api.quantize("acme/pickled", tmp_path / "out", device="cpu")
+    assert not [p for _, p, _ in resolve_requests(fake_hub) if p != "config.json"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("with_token", [False, True])
+def test_gated_repo_is_one_line_naming_the_repo_and_exit_1(fake_hub, tiny_ckpt, tmp_path, capsys, monkeypatch,
+                                                           with_token):
+    fake_hub.add_repo("acme/gated", from_dir=tiny_ckpt, gated=True)
+    if with_token:  # logged in but not granted: 403 rather than 401, same message
+        monkeypatch.setenv("HF_TOKEN", fake_hub.token)
+    rc = main(["quantize", "acme/gated", str(tmp_path / "out"), "--device", "cpu", "-q"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1
+    assert len(err.splitlines()) == 1 and "acme/gated" in err and "gated" in err, err
+    assert not [p for _, p, _ in resolve_requests(fake_hub) if p.endswith(".safetensors")]
+    # inspect too: the header Range requests are gated as well
+    assert main(["inspect", "acme/gated"]) == 1
+    assert "acme/gated: gated repository" in capsys.readouterr().err
+
+    fake_hub.grant_access("acme/gated")
+    api.quantize("acme/gated", tmp_path / "out2", token=fake_hub.token, device="cpu")
+    assert (tmp_path / "out2" / "config.json").is_file()
+
+
+def test_missing_repo_and_revision(fake_hub, tiny_repo, tmp_path, capsys):
+    with pytest.raises(FP8ConvertError, match=r"^acme/nope: repository not found"):
+        api.quantize("acme/nope", tmp_path / "out", device="cpu")
+    with pytest.raises(FP8ConvertError, match=rf"^{REPO}: revision no-such-branch not found"):
+        api.plan(REPO, revision="no-such-branch")
+    assert main(["inspect", "acme/nope"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: acme/nope: repository not found") and len(err.splitlines()) == 1
+
+
+def test_network_failure_is_clear_and_rerun_reuses_downloads(fake_hub, tiny_repo, tmp_path):
+    out = tmp_path / "out"
+    fake_hub.fail("drop", path_contains="model-00002-of-00003")
+    with pytest.raises(FP8ConvertError) as e:
+        api.quantize(REPO, out, device="cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{REPO}: ") and "network" in msg and "\n" not in msg, msg
+
+    # The cache kept what arrived before the failure.
+    cached = {p.name for p in (Path(fake_hub_cache(fake_hub))).rglob("model-*.safetensors")}
+    assert cached and "model-00002-of-00003.safetensors" not in cached
+
+    fake_hub.clear_failures()
+    start = len(fake_hub.requests)
+    api.quantize(REPO, out, device="cpu")
+    assert (out / "config.json").is_file()
+    refetched = {p for m, p, _ in resolve_requests(fake_hub, start) if m == "GET"}
+    assert not (refetched & cached), f"re-downloaded {refetched & cached}"
+    assert "model-00002-of-00003.safetensors" in refetched
+
+
+def test_offline_rerun_uses_the_cached_snapshot(fake_hub, tiny_repo, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    api.quantize(REPO, tmp_path / "out", revision="main", device="cpu")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    start = len(fake_hub.requests)
+    assert api.plan(REPO).fingerprint == api.plan(tiny_repo).fingerprint
+    api.quantize(REPO, tmp_path / "out2", device="cpu")
+    assert same_conversion(tmp_path / "out2", tmp_path / "out")
+    assert len(fake_hub.requests) == start
+
+
+def fake_hub_cache(fake_hub: FakeHub) -> str:
+    from huggingface_hub import constants
+    return constants.HF_HUB_CACHE
+
+
+def test_hub_error_lines():
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    err = hub.hub_error("a/b", LocalEntryNotFoundError("long\nmessage"))
+    assert str(err).startswith("a/b: cannot reach the Hub") and "\n" not in str(err)
+    err = hub.hub_error("a/b", ConnectionResetError("reset\nby peer"))
+    assert str(err).startswith("a/b: network error") and "\n" not in str(err)
+
+
+# --------------------------------------------------------------------------- inspect / remote headers
+
+
+def plan_view(p):
+    """The parts of a plan that do not depend on where the source lives."""
+    return {
+        "fingerprint": p.fingerprint,
+        "tensors": [(t.name, t.source.dtype, t.source.shape, t.source.file, t.source.offset, t.source.nbytes,
+                     t.quantize, t.reason, t.group, t.scale_name, t.scale_shape) for t in p.tensors],
+        "shards": [(s.name, s.header, s.units, sorted(s.tensors.items())) for s in p.shards],
+        "ignore": p.ignore_list,
+        "copy": p.source.copy_files,
+        "config": p.source.config,
+    }
+
+
+@pytest.mark.parametrize("first_read", [hub.FIRST_HEADER_READ, 64])
+def test_inspect_repo_id_reads_headers_only(fake_hub, tiny_repo, capsys, monkeypatch, first_read):
+    monkeypatch.setattr(hub, "FIRST_HEADER_READ", first_read)  # 64: every header needs a second Range read
+    remote = api.plan(REPO, scheme="channel")
+    local = api.plan(tiny_repo, scheme="channel")
+    assert plan_view(remote) == plan_view(local)
+    assert remote.source.label == REPO
+
+    assert main(["inspect", REPO, "--scheme", "channel", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["fingerprint"] == local.fingerprint and info["source"] == REPO
+
+    weights = [(m, p, r) for m, p, r in resolve_requests(fake_hub) if p.endswith(".safetensors")]
+    assert weights, "headers must be read from the shards"
+    for method, path, r in weights:
+        assert method == "GET" and r.headers.get("range", "").startswith("bytes="), (method, path, r.headers)
+        first, _, last = r.headers["range"][len("bytes="):].partition("-")
+        assert int(last) - int(first) < 100_001
+    if first_read == 64:
+        assert len(weights) == 2 * 3 * 2  # two Range reads per shard, 3 shards, two plans
+    assert not [p for _, p, _ in resolve_requests(fake_hub) if p.endswith(".bin") or p.startswith("original/")]
+
+
+def test_remote_source_validates_like_local(fake_hub, tiny_ckpt):
+    data = (tiny_ckpt / "model-00001-of-00003.safetensors").read_bytes()
+    files = _hub_files(tiny_ckpt)
+    files["model-00001-of-00003.safetensors"] = data + b"\0" * 8  # trailing bytes: refused locally too
+    fake_hub.add_repo("acme/padded", files)
+    with pytest.raises(FP8ConvertError, match=r"model-00001-of-00003.safetensors: .*trailing bytes"):
+        api.plan("acme/padded")
+
+
+# --------------------------------------------------------------------------- streaming download
+
+
+@pytest.fixture
+def five_shards(fake_hub: FakeHub, tmp_path: Path) -> list[str]:
+    """acme/five: five shards (one per layer plus one for the rest)."""
+    tensors = llama_tensors(layers=4)
+    root = write_checkpoint(tmp_path / "five", tensors=tensors)
+    fake_hub.add_repo("acme/five", from_dir=root)
+    return sorted(p.name for p in root.glob("*.safetensors"))
+
+
+def make_fetcher(fake_hub, tmp_path, keep=2, **kw):
+    repo = hub.resolve_repo("acme/five", token=fake_hub.token)
+    layout = hub.remote_layout(repo)
+    return hub.StreamingFetcher(repo, tmp_path / "dl", layout.shards, layout.side_files, keep=keep, **kw)
+
+
+def on_disk(d: Path) -> list[str]:
+    return sorted(p.name for p in d.glob("*.safetensors"))
+
+
+def wait_for(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_streaming_fetcher_need_release_keeps_at_most_keep(fake_hub, five_shards, tmp_path):
+    fetcher = make_fetcher(fake_hub, tmp_path, keep=2)
+    order = list(reversed(five_shards))  # any order the pipeline gives
+    fetcher.start(order)
+    try:
+        assert (tmp_path / "dl" / "config.json").exists() is False  # config is read from the cache, not copied
+        assert (tmp_path / "dl" / "tokenizer_config.json").is_file()  # side files arrive at start
+        for i, name in enumerate(order):
+            fetcher.need([name])
+            assert (tmp_path / "dl" / name).is_file()
+            assert (tmp_path / "dl" / name).stat().st_size == fetcher.repo.sizes[name]
+            assert len(on_disk(tmp_path / "dl")) <= 2
+            if i + 1 < len(order):  # the next one is prefetched while this one is in use...
+                assert wait_for(lambda: order[i + 1] in on_disk(tmp_path / "dl"))
+                time.sleep(0.05)  # ...but no more than keep
+                assert len(on_disk(tmp_path / "dl")) <= 2
+            fetcher.release([name])
+            assert not (tmp_path / "dl" / name).exists()
+        assert on_disk(tmp_path / "dl") == []
+        assert fetcher.peak_present <= 2
+        assert [f for kind, f in fetcher.events if kind == "download"] == order
+        assert [f for kind, f in fetcher.events if kind == "release"] == order
+    finally:
+        fetcher.close(remove=True)
+    assert not (tmp_path / "dl").exists()
+
+
+def test_streaming_fetcher_need_more_than_keep_and_failure(fake_hub, five_shards, tmp_path):
+    fetcher = make_fetcher(fake_hub, tmp_path, keep=1, retries=1, retry_wait=0.01)
+    fetcher.start(five_shards)
+    try:
+        fetcher.need(five_shards[:3])  # one batch spanning three shards with keep=1: no deadlock
+        assert on_disk(tmp_path / "dl") == five_shards[:3]
+        fetcher.release(five_shards[:3])
+        assert on_disk(tmp_path / "dl") == []
+
+        fake_hub.fail("drop", path_contains=five_shards[3])  # (a 5xx would sit in huggingface_hub's backoff)
+        with pytest.raises(FP8ConvertError, match=r"^acme/five: .*network"):
+            fetcher.need([five_shards[3]])
+        assert fake_hub.failures[0].hits >= 2  # retried once before giving up
+        fake_hub.clear_failures()
+        fetcher.need([five_shards[3]])  # asked again: tried again
+        assert five_shards[3] in on_disk(tmp_path / "dl")
+    finally:
+        fetcher.close()
+
+
+def test_streaming_fetcher_resume_reuses_finished_shards(fake_hub, five_shards, tmp_path):
+    first = make_fetcher(fake_hub, tmp_path, keep=2)
+    first.start(five_shards)
+    first.need(five_shards[:1])
+    first.close()  # interrupted: the finished file stays
+
+    start = len(fake_hub.requests)
+    second = make_fetcher(fake_hub, tmp_path, keep=2)
+    second.start(five_shards[:1] + five_shards[2:])  # shard 1 already converted: no longer needed
+    try:
+        second.need(five_shards[:1])
+        assert not [p for m, p, _ in resolve_requests(fake_hub, start) if m == "GET" and p == five_shards[0]]
+        assert five_shards[1] not in on_disk(tmp_path / "dl")  # leftovers not needed are deleted
+    finally:
+        second.close()
+
+
+@pytest.mark.xfail(strict=False, reason="pipeline hooks pending")
+def test_quantize_stream_download_end_to_end(fake_hub, five_shards, tmp_path, monkeypatch):
+    assert "stream_download" in pyinspect.signature(api.quantize).parameters, "pipeline hooks pending"
+    streamed, plain = tmp_path / "streamed", tmp_path / "plain"
+    seen: list[list[str]] = []
+    real_need = hub.StreamingFetcher.need
+
+    def need(self, files):
+        real_need(self, files)
+        seen.append(on_disk(self.dir))
+
+    monkeypatch.setattr(hub.StreamingFetcher, "need", need)
+    api.quantize("acme/five", streamed, device="cpu", stream_download=True, max_resident="64KB")
+    assert seen and max(len(s) for s in seen) <= 2, seen  # never more than `keep` source shards on disk
+    assert {f for s in seen for f in s} == set(five_shards)
+    api.quantize("acme/five", plain, device="cpu")
+    assert same_conversion(streamed, plain)
+    assert not (streamed / ".fp8convert" / "download").exists()
+
+
+# --------------------------------------------------------------------------- push and the card
+
+
+@pytest.fixture
+def converted(tiny_ckpt: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    api.quantize(tiny_ckpt, out, device="cpu")
+    return out
+
+
+def card_meta(text: str) -> dict:
+    meta, _ = split_front_matter(text)
+    return meta
+
+
+def test_push_uploads_every_file_byte_identical_without_work_dir(fake_hub, converted):
+    assert (converted / ".fp8convert" / "manifest.json").is_file()
+    url = hub.push(converted, "fake-user/tiny-fp8", private=True, token=fake_hub.token)
+    assert "fake-user/tiny-fp8" in url
+    assert fake_hub.repo("fake-user/tiny-fp8").private
+    remote = fake_hub.files("fake-user/tiny-fp8")
+    assert not [n for n in remote if n.startswith(".fp8convert")]
+    local = out_files(converted)
+    assert "README.md" in local  # written by finalize, or by push for outputs without one
+    assert {n: remote[n] for n in local} == local
+    assert set(remote) == set(local) | {".gitattributes"}
+    meta = card_meta(remote["README.md"].decode())
+    # A local source: no base_model to link, but the source card's license carries over.
+    assert meta["license"] == "apache-2.0" and meta["tags"] == ["fp8", "compressed-tensors", "fp8convert"]
+
+    # Pushing again, to a branch, with other sharding: stale top-level shards are removed there.
+    api.quantize(converted.parent / "src", converted, device="cpu", max_shard_size="30KB", overwrite=True)
+    hub.push(converted, "fake-user/tiny-fp8", revision="resharded", commit_message="resharded",
+             token=fake_hub.token)
+    branch = fake_hub.files("fake-user/tiny-fp8", "resharded")
+    assert {n for n in branch if n.endswith(".safetensors")} == {n for n in out_files(converted)
+                                                                if n.endswith(".safetensors")}
+    assert fake_hub.files("fake-user/tiny-fp8") == remote  # main untouched
+    repo = fake_hub.repo("fake-user/tiny-fp8")
+    assert repo.commits[repo.branches["resharded"]].title.startswith("resharded")
+
+
+def test_push_through_the_multi_commit_pipeline(fake_hub, converted, monkeypatch):
+    """With hf_xet installed (the default), upload_folder is huggingface_hub's resumable pipelined upload."""
+    pytest.importorskip("hf_xet")
+    import huggingface_hub._upload_pipeline as pipeline
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    monkeypatch.setattr(pipeline, "COMMIT_SIZE_SCALE", [2])  # 2 files per commit: several commits
+    monkeypatch.setattr(pipeline, "INITIAL_COMMIT_SIZE_INDEX", 0)
+    fake_hub.force_regular_uploads = True  # the pipeline runs; no Xet transfer is needed
+    hub.push(converted, "fake-user/piped", token=fake_hub.token, commit_message="fp8")
+    remote = fake_hub.files("fake-user/piped")
+    local = out_files(converted)
+    assert {n: remote[n] for n in local} == local and not [n for n in remote if n.startswith(".fp8convert")]
+    titles = [c.title for c in fake_hub.repo("fake-user/piped").commits.values()]
+    assert "fp8 (part 2)" in titles
+
+
+@pytest.mark.parametrize("breakage", ["no-config", "no-index", "manifest-incomplete", "missing-shard",
+                                      "truncated-shard"])
+def test_push_refuses_incomplete_output(fake_hub, converted, breakage, capsys):
+    shard = sorted(converted.glob("model-*.safetensors"))[0]
+    if breakage == "no-config":
+        (converted / "config.json").unlink()
+    elif breakage == "no-index":
+        (converted / hub.INDEX_NAME).unlink()
+    elif breakage == "manifest-incomplete":
+        manifest = converted / ".fp8convert" / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "complete": False}))
+    elif breakage == "missing-shard":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(FP8ConvertError, match="refusing to push|before pushing|not complete"):
+        hub.push(converted, "fake-user/never", token=fake_hub.token)
+    assert main(["push", str(converted), "fake-user/never"]) == 1
+    assert "error:" in capsys.readouterr().err
+    assert not fake_hub.has_repo("fake-user/never") and not fake_hub.requests
+
+
+def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", fake_hub.token)
+    out = tmp_path / "out"
+    rc = main(["quantize", REPO, str(out), "--device", "cpu", "-q", "--scheme", "channel",
+               "--push-to-hub", "fake-user/tiny-llama-fp8", "--private"])
+    assert rc == 0, capsys.readouterr().err
+    assert "pushed" in capsys.readouterr().out
+    remote = fake_hub.files("fake-user/tiny-llama-fp8")
+    assert fake_hub.repo("fake-user/tiny-llama-fp8").private
+    local = out_files(out)
+    assert {n: remote[n] for n in local} == local and "README.md" in remote
+    card = remote["README.md"].decode()
+    assert "vllm serve fake-user/tiny-llama-fp8\n" in card  # examples name the repo, not the local directory
+    meta = card_meta(card)
+    assert meta["base_model"] == REPO and meta["base_model_relation"] == "quantized"
+    assert "compressed-tensors" in meta["tags"]
+    assert not [n for n in remote if n.startswith(".fp8convert") or n.endswith(".bin")]
+
+    assert main(["quantize", REPO, str(tmp_path / "o2"), "--private"]) == 1
+    assert "--private applies only with --push-to-hub" in capsys.readouterr().err
+
+
+def test_make_card_fields_command_and_loading(tiny_ckpt):
+    p = api.plan(tiny_ckpt, scheme="block", format="fp8", ignore=["*.down_proj"])
+    p.source.label = REPO  # as if converted from the Hub
+    text = make_card(p, SOURCE_CARD, repo_id="me/tiny-fp8",
+                     verify={"worst_relative_error": 0.0123456, "min_snr_db": 31.5})
+    meta, body = split_front_matter(text)
+    assert meta["base_model"] == REPO and meta["base_model_relation"] == "quantized"
+    assert meta["license"] == "apache-2.0" and meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "text-generation" and meta["language"] == ["en"]
+    assert meta["tags"] == ["fp8", "fp8convert"]  # the source's own tags describe the source, not this
+    assert "fp8convert quantize acme/tiny-llama ./" not in body  # the target is the repo
+    assert f"fp8convert quantize {REPO} me/tiny-fp8 --scheme block --format fp8 --ignore '*.down_proj'" in body
+    assert "vllm serve me/tiny-fp8" in body and "AutoModelForCausalLM" in body
+    assert "| worst relative error | 0.01235 |" in body and "31.5" in body
+    assert "| norm" in body or "norm" in body  # kept reasons listed
+
+    # fp8 per-tensor does not load in transformers: the card says so instead of giving a snippet.
+    p2 = api.plan(tiny_ckpt, scheme="tensor", format="fp8")
+    body2 = make_card(p2, None, command="fp8convert quantize x y --format fp8")
+    meta2, body2 = split_front_matter(body2)
+    assert "base_model" not in meta2 and "license" not in meta2  # local source, no card
+    assert "Not loadable in transformers" in body2 and "fp8convert quantize x y --format fp8" in body2
+
+
+def test_card_examples_follow_the_push_target():
+    info = {"source": REPO, "scheme": "channel", "format": "compressed-tensors", "kept": {}, "ignore": ["lm_head"],
+            "warnings": []}
+    text = make_card(info, SOURCE_CARD, out_dir="/data/my out")
+    assert "vllm serve '/data/my out'\n" in text and 'from_pretrained("/data/my out"' in text
+    pushed = retarget_card(text, "me/a")
+    assert "vllm serve me/a\n" in pushed and 'from_pretrained("me/a"' in pushed and "--model-path me/a\n" in pushed
+    assert retarget_card(pushed, "me/b").count("me/b") == 4 and "me/a" not in retarget_card(pushed, "me/b")
+    assert split_front_matter(pushed)[0] == split_front_matter(text)[0]
+    assert retarget_card("# my own card\n", "me/a") == "# my own card\n"
+
+
+def test_source_card_front_matter_parsing():
+    assert split_front_matter("no header\n") == ({}, "no header\n")
+    assert split_front_matter("---\nlicense: mit\n---\nbody\n") == ({"license": "mit"}, "body\n")
+    assert split_front_matter("---\n: : bad yaml [\n---\nbody") == ({}, "body")

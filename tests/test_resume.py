@@ -1,0 +1,225 @@
+"""Never a half-written checkpoint: a run killed (SIGKILL) or interrupted (SIGINT) at any moment, or
+stopped by a full disk, leaves an output that does not look complete, whose final-named shards are
+all whole, and which the same command finishes into exactly the bytes of an uninterrupted run. A
+changed plan is refused. The child runs slow down through the test-only FP8CONVERT_TEST_DELAY hook
+(seconds per tensor written), so a kill can land mid-run on a tiny model."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fp8convert.cli import main
+from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
+
+# 6 layers in 20 KB shards, 10 KB batches: 20 shards, about a hundred tensor writes.
+ARGS = ["--max-shard-size", "20KB", "--max-resident", "10KB", "-q"]
+DELAY = 0.03  # seconds per tensor write in the child: a run of about 3 s after start-up
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The source and the bytes of an uninterrupted conversion of it."""
+    base = tmp_path_factory.mktemp("resume")
+    src = write_checkpoint(base / "src", llama_tensors(layers=6))
+    assert main(["quantize", str(src), str(base / "ref"), *ARGS]) == 0
+    reference = tree_bytes(base / "ref")
+    assert sum(name.startswith("model-") for name in reference) >= 10
+    return src, reference
+
+
+def quantize(src, out, *extra) -> int:
+    return main(["quantize", str(src), str(out), *ARGS, *extra])
+
+
+def start(src, out) -> subprocess.Popen:
+    return cli_subprocess(["quantize", src, out, *ARGS], {"FP8CONVERT_TEST_DELAY": str(DELAY)})
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 60) -> bool:
+    """Poll until `condition()` or the process ends; True if the condition was met."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail("the conversion neither progressed nor ended")
+
+
+def assert_partial_is_sound(out: Path, reference: dict[str, bytes]) -> None:
+    """What a stopped run leaves: not complete-looking, and every final-named file whole."""
+    assert not looks_complete(out)
+    for name, data in tree_bytes(out).items():
+        if name.startswith("model-"):
+            assert data == reference[name], f"{name} has its final name but not its final bytes"
+
+
+def assert_killed_output_is_sound(out: Path, reference: dict[str, bytes]) -> None:
+    """A kill can also land after config.json was written (while the manifest records completion, or
+    the process exits): then the output must already be complete in every file but the manifest."""
+    if not looks_complete(out):
+        return assert_partial_is_sound(out, reference)
+    got = tree_bytes(out)
+    assert {n: got.get(n) for n in reference if n != ".fp8convert/manifest.json"} == \
+        {n: d for n, d in reference.items() if n != ".fp8convert/manifest.json"}
+
+
+def shards(out: Path) -> list[Path]:
+    return sorted(out.glob("model-*.safetensors"))
+
+
+def manifest_written(out: Path) -> bool:
+    return (out / ".fp8convert" / "manifest.json").exists()
+
+
+# When to kill: as soon as a condition holds, or ("random-*") a seeded random time into the writing
+# and finishing that follow the manifest (about 100 writes of DELAY seconds each).
+KILL_POINTS = {
+    "manifest": manifest_written,
+    "first-shard": lambda out: bool(shards(out)),
+    "half": lambda out: len(shards(out)) >= 10,
+    "random-1": None,
+    "random-2": None,
+}
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_then_rerun_gives_identical_bytes(ref, tmp_path, point):
+    src, reference = ref
+    out = tmp_path / "out"
+    proc = start(src, out)
+    condition = KILL_POINTS[point]
+    reached = wait_for(lambda: (condition or manifest_written)(out), proc)
+    if reached and condition is None:
+        try:
+            proc.wait(timeout=random.Random(point).uniform(0, 110 * DELAY))
+        except subprocess.TimeoutExpired:
+            pass
+        reached = proc.poll() is None
+    proc.kill()
+    proc.communicate()
+    if reached:
+        assert proc.returncode == -signal.SIGKILL
+        if out.exists():
+            assert_killed_output_is_sound(out, reference)
+    else:
+        assert proc.returncode == 0, "the run ended before the kill point, and not successfully"
+    assert quantize(src, out) == 0
+    assert tree_bytes(out) == reference
+
+
+def test_sigint_stops_cleanly_and_resumes(ref, tmp_path, capsys):
+    src, reference = ref
+    out = tmp_path / "out"
+    proc = start(src, out)
+    assert wait_for(lambda: len(shards(out)) >= 2, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "rerun" in err and "Traceback" not in err
+    assert_partial_is_sound(out, reference)
+    assert 2 <= len(shards(out)) < sum(n.startswith("model-") for n in reference)
+
+    # the same output with another plan: refused, saying what changed, and left untouched
+    before = tree_bytes(out)
+    assert quantize(src, out, "--scheme", "channel") == 1
+    err = capsys.readouterr().err
+    assert "different plan" in err and "scheme was 'tensor', now 'channel'" in err and str(out) in err
+    assert tree_bytes(out) == before
+
+    assert quantize(src, out) == 0
+    assert tree_bytes(out) == reference
+
+
+# ---------------------------------------------------------------- states a kill can leave, made directly
+
+def test_killed_before_the_manifest_was_written(ref, tmp_path):
+    src, reference = ref
+    for leftover in ([], [".manifest.json.tmp"]):
+        out = tmp_path / f"out{len(leftover)}"
+        (out / ".fp8convert").mkdir(parents=True)
+        for name in leftover:
+            (out / ".fp8convert" / name).write_text('{"half')
+        assert quantize(src, out) == 0
+        assert tree_bytes(out) == reference
+
+
+def test_killed_while_finishing(ref, tmp_path):
+    """Every shard renamed, config.json not yet: half-written temporary files and a manifest that
+    still says incomplete."""
+    src, reference = ref
+    out = tmp_path / "out"
+    assert quantize(src, out) == 0
+    (out / "config.json").unlink()
+    (out / ".config.json.tmp").write_text('{"half')
+    (out / ".tokenizer_config.json.tmp").write_text("half")
+    manifest = out / ".fp8convert" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), complete=False), indent=2) + "\n")
+    assert not looks_complete(out)
+    assert quantize(src, out) == 0
+    assert tree_bytes(out) == reference  # the temporary files were rewritten and renamed, none left over
+
+
+def test_stale_partial_and_missing_shard_are_redone(ref, tmp_path):
+    src, reference = ref
+    out = tmp_path / "out"
+    assert quantize(src, out) == 0
+    victim = shards(out)[3]
+    victim.unlink()
+    (out / ".fp8convert" / (victim.name + ".partial")).write_bytes(b"garbage")
+    assert quantize(src, out) == 0
+    assert tree_bytes(out) == reference
+
+
+def test_rerun_of_a_complete_output_changes_nothing(ref, tmp_path, capsys):
+    src, reference = ref
+    out = tmp_path / "out"
+    assert quantize(src, out) == 0
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(out), *ARGS[:-1]]) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == stamps
+    assert quantize(src, out, "--max-shard-size", "30KB") == 1  # a complete output of another plan
+    assert tree_bytes(out) == reference
+
+
+def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch, capsys):
+    """ENOSPC from os.pwrite after a few KB (a full disk mid-shard): one error line naming the partial
+    shard, no complete-looking output, no hang; with space back the same command finishes it."""
+    src, reference = ref
+    out = tmp_path / "out"
+    real_pwrite, budget = os.pwrite, [3000]
+
+    def pwrite(fd, data, offset):
+        if budget[0] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_pwrite(fd, bytes(data)[: budget[0]], offset)
+        budget[0] -= n
+        return n
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    result = []
+    worker = threading.Thread(target=lambda: result.append(quantize(src, out)), daemon=True)
+    worker.start()
+    worker.join(timeout=5)  # a clean run takes well under a second
+    assert not worker.is_alive(), "the conversion hung after the disk filled up"
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert result == [1]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "No space left" in errors[0] and ".partial" in errors[0] and "rerun" in errors[0]
+    assert_partial_is_sound(out, reference)
+    assert quantize(src, out) == 0
+    assert tree_bytes(out) == reference

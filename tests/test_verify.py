@@ -1,0 +1,339 @@
+"""fp8convert verify: a good conversion passes in every format and scheme; every kind of damage to
+an output (a code, a scale, a dropped tensor, a kept tensor, config, ignore list, index) fails and
+names the tensor or file."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8convert import verify as verify_mod
+from fp8convert.cli import main
+from fp8convert.verify import verify
+from tiny_ckpt import INDEX, llama_tensors, write_checkpoint
+
+COMBOS = [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("compressed-tensors", "block"),
+          ("fp8", "tensor"), ("fp8", "block")]
+Q = "model.layers.1.self_attn.q_proj.weight"
+NORM = "model.layers.1.input_layernorm.weight"
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def convert(src, out, fmt="compressed-tensors", scheme="tensor"):
+    assert main(["quantize", str(src), str(out), "-q", "--format", fmt, "--scheme", scheme]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """One source (inter=320: several 128-row blocks, a partial edge block) and its five conversions."""
+    base = tmp_path_factory.mktemp("verify")
+    src = write_checkpoint(base / "src", llama_tensors(inter=320))
+    return src, {combo: convert(src, base / "-".join(combo), *combo) for combo in COMBOS}
+
+
+@pytest.fixture
+def damaged(made, tmp_path):
+    """A fresh copy of a conversion to damage: damaged(fmt, scheme) -> out."""
+    src, outs = made
+
+    def copy(fmt="compressed-tensors", scheme="tensor"):
+        out = tmp_path / "out"
+        shutil.copytree(outs[(fmt, scheme)], out)
+        return out
+    return src, copy
+
+
+def span(path, name) -> tuple[int, int]:
+    """Absolute byte offset and length of tensor `name` in a safetensors file (parsed here, independently)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    return 8 + n + begin, end - begin
+
+
+def poke(path, offset, value: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(value)
+
+
+def set_tensor(out, name, tensor) -> None:
+    """Overwrite a tensor's bytes in place (same dtype and shape)."""
+    offset, nbytes = span(out / SHARD, name)
+    raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert len(raw) == nbytes
+    poke(out / SHARD, offset, raw)
+
+
+def failing(src, out) -> list[str]:
+    report = verify(src, out)
+    assert not report.ok and report.failures
+    return report.failures
+
+
+def cli_fails(capsys, src, out, *names) -> None:
+    """Exit 1 with one error line; the report on stdout lists every failure, naming `names`."""
+    rc = main(["verify", str(src), str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.err
+    lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "verification failed" in lines[0], captured.err
+    failures = [line for line in captured.out.splitlines() if line.startswith("    - ")]
+    assert failures and all(any(n in f for f in failures) for n in names), (names, captured.out)
+
+
+# ---------------------------------------------------------------- good conversions
+
+@pytest.mark.parametrize("fmt,scheme", COMBOS)
+def test_good_conversion_verifies(made, capsys, fmt, scheme):
+    src, outs = made
+    out = outs[(fmt, scheme)]
+    report = verify(src, out)
+    assert report.ok, report.failures
+    assert (report.format, report.scheme) == (fmt, scheme)
+    assert report.tensors_quantized == 14 and report.tensors_kept == 7 and len(report.tensors) == 14
+    for t in report.tensors:
+        assert t.ok and t.off_grid == 0
+        assert 0.005 < t.rel_error < 2.0**-4 <= t.bound, t  # real rounding error, inside the e4m3 bound
+        assert t.snr_db == pytest.approx(-20 * math.log10(t.rel_error))
+    assert report.max_rel_error == max(t.rel_error for t in report.tensors)
+
+    # the reported error, recomputed here from the files alone: ||w - float(q) * scale|| / ||w||
+    w = load_file(str(src / "model-00002-of-00003.safetensors"))[Q].double()
+    got = load_file(str(out / SHARD))
+    q = got[Q].double()
+    scale = got[Q + ("_scale_inv" if (fmt, scheme) == ("fp8", "block") else "_scale")].double()
+    if scheme == "block":
+        scale = scale.repeat_interleave(128, 0)[: q.shape[0]].repeat_interleave(128, 1)[:, : q.shape[1]]
+    expected = float((w - q * scale.reshape(scale.shape if scale.dim() == 2 else (-1, 1) if scale.numel() > 1 else ()))
+                     .norm() / w.norm())
+    assert next(t for t in report.tensors if t.name == Q).rel_error == pytest.approx(expected, rel=1e-5)
+
+    # the CLI: exit 0, strict JSON, worst tensors first
+    assert main(["verify", str(src), str(out), "--json", "--worst", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert doc["ok"] is True and doc["failures"] == [] and len(doc["worst"]) == 3
+    errors = [t["rel_error"] for t in doc["worst"]]
+    assert errors == sorted(errors, reverse=True) and errors[0] == report.max_rel_error
+    assert main(["verify", str(src), str(out)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_subnormal_allowance_in_the_bound(tmp_path):
+    """A fused group shares the largest member's scale (per-tensor scheme): a member 10^4 times
+    smaller then lands in e4m3's subnormal range, with a relative error well above 2^-4 that is
+    still exactly what rounding allows. verify must pass it, and report the error honestly."""
+    tensors = llama_tensors()
+    k = "model.layers.0.self_attn.k_proj.weight"
+    tensors[k] = (tensors[k].float() * 2e-5).to(torch.bfloat16)
+    src = write_checkpoint(tmp_path / "src", tensors)
+    report = verify(src, convert(src, tmp_path / "out"))
+    assert report.ok, report.failures
+    check = next(t for t in report.tensors if t.name == k)
+    assert check.rel_error > 2.0**-4 and check.rel_error <= check.bound and check.off_grid == 0
+    assert report.max_rel_error == check.rel_error and report.worst(1)[0].name == k
+
+
+def test_verify_streams_in_slabs(made, damaged, monkeypatch):
+    """Small slabs (several per tensor, block rows kept whole) give the same numbers, and damage in
+    the last slab of a tensor or the last piece of a kept tensor is still found."""
+    src, outs = made
+    whole = {t.name: t.rel_error for t in verify(src, outs[("compressed-tensors", "block")]).tensors}
+    monkeypatch.setattr(verify_mod, "CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr(verify_mod, "CHUNK_BYTES", 64)
+    report = verify(src, outs[("compressed-tensors", "block")])
+    assert report.ok and {t.name: t.rel_error for t in report.tensors} == pytest.approx(whole, rel=1e-9)
+
+    src, copy = damaged
+    out = copy("compressed-tensors", "block")
+    up = "model.layers.0.mlp.up_proj.weight"  # [320, 64]: slabs of 128, 128, 64 rows
+    codes = load_file(str(out / SHARD))[up].view(torch.uint8)
+    codes[-1, -1] = codes[-1, -1] ^ 0x80 if codes[-1, -1] & 0x7F else 0x08  # flip the sign, or make 0 non-zero
+    set_tensor(out, up, codes)
+    norm = load_file(str(out / SHARD))["model.norm.weight"]
+    norm[-1] += 1
+    set_tensor(out, "model.norm.weight", norm)
+    failures = failing(src, out)
+    assert any(up in f and "nearest" in f for f in failures), failures
+    assert any("model.norm.weight" in f and "differ" in f for f in failures), failures
+
+
+# ---------------------------------------------------------------- damaged outputs
+
+def test_one_corrupted_code_fails_though_the_norm_cannot_see_it(damaged, capsys):
+    src, copy = damaged
+    out = copy()
+    codes = load_file(str(out / SHARD))[Q]
+    flat = codes.view(torch.uint8).view(-1)
+    i = int((flat & 0x7F > 8).nonzero()[0])
+    offset, _ = span(out / SHARD, Q)
+    poke(out / SHARD, offset + i, bytes([int(flat[i]) ^ 0x01]))  # the neighbouring code
+    report = verify(src, out)
+    assert not report.ok
+    check = next(t for t in report.tensors if t.name == Q)
+    assert check.rel_error <= check.bound  # the norm alone would have passed it
+    assert check.off_grid == 1 and not check.ok
+    assert report.worst(1)[0].name == Q
+    cli_fails(capsys, src, out, Q)
+
+
+@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "channel"), ("fp8", "block")])
+def test_nan_code_fails(damaged, fmt, scheme):
+    src, copy = damaged
+    out = copy(fmt, scheme)
+    offset, _ = span(out / SHARD, Q)
+    poke(out / SHARD, offset + 100, b"\x7f")  # e4m3fn NaN
+    assert any(Q in f for f in failing(src, out))
+
+
+@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
+                                        ("fp8", "tensor"), ("fp8", "block")])
+@pytest.mark.parametrize("how", ["double", "nan", "zero", "negative"])
+def test_corrupted_scale_fails(damaged, capsys, fmt, scheme, how):
+    src, copy = damaged
+    out = copy(fmt, scheme)
+    name = Q + ("_scale_inv" if scheme == "block" and fmt == "fp8" else "_scale")
+    scale = load_file(str(out / SHARD))[name]
+    scale.view(-1)[0] = {"double": scale.view(-1)[0] * 2, "nan": float("nan"), "zero": 0.0,
+                         "negative": -scale.view(-1)[0]}[how]
+    set_tensor(out, name, scale)
+    failures = failing(src, out)
+    assert any(f.startswith(Q) for f in failures), failures
+    cli_fails(capsys, src, out, Q)
+
+
+def rewrite_shard(out, edit) -> None:
+    tensors = load_file(str(out / SHARD))
+    edit(tensors)
+    save_file(tensors, str(out / SHARD), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dropped", [Q, Q + "_scale", NORM])
+def test_tensor_dropped_from_a_shard_fails(damaged, capsys, dropped):
+    src, copy = damaged
+    out = copy()
+    rewrite_shard(out, lambda t: t.pop(dropped))
+    failures = failing(src, out)
+    assert any(dropped in f and SHARD in f for f in failures), failures  # the index still names it
+    assert any(f.startswith(dropped.removesuffix("_scale")) and "missing" in f for f in failures), failures
+    cli_fails(capsys, src, out, dropped)
+
+
+def test_extra_tensor_fails(damaged):
+    src, copy = damaged
+    out = copy()
+    rewrite_shard(out, lambda t: t.update({"model.layers.0.stray.weight": torch.zeros(4)}))
+    index = json.loads((out / INDEX).read_text())
+    index["weight_map"]["model.layers.0.stray.weight"] = SHARD
+    index["metadata"]["total_size"] += 16
+    (out / INDEX).write_text(json.dumps(index))
+    assert any("model.layers.0.stray.weight" in f and "not derived" in f for f in failing(src, out))
+
+
+def test_kept_tensor_changed_fails(damaged, capsys):
+    src, copy = damaged
+    out = copy()
+    norm = load_file(str(out / SHARD))[NORM]
+    norm[3] += 0.5
+    set_tensor(out, NORM, norm)
+    assert any(NORM in f and "differ" in f for f in failing(src, out))
+    cli_fails(capsys, src, out, NORM)
+
+
+def test_kept_tensor_with_nan_fails(damaged):
+    """A NaN copied faithfully from the source is still a broken checkpoint."""
+    src, copy = damaged
+    out = copy()
+    norm = load_file(str(out / SHARD))[NORM]
+    norm[0] = float("nan")
+    set_tensor(out, NORM, norm)
+    src2 = out.parent / "src"
+    shutil.copytree(src, src2)
+    offset, _ = span(src2 / "model-00002-of-00003.safetensors", NORM)
+    poke(src2 / "model-00002-of-00003.safetensors", offset, norm[:1].view(torch.uint8).numpy().tobytes())
+    assert any(NORM in f and "NaN" in f for f in failing(src2, out))
+
+
+def edit_config(out, edit) -> None:
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_ignore_list_must_match_the_tensors(damaged):
+    src, copy = damaged
+    out = copy()
+    edit_config(out, lambda c: c["quantization_config"]["ignore"].remove("lm_head"))
+    assert any(f.startswith("lm_head.weight") and "ignore list" in f for f in failing(src, out))
+    edit_config(out, lambda c: c["quantization_config"]["ignore"].extend(["lm_head", Q.removesuffix(".weight")]))
+    assert any(f.startswith(Q) and "ignore list names" in f for f in failing(src, out))
+
+
+def test_fp8_ignored_layers_checked(damaged):
+    src, copy = damaged
+    out = copy("fp8", "block")
+    edit_config(out, lambda c: c["quantization_config"].update(ignored_layers=[], modules_to_not_convert=[]))
+    assert any(f.startswith("lm_head.weight") for f in failing(src, out))
+
+
+@pytest.mark.parametrize("edit,what", [
+    (lambda c: c.update(hidden_size=65), "hidden_size"),
+    (lambda c: c.pop("quantization_config"), "quantization_config"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="channel"), "weight_scale"),
+])
+def test_config_inconsistent_fails(damaged, edit, what):
+    src, copy = damaged
+    out = copy()
+    edit_config(out, edit)
+    assert any(what in f for f in failing(src, out))
+
+
+def test_index_inconsistent_fails(damaged):
+    src, copy = damaged
+    out = copy()
+    index = json.loads((out / INDEX).read_text())
+    index["metadata"]["total_size"] += 1
+    (out / INDEX).write_text(json.dumps(index))
+    assert any("total_size" in f for f in failing(src, out))
+    index["metadata"]["total_size"] -= 1
+    index["weight_map"][Q] = "model-00002-of-00002.safetensors"
+    (out / INDEX).write_text(json.dumps(index))
+    assert any("model-00002-of-00002.safetensors" in f for f in failing(src, out))
+
+
+def test_truncated_output_shard_fails(damaged, capsys):
+    src, copy = damaged
+    out = copy()
+    data = (out / SHARD).read_bytes()
+    (out / SHARD).write_bytes(data[:-100])
+    failures = failing(src, out)
+    assert any(SHARD in f and "truncated" in f for f in failures)
+    cli_fails(capsys, src, out, SHARD)
+
+
+def test_incomplete_output_fails(damaged, capsys):
+    src, copy = damaged
+    out = copy()
+    manifest = out / ".fp8convert" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), complete=False)))
+    assert any("did not finish" in f for f in failing(src, out))
+    (out / "config.json").unlink()
+    assert any("config.json" in f and "incomplete" in f for f in failing(src, out))
+    cli_fails(capsys, src, out, "config.json")
+
+
+def test_verify_json_on_failure(damaged, capsys):
+    src, copy = damaged
+    out = copy()
+    rewrite_shard(out, lambda t: t.pop(Q))
+    assert main(["verify", str(src), str(out), "--json"]) == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert doc["ok"] is False and any(Q in f for f in doc["failures"])
+    assert Q in captured.err
