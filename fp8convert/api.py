@@ -100,13 +100,22 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
              ignore=(), device: str = "auto", max_shard_size: int | str = "5GB",
              max_resident: int | str | None = None, overwrite: bool = False, revision: str | None = None,
              token: str | None = None, progress: bool = False, read_threads: int = 8,
-             prefetch: int | str = DEFAULT_PREFETCH, prefetch_threads: int = 4, on_plan: Callable[[Plan], None] | None = None) -> Report:
+             prefetch: int | str = DEFAULT_PREFETCH, prefetch_threads: int = 4, stream_download: bool = False,
+             on_plan: Callable[[Plan], None] | None = None) -> Report:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`.
 
-    `on_plan` is called with the plan before any data is read (the CLI prints its warnings there)."""
+    `on_plan` is called with the plan before any data is read (the CLI prints its warnings there).
+    `stream_download` (Hub sources): keep only a few source shards on disk at a time."""
     started = time.monotonic()
     options = Options(scheme, format, tuple(ignore), max_shard_size)  # bad options fail before any I/O
-    the_plan = build_plan(open_source(src, revision, token), options)
+    if stream_download:
+        from .hub import looks_like_repo_id, streaming_source
+        if not looks_like_repo_id(str(src)):
+            raise FP8ConvertError(f"--stream-download applies to Hub repo ids; {src} is local")
+        source = streaming_source(str(src), out, revision, token)
+    else:
+        source = open_source(src, revision, token)
+    the_plan = build_plan(source, options)
     if on_plan:
         on_plan(the_plan)
     out_dir = Path(out)
@@ -120,16 +129,26 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
         return report
     check_free_space(the_plan, out_dir, done)
     units = [u for u in the_plan.units if any(the_plan.shard_of[t.name] not in done for t in u.tensors)]
-    window = parse_size(prefetch, "--prefetch") if prefetch else 0
+    fetcher = the_plan.source.fetcher
+    window = parse_size(prefetch, "--prefetch") if prefetch and not fetcher else 0
     prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
                             window, threads=prefetch_threads).start() if window else None
     try:
+        if fetcher:
+            from .hub import need_order
+            fetcher.start(need_order(units))
         report.stage_seconds, report.device, report.peak_device_bytes = _run(
             the_plan, units, out_dir, done, device, max_resident, progress, read_threads, prefetcher, started)
+        finalize(the_plan, out_dir)
+    except BaseException:
+        if fetcher:
+            fetcher.close()  # downloaded shards stay for the rerun
+        raise
     finally:
         if prefetcher:
             prefetcher.stop()
-    finalize(the_plan, out_dir)
+    if fetcher:
+        fetcher.close(remove=True)
     report.seconds = time.monotonic() - started
     report.stage_seconds["total"] = round(report.seconds, 3)
     return report
@@ -155,7 +174,7 @@ def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_
     writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done)
     try:
         stages = run(the_plan, batches, reader, writer, dev, bar,
-                     on_read=prefetcher.advance if prefetcher else None)
+                     on_read=prefetcher.advance if prefetcher else None, fetcher=the_plan.source.fetcher)
     finally:
         reader.close()
         writer.close()

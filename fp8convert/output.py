@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from .errors import FP8ConvertError, PlanMismatchError
+from .card import make_card, read_source_card
 from .plan import Plan
 from .source import INDEX_NAME
 from .writeback import fsync_dir
@@ -69,9 +70,9 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
     """Make OUT ready. Returns (indices of shards finished by an earlier run of this plan, complete?)."""
     out_dir = Path(out_dir)
     src = plan.source.root
-    if is_inside(out_dir, src):
+    if plan.source.fetcher is None and is_inside(out_dir, src):  # streamed shards live in OUT/.fp8convert
         raise FP8ConvertError(f"{out_dir}: the output must not be the source directory or inside it")
-    if is_inside(src, out_dir):
+    if plan.source.fetcher is None and is_inside(src, out_dir):
         raise FP8ConvertError(f"{out_dir}: the output must not contain the source directory {src}")
     if out_dir.exists() and not out_dir.is_dir():
         raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
@@ -150,6 +151,7 @@ def finalize(plan: Plan, out_dir: Path, extra: dict | None = None) -> None:
                               f"{len(plan.shards)} shards); rerun the conversion to finish it")
     for name in plan.source.copy_files:
         write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
+    write_atomic(out_dir / "README.md", make_card(plan, read_source_card(plan.source.root)).encode())
     weight_map = {}
     for shard in plan.shards:
         weight_map.update({t: shard.name for t in shard.tensors})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,11 @@ class _Failed:
 
 
 def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter, device: torch.device,
-        progress, on_read=None) -> StageSeconds:
+        progress, on_read=None, fetcher=None) -> StageSeconds:
+    """`on_read(nbytes)` is told after each batch is read; `fetcher` (streamed sources) is asked for a
+    batch's files before they are read and told when no later batch needs them."""
     seconds = StageSeconds()
+    readers_left = Counter(f for batch in batches for f in {t.source.file for t in batch.tensors})
     scheme = plan.options.scheme
     to_main: queue.Queue = queue.Queue(maxsize=1)
     to_writer: queue.Queue = queue.Queue(maxsize=1)
@@ -70,6 +74,8 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 while not read_slot.acquire(timeout=0.1):
                     if stop.is_set():
                         return
+                if fetcher:
+                    fetcher.need(sorted({t.source.file for t in batch.tensors}))
                 item = (batch, *reader.read([t.source for t in read_order(batch)]))
                 if on_read:
                     on_read(batch.in_bytes)
@@ -93,6 +99,14 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                     writer.write(name, tensor)
                     del tensor
                 progress.advance(batch.in_bytes, batch.label)
+                finished_files = []
+                for f in {t.source.file for t in batch.tensors}:
+                    readers_left[f] -= 1
+                    if not readers_left[f]:
+                        finished_files.append(f)
+                if fetcher and finished_files:
+                    reader.forget(finished_files)
+                    fetcher.release(finished_files)
             except BaseException as e:
                 writer_error.append(e)
                 stop.set()

@@ -42,6 +42,14 @@ class BatchReader:
             os.close(fd)
         self.fds.clear()
 
+    def forget(self, files: list[str]) -> None:
+        """No batch reads these files again: close them (a deleted streamed shard frees its space)."""
+        with self.fds_lock:
+            for file in files:
+                fd = self.fds.pop(file, None)
+                if fd is not None:
+                    os.close(fd)
+
     def _fd(self, file: str) -> int:
         with self.fds_lock:
             if file not in self.fds:

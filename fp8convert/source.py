@@ -35,6 +35,7 @@ class Source:
     config: dict                      # config.json, key order kept
     copy_files: list[str]             # files copied verbatim into the output
     label: str                        # what the user passed (dir or repo id)
+    fetcher: object | None = None     # --stream-download: brings shards on demand (hub.StreamingFetcher)
 
     @property
     def total_bytes(self) -> int:

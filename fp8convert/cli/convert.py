@@ -53,7 +53,6 @@ def quantize(
         raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
     if push_to_hub and not hub.REPO_ID.match(push_to_hub):
         raise FP8ConvertError(f"--push-to-hub {push_to_hub}: not a Hub repo id (owner/name)")
-    streaming = {"stream_download": True} if stream_download else {}  # only Hub sources stream
 
     def show_warnings(the_plan):
         if not quiet:
@@ -62,7 +61,7 @@ def quantize(
 
     report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
                           max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings, **streaming)
+                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings, stream_download=stream_download)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
     elif report.already_complete:
