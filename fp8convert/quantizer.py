@@ -72,6 +72,9 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         if not atom[0].quantize:
             t = atom[0]
             raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
+            if t.name.endswith(".weight") and t.source.dtype in TORCH_DTYPES \
+                    and not bool(torch.isfinite(raw.view(TORCH_DTYPES[t.source.dtype])).all()):
+                raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
             outputs.append((t.name, raw if all_kept else raw.clone()))
     for family in families(batch):
         for chunk in family.chunks():
