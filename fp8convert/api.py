@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .errors import FP8ConvertError
+from . import cluster
+from .errors import FP8ConvertError, PlanMismatchError
 from .options import Options, parse_size
-from .output import WORK_DIR, finalize, prepare_output
-from .plan import Plan, build_plan, make_batches
+from .output import WORK_DIR, Manifest, finalize, finished_shards, prepare_output
+from .plan import Plan, Unit, build_plan, make_batches
 from .prefetch import Prefetcher
 from .progress import Progress
 from .source import Source, open_local
@@ -49,6 +50,9 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     already_complete: bool = False
     stage_seconds: dict = field(default_factory=dict)
+    worker: str = "0/1"                   # this process's share: worker K of N
+    shards_written: int = 0               # by this call (its workers, with --devices)
+    complete: bool = False                # OUT is complete on return (False: other workers still owe shards)
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -101,18 +105,44 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
              max_resident: int | str | None = None, overwrite: bool = False, revision: str | None = None,
              token: str | None = None, progress: bool = False, read_threads: int = 8,
              prefetch: int | str = DEFAULT_PREFETCH, prefetch_threads: int = 4, stream_download: bool = False,
-             on_plan: Callable[[Plan], None] | None = None) -> Report:
+             on_plan: Callable[[Plan], None] | None = None, worker=None, devices=None,
+             finalize_when_done: bool = True) -> Report:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`.
 
     `on_plan` is called with the plan before any data is read (the CLI prints its warnings there).
-    `stream_download` (Hub sources): keep only a few source shards on disk at a time."""
+    `stream_download` (Hub sources): keep only a few source shards on disk at a time.
+
+    Several processes can share one conversion (docs/cluster.md). `worker`: this process's share, "K/N"
+    or (K, N): it writes only the output shards whose index % N == K; None detects torchrun and
+    multi-task srun (else one worker does everything); "auto" also detects a Slurm array or a
+    Kubernetes indexed Job. A worker that finds every shard present finalizes (under torchrun: rank 0,
+    after a barrier); otherwise `finalize_output(out)` does it later. `devices` ("cuda:0,cuda:1", a
+    list, or "all"): one spawned worker process per device splits this worker's share, then this
+    process finalizes. `finalize_when_done=False`: write the shards only."""
     started = time.monotonic()
     options = Options(scheme, format, tuple(ignore), max_shard_size)  # bad options fail before any I/O
+    spec = cluster.resolve_worker(worker)
+    device_list = cluster.parse_devices(devices) if devices else None
+    if device_list and device != "auto":
+        raise FP8ConvertError(f"--device {device} and --devices {','.join(device_list)}: give only one of them")
+    if device_list and len(device_list) == 1:  # one device: no child process needed
+        device, device_list = device_list[0], None
+    for d in device_list or ():
+        resolve_device(d)  # a GPU this machine lacks fails now, not in a child after OUT was made
+    if overwrite and spec.count > 1:
+        raise FP8ConvertError(f"--overwrite with several workers (worker {spec.text}): each would clear the "
+                              "others' work; clear OUT once beforehand instead")
+    if stream_download and (spec.count > 1 or device_list):
+        raise FP8ConvertError("--stream-download works with one worker only: workers would delete source "
+                              "shards another one still reads")
     if stream_download:
         from .hub import looks_like_repo_id, streaming_source
         if not looks_like_repo_id(str(src)):
             raise FP8ConvertError(f"--stream-download applies to Hub repo ids; {src} is local")
         source = streaming_source(str(src), out, revision, token)
+    elif spec.count > 1 and _is_repo_id(src):
+        from .hub import remote_source
+        source = remote_source(str(src), revision, token)  # headers only: each worker fetches the shards it reads
     else:
         source = open_source(src, revision, token)
     the_plan = build_plan(source, options)
@@ -123,39 +153,106 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
     report = Report(str(out_dir), the_plan.source.label, scheme, format, device, len(the_plan.shards), len(done),
                     sum(t.quantize for t in the_plan.tensors), sum(not t.quantize for t in the_plan.tensors),
                     the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None, the_plan.ignore_list,
-                    list(the_plan.notes), compatibility_warnings(the_plan), complete)
+                    list(the_plan.notes), compatibility_warnings(the_plan), complete,
+                    worker=spec.text, complete=complete)
     if complete:
         report.seconds = time.monotonic() - started
         return report
-    check_free_space(the_plan, out_dir, done)
-    units = [u for u in the_plan.units if any(the_plan.shard_of[t.name] not in done for t in u.tensors)]
-    fetcher = the_plan.source.fetcher
-    window = parse_size(prefetch, "--prefetch") if prefetch and not fetcher else 0
-    prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
-                            window, threads=prefetch_threads).start() if window else None
-    try:
+    if device_list:
+        cluster.log(f"{the_plan.source.label}: {len(device_list)} worker processes ({', '.join(device_list)})"
+                    + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), progress)
+        kwargs = dict(scheme=scheme, format=format, ignore=tuple(ignore), max_shard_size=max_shard_size,
+                      max_resident=max_resident, revision=revision, token=token, progress=progress,
+                      read_threads=read_threads, prefetch=prefetch, prefetch_threads=prefetch_threads)
+        reports = cluster.run_on_devices(str(src), str(out), spec, device_list, kwargs)
+        report.device = ",".join(r.device for r in reports)
+        report.shards_written = sum(r.shards_written for r in reports)
+        peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
+        report.peak_device_bytes = max(peaks) if peaks else None
+        report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
+        if finalize_when_done:
+            report.complete = _finish(the_plan, out_dir, spec, progress)
+    else:
+        todo = spec.owned(len(the_plan.shards)) - done
+        skip = set(range(len(the_plan.shards))) - todo
+        check_free_space(the_plan, out_dir, skip)
+        units = units_for(the_plan, todo)
+        if spec.count > 1:
+            cluster.log(f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
+                        f"{len(the_plan.shards)} shards to write, {len(done)} already done", progress)
+            if _is_repo_id(src) and not the_plan.source.fetcher:
+                fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), token)
+        fetcher = the_plan.source.fetcher
+        window = parse_size(prefetch, "--prefetch") if prefetch and not fetcher else 0
+        prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
+                                window, threads=prefetch_threads).start() if window else None
+        try:
+            if fetcher:
+                from .hub import need_order
+                fetcher.start(need_order(units))
+            report.stage_seconds, report.device, report.peak_device_bytes = _run(
+                the_plan, units, out_dir, skip, cluster.device_for(spec, device), max_resident, progress,
+                read_threads, prefetcher, started, tag=f" [worker {spec.text}]" if spec.count > 1 else "")
+            report.shards_written = len(todo)
+            if finalize_when_done:
+                report.complete = _finish(the_plan, out_dir, spec, progress)
+        except BaseException:
+            if fetcher:
+                fetcher.close()  # downloaded shards stay for the rerun
+            raise
+        finally:
+            if prefetcher:
+                prefetcher.stop()
         if fetcher:
-            from .hub import need_order
-            fetcher.start(need_order(units))
-        report.stage_seconds, report.device, report.peak_device_bytes = _run(
-            the_plan, units, out_dir, done, device, max_resident, progress, read_threads, prefetcher, started)
-        finalize(the_plan, out_dir)
-    except BaseException:
-        if fetcher:
-            fetcher.close()  # downloaded shards stay for the rerun
-        raise
-    finally:
-        if prefetcher:
-            prefetcher.stop()
-    if fetcher:
-        fetcher.close(remove=True)
+            fetcher.close(remove=True)
     report.seconds = time.monotonic() - started
     report.stage_seconds["total"] = round(report.seconds, 3)
     return report
 
 
+def units_for(the_plan: Plan, shards: set[int]) -> list[Unit]:
+    """The plan's units cut down to the tensors whose outputs land in `shards`. All outputs of an atom
+    (fused group or single tensor) share one shard, so atoms are never split and, across workers that
+    own disjoint shards, no tensor is read twice."""
+    units = []
+    for unit in the_plan.units:
+        kept = [t for t in unit.tensors if the_plan.shard_of[t.name] in shards]
+        if kept:
+            units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
+    return units
+
+
+def _finish(the_plan: Plan, out_dir: Path, spec: cluster.WorkerSpec, progress: bool) -> bool:
+    """Finalize when this process may: alone, as torchrun's rank 0 after every rank's shards are
+    written, or as the worker that finds every shard present. Returns whether OUT is complete."""
+    if spec.count == 1:
+        finalize(the_plan, out_dir)
+        return True
+    if spec.launcher == "torchrun":
+        cluster.log(f"worker {spec.text}: shards written; waiting for the other ranks", progress)
+        cluster.barrier()
+        if spec.index != 0:
+            return False
+        finalize(the_plan, out_dir)
+        return True
+    present = finished_shards(the_plan, out_dir)
+    if len(present) < len(the_plan.shards):
+        cluster.log(f"worker {spec.text}: shards written; {len(present)} of {len(the_plan.shards)} shards present. "
+                    f"The last worker to finish finalizes, or run: fp8convert finalize {out_dir}", progress)
+        return False
+    claim = cluster.claim_finalize(out_dir)
+    if claim is None:
+        cluster.log(f"worker {spec.text}: every shard present; another worker is finalizing {out_dir}", progress)
+        return False
+    try:
+        finalize(the_plan, out_dir)
+    finally:
+        cluster.release_finalize(out_dir, claim)
+    return True
+
+
 def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_resident, progress: bool,
-         read_threads: int, prefetcher: Prefetcher | None, started: float) -> tuple[dict, str, int | None]:
+         read_threads: int, prefetcher: Prefetcher | None, started: float, tag: str = "") -> tuple[dict, str, int | None]:
     """The heavy part, and the only one that needs torch."""
     import torch
 
@@ -169,7 +266,7 @@ def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_
     batches = make_batches(units, budget_for(dev, max_resident))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}", enabled=progress)
+    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}{tag}", enabled=progress)
     reader = BatchReader(the_plan.source.root, dev, threads=read_threads)
     writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done)
     try:
@@ -184,9 +281,105 @@ def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_
             "pipeline": round(time.monotonic() - startup, 3)}, str(dev), peak
 
 
-def check_free_space(the_plan: Plan, out_dir: Path, done: set[int]) -> None:
-    needed = sum(s.size for s in the_plan.shards if s.index not in done)
+def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int]) -> None:
+    needed = sum(s.size for s in the_plan.shards if s.index not in skip)
     free = shutil.disk_usage(out_dir).free
     if free < needed:
         raise FP8ConvertError(f"{out_dir}: needs {needed / 1e9:.2f} GB free for the output, only "
                               f"{free / 1e9:.2f} GB available")
+
+
+@dataclass
+class FinalizeReport:
+    """What `finalize_output` did."""
+
+    out_dir: str
+    source: str
+    shards: int
+    bytes_out: int
+    seconds: float
+
+
+def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeReport:
+    """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
+    records (source, revision, scheme, format, ignore patterns, shard size; headers only, a Hub repo
+    id is planned from remote headers), refuse if it is not the plan the workers used, check that every
+    shard is present and complete (size and header bytes), then write side files, card, index and
+    config.json. Idempotent: finalizing a complete output rewrites the same bytes."""
+    started = time.monotonic()
+    out_dir = Path(out)
+    if not out_dir.is_dir():
+        raise FP8ConvertError(f"{out_dir}: no such output directory")
+    manifest = Manifest(out_dir)
+    state = manifest.read()
+    if state is None:
+        raise FP8ConvertError(f"{out_dir}: no {WORK_DIR}/manifest.json, so no fp8convert worker started here")
+    lacking = [k for k in ("fingerprint", "source", "scheme", "format", "ignore", "max_shard_size") if k not in state]
+    if lacking:
+        raise FP8ConvertError(f"{manifest.path}: does not record {lacking[0]} (written by an older fp8convert); "
+                              "rerun the quantize command to finish the output")
+    the_plan = _plan_from_manifest(state, token)
+    if the_plan.fingerprint != state["fingerprint"]:
+        from .output import plan_change
+        raise PlanMismatchError(f"{out_dir}: the source no longer gives the plan the workers used "
+                                f"({plan_change(state, the_plan)}); rerun the conversion with --overwrite")
+    check_shards(the_plan, out_dir)
+    finalize(the_plan, out_dir)
+    return FinalizeReport(str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes,
+                          time.monotonic() - started)
+
+
+def _plan_from_manifest(state: dict, token: str | None) -> Plan:
+    """The workers' plan again, from the manifest: same source label (the card names it), same options."""
+    options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"])
+    if state.get("source_path"):
+        return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
+    from .hub import looks_like_repo_id, remote_source
+    repo_id, revision = state["source"], state.get("revision")
+    if not looks_like_repo_id(repo_id):
+        raise FP8ConvertError(f"{repo_id}: the manifest's source is neither a directory nor a Hub repo id")
+    source = remote_source(repo_id, revision, token)
+    fetch_from_hub(source, [], token)  # side files and card: this machine's cache may lack them
+    return build_plan(source, options)
+
+
+def _is_repo_id(src) -> bool:
+    from .hub import looks_like_repo_id
+    return not Path(str(src)).exists() and looks_like_repo_id(str(src))
+
+
+def fetch_from_hub(source, shards: list[str], token: str | None) -> None:
+    """Into the cache snapshot a remote Source is rooted at: `shards` (the ones a worker reads), the side
+    files and the source's card (what finalize reads), each unless already there. Offline (the source is
+    the cached snapshot itself) there is nothing to fetch."""
+    if getattr(source, "revision", None) is None:
+        return
+    from .hub import parallel, remote_layout, resolve_repo
+    root = Path(source.root)
+    repo = resolve_repo(source.label, source.revision, token)
+    layout = remote_layout(repo)
+    for name in [layout.card, *layout.side_files]:
+        if name and not (root / name).is_file():
+            repo.download(name)
+    missing = sorted((f for f in shards if not (root / f).is_file()), key=lambda n: -(repo.sizes.get(n) or 0))
+    parallel(repo.download, missing)
+
+
+def check_shards(the_plan: Plan, out_dir: Path) -> None:
+    """Every planned shard present, of the planned size, starting with the planned header bytes."""
+    out_dir = Path(out_dir)
+    missing = [s for s in the_plan.shards if not (out_dir / s.name).is_file()]
+    if missing:
+        raise FP8ConvertError(f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
+                              "shards); run the workers that own them (the same quantize command) first")
+    for shard in the_plan.shards:
+        path = out_dir / shard.name
+        size = path.stat().st_size
+        if size != shard.size:
+            raise FP8ConvertError(f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
+                                  "plan); remove it and rerun the quantize command to rewrite it")
+        with open(path, "rb") as f:
+            head = f.read(len(shard.header))
+        if head != shard.header:
+            raise FP8ConvertError(f"{path}: its header differs from the plan's (not written by this conversion); "
+                                  "remove it and rerun the quantize command to rewrite it")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -98,16 +99,47 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
         raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
     if not os.access(out_dir, os.W_OK):
         raise FP8ConvertError(f"{out_dir}: not writable")
-    manifest.write(new_manifest(plan))
+    create_manifest(manifest, plan)
     return set(), False
 
 
+def create_manifest(manifest: Manifest, plan: Plan) -> None:
+    """The manifest of a new output. Workers started together on an empty OUT all get here: the first
+    manifest stands (a hard link never replaces a file) and the others check it records their plan.
+    Each writes its own temporary file, so none renames a file another is still writing."""
+    path = manifest.path
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json_bytes(new_manifest(plan)))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            state = manifest.read()
+            if (state or {}).get("fingerprint") != plan.fingerprint:
+                raise PlanMismatchError(f"{path.parent.parent}: another run started a conversion with a different "
+                                        "plan in it at the same time") from None
+        except OSError:  # a filesystem without hard links: the last writer wins (same plan, same bytes)
+            os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    with contextlib.suppress(OSError):
+        (path.parent / f".{MANIFEST}.tmp").unlink()  # left by a run killed while writing it (write_atomic's name)
+
+
 def killed_before_manifest(out_dir: Path) -> bool:
-    """OUT holds only what a run killed before its manifest existed leaves: the work directory, empty
-    or with the manifest's temporary file. Such a directory is ours and empty in every way that matters."""
+    """OUT holds only the work directory, without a manifest: what a run killed before its manifest
+    existed leaves, or what a worker started a moment earlier has made so far (several workers start
+    together on an empty OUT). Such a directory is ours and empty in every way that matters."""
     work = out_dir / WORK_DIR
     return [p.name for p in out_dir.iterdir()] == [WORK_DIR] and work.is_dir() and not work.is_symlink() \
-        and all(p.name == f".{MANIFEST}.tmp" for p in work.iterdir())
+        and not (work / MANIFEST).exists()
 
 
 def plan_change(state: dict, plan: Plan) -> str:
@@ -129,9 +161,17 @@ def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
 
 
 def new_manifest(plan: Plan) -> dict:
-    return {"tool": "fp8convert", "fingerprint": plan.fingerprint, "source": plan.source.label,
-            "scheme": plan.options.scheme, "format": plan.options.format,
-            "shards": len(plan.shards), "complete": False}
+    """Also records what `finalize_output` needs to rebuild the plan: the source (a local directory's
+    absolute path; a Hub repo's commit), scheme, format, ignore patterns and shard size."""
+    source, root = plan.source, Path(plan.source.root)
+    local = source.fetcher is None and source.label == str(root)  # open_local labels a directory by its path
+    revision = getattr(source, "revision", None)
+    if revision is None and not local and root.parent.name == "snapshots":
+        revision = root.name  # downloaded into the huggingface_hub cache: the snapshot directory is the commit
+    return {"tool": "fp8convert", "fingerprint": plan.fingerprint, "source": source.label,
+            "source_path": str(root.resolve()) if local else None, "revision": None if local else revision,
+            "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
+            "max_shard_size": plan.options.max_shard_size, "shards": len(plan.shards), "complete": False}
 
 
 def clear_directory(out_dir: Path) -> None:

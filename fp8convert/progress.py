@@ -1,6 +1,7 @@
 """Progress: a rich bar (bytes, throughput, ETA) on a terminal; plain timestamped lines otherwise."""
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import time
 
@@ -14,7 +15,8 @@ class Progress:
         self.last_log = self.start
         self.interval = interval_s
         self.bar = None
-        if enabled and self.stream.isatty():
+        # A worker process started by another (--devices) logs lines: several live bars would garble the terminal.
+        if enabled and self.stream.isatty() and multiprocessing.parent_process() is None:
             from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
                                        TransferSpeedColumn)
             from rich.console import Console

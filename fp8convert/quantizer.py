@@ -61,6 +61,12 @@ def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorP
     return torch.stack([buf[offsets[t.name]:offsets[t.name] + size].view(dtype).view(first.shape) for t in tensors])
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN or Inf, checked a slice at a time so the boolean temporary stays small."""
+    step = STACK_BYTES // values.element_size()
+    return all(bool(torch.isfinite(part).all()) for part in values.split(step))
+
+
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str
                    ) -> list[tuple[str, torch.Tensor]]:
     """Outputs (name, tensor) for every output tensor of the batch. Kept tensors are copied out of
@@ -72,8 +78,8 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         if not atom[0].quantize:
             t = atom[0]
             raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
-            if t.name.endswith(".weight") and t.source.dtype in TORCH_DTYPES \
-                    and not bool(torch.isfinite(raw.view(TORCH_DTYPES[t.source.dtype])).all()):
+            if t.name.endswith(".weight") and t.source.dtype in TORCH_DTYPES and not all_finite(
+                    raw.view(TORCH_DTYPES[t.source.dtype])):
                 raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
             outputs.append((t.name, raw if all_kept else raw.clone()))
     for family in families(batch):

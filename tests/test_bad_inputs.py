@@ -268,6 +268,18 @@ def test_non_finite_weight_names_the_tensor(tmp_path, capsys, value):
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.input_layernorm.weight", "model.embed_tokens.weight"])
+def test_non_finite_kept_weight_names_the_tensor(tmp_path, capsys, name):
+    """Weights that stay in high precision are checked too: a NaN norm is as broken as a NaN linear."""
+    tensors = llama_tensors()
+    tensors[name].view(-1)[3] = float("nan")
+    src = write_checkpoint(tmp_path / "src", tensors)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert rc != 0 and not looks_complete(out)
+    assert name in err and "NaN or Inf" in err and len(err.strip().splitlines()) == 1
+
+
 def test_all_zero_weights_are_valid(tmp_path, capsys):
     tensors = {n: torch.zeros_like(t) if t.dim() == 2 else t for n, t in llama_tensors().items()}
     src = write_checkpoint(tmp_path / "src", tensors)

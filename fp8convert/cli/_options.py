@@ -17,3 +17,12 @@ MaxResident = Annotated[Optional[str], typer.Option(
                            "1GiB on CPU); larger layers are split, never inside a fused group.")]
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of SRC.")]
 Json = Annotated[bool, typer.Option("--json", help="Print a JSON document instead of text.")]
+Worker = Annotated[Optional[str], typer.Option(
+    "--worker", metavar="K/N|auto",
+    help="Convert only worker K's share of N (output shards with index % N == K, counting from 0). Without "
+         "it, torchrun and multi-task srun are detected; 'auto' also detects a Slurm array or a Kubernetes "
+         "indexed Job. See docs/cluster.md.")]
+Devices = Annotated[Optional[str], typer.Option(
+    "--devices", metavar="LIST|all",
+    help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
+         "entries are allowed too.")]

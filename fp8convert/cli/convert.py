@@ -13,7 +13,7 @@ import typer
 from .. import api, hub
 from ..errors import FP8ConvertError
 from ..summary import compatibility_warnings, describe, render
-from ._options import Device, Format, Ignore, Json, MaxResident, MaxShardSize, Revision, Scheme
+from ._options import Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Revision, Scheme, Worker
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
@@ -36,6 +36,7 @@ def quantize(
     stream_download: Annotated[bool, typer.Option(
         "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                                   "converted (for models larger than the free disk).")] = False,
+    worker: Worker = None, devices: Devices = None,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -48,6 +49,12 @@ def quantize(
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
 
       fp8convert quantize Qwen/Qwen3-8B ./Qwen3-8B-FP8 --push-to-hub me/Qwen3-8B-FP8 --stream-download
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --devices all                # one process per GPU
+
+      srun -n 8 fp8convert quantize ./dsv3 ./dsv3-fp8                    # 8 workers; the last one finalizes
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
     if private and not push_to_hub:
         raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
@@ -61,19 +68,27 @@ def quantize(
 
     report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
                           max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings, stream_download=stream_download)
+                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings, stream_download=stream_download,
+                          worker=worker, devices=devices)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
     elif report.already_complete:
         print(f"{out}: already complete (same plan); nothing to do")
+    elif not report.complete:
+        print(f"worker {report.worker}: wrote {report.shards_written} of {report.shards} shard(s) of {out} in "
+              f"{report.seconds:.1f}s on {report.device}; the worker that finds every shard written finalizes the "
+              f"output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every worker is done")
     else:
         resumed = f", {report.shards_resumed} resumed" if report.shards_resumed else ""
         print(f"wrote {out}: {report.shards} shard(s){resumed}, {report.tensors_quantized} tensors quantized, "
               f"{report.tensors_kept} kept, {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
               f"in {report.seconds:.1f}s on {report.device}")
-    if push_to_hub:
+    if push_to_hub and report.complete:
         url = hub.push(out, push_to_hub, private=private, token=token())
         print(f"pushed {out} to {push_to_hub}: {url}", file=sys.stderr if json_out else sys.stdout)
+    elif push_to_hub:
+        print(f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
+              f"(or run `fp8convert push {out} {push_to_hub}` after finalize)", file=sys.stderr)
 
 
 def inspect(

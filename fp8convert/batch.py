@@ -1,0 +1,245 @@
+"""Batch conversion: many models from one jobs file, one after another or one per Slurm array task.
+
+A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one
+job object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may
+set the quantize options below. The whole file is validated before any job starts; then jobs run in
+order, a finished output is skipped (quantize recognises it at once), a failed job does not stop the
+others, and the summary says what happened to each.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import FP8ConvertError
+from .options import Options
+
+STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident")
+KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", "private", "stream_download")
+PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
+
+
+@dataclass
+class Job:
+    index: int
+    name: str
+    source: str
+    out: str
+    options: dict                      # keyword arguments of api.quantize
+    push_to_hub: str | None = None
+    private: bool = False
+
+
+@dataclass
+class JobResult:
+    index: int
+    job: str
+    source: str
+    out: str
+    status: str                        # done, skipped (already complete), failed
+    seconds: float
+    gb_in: float = 0.0
+    gb_out: float = 0.0
+    error: str | None = None
+    pushed: str | None = None          # commit URL of the push
+    report: dict = field(default_factory=dict)
+
+
+def read_jobs(path: str | Path) -> list[Job]:
+    """Parse and validate a jobs file; every problem is one line naming the file and the job."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise FP8ConvertError(f"{path}: cannot read ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise FP8ConvertError(f"{path}: not UTF-8 text ({e})") from e
+    first = next((line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")), "")
+    if path.suffix in (".jsonl", ".json", ".ndjson") or (path.suffix != ".toml" and first.startswith("{")):
+        raw = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip() or line.strip().startswith("#"):
+                continue
+            try:
+                raw.append(json.loads(line))
+            except ValueError as e:
+                raise FP8ConvertError(f"{path}:{number}: not a JSON object ({e})") from e
+        defaults: dict = {}
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise FP8ConvertError(f"{path}: not valid TOML ({e})") from e
+        extra = sorted(set(data) - {"job", "defaults"})
+        if extra:
+            raise FP8ConvertError(f"{path}: unknown top-level key {extra[0]!r} (expected [[job]] tables and an "
+                                  "optional [defaults] table)")
+        raw, defaults = data.get("job", []), data.get("defaults", {})
+        if not isinstance(raw, list) or not isinstance(defaults, dict):
+            raise FP8ConvertError(f"{path}: 'job' must be an array of tables ([[job]]) and 'defaults' a table")
+        _check_keys(defaults, f"{path}: [defaults]", not_here=("source", "out", "name"))
+    if not raw:
+        raise FP8ConvertError(f"{path}: no jobs")
+    jobs = [_job(path, i, entry, defaults) for i, entry in enumerate(raw)]
+    seen: dict[str, Job] = {}
+    for job in jobs:
+        key = os.path.abspath(job.out)
+        if key in seen:
+            raise FP8ConvertError(f"{path}: job {job.index} ({job.name}) writes to {job.out}, as job "
+                                  f"{seen[key].index} ({seen[key].name}) does")
+        seen[key] = job
+    return jobs
+
+
+def _check_keys(entry: dict, where: str, not_here=()) -> None:
+    for key in entry:
+        if key not in KNOWN_KEYS:
+            raise FP8ConvertError(f"{where}: unknown key {key!r} (known: {', '.join(KNOWN_KEYS)})")
+        if key in not_here:
+            raise FP8ConvertError(f"{where}: {key!r} belongs in each [[job]], not in [defaults]")
+
+
+def _job(path: Path, index: int, entry, defaults: dict) -> Job:
+    label = f"{path}: job {index}"
+    if not isinstance(entry, dict):
+        raise FP8ConvertError(f"{label}: not a table/object")
+    if isinstance(entry.get("name"), str):
+        label += f" ({entry['name']})"
+    _check_keys(entry, label)
+    merged = {**defaults, **entry}
+    for key in ("source", "out"):
+        if not merged.get(key):
+            raise FP8ConvertError(f"{label}: missing {key!r}")
+    for key in STRING_KEYS:
+        if key in merged and not isinstance(merged[key], str):
+            raise FP8ConvertError(f"{label}: {key!r} must be a string, got {merged[key]!r}")
+    for key in ("private", "stream_download"):
+        if key in merged and not isinstance(merged[key], bool):
+            raise FP8ConvertError(f"{label}: {key!r} must be true or false, got {merged[key]!r}")
+    ignore = merged.get("ignore", [])
+    ignore = [ignore] if isinstance(ignore, str) else ignore
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise FP8ConvertError(f"{label}: 'ignore' must be a list of patterns")
+    devices = merged.get("devices")
+    if devices is not None and not (isinstance(devices, str) or
+                                    (isinstance(devices, list) and all(isinstance(d, str) for d in devices))):
+        raise FP8ConvertError(f"{label}: 'devices' must be a string (cuda:0,cuda:1 or all) or a list")
+    size = merged.get("max_shard_size", "5GB")
+    if isinstance(size, bool) or not isinstance(size, (str, int)):
+        raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
+    try:
+        Options(merged.get("scheme", "tensor"), merged.get("format", "compressed-tensors"), tuple(ignore), size)
+        if devices is not None:
+            from .cluster import parse_devices
+            if devices != "all" and devices != ["all"]:  # 'all' is resolved on the machine that runs the job
+                parse_devices(devices)
+        if merged.get("max_resident"):
+            from .options import parse_size
+            parse_size(merged["max_resident"], "max_resident")
+    except FP8ConvertError as e:
+        raise FP8ConvertError(f"{label}: {e}") from None
+    push = merged.get("push_to_hub")
+    if push:
+        from .hub import REPO_ID
+        if not REPO_ID.match(push):
+            raise FP8ConvertError(f"{label}: push_to_hub {push!r} is not a Hub repo id (owner/name)")
+    elif merged.get("private"):
+        raise FP8ConvertError(f"{label}: 'private' applies only with 'push_to_hub'")
+    options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
+                                       "revision", "stream_download") if k in merged}
+    options["ignore"] = tuple(ignore)
+    return Job(index, merged.get("name") or str(index), merged["source"], merged["out"], options, push,
+               bool(merged.get("private")))
+
+
+def task_index_from_env(env=None) -> int | None:
+    """The job of this Slurm array task: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN (None outside an array)."""
+    env = os.environ if env is None else env
+    if not env.get("SLURM_ARRAY_TASK_ID"):
+        return None
+    try:
+        return int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN") or 0)
+    except ValueError:
+        raise FP8ConvertError(f"$SLURM_ARRAY_TASK_ID={env['SLURM_ARRAY_TASK_ID']!r}: not an integer") from None
+
+
+def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job]:
+    if task_index is None:
+        return jobs
+    if not 0 <= task_index < len(jobs):
+        raise FP8ConvertError(f"task index {task_index}: {where} has {len(jobs)} job(s), numbered 0 to {len(jobs) - 1}")
+    return [jobs[task_index]]
+
+
+def run_job(job: Job, progress: bool = True, token: str | None = None) -> JobResult:
+    """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything)."""
+    from . import api, hub
+    from .cluster import log
+    started = time.monotonic()
+    result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
+    log(f"job {job.index} ({job.name}): {job.source} -> {job.out}", progress)
+    try:
+        report = api.quantize(job.source, job.out, progress=progress, token=token, **job.options)
+        result.report = asdict(report)
+        result.gb_in, result.gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
+        result.status = "skipped" if report.already_complete else "done"
+        if job.push_to_hub and report.complete:
+            pushed_file = Path(job.out) / ".fp8convert" / PUSHED
+            pushed = _read_json(pushed_file)
+            if report.already_complete and job.push_to_hub in pushed:
+                result.pushed = pushed[job.push_to_hub]
+            else:
+                result.pushed = hub.push(job.out, job.push_to_hub, private=job.private, token=token)
+                pushed[job.push_to_hub] = result.pushed
+                from .output import json_bytes, write_atomic
+                write_atomic(pushed_file, json_bytes(pushed))
+        elif not report.complete:
+            result.status = "partial"  # this worker's shards are written; others still owe theirs
+    except FP8ConvertError as e:
+        result.error = str(e)
+    except Exception as e:  # an unexpected failure in one job must not stop the others
+        result.error = " ".join(f"{type(e).__name__}: {e}".split())
+    result.seconds = time.monotonic() - started
+    log(f"job {job.index} ({job.name}): {result.status} in {result.seconds:.1f}s"
+        + (f": {result.error}" if result.error else ""), progress)
+    return result
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_batch(path: str | Path, task_index: int | None = None, progress: bool = True,
+              token: str | None = None) -> list[JobResult]:
+    """Validate the jobs file, then run its jobs in order (or only job `task_index`; by default the
+    Slurm array task's). Returns one result per job run."""
+    jobs = read_jobs(path)
+    if task_index is None:
+        task_index = task_index_from_env()
+    return [run_job(job, progress, token) for job in select_jobs(jobs, task_index, str(path))]
+
+
+def render(results: list[JobResult]) -> str:
+    """The summary table, then one line per failure."""
+    rows = [("job", "source", "out", "status", "seconds", "GB")]
+    rows += [(f"{r.index} {r.job}" if r.job != str(r.index) else r.job, r.source, r.out, r.status,
+              f"{r.seconds:.1f}", f"{r.gb_out:.2f}") for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [f"job {r.index} ({r.job}) failed: {r.error}" for r in results if r.status == "failed"]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def summary(results: list[JobResult]) -> dict:
+    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "partial", "failed")}
+    return {"jobs": [asdict(r) for r in results], **counts}

@@ -1,0 +1,80 @@
+"""finalize and batch: the commands for cluster jobs (docs/cluster.md)."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import FP8ConvertError
+from ._options import Json
+
+
+def finalize(
+    out: Annotated[Path, typer.Argument(help="An output directory whose shards workers wrote.", show_default=False)],
+    json_out: Json = False,
+):
+    """Check that every shard of OUT is present and complete (size and header), then write the index,
+    config.json and model card. The plan is rebuilt from the source recorded in OUT/.fp8convert
+    (headers only) and must be the one the workers used. Safe to run more than once.
+
+    Examples:
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 0/2 & fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 1/2; wait
+
+      fp8convert finalize ./dsv3-fp8
+
+      sbatch --dependency=afterok:$JOB scripts/slurm_finalize.sbatch ./dsv3-fp8
+    """
+    from .. import api
+    from .convert import token
+
+    report = api.finalize_output(out, token=token())
+    if json_out:
+        print(json.dumps(asdict(report), indent=2))
+    else:
+        print(f"finalized {out}: {report.shards} shard(s), {report.bytes_out / 1e9:.2f} GB, from {report.source}")
+
+
+def batch(
+    jobs: Annotated[Path, typer.Argument(help="Jobs file: TOML with [[job]] tables, or JSON lines.",
+                                         show_default=False)],
+    task_index: Annotated[Optional[int], typer.Option(
+        "--task-index", help="Run only job N (counting from 0). Default in a Slurm array: "
+                             "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
+    json_out: Json = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+):
+    """Convert every model listed in JOBS, in order: finished outputs are skipped, a failed job does not
+    stop the others, and a summary table (job, source, out, status, seconds, GB) ends the run. Exits 1
+    if any job failed. The file is validated before any job starts.
+
+    Examples:
+
+      fp8convert batch jobs.toml
+
+      fp8convert batch jobs.jsonl --task-index 2 --json
+
+      sbatch --array=0-9 scripts/slurm_array.sbatch jobs.toml     # one job per array task
+    """
+    from .. import batch as batch_mod
+    from .convert import token
+
+    results = batch_mod.run_batch(jobs, task_index=task_index, progress=not quiet, token=token())
+    if json_out:
+        print(json.dumps(batch_mod.summary(results), indent=2))
+    else:
+        print(batch_mod.render(results))
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        raise FP8ConvertError(f"{jobs}: {len(failed)} of {len(results)} job(s) failed (first: job {failed[0].index} "
+                              f"({failed[0].job}): {failed[0].error})")
+    sys.stdout.flush()
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(finalize)
+    app.command()(batch)

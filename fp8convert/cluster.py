@@ -1,0 +1,242 @@
+"""Splitting one conversion over several processes: which worker am I, which shards are mine, who finalizes.
+
+The plan is deterministic, so every worker computes the same shard layout on its own; worker K of N
+owns the output shards whose index satisfies `index % N == K` and reads only the tensors that land in
+them (all outputs of a fused group or tensor share one shard, so no byte is read twice). Workers share
+nothing but the output directory: a shard only gets its final name once complete, so whoever finds
+every shard there can finalize (index, config, card), and finalizing twice writes the same bytes.
+
+Launchers are detected from their environment variables (`detect_worker`): torchrun and multi-task
+`srun` always, since N identical copies of one command would otherwise collide; Slurm arrays and
+Kubernetes indexed Jobs only with `--worker auto`, since an array also runs different models (batch).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import FP8ConvertError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
+BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
+CLAIM = "finalize.claim"       # in OUT/.fp8convert: the worker finalizing now (workers without a barrier)
+STALE_CLAIM_S = 600            # a claim older than this was left by a worker that died while finalizing
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """This process's share of a conversion: worker `index` of `count`."""
+
+    index: int = 0
+    count: int = 1
+    launcher: str = "single"          # single, explicit, torchrun, slurm, slurm-array, k8s
+    local_rank: int | None = None     # picks the GPU when the launcher starts one process per GPU
+
+    @property
+    def text(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def owned(self, shard_count: int) -> set[int]:
+        return {i for i in range(shard_count) if i % self.count == self.index}
+
+    def split(self, parts: int, part: int) -> "WorkerSpec":
+        """Sub-worker `part` of `parts` within this worker's slot (--devices): same shards overall."""
+        return WorkerSpec(self.index * parts + part, self.count * parts, "explicit")
+
+
+SINGLE = WorkerSpec()
+
+
+def _int(env, name: str) -> int:
+    value = env.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        raise FP8ConvertError(f"${name}={value!r}: not an integer") from None
+
+
+def _checked(index: int, count: int, launcher: str, where: str, local_rank: int | None = None) -> WorkerSpec:
+    if count < 1 or not 0 <= index < count:
+        raise FP8ConvertError(f"{where}: worker {index} of {count} is not a valid split (need 0 <= K < N)")
+    return WorkerSpec(index, count, launcher if count > 1 else "single", local_rank)
+
+
+def parse_worker(text: str) -> WorkerSpec:
+    """'K/N' (0-based K)."""
+    parts = str(text).strip().split("/")
+    try:
+        index, count = (int(p) for p in parts)
+    except ValueError:
+        raise FP8ConvertError(f"--worker {text!r}: expected K/N (worker K of N, counting from 0), or auto") from None
+    return _checked(index, count, "explicit", f"--worker {text}")
+
+
+def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
+    """The launcher's split, from environment variables; None when none is found.
+
+    Always: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) and a multi-task srun step (SLURM_PROCID with
+    SLURM_STEP_NUM_TASKS, else SLURM_NTASKS, > 1). With `opt_in` (--worker auto) also a Slurm array
+    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN [/ SLURM_ARRAY_TASK_STEP] of SLURM_ARRAY_TASK_COUNT)
+    and a Kubernetes indexed Job (JOB_COMPLETION_INDEX of JOB_COMPLETIONS)."""
+    env = os.environ if env is None else env
+    if all(env.get(v) for v in TORCHRUN_VARS):
+        local = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else None
+        return _checked(_int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local)
+    tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    if env.get("SLURM_PROCID") and env.get(tasks_var) and _int(env, tasks_var) > 1:
+        local = _int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else None
+        return _checked(_int(env, "SLURM_PROCID"), _int(env, tasks_var), "slurm",
+                        f"srun ($SLURM_PROCID/${tasks_var})", local)
+    if not opt_in:
+        return None
+    if env.get("SLURM_ARRAY_TASK_ID"):
+        if not env.get("SLURM_ARRAY_TASK_COUNT"):
+            raise FP8ConvertError("Slurm array: $SLURM_ARRAY_TASK_COUNT is not set; pass --worker K/N")
+        step = _int(env, "SLURM_ARRAY_TASK_STEP") if env.get("SLURM_ARRAY_TASK_STEP") else 1
+        first = _int(env, "SLURM_ARRAY_TASK_MIN") if env.get("SLURM_ARRAY_TASK_MIN") else 0
+        offset = _int(env, "SLURM_ARRAY_TASK_ID") - first
+        if step < 1 or offset % step:
+            raise FP8ConvertError(f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; "
+                                  "pass --worker K/N")
+        return _checked(offset // step, _int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array",
+                        "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)")
+    if env.get("JOB_COMPLETION_INDEX"):
+        if not env.get("JOB_COMPLETIONS"):
+            raise FP8ConvertError("Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
+                                  "completions, or pass --worker $JOB_COMPLETION_INDEX/N")
+        return _checked(_int(env, "JOB_COMPLETION_INDEX"), _int(env, "JOB_COMPLETIONS"), "k8s",
+                        "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)")
+    raise FP8ConvertError("--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
+                          "or a Kubernetes indexed Job); pass --worker K/N")
+
+
+def resolve_worker(worker: "str | tuple[int, int] | WorkerSpec | None", env=None) -> WorkerSpec:
+    """None: detect torchrun / multi-task srun, else a single worker. 'auto': detect any launcher.
+    'K/N' or (K, N): explicit."""
+    if isinstance(worker, WorkerSpec):
+        return worker
+    if worker is None:
+        return detect_worker(env) or SINGLE
+    if isinstance(worker, tuple):
+        return _checked(worker[0], worker[1], "explicit", f"--worker {worker[0]}/{worker[1]}")
+    if str(worker).strip().lower() == "auto":
+        return detect_worker(env, opt_in=True)
+    return parse_worker(worker)
+
+
+def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
+    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device). 'cpu' entries are allowed
+    (several CPU workers; mostly for tests). Bare 'cuda' is refused: say which GPU."""
+    items = devices.split(",") if isinstance(devices, str) else list(devices)
+    items = [d.strip() for d in items if d.strip()]
+    if items == ["all"]:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise FP8ConvertError("--devices all: no CUDA device on this machine")
+        return [f"cuda:{i}" for i in range(count)]
+    if not items:
+        raise FP8ConvertError("--devices: empty list (examples: cuda:0,cuda:1 or all)")
+    for d in items:
+        kind, _, number = d.partition(":")
+        if not (d == "cpu" or (kind == "cuda" and number.isdigit())):
+            raise FP8ConvertError(f"--devices {d!r}: expected cuda:N (or cpu), or all")
+    return items
+
+
+def device_for(spec: WorkerSpec, device: str) -> str:
+    """One process per GPU (torchrun, srun --gpus-per-task...): 'auto'/'cuda' becomes cuda:LOCAL_RANK."""
+    if spec.local_rank is None or device not in ("auto", "cuda"):
+        return device
+    import torch
+    if not torch.cuda.is_available():
+        return "cpu" if device == "auto" else device
+    return f"cuda:{spec.local_rank % torch.cuda.device_count()}"
+
+
+def log(message: str, enabled: bool = True) -> None:
+    """A plain timestamped line on stderr (cluster logs are files, not terminals)."""
+    if enabled:
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ torchrun: wait for every rank
+
+def barrier() -> None:
+    """Wait until every torchrun rank is here. A gloo group (CPU, no NCCL needed) is created just for
+    this when the program has none, with a long timeout: ranks finish their shards at different times."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=BARRIER_TIMEOUT_S))
+    try:
+        dist.barrier()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ workers without a barrier
+
+def claim_finalize(out_dir: Path) -> int | None:
+    """Become the one worker that finalizes now: an O_EXCL claim file. None when another worker holds
+    a fresh claim (it is finalizing); a claim left by a dead worker is taken over."""
+    path = Path(out_dir) / ".fp8convert" / CLAIM
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.write(fd, f"{os.uname().nodename} {os.getpid()}\n".encode())
+            return fd
+        except FileExistsError:
+            try:
+                age = time.time() - path.stat().st_mtime
+            except FileNotFoundError:
+                continue  # released just now: try again
+            if age < STALE_CLAIM_S:
+                return None
+            path.unlink(missing_ok=True)
+    return None
+
+
+def release_finalize(out_dir: Path, fd: int) -> None:
+    os.close(fd)
+    (Path(out_dir) / ".fp8convert" / CLAIM).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------ several devices on one machine
+
+def _device_worker(src, out, kwargs: dict):
+    """One --devices child (spawned): the same API call with its own worker slot and device."""
+    from . import api
+    return api.quantize(src, out, **kwargs)
+
+
+def run_on_devices(src, out, spec: WorkerSpec, devices: list[str], kwargs: dict) -> list:
+    """One spawned process per device, worker slot `spec` split between them; returns their Reports.
+    The children never finalize; the caller does once they all succeeded."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    jobs = []
+    with ProcessPoolExecutor(len(devices), mp_context=ctx) as pool:
+        for part, device in enumerate(devices):
+            child = dict(kwargs, device=device, worker=spec.split(len(devices), part), devices=None,
+                         finalize_when_done=False, on_plan=None)
+            jobs.append((device, pool.submit(_device_worker, src, out, child)))
+        reports, errors = [], []
+        for device, job in jobs:
+            try:
+                reports.append(job.result())
+            except FP8ConvertError as e:
+                errors.append(f"worker on {device}: {e}")
+            except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
+                errors.append(f"worker on {device}: {type(e).__name__}: {e}")
+    if errors:
+        raise FP8ConvertError(errors[0] + (f" (and {len(errors) - 1} more worker(s) failed)" if len(errors) > 1 else ""))
+    return reports

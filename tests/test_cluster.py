@@ -1,0 +1,379 @@
+"""Batch and distributed conversion (docs/cluster.md): the work split over workers, launcher detection,
+finalize, several devices, and batch jobs files. Every split run must give the bytes of one process,
+every file of OUT included (shards, index, config, card, manifest)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8convert import api
+from fp8convert.batch import read_jobs, task_index_from_env
+from fp8convert.cli import main
+from fp8convert.cluster import WorkerSpec, detect_worker, parse_devices, resolve_worker
+from fp8convert.demo import make_demo_model
+from fp8convert.errors import FP8ConvertError
+from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes
+
+try:
+    from fakehub import fake_hub  # noqa: F401  (a fixture)
+except ImportError:  # tests/ imported as a package
+    from tests.fakehub import fake_hub  # noqa: F401
+
+ARGS = ["--max-shard-size", "1MB", "-q"]  # the demo model in 1 MB shards: 6 output shards
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """A 4-shard demo checkpoint and the bytes of its one-process conversion."""
+    base = tmp_path_factory.mktemp("cluster")
+    src = make_demo_model(base / "src", shards=4)
+    assert main(["quantize", str(src), str(base / "ref"), "--device", "cpu", *ARGS]) == 0
+    reference = tree_bytes(base / "ref")
+    assert sum(name.startswith("model-") for name in reference) == 6
+    return src, reference
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    rc = main([*map(str, args)])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def one_error_line(rc: int, err: str) -> str:
+    assert rc == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def shard_paths(out: Path) -> list[Path]:
+    return sorted(out.glob("model-*-of-*.safetensors"))
+
+
+# ---------------------------------------------------------------- same bytes, however the work is split
+
+def test_torchrun_two_ranks_give_the_bytes_of_one_process(ref, tmp_path):
+    src, reference = ref
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "fp8convert", "quantize", str(src), str(out), "--device", "cpu", *ARGS],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tree_bytes(out) == reference
+
+
+def test_explicit_workers_then_finalize(ref, tmp_path, capsys):
+    src, reference = ref
+    out = tmp_path / "out"
+    for k in range(2):
+        report = api.quantize(src, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize_when_done=False)
+        assert report.worker == f"{k}/2" and report.shards_written == 3 and not report.complete
+    assert not looks_complete(out)
+    rc, stdout, err = run_cli(capsys, "finalize", out)
+    assert rc == 0, err
+    assert "finalized" in stdout
+    assert tree_bytes(out) == reference
+    assert run_cli(capsys, "finalize", out)[0] == 0  # idempotent
+    assert tree_bytes(out) == reference
+
+
+def test_the_last_worker_finalizes(ref, tmp_path, capsys):
+    """Each worker writes only its own shards (its report says so); the one that finds every shard
+    present finalizes, so `srun -n N fp8convert quantize ...` ends complete."""
+    src, reference = ref
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", "--worker", "1/3", *ARGS)
+    assert rc == 0, err
+    assert "worker 1/3: wrote 2 of 6" in stdout and not looks_complete(out)
+    assert [p.name for p in shard_paths(out)] == ["model-00002-of-00006.safetensors", "model-00005-of-00006.safetensors"]
+    for k in (2, 0):
+        assert run_cli(capsys, "quantize", src, out, "--device", "cpu", "--worker", f"{k}/3", *ARGS)[0] == 0
+    assert tree_bytes(out) == reference
+
+
+def test_concurrent_workers_on_an_empty_output(ref, tmp_path):
+    """Workers started together on an empty OUT: none trips over the others' work directory or
+    manifest, and the output is complete and exact."""
+    src, reference = ref
+    out = tmp_path / "out"
+    procs = [cli_subprocess(["quantize", src, out, "--device", "cpu", "--worker", f"{k}/3", *ARGS]) for k in range(3)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    assert tree_bytes(out) == reference
+
+
+def test_srun_tasks_are_detected(ref, tmp_path, capsys, monkeypatch):
+    """No --worker under a multi-task srun: SLURM_PROCID/SLURM_NTASKS split the work."""
+    src, reference = ref
+    out = tmp_path / "out"
+    for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for k in range(2):
+        monkeypatch.setenv("SLURM_PROCID", str(k))
+        rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", *ARGS)
+        assert rc == 0, err
+        assert ("worker 0/2: wrote 3 of 6" in stdout) == (k == 0), stdout  # the second one finalizes
+    assert tree_bytes(out) == reference
+
+
+def test_devices_one_process_each(ref, tmp_path, capsys):
+    """--devices spawns one worker per device (cpu entries allowed, so this runs without a GPU)."""
+    src, reference = ref
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(capsys, "quantize", src, out, "--devices", "cpu,cpu", *ARGS)
+    assert rc == 0, err
+    assert "on cpu,cpu" in stdout
+    assert tree_bytes(out) == reference
+
+
+# ---------------------------------------------------------------- finalize refuses what is not complete
+
+@pytest.mark.parametrize("breakage", ["missing", "truncated", "header"])
+def test_finalize_refuses_a_missing_or_partial_shard(ref, tmp_path, capsys, breakage):
+    src, _ = ref
+    out = tmp_path / "out"
+    for k in range(2):
+        api.quantize(src, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize_when_done=False)
+    victim = shard_paths(out)[1]
+    if breakage == "missing":
+        victim.unlink()
+    elif breakage == "truncated":
+        os.truncate(victim, victim.stat().st_size - 1)
+    else:  # same size, other header bytes
+        data = victim.read_bytes()
+        assert data.count(b'"pt"') == 1
+        victim.write_bytes(data.replace(b'"pt"', b'"np"'))
+    line = one_error_line(*run_cli(capsys, "finalize", out)[::2])
+    assert victim.name in line
+    assert {"missing": "missing", "truncated": "bytes", "header": "header"}[breakage] in line
+    assert not looks_complete(out)
+
+
+def test_finalize_refuses_a_changed_source_and_a_foreign_directory(ref, tmp_path, capsys):
+    src, _ = ref
+    copy = tmp_path / "src"
+    copy.mkdir()
+    for p in src.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    out = tmp_path / "out"
+    for k in range(2):
+        api.quantize(copy, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize_when_done=False)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(dict(config, rms_norm_eps=1e-6)))
+    line = one_error_line(*run_cli(capsys, "finalize", out)[::2])
+    assert "plan" in line and str(out) in line
+    line = one_error_line(*run_cli(capsys, "finalize", copy)[::2])
+    assert "manifest" in line
+
+
+def test_finalize_a_hub_source(fake_hub, tmp_path):
+    """Workers converting a repo id (each downloading only the source shards it reads); finalize
+    re-plans from remote headers and fetches the side files and card itself (here into an emptied
+    cache), giving the bytes of a one-process run."""
+    import shutil
+
+    from huggingface_hub import constants
+    root = make_demo_model(tmp_path / "model", shards=4)
+    (root / "README.md").write_text("---\nlicense: apache-2.0\n---\n# demo\n")
+    (root / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
+    fake_hub.add_repo("acme/demo", from_dir=root)
+    kwargs = dict(device="cpu", max_shard_size="1MB", token=fake_hub.token)
+    api.quantize("acme/demo", tmp_path / "ref", **kwargs)
+    out = tmp_path / "out"
+    plan = api.plan(root, max_shard_size="1MB")
+    fetched = []
+    for k in range(2):
+        shutil.rmtree(constants.HF_HUB_CACHE)  # each worker fetches what it reads (as on its own node)
+        api.quantize("acme/demo", out, worker=(k, 2), finalize_when_done=False, **kwargs)
+        reads = {t.source.file for u in api.units_for(plan, WorkerSpec(k, 2).owned(6)) for t in u.tensors}
+        fetched.append({p.name for p in Path(constants.HF_HUB_CACHE).rglob("model-*.safetensors")})
+        assert fetched[-1] == reads
+    assert [len(f) for f in fetched] == [3, 4]  # of the 4 source shards
+    shutil.rmtree(constants.HF_HUB_CACHE)
+    report = api.finalize_output(out, token=fake_hub.token)
+    assert report.source == "acme/demo" and report.shards == 6
+    assert tree_bytes(out) == tree_bytes(tmp_path / "ref")
+
+
+# ---------------------------------------------------------------- what is refused up front
+
+def test_refusals(ref, tmp_path, capsys):
+    src, _ = ref
+    out = tmp_path / "out"
+    cases = [(["--worker", "0/2", "--overwrite"], "--overwrite"), (["--worker", "2/2"], "--worker 2/2"),
+             (["--worker", "x"], "K/N"), (["--devices", "tpu:0"], "tpu:0"),
+             (["--devices", "cpu,cpu", "--device", "cpu"], "--devices")]
+    for extra, needle in cases:
+        line = one_error_line(*run_cli(capsys, "quantize", src, out, *ARGS, *extra)[::2])
+        assert needle in line, (extra, line)
+        assert not out.exists()
+
+
+# ---------------------------------------------------------------- launcher detection (pure)
+
+@pytest.mark.parametrize("env,opt_in,expected", [
+    ({}, False, None),
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, False, WorkerSpec(3, 8, "torchrun", 1)),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, False, WorkerSpec(0, 1, "single", 0)),
+    # torchrun inside an srun step: torchrun's ranks win
+    ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, False,
+     WorkerSpec(5, 16, "torchrun", 5)),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, False, WorkerSpec(2, 4, "slurm", 0)),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}, False, WorkerSpec(1, 2, "slurm")),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, False, None),
+    # arrays and indexed Jobs only with --worker auto
+    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, False, None),
+    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, True,
+     WorkerSpec(2, 4, "slurm-array")),
+    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2",
+      "SLURM_ARRAY_TASK_COUNT": "3"}, True, WorkerSpec(2, 3, "slurm-array")),
+    ({"JOB_COMPLETION_INDEX": "0", "JOB_COMPLETIONS": "3"}, False, None),
+    ({"JOB_COMPLETION_INDEX": "2", "JOB_COMPLETIONS": "3"}, True, WorkerSpec(2, 3, "k8s")),
+])
+def test_detect_worker(env, opt_in, expected):
+    assert detect_worker(env, opt_in=opt_in) == expected
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({}, "no launcher"),
+    ({"JOB_COMPLETION_INDEX": "1"}, "JOB_COMPLETIONS"),
+    ({"SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_TASK_COUNT"),
+    ({"JOB_COMPLETION_INDEX": "3", "JOB_COMPLETIONS": "3"}, "not a valid split"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
+])
+def test_detect_worker_errors(env, needle):
+    with pytest.raises(FP8ConvertError, match=needle):
+        detect_worker(env, opt_in=True)
+
+
+def test_resolve_worker_reads_the_process_environment(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "JOB_COMPLETION")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name)
+    assert resolve_worker(None) == WorkerSpec()
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "3")
+    assert resolve_worker(None) == WorkerSpec(1, 3, "slurm")
+    assert resolve_worker("0/1") == WorkerSpec()  # explicit wins over detection
+    assert resolve_worker("2/5") == WorkerSpec(2, 5, "explicit")
+    assert resolve_worker((1, 2)) == WorkerSpec(1, 2, "explicit")
+    assert WorkerSpec(1, 2).split(3, 2) == WorkerSpec(5, 6, "explicit")
+    assert WorkerSpec(1, 3).owned(8) == {1, 4, 7}
+
+
+def test_parse_devices():
+    assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"]
+    assert parse_devices(["cpu", "cpu"]) == ["cpu", "cpu"]
+    for bad in ("cuda", "", "gpu:0", "cuda:x"):
+        with pytest.raises(FP8ConvertError, match="--devices"):
+            parse_devices(bad)
+
+
+# ---------------------------------------------------------------- batch
+
+def write_jobs(path: Path, src: Path, base: Path) -> Path:
+    path.write_text(f"""
+[defaults]
+max_shard_size = "1MB"
+device = "cpu"
+
+[[job]]
+name = "first"
+source = "{src}"
+out = "{base / 'a'}"
+
+[[job]]
+name = "broken"
+source = "{base / 'no-such-model'}"
+out = "{base / 'b'}"
+
+[[job]]
+name = "channel"
+source = "{src}"
+out = "{base / 'c'}"
+scheme = "channel"
+ignore = ["re:.*down_proj$"]
+""")
+    return path
+
+
+def test_batch_goes_on_after_a_failure(ref, tmp_path, capsys, monkeypatch):
+    src, reference = ref
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    jobs = write_jobs(tmp_path / "jobs.toml", src, tmp_path)
+    rc, stdout, err = run_cli(capsys, "batch", jobs, "-q")
+    line = one_error_line(rc, err)
+    assert "1 of 3" in line and "broken" in line
+    rows = {row.split()[1]: row.split() for row in stdout.splitlines() if row[:1].isdigit()}
+    assert rows["first"][4] == "done" and rows["broken"][4] == "failed" and rows["channel"][4] == "done"
+    assert tree_bytes(tmp_path / "a") == reference
+    assert looks_complete(tmp_path / "c")
+    # A rerun skips finished jobs; --json gives the summary.
+    rc, stdout, err = run_cli(capsys, "batch", jobs, "-q", "--json")
+    assert rc == 1
+    summary = json.loads(stdout)
+    assert [j["status"] for j in summary["jobs"]] == ["skipped", "failed", "skipped"]
+    assert summary["failed"] == 1 and summary["skipped"] == 2
+    assert "no-such-model" in summary["jobs"][1]["error"]
+
+
+def test_batch_task_index_runs_one_job(ref, tmp_path, capsys, monkeypatch):
+    src, reference = ref
+    jobs = write_jobs(tmp_path / "jobs.toml", src, tmp_path)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    rc, stdout, err = run_cli(capsys, "batch", jobs, "-q", "--task-index", "0")
+    assert rc == 0, err
+    assert tree_bytes(tmp_path / "a") == reference
+    assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()
+    # In a Slurm array the task id picks the job (counted from the array's first id).
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "12")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "10")
+    rc, stdout, err = run_cli(capsys, "batch", jobs, "-q")
+    assert rc == 0, err
+    assert looks_complete(tmp_path / "c") and not (tmp_path / "b").exists()
+    line = one_error_line(*run_cli(capsys, "batch", jobs, "--task-index", "3")[::2])
+    assert "task index 3" in line
+
+
+def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
+    src, _ = ref
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    good = tmp_path / "jobs.jsonl"
+    good.write_text("# models\n" + json.dumps({"source": str(src), "out": str(tmp_path / "x"), "device": "cpu",
+                                               "max_shard_size": "1MB"}) + "\n\n")
+    assert [j.source for j in read_jobs(good)] == [str(src)]
+    rc, stdout, err = run_cli(capsys, "batch", good, "-q", "--json")
+    assert rc == 0, err
+    assert json.loads(stdout)["done"] == 1
+    bad = {
+        "unknown.toml": ('[[job]]\nsource = "a"\nout = "b"\nschme = "block"\n', ["job 0", "schme"]),
+        "no_out.toml": ('[[job]]\nname = "m"\nsource = "a"\n', ["job 0 (m)", "'out'"]),
+        "scheme.jsonl": ('{"source": "a", "out": "b"}\n{"source": "a", "out": "c", "scheme": "x"}\n', ["job 1", "--scheme"]),
+        "twice.toml": ('[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "b"\nout = "o"\n', ["job 1", "job 0"]),
+        "types.toml": ('[[job]]\nsource = "a"\nout = "b"\nprivate = "yes"\n', ["job 0", "private"]),
+        "push.toml": ('[[job]]\nsource = "a"\nout = "b"\npush_to_hub = "not a repo"\n', ["job 0", "push_to_hub"]),
+        "defaults.toml": ('[defaults]\nout = "x"\n[[job]]\nsource = "a"\nout = "b"\n', ["[defaults]", "out"]),
+        "empty.toml": ("", ["no jobs"]),
+        "broken.jsonl": ('{"source": \n', ["broken.jsonl:1"]),
+    }
+    for name, (text, needles) in bad.items():
+        (tmp_path / name).write_text(text)
+        line = one_error_line(*run_cli(capsys, "batch", tmp_path / name)[::2])
+        for needle in needles:
+            assert needle in line, (name, line)
+        assert not (tmp_path / "b").exists()
+
+
+def test_task_index_from_env():
+    assert task_index_from_env({}) is None
+    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7"}) == 7
+    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "5"}) == 2
