@@ -138,6 +138,8 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 torch.cuda.current_stream(device).synchronize()  # outputs ready before another stream reads them
             seconds.wait_write += t1 - t0
             seconds.quantize += time.monotonic() - t1
+            if any(t.quantize for t in batch.tensors):  # else the outputs are views of buf
+                reader.recycle(buf)
             del buf
             read_slot.release()
             to_writer.put((batch, outputs))

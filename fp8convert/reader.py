@@ -35,6 +35,14 @@ class BatchReader:
         self.fds: dict[str, int] = {}
         self.fds_lock = threading.Lock()
         self.local = threading.local()
+        self.spare: torch.Tensor | None = None  # CPU: a batch buffer handed back for reuse
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        """The caller is done with `buf` (nothing refers to it): reuse it for a later batch. On the CPU a
+        fresh buffer costs a page fault per 4 KiB, as much as a third of the read time; CUDA's caching
+        allocator already reuses device memory."""
+        if buf.device.type == "cpu" and (self.spare is None or buf.untyped_storage().nbytes() > self.spare.numel()):
+            self.spare = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -70,7 +78,10 @@ class BatchReader:
     def read(self, tensors: list[TensorInfo]) -> tuple[torch.Tensor, dict[str, int]]:
         """Returns a uint8 buffer on the device and each tensor's offset in it."""
         offsets, total = self.layout(tensors)
-        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if self.spare is not None and self.spare.numel() >= total:
+            buf, self.spare = self.spare[:total], None
+        else:
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         jobs = []
         for t in tensors:
             for start in range(0, t.nbytes, self.chunk):
