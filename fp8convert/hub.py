@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import struct
 import threading
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FP8ConvertError
-from .safetensors_io import MAX_HEADER_BYTES, TensorInfo, parse_header, read_header
+from .safetensors_io import TensorInfo, decode_header, header_length, parse_header, read_header
 from .source import (INDEX_NAME, Source, collect_tensors, is_copied_file, load_config, open_local,
                      refuse_quantized, safe_relative_name)
 
@@ -187,15 +186,6 @@ def _read_range(url: str, headers: dict, start: int, length: int, timeout: float
         return bytes(out[:length])
 
 
-def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    result = {}
-    for key, value in pairs:
-        if key in result:
-            raise KeyError(key)
-        result[key] = value
-    return result
-
-
 def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """One shard's safetensors header over HTTP Range requests, validated exactly as a local one
     (offsets absolute: 8 + header length + data_offsets begin; the file size from the repo listing)."""
@@ -209,23 +199,11 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
         raise FP8ConvertError(f"{filename}: not a safetensors file ({size} bytes)")
     first = repo.call(_read_range, url, headers, 0, FIRST_HEADER_READ if size is None else min(size, FIRST_HEADER_READ),
                       timeout)
-    if len(first) < 8:
-        raise FP8ConvertError(f"{filename}: not a safetensors file (shorter than its 8-byte header length)")
-    (header_len,) = struct.unpack("<Q", first[:8])
-    if header_len > MAX_HEADER_BYTES or (size is not None and 8 + header_len > size):
-        raise FP8ConvertError(f"{filename}: corrupt safetensors header (claims {header_len} bytes, file has {size})")
+    header_len = header_length(first, size, filename)
     raw = first[8:8 + header_len]
     if len(raw) < header_len:
         raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
-    try:
-        header = json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FP8ConvertError(f"{filename}: corrupt safetensors header (not JSON: {e})") from e
-    except KeyError as e:  # json would keep the last silently; which bytes are the tensor then?
-        raise FP8ConvertError(f"{filename}: tensor {e.args[0]} is named twice in the header") from None
-    if not isinstance(header, dict):
-        raise FP8ConvertError(f"{filename}: corrupt safetensors header (not a JSON object)")
-    return parse_header(header, filename, data_start=8 + header_len, file_size=size)
+    return parse_header(decode_header(raw, filename), filename, data_start=8 + header_len, file_size=size)
 
 
 def _snapshot_dir(repo: RemoteRepo) -> Path:
