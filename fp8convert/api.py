@@ -161,6 +161,8 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
     if device_list:
         cluster.log(f"{the_plan.source.label}: {len(device_list)} worker processes ({', '.join(device_list)})"
                     + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), progress)
+        owned = {i for i in spec.owned(len(the_plan.shards)) if i not in done}
+        check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - owned)
         kwargs = dict(scheme=scheme, format=format, ignore=tuple(ignore), max_shard_size=max_shard_size,
                       max_resident=max_resident, revision=revision, token=token, progress=progress,
                       read_threads=read_threads, prefetch=prefetch, prefetch_threads=prefetch_threads)
@@ -179,7 +181,9 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
         units = units_for(the_plan, todo)
         if spec.count > 1:
             cluster.log(f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
-                        f"{len(the_plan.shards)} shards to write, {len(done)} already done", progress)
+                        f"{len(the_plan.shards)} shards to write, {len(done)} already done"
+                        + ("" if spec.count <= len(the_plan.shards) else
+                           " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
             if _is_repo_id(src) and not the_plan.source.fetcher:
                 fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), token)
         fetcher = the_plan.source.fetcher
@@ -252,7 +256,8 @@ def _finish(the_plan: Plan, out_dir: Path, spec: cluster.WorkerSpec, progress: b
 
 
 def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_resident, progress: bool,
-         read_threads: int, prefetcher: Prefetcher | None, started: float, tag: str = "") -> tuple[dict, str, int | None]:
+         read_threads: int, prefetcher: Prefetcher | None, started: float,
+         tag: str = "") -> tuple[dict, str, int | None]:
     """The heavy part, and the only one that needs torch."""
     import torch
 
@@ -266,7 +271,8 @@ def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_
     batches = make_batches(units, budget_for(dev, max_resident))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}{tag}", enabled=progress)
+    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {the_plan.source.label}{tag}", enabled=progress,
+                   plain=bool(tag))
     reader = BatchReader(the_plan.source.root, dev, threads=read_threads)
     writer = ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, done)
     try:
@@ -325,6 +331,7 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
                                 f"({plan_change(state, the_plan)}); rerun the conversion with --overwrite")
     check_shards(the_plan, out_dir)
     finalize(the_plan, out_dir)
+    cluster.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing
     return FinalizeReport(str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes,
                           time.monotonic() - started)
 

@@ -185,8 +185,9 @@ def barrier() -> None:
 # ------------------------------------------------------------------ workers without a barrier
 
 def claim_finalize(out_dir: Path) -> int | None:
-    """Become the one worker that finalizes now: an O_EXCL claim file. None when another worker holds
-    a fresh claim (it is finalizing); a claim left by a dead worker is taken over."""
+    """Become the one worker that finalizes now: an O_EXCL claim file naming host and pid. None when
+    another worker holds the claim (it is finalizing); a claim left by a dead worker (its pid gone on
+    this host, or older than STALE_CLAIM_S) is taken over."""
     path = Path(out_dir) / ".fp8convert" / CLAIM
     for _ in range(2):
         try:
@@ -196,16 +197,32 @@ def claim_finalize(out_dir: Path) -> int | None:
         except FileExistsError:
             try:
                 age = time.time() - path.stat().st_mtime
+                holder = path.read_text().split()
             except FileNotFoundError:
                 continue  # released just now: try again
-            if age < STALE_CLAIM_S:
+            if age < STALE_CLAIM_S and not _dead_here(holder):
                 return None
             path.unlink(missing_ok=True)
     return None
 
 
-def release_finalize(out_dir: Path, fd: int) -> None:
-    os.close(fd)
+def _dead_here(holder: list[str]) -> bool:
+    """The claim's holder ran on this host and its process is gone."""
+    if len(holder) != 2 or holder[0] != os.uname().nodename or not holder[1].isdigit():
+        return False
+    try:
+        os.kill(int(holder[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def release_finalize(out_dir: Path, fd: int | None) -> None:
+    """Drop the claim (fd None: drop whatever claim is there, e.g. after an explicit finalize)."""
+    if fd is not None:
+        os.close(fd)
     (Path(out_dir) / ".fp8convert" / CLAIM).unlink(missing_ok=True)
 
 
@@ -238,5 +255,6 @@ def run_on_devices(src, out, spec: WorkerSpec, devices: list[str], kwargs: dict)
             except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
                 errors.append(f"worker on {device}: {type(e).__name__}: {e}")
     if errors:
-        raise FP8ConvertError(errors[0] + (f" (and {len(errors) - 1} more worker(s) failed)" if len(errors) > 1 else ""))
+        more = f" (and {len(errors) - 1} more worker(s) failed)" if len(errors) > 1 else ""
+        raise FP8ConvertError(errors[0] + more)
     return reports

@@ -104,33 +104,36 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool) -> tuple[set[int]
 
 
 def create_manifest(manifest: Manifest, plan: Plan) -> None:
-    """The manifest of a new output. Workers started together on an empty OUT all get here: the first
-    manifest stands (a hard link never replaces a file) and the others check it records their plan.
-    Each writes its own temporary file, so none renames a file another is still writing."""
+    """The manifest of a new output. Workers started together on an empty OUT all get here: each writes
+    its own temporary file and renames it into place (same plan, same bytes: whichever lands last is
+    the same manifest), checks that the manifest in place records its plan, and removes temporary
+    files left by runs killed before their rename. A worker whose temporary file another removed that
+    way finds the other's manifest in place."""
     path = manifest.path
     tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(json_bytes(new_manifest(plan)))
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            state = manifest.read()
-            if (state or {}).get("fingerprint") != plan.fingerprint:
-                raise PlanMismatchError(f"{path.parent.parent}: another run started a conversion with a different "
-                                        "plan in it at the same time") from None
-        except OSError:  # a filesystem without hard links: the last writer wins (same plan, same bytes)
-            os.replace(tmp, path)
+        for _ in range(3):
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(json_bytes(new_manifest(plan)))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                break
+            except FileNotFoundError:
+                if path.is_file():
+                    break
         fsync_dir(path.parent)
     except OSError as e:
-        raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
-    finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-    with contextlib.suppress(OSError):
-        (path.parent / f".{MANIFEST}.tmp").unlink()  # left by a run killed while writing it (write_atomic's name)
+        raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
+    if (manifest.read() or {}).get("fingerprint") != plan.fingerprint:
+        raise PlanMismatchError(f"{path.parent.parent}: another run started a conversion with a different plan "
+                                "in it at the same time")
+    for leftover in path.parent.glob(f".{MANIFEST}*.tmp"):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
 
 
 def killed_before_manifest(out_dir: Path) -> bool:

@@ -1,13 +1,13 @@
 """Progress: a rich bar (bytes, throughput, ETA) on a terminal; plain timestamped lines otherwise."""
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import time
 
 
 class Progress:
-    def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, interval_s: float = 10.0):
+    def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, interval_s: float = 10.0,
+                 plain: bool = False):
         self.total, self.label, self.enabled = total_bytes, label, enabled
         self.stream = stream or sys.stderr
         self.done = 0
@@ -15,8 +15,8 @@ class Progress:
         self.last_log = self.start
         self.interval = interval_s
         self.bar = None
-        # A worker process started by another (--devices) logs lines: several live bars would garble the terminal.
-        if enabled and self.stream.isatty() and multiprocessing.parent_process() is None:
+        # `plain`: one of several workers sharing a terminal logs lines; several live bars would garble it.
+        if enabled and not plain and self.stream.isatty():
             from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
                                        TransferSpeedColumn)
             from rich.console import Console

@@ -92,9 +92,28 @@ def test_the_last_worker_finalizes(ref, tmp_path, capsys):
     rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", "--worker", "1/3", *ARGS)
     assert rc == 0, err
     assert "worker 1/3: wrote 2 of 6" in stdout and not looks_complete(out)
-    assert [p.name for p in shard_paths(out)] == ["model-00002-of-00006.safetensors", "model-00005-of-00006.safetensors"]
+    assert [p.name for p in shard_paths(out)] == [f"model-0000{i}-of-00006.safetensors" for i in (2, 5)]
     for k in (2, 0):
         assert run_cli(capsys, "quantize", src, out, "--device", "cpu", "--worker", f"{k}/3", *ARGS)[0] == 0
+    assert tree_bytes(out) == reference
+
+
+def test_finalize_claim_between_workers(ref, tmp_path):
+    """Two workers that both find every shard present: only the one holding the claim finalizes; a
+    claim left by a dead process is taken over."""
+    src, reference = ref
+    out = tmp_path / "out"
+    kwargs = dict(device="cpu", max_shard_size="1MB")
+    api.quantize(src, out, worker="0/2", **kwargs)
+    claim = out / ".fp8convert" / "finalize.claim"
+    claim.write_text(f"{os.uname().nodename} {os.getpid()}\n")  # a live holder: "another worker is finalizing"
+    report = api.quantize(src, out, worker="1/2", **kwargs)
+    assert report.shards_written == 3 and not report.complete and not looks_complete(out)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    claim.write_text(f"{os.uname().nodename} {dead.pid}\n")
+    report = api.quantize(src, out, worker="1/2", **kwargs)
+    assert report.shards_written == 0 and report.complete
     assert tree_bytes(out) == reference
 
 
@@ -357,7 +376,8 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
     bad = {
         "unknown.toml": ('[[job]]\nsource = "a"\nout = "b"\nschme = "block"\n', ["job 0", "schme"]),
         "no_out.toml": ('[[job]]\nname = "m"\nsource = "a"\n', ["job 0 (m)", "'out'"]),
-        "scheme.jsonl": ('{"source": "a", "out": "b"}\n{"source": "a", "out": "c", "scheme": "x"}\n', ["job 1", "--scheme"]),
+        "scheme.jsonl": ('{"source": "a", "out": "b"}\n{"source": "a", "out": "c", "scheme": "x"}\n',
+                         ["job 1", "--scheme"]),
         "twice.toml": ('[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "b"\nout = "o"\n', ["job 1", "job 0"]),
         "types.toml": ('[[job]]\nsource = "a"\nout = "b"\nprivate = "yes"\n', ["job 0", "private"]),
         "push.toml": ('[[job]]\nsource = "a"\nout = "b"\npush_to_hub = "not a repo"\n', ["job 0", "push_to_hub"]),

@@ -23,8 +23,6 @@ def finalize(
 
     Examples:
 
-      fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 0/2 & fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 1/2; wait
-
       fp8convert finalize ./dsv3-fp8
 
       sbatch --dependency=afterok:$JOB scripts/slurm_finalize.sbatch ./dsv3-fp8
@@ -40,8 +38,8 @@ def finalize(
 
 
 def batch(
-    jobs: Annotated[Path, typer.Argument(help="Jobs file: TOML with [[job]] tables, or JSON lines.",
-                                         show_default=False)],
+    jobs: Annotated[Path, typer.Argument(  # \\[ keeps rich from reading [[job]] as markup
+        help="Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md).", show_default=False)],
     task_index: Annotated[Optional[int], typer.Option(
         "--task-index", help="Run only job N (counting from 0). Default in a Slurm array: "
                              "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
