@@ -177,7 +177,8 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
     else:
         todo = spec.owned(len(the_plan.shards)) - done
         skip = set(range(len(the_plan.shards))) - todo
-        check_free_space(the_plan, out_dir, skip)
+        check_free_space(the_plan, out_dir, skip,
+                         the_plan.source.fetcher.disk_bytes_needed() if the_plan.source.fetcher else 0)
         units = units_for(the_plan, todo)
         if spec.count > 1:
             cluster.log(f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
@@ -287,11 +288,13 @@ def _run(the_plan: Plan, units, out_dir: Path, done: set[int], device: str, max_
             "pipeline": round(time.monotonic() - startup, 3)}, str(dev), peak
 
 
-def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int]) -> None:
-    needed = sum(s.size for s in the_plan.shards if s.index not in skip)
+def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0) -> None:
+    """The output shards still to write, plus the source shards a streamed download keeps at once."""
+    needed = sum(s.size for s in the_plan.shards if s.index not in skip) + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:
-        raise FP8ConvertError(f"{out_dir}: needs {needed / 1e9:.2f} GB free for the output, only "
+        what = " and the streamed source shards" if streamed_bytes else ""
+        raise FP8ConvertError(f"{out_dir}: needs {needed / 1e9:.2f} GB free for the output{what}, only "
                               f"{free / 1e9:.2f} GB available")
 
 

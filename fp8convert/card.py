@@ -165,9 +165,7 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
                     if ignore else "."))
 
     if verify:
-        lines += ["", "## Verification", "", "Dequantized weights compared with the source:", "",
-                  "| measure | value |", "|---|---|"]
-        lines += [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in verify.items()]
+        lines += ["", *verification_section(verify)]
 
     cmd = command or reproduce_command(source, where, scheme, fmt, extra.get("ignore_patterns") or (),
                                        extra.get("max_shard_size"), extra.get("revision"))
@@ -189,6 +187,23 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
         lines += ["", "Notes:", ""] + [f"- {w}" for w in caveats]
     lines += ["", TARGET_MARK.format(where)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def verification_section(figures: dict) -> list[str]:
+    lines = ["## Verification", "", "Dequantized weights compared with the source (`fp8convert verify`):", "",
+             "| measure | value |", "|---|---|"]
+    return lines + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
+
+
+def with_verification(text: str, figures: dict) -> str:
+    """The card with its "## Verification" section set to `figures` (replaced if there is one, else put
+    before "## Reproduce", else at the end)."""
+    section = "\n".join(verification_section(figures)) + "\n\n"
+    text = re.sub(r"^## Verification\n.*?(?=^## |^<!-- fp8convert card|\Z)", "", text, flags=re.M | re.S)
+    m = re.search(r"^## Reproduce$", text, re.M)
+    if m:
+        return text[:m.start()] + section + text[m.start():]
+    return text.rstrip() + "\n\n" + section
 
 
 def retarget_card(text: str, repo_id: str) -> str:

@@ -464,3 +464,16 @@ def render(report: VerifyReport, worst: int = 10) -> str:
         lines.append(f"  FAILED: {len(report.failures)} problem(s)")
         lines += [f"    - {f}" for f in report.failures]
     return "\n".join(lines)
+
+
+def record_in_card(report: VerifyReport, out: str | Path) -> None:
+    """After a passing verify, put its figures in OUT's model card (README.md), so they travel with a push."""
+    from .card import with_verification
+    from .hub import CARD_NAME
+    from .output import write_atomic
+    card = Path(out) / CARD_NAME
+    if not card.is_file():
+        return
+    figures = {"tensors quantized": report.tensors_quantized, "tensors kept (byte-identical)": report.tensors_kept,
+               "worst relative error": report.max_rel_error, "lowest SNR (dB)": report.min_snr_db}
+    write_atomic(card, with_verification(card.read_text(), figures).encode())

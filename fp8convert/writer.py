@@ -45,7 +45,6 @@ class ShardWriter:
         self.ring_size = threads + 1
         self.next_slot = 0
         self.stream = None
-        self.bytes_written = 0
         self.test_delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
 
     def partial_path(self, index: int) -> Path:
@@ -90,7 +89,6 @@ class ShardWriter:
                 self._write_from_device(index, fd, raw, offset)
         except OSError as e:
             self._raise_write_error(index, e)
-        self.bytes_written += placed.nbytes
         self.remaining[index].discard(name)
         if not self.remaining[index]:
             self._finish(index)
@@ -149,6 +147,3 @@ class ShardWriter:
             os.close(fd)
         self.fds.clear()
 
-    @property
-    def done(self) -> bool:
-        return not self.remaining

@@ -337,3 +337,18 @@ def test_verify_json_on_failure(damaged, capsys):
     doc = json.loads(captured.out, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert doc["ok"] is False and any(Q in f for f in doc["failures"])
     assert Q in captured.err
+
+
+def test_passing_verify_puts_its_figures_in_the_card(tmp_path, capsys):
+    """The card carries the verify figures once verify has passed (and only then), replacing old ones."""
+    from fp8convert.cli import main
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "-q", "--device", "cpu"]) == 0
+    assert "## Verification" not in (out / "README.md").read_text()
+    assert main(["verify", str(src), str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert card.count("## Verification") == 1 and "worst relative error" in card
+    assert card.index("## Verification") < card.index("## Reproduce")
+    assert main(["verify", str(src), str(out)]) == 0  # again: still one section
+    assert (out / "README.md").read_text().count("## Verification") == 1

@@ -35,7 +35,9 @@ def verify(
         print(json.dumps(report.to_dict(worst), indent=2))
     else:
         print(verify_mod.render(report, worst))
-    if not report.ok:
+    if report.ok:
+        verify_mod.record_in_card(report, out)
+    else:
         raise verify_mod.VerifyFailed(f"{out}: verification failed, {len(report.failures)} problem(s); "
                                       f"first: {report.failures[0]}")
 
