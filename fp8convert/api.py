@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from . import cluster
 from .errors import FP8ConvertError, PlanMismatchError
 from .options import Options, parse_size
-from .output import WORK_DIR, Manifest, finalize, finished_shards, prepare_output
+from .output import WORK_DIR, Manifest, check_shards, finalize, finished_shards, prepare_output
 from .plan import Plan, Unit, build_plan, make_batches
 from .prefetch import Prefetcher
 from .progress import Progress
@@ -156,63 +156,79 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
                     list(the_plan.notes), compatibility_warnings(the_plan), complete,
                     worker=spec.text, complete=complete)
     if complete:
-        report.seconds = time.monotonic() - started
-        return report
-    if device_list:
-        cluster.log(f"{the_plan.source.label}: {len(device_list)} worker processes ({', '.join(device_list)})"
-                    + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), progress)
-        owned = {i for i in spec.owned(len(the_plan.shards)) if i not in done}
-        check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - owned)
+        pass  # an earlier run of this plan finished it
+    elif device_list:
         kwargs = dict(scheme=scheme, format=format, ignore=tuple(ignore), max_shard_size=max_shard_size,
                       max_resident=max_resident, revision=revision, token=token, progress=progress,
                       read_threads=read_threads, prefetch=prefetch, prefetch_threads=prefetch_threads)
-        reports = cluster.run_on_devices(str(src), str(out), spec, device_list, kwargs)
-        report.device = ",".join(r.device for r in reports)
-        report.shards_written = sum(r.shards_written for r in reports)
-        peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
-        report.peak_device_bytes = max(peaks) if peaks else None
-        report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
-        if finalize_when_done:
-            report.complete = _finish(the_plan, out_dir, spec, progress)
+        _quantize_on_devices(the_plan, str(src), out_dir, spec, done, device_list, kwargs, report, progress,
+                             finalize_when_done)
     else:
-        todo = spec.owned(len(the_plan.shards)) - done
-        skip = set(range(len(the_plan.shards))) - todo
-        check_free_space(the_plan, out_dir, skip,
-                         the_plan.source.fetcher.disk_bytes_needed() if the_plan.source.fetcher else 0)
-        units = units_for(the_plan, todo)
-        if spec.count > 1:
-            cluster.log(f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
-                        f"{len(the_plan.shards)} shards to write, {len(done)} already done"
-                        + ("" if spec.count <= len(the_plan.shards) else
-                           " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
-            if _is_repo_id(src) and not the_plan.source.fetcher:
-                fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), token)
-        fetcher = the_plan.source.fetcher
-        window = parse_size(prefetch, "--prefetch") if prefetch and not fetcher else 0
-        prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
-                                window, threads=prefetch_threads).start() if window else None
-        try:
-            if fetcher:
-                from .hub import need_order
-                fetcher.start(need_order(units))
-            report.stage_seconds, report.device, report.peak_device_bytes = _run(
-                the_plan, units, out_dir, skip, cluster.device_for(spec, device), max_resident, progress,
-                read_threads, prefetcher, started, tag=f" [worker {spec.text}]" if spec.count > 1 else "")
-            report.shards_written = len(todo)
-            if finalize_when_done:
-                report.complete = _finish(the_plan, out_dir, spec, progress)
-        except BaseException:
-            if fetcher:
-                fetcher.close()  # downloaded shards stay for the rerun
-            raise
-        finally:
-            if prefetcher:
-                prefetcher.stop()
-        if fetcher:
-            fetcher.close(remove=True)
+        _quantize_here(the_plan, src, out_dir, spec, done, device, max_resident, token, progress, read_threads,
+                       prefetch, prefetch_threads, started, report, finalize_when_done)
     report.seconds = time.monotonic() - started
     report.stage_seconds["total"] = round(report.seconds, 3)
     return report
+
+
+def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, spec: cluster.WorkerSpec, done: set[int],
+                         device_list: list[str], kwargs: dict, report: Report, progress: bool,
+                         finalize_when_done: bool) -> None:
+    """One spawned worker process per device shares this worker's shards; then this process finalizes."""
+    cluster.log(f"{the_plan.source.label}: {len(device_list)} worker processes ({', '.join(device_list)})"
+                + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), progress)
+    owned = {i for i in spec.owned(len(the_plan.shards)) if i not in done}
+    check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - owned)
+    reports = cluster.run_on_devices(src, str(out_dir), spec, device_list, kwargs)
+    report.device = ",".join(r.device for r in reports)
+    report.shards_written = sum(r.shards_written for r in reports)
+    peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
+    report.peak_device_bytes = max(peaks) if peaks else None
+    report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
+    if finalize_when_done:
+        report.complete = _finish(the_plan, out_dir, spec, progress)
+
+
+def _quantize_here(the_plan: Plan, src, out_dir: Path, spec: cluster.WorkerSpec, done: set[int], device: str,
+                   max_resident, token: str | None, progress: bool, read_threads: int, prefetch,
+                   prefetch_threads: int, started: float, report: Report, finalize_when_done: bool) -> None:
+    """This process writes its share of the shards (all of them when it is the only worker)."""
+    todo = spec.owned(len(the_plan.shards)) - done
+    skip = set(range(len(the_plan.shards))) - todo
+    check_free_space(the_plan, out_dir, skip,
+                     the_plan.source.fetcher.disk_bytes_needed() if the_plan.source.fetcher else 0)
+    units = units_for(the_plan, todo)
+    if spec.count > 1:
+        cluster.log(f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
+                    f"{len(the_plan.shards)} shards to write, {len(done)} already done"
+                    + ("" if spec.count <= len(the_plan.shards) else
+                       " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
+        if _is_repo_id(src) and not the_plan.source.fetcher:
+            from .hub import fetch_from_hub
+            fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), token)
+    fetcher = the_plan.source.fetcher
+    window = parse_size(prefetch, "--prefetch") if prefetch and not fetcher else 0
+    prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
+                            window, threads=prefetch_threads).start() if window else None
+    try:
+        if fetcher:
+            from .hub import need_order
+            fetcher.start(need_order(units))
+        report.stage_seconds, report.device, report.peak_device_bytes = _run(
+            the_plan, units, out_dir, skip, cluster.device_for(spec, device), max_resident, progress,
+            read_threads, prefetcher, started, tag=f" [worker {spec.text}]" if spec.count > 1 else "")
+        report.shards_written = len(todo)
+        if finalize_when_done:
+            report.complete = _finish(the_plan, out_dir, spec, progress)
+    except BaseException:
+        if fetcher:
+            fetcher.close()  # downloaded shards stay for the rerun
+        raise
+    finally:
+        if prefetcher:
+            prefetcher.stop()
+    if fetcher:
+        fetcher.close(remove=True)
 
 
 def units_for(the_plan: Plan, shards: set[int]) -> list[Unit]:
@@ -344,7 +360,7 @@ def _plan_from_manifest(state: dict, token: str | None) -> Plan:
     options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"])
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
-    from .hub import looks_like_repo_id, remote_source
+    from .hub import fetch_from_hub, looks_like_repo_id, remote_source
     repo_id, revision = state["source"], state.get("revision")
     if not looks_like_repo_id(repo_id):
         raise FP8ConvertError(f"{repo_id}: the manifest's source is neither a directory nor a Hub repo id")
@@ -356,40 +372,3 @@ def _plan_from_manifest(state: dict, token: str | None) -> Plan:
 def _is_repo_id(src) -> bool:
     from .hub import looks_like_repo_id
     return not Path(str(src)).exists() and looks_like_repo_id(str(src))
-
-
-def fetch_from_hub(source, shards: list[str], token: str | None) -> None:
-    """Into the cache snapshot a remote Source is rooted at: `shards` (the ones a worker reads), the side
-    files and the source's card (what finalize reads), each unless already there. Offline (the source is
-    the cached snapshot itself) there is nothing to fetch."""
-    if getattr(source, "revision", None) is None:
-        return
-    from .hub import parallel, remote_layout, resolve_repo
-    root = Path(source.root)
-    repo = resolve_repo(source.label, source.revision, token)
-    layout = remote_layout(repo)
-    for name in [layout.card, *layout.side_files]:
-        if name and not (root / name).is_file():
-            repo.download(name)
-    missing = sorted((f for f in shards if not (root / f).is_file()), key=lambda n: -(repo.sizes.get(n) or 0))
-    parallel(repo.download, missing)
-
-
-def check_shards(the_plan: Plan, out_dir: Path) -> None:
-    """Every planned shard present, of the planned size, starting with the planned header bytes."""
-    out_dir = Path(out_dir)
-    missing = [s for s in the_plan.shards if not (out_dir / s.name).is_file()]
-    if missing:
-        raise FP8ConvertError(f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
-                              "shards); run the workers that own them (the same quantize command) first")
-    for shard in the_plan.shards:
-        path = out_dir / shard.name
-        size = path.stat().st_size
-        if size != shard.size:
-            raise FP8ConvertError(f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
-                                  "plan); remove it and rerun the quantize command to rewrite it")
-        with open(path, "rb") as f:
-            head = f.read(len(shard.header))
-        if head != shard.header:
-            raise FP8ConvertError(f"{path}: its header differs from the plan's (not written by this conversion); "
-                                  "remove it and rerun the quantize command to rewrite it")

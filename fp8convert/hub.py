@@ -629,3 +629,19 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
     except Exception as e:
         raise hub_error(repo_id, e, revision) from e
     return getattr(info, "commit_url", None) or str(info)
+
+
+def fetch_from_hub(source, shards: list[str], token: str | None) -> None:
+    """Into the cache snapshot a remote Source is rooted at: `shards` (the ones a worker reads), the side
+    files and the source's card (what finalize reads), each unless already there. Offline (the source is
+    the cached snapshot itself) there is nothing to fetch."""
+    if getattr(source, "revision", None) is None:
+        return
+    root = Path(source.root)
+    repo = resolve_repo(source.label, source.revision, token)
+    layout = remote_layout(repo)
+    for name in [layout.card, *layout.side_files]:
+        if name and not (root / name).is_file():
+            repo.download(name)
+    missing = sorted((f for f in shards if not (root / f).is_file()), key=lambda n: -(repo.sizes.get(n) or 0))
+    parallel(repo.download, missing)

@@ -209,3 +209,23 @@ def finalize(plan: Plan, out_dir: Path, extra: dict | None = None) -> None:
     state.update(extra or {})
     Manifest(out_dir).write(state)
     fsync_dir(out_dir)
+
+
+def check_shards(the_plan: Plan, out_dir: Path) -> None:
+    """Every planned shard present, of the planned size, starting with the planned header bytes."""
+    out_dir = Path(out_dir)
+    missing = [s for s in the_plan.shards if not (out_dir / s.name).is_file()]
+    if missing:
+        raise FP8ConvertError(f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
+                              "shards); run the workers that own them (the same quantize command) first")
+    for shard in the_plan.shards:
+        path = out_dir / shard.name
+        size = path.stat().st_size
+        if size != shard.size:
+            raise FP8ConvertError(f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
+                                  "plan); remove it and rerun the quantize command to rewrite it")
+        with open(path, "rb") as f:
+            head = f.read(len(shard.header))
+        if head != shard.header:
+            raise FP8ConvertError(f"{path}: its header differs from the plan's (not written by this conversion); "
+                                  "remove it and rerun the quantize command to rewrite it")
