@@ -2,8 +2,8 @@
 
 Three threads with hand-offs of one batch each. The device holds at most the batch being read plus
 the outputs of the batch being written (a batch is quantized only once the previous one is written),
-so device memory stays under about 1.5x the largest batch; host memory is the readers' and the
-writer's pinned chunks (CUDA) or the same buffers (CPU).
+so device memory stays under about 1.5x the largest batch. On CUDA, host memory is only the readers'
+and the writer's fixed pinned chunks; on the CPU the batches themselves live there.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .plan import Batch, Plan
 from .quantizer import quantize_batch, read_order
 from .reader import BatchReader
 from .writer import ShardWriter
+
 
 @dataclass
 class StageSeconds:
@@ -99,14 +100,13 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                     writer.write(name, tensor)
                     del tensor
                 progress.advance(batch.in_bytes, batch.label)
-                finished_files = []
-                for f in {t.source.file for t in batch.tensors}:
-                    readers_left[f] -= 1
-                    if not readers_left[f]:
-                        finished_files.append(f)
-                if fetcher and finished_files:
-                    reader.forget(finished_files)
-                    fetcher.release(finished_files)
+                if fetcher:  # source shards no later batch reads can go
+                    files = {t.source.file for t in batch.tensors}
+                    readers_left.subtract(files)
+                    finished = sorted(f for f in files if not readers_left[f])
+                    if finished:
+                        reader.forget(finished)
+                        fetcher.release(finished)
             except BaseException as e:
                 writer_error.append(e)
                 stop.set()
