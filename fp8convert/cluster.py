@@ -44,8 +44,10 @@ class WorkerSpec:
         return {i for i in range(shard_count) if i % self.count == self.index}
 
     def split(self, parts: int, part: int) -> "WorkerSpec":
-        """Sub-worker `part` of `parts` within this worker's slot (--devices): same shards overall."""
-        return WorkerSpec(self.index * parts + part, self.count * parts, "explicit")
+        """Sub-worker `part` of `parts` within this worker's share (--devices): shard i with i % N == K
+        goes to sub-worker (i // N) % parts, i.e. i % (N * parts) == K + N * part. The sub-workers own
+        exactly this worker's shards, however many devices other workers split theirs over."""
+        return WorkerSpec(self.index + self.count * part, self.count * parts, "explicit")
 
 
 SINGLE = WorkerSpec()

@@ -289,6 +289,18 @@ def test_resolve_worker_reads_the_process_environment(monkeypatch):
     assert WorkerSpec(1, 3).owned(8) == {1, 4, 7}
 
 
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_device_split_covers_exactly_the_workers_shards(count):
+    """--devices splits a worker's own shards, whatever device count the other workers use."""
+    shards = 50
+    for index in range(count):
+        worker = WorkerSpec(index, count)
+        for parts in (1, 2, 3, 4):
+            subs = [worker.split(parts, part).owned(shards) for part in range(parts)]
+            assert set().union(*subs) == worker.owned(shards)
+            assert sum(len(s) for s in subs) == len(worker.owned(shards))  # disjoint
+
+
 def test_parse_devices():
     assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"]
     assert parse_devices(["cpu", "cpu"]) == ["cpu", "cpu"]
