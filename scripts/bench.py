@@ -2,10 +2,10 @@
 """Benchmark fp8convert against the I/O floor, llm-compressor's model_free_ptq and the naive script.
 
 One command for the GPU box (see scripts/README.md). For each checkpoint asked for it:
-  1. builds it with .bench/make_ckpt.py (fp8convert.demo for `tiny`); removes it after use (64 GiB disk)
+  1. builds it with scripts/anchor/make_ckpt.py (fp8convert.demo for `tiny`); removes it after use (small disks)
      unless --keep-ckpts, and reuses one a previous call kept;
   2. measures the I/O floor: fastest cold read of the inputs (1/4/16 threads of 16 MB preads) plus the
-     fastest fsync'd write of the expected output size (1/4 threads), as .bench/io_limit.py does;
+     fastest fsync'd write of the expected output size (1/4 threads);
   3. drops the page cache and runs each contender as a child process: wall time (start-up included),
      the time the tool itself reports, the time a `sync` takes afterwards (outputs not fsync'd by the
      tool), peak RSS of the process tree, peak GPU memory (self-reported and from NVML);
@@ -14,7 +14,7 @@ One command for the GPU box (see scripts/README.md). For each checkpoint asked f
 Prints Markdown tables; writes OUT/bench.log (every child's output tail) and OUT/results.json (rewritten
 after every step, so a run cut short still leaves its results).
 
-Standard library only; the children use what the box has (torch, safetensors) plus wheels from .whl/
+Standard library only; the children use the machine's torch and safetensors, plus wheels from .whl/
 (llm-compressor, into /tmp/site) and .whl-loaders/ (into /tmp/site-loaders), each put on PYTHONPATH of
 its own children only.
 """
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / ".bench"           # copies of /work/shared/bench/* (make_ckpt.py, naive_convert.py, lc_convert.py)
+BENCH = REPO / "scripts" / "anchor"  # checkpoint builder and the two comparison converters
 PY = sys.executable
 GiB = 2**30
 CHUNK = 16 << 20
@@ -374,7 +374,7 @@ def expected_bytes(name: str) -> int:
 
 
 def check_space(work: Path, name: str, log: Log) -> None:
-    """Input + one output (about half) + slack must fit; the box's disk is 64 GiB."""
+    """Input + one output (about half) + slack must fit on the disk."""
     need = int(expected_bytes(name) * 1.6)
     free = shutil.disk_usage(work).free
     if free < need:
@@ -874,13 +874,13 @@ def scaling_table(results: dict) -> str | None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Example: python3 scripts/bench.py --ckpt moe8 --ckpt dense16 --out $OUT")
+                                epilog="Example: python3 scripts/bench.py --ckpt moe8 --ckpt dense16 --out results")
     p.add_argument("--ckpt", action="append", choices=sorted(CKPTS),
                    help="checkpoint(s) to benchmark, repeatable (default: moe8 and dense16)")
     p.add_argument("--double", action="store_true", help="also moe16 and dense32 (the doubling check)")
     p.add_argument("--shard-gb", type=float, action="append", help="input shard size(s), repeatable (default 2)")
     p.add_argument("--work", type=Path, default=Path("/var/tmp/fp8bench"), help="checkpoints and outputs (default %(default)s)")
-    p.add_argument("--out", type=Path, default=BENCH / "results", help="bench.log and results.json go here")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="bench.log and results.json go here")
     p.add_argument("--device", choices=["cuda", "cpu", "both"], default="cuda", help="fp8convert's --device (default cuda)")
     p.add_argument("--max-shard-size", default="5GB", help="fp8convert's output shard size")
     p.add_argument("--max-resident", help="fp8convert's --max-resident (default: its own)")
@@ -906,7 +906,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-outputs", action="store_true", help="keep the contenders' outputs")
     p.add_argument("--timeout", type=float, default=480, help="seconds before a contender is killed")
     p.add_argument("--budget", type=float, default=570,
-                   help="seconds for the whole call (the device tool allows 600): later steps are skipped and "
+                   help="seconds for the whole call (keep it under any limit your job has): later steps are skipped and "
                         "a running one is killed so the tables still print; 0 = no limit (default %(default)s)")
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="llm-compressor wheels (default .whl)")
     p.add_argument("--llmc-site", type=Path, default=Path("/tmp/site"))
@@ -946,7 +946,7 @@ def main(argv=None) -> int:
                 "pass --no-drop-caches to silence")
     for f in ("make_ckpt.py", "naive_convert.py", "lc_convert.py"):
         if not (BENCH / f).exists():
-            raise SystemExit(f"{BENCH / f} is missing: copy /work/shared/bench/* into .bench/ and carry .bench")
+            raise SystemExit(f"{BENCH / f} is missing")
     gpu = GpuMemory()
     results["env"]["gpu_memory_sampling"] = "nvml" if gpu.nvml else ("nvidia-smi" if gpu.available else "none")
     llmc_ok = args.skip_llmc or args.skip_convert or install_wheels(args.wheels, args.llmc_site, log)
