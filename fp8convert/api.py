@@ -5,6 +5,7 @@ seconds, which the disk spends better reading the checkpoint.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}
+DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
 
 
@@ -76,6 +78,7 @@ def resolve_device(device: str) -> "torch.device":
 
 
 def budget_for(dev: "torch.device", max_resident: int | str | None) -> int:
+    """--max-resident, or the default for the device type."""
     return parse_size(max_resident, "--max-resident") if max_resident else DEFAULT_MAX_RESIDENT[dev.type]
 
 
@@ -121,6 +124,10 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
     process finalizes. `finalize_when_done=False`: write the shards only."""
     started = time.monotonic()
     options = Options(scheme, format, tuple(ignore), max_shard_size)  # bad options fail before any I/O
+    if not DEVICE_TEXT.match(device):  # spelling only: whether CUDA is there needs torch, checked later
+        raise FP8ConvertError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    max_resident = parse_size(max_resident, "--max-resident") if max_resident else None
+    prefetch = parse_size(prefetch, "--prefetch") if prefetch else 0
     spec = cluster.resolve_worker(worker)
     device_list = cluster.parse_devices(devices) if devices else None
     if device_list and device != "auto":
@@ -207,7 +214,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, spec: cluster.WorkerSpec,
             from .hub import fetch_from_hub
             fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), token)
     fetcher = the_plan.source.fetcher
-    window = parse_size(prefetch, "--prefetch") if prefetch and not fetcher else 0
+    window = 0 if fetcher else prefetch
     prefetcher = Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
                             window, threads=prefetch_threads).start() if window else None
     try:

@@ -401,3 +401,12 @@ def test_zero_sized_linear_weight(tmp_path, capsys):
         assert_refused(rc, err, out, "model.layers.1.mlp.extra_proj.weight")
     else:
         assert run_cli(capsys, "verify", src, out)[0] == 0
+
+
+@pytest.mark.parametrize("option,value", [("--prefetch", "lots"), ("--max-resident", "0"), ("--max-shard-size", "-1GB"),
+                                          ("--scheme", "row"), ("--format", "gguf"), ("--device", "tpu")])
+def test_bad_option_fails_before_output_exists(tmp_path, capsys, option, value):
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", option, value)
+    assert_refused(rc, err, out, option)

@@ -15,6 +15,9 @@ MaxShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest out
 MaxResident = Annotated[Optional[str], typer.Option(
     "--max-resident", help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
                            "1GiB on CPU); larger layers are split, never inside a fused group.")]
+Prefetch = Annotated[str, typer.Option(
+    "--prefetch", help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); "
+                       "0 turns it off. Page cache is reclaimable, but it counts in some job memory limits.")]
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of SRC.")]
 Json = Annotated[bool, typer.Option("--json", help="Print a JSON document instead of text.")]
 Worker = Annotated[Optional[str], typer.Option(

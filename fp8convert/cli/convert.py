@@ -13,7 +13,8 @@ import typer
 from .. import api, hub
 from ..errors import FP8ConvertError
 from ..summary import compatibility_warnings, describe, render
-from ._options import Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Revision, Scheme, Worker
+from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Revision,
+                       Scheme, Worker)
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
@@ -36,7 +37,7 @@ def quantize(
     stream_download: Annotated[bool, typer.Option(
         "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                                   "converted (for models larger than the free disk).")] = False,
-    worker: Worker = None, devices: Devices = None,
+    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB",
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -68,8 +69,9 @@ def quantize(
 
     report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
                           max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings, stream_download=stream_download,
-                          worker=worker, devices=devices)
+                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings,
+                          stream_download=stream_download, worker=worker, devices=devices,
+                          prefetch=0 if prefetch.strip() == "0" else prefetch)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
     elif report.already_complete:
