@@ -25,7 +25,18 @@ if str(TESTS_DIR) not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tiny_models import make_gpt_oss_like, make_model  # noqa: E402
+from tiny_models import KINDS, make_gpt_oss_like, make_model  # noqa: E402
+
+# Every output format with every scheme it has, and each tiny model kind with each of them.
+FORMAT_SCHEMES = [
+    ("compressed-tensors", "tensor"),
+    ("compressed-tensors", "channel"),
+    ("compressed-tensors", "block"),
+    ("fp8", "tensor"),
+    ("fp8", "block"),
+]
+FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block"]
+ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
 
 # A fixed prompt of token ids (no tokenizer involved).
 PROMPT_IDS = [1, 5, 17, 99, 200, 42, 7, 255, 3, 64, 128, 31, 77, 150]

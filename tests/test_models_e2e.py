@@ -16,6 +16,9 @@ import torch
 
 import reference as R
 from conftest import (
+    ALL_CASES,
+    FORMAT_SCHEMES,
+    FS_IDS,
     fp8convert_module,
     load_causal_lm,
     model_logits,
@@ -27,15 +30,6 @@ from conftest import (
 from tiny_models import DENSE_KINDS, EXTRA_FILES, GPT_OSS_FUSED_TENSOR, KINDS, MOE_KINDS
 
 FP8 = torch.float8_e4m3fn
-FORMAT_SCHEMES = [
-    ("compressed-tensors", "tensor"),
-    ("compressed-tensors", "channel"),
-    ("compressed-tensors", "block"),
-    ("fp8", "tensor"),
-    ("fp8", "block"),
-]
-FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block"]
-ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
 
 # What loads in transformers 5.24 on CPU (DESIGN.md, "Who loads what"):
 #   compressed-tensors tensor / channel: dense and MoE; compressed-tensors block: dense only;

@@ -21,19 +21,10 @@ import pytest
 import torch
 
 import reference as R
-from conftest import fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from conftest import ALL_CASES, FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
 from tiny_models import KINDS, MOE_KINDS, N_EXPERTS, make_model
 
 FP8 = torch.float8_e4m3fn
-FORMAT_SCHEMES = [
-    ("compressed-tensors", "tensor"),
-    ("compressed-tensors", "channel"),
-    ("compressed-tensors", "block"),
-    ("fp8", "tensor"),
-    ("fp8", "block"),
-]
-FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block"]
-ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
 
 
 @pytest.fixture(scope="module")
