@@ -1,6 +1,8 @@
-"""The run: read the next batch while the current one is quantized and the previous one written.
+"""The run: read the next batch while the previous one is written; quantize in between.
 
-Three threads with hand-offs of one batch each. The device holds at most the batch being read plus
+Three threads with hand-offs of one batch each. Quantizing is fast next to the disk (on a GPU), so
+the disk is what stays busy: reads of batch i+1 overlap writes of batch i, and the page-cache
+prefetcher keeps reading ahead of both. The device holds at most the batch being read plus
 the outputs of the batch being written (a batch is quantized only once the previous one is written),
 so device memory stays under about 1.5x the largest batch. On CUDA, host memory is only the readers'
 and the writer's fixed pinned chunks; on the CPU the batches themselves live there.
