@@ -9,6 +9,7 @@ and the writer's fixed pinned chunks; on the CPU the batches themselves live the
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -91,8 +92,13 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
 
     def write_loop():
         while True:
-            item = to_writer.get()
-            if item is None:
+            try:
+                item = to_writer.get(timeout=0.1)
+            except queue.Empty:
+                if stop.is_set():  # the run ended (or was interrupted) and nothing is left to write
+                    return
+                continue
+            if item is None or stop.is_set():  # stop is set early only by a failure or an interrupt
                 return
             try:
                 batch, outputs = item
@@ -152,7 +158,11 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
             raise writer_error[0]
         return seconds
     finally:
+        # Every wait in the other threads times out and checks `stop`, so they end even if an interrupt
+        # landed inside a queue operation and a notification was lost; the writer finishes the tensor
+        # it is writing and then stops (a partial shard is rewritten by the next run).
         stop.set()
-        to_writer.put(None)  # the writer finishes what it holds, then stops
+        with contextlib.suppress(queue.Full):
+            to_writer.put_nowait(None)
         for th in threads:
             th.join()
