@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from . import cluster
 from .errors import FP8ConvertError, PlanMismatchError
+from .hub import looks_like_repo_id
 from .options import Options, parse_size
 from .output import WORK_DIR, Manifest, check_shards, finalize, finished_shards, prepare_output
 from .plan import Plan, Unit, build_plan, make_batches
@@ -83,7 +84,7 @@ def budget_for(dev: "torch.device", max_resident: int | str | None) -> int:
 
 
 def open_source(src: str | Path, revision: str | None = None, token: str | None = None) -> Source:
-    from .hub import download_source, looks_like_repo_id
+    from .hub import download_source
     text = str(src)
     if Path(text).exists():
         if revision:
@@ -98,7 +99,7 @@ def plan(src: str | Path, *, scheme: str = "tensor", format: str = "compressed-t
          max_shard_size: int | str = "5GB", revision: str | None = None, token: str | None = None) -> Plan:
     """Plan a conversion from headers and config alone; reads no tensor data."""
     options = Options(scheme, format, tuple(ignore), max_shard_size)
-    from .hub import looks_like_repo_id, remote_source  # a repo id plans from remote headers: no weight download
+    from .hub import remote_source  # a repo id plans from remote headers: no weight download
     source = remote_source(str(src), revision, token) if looks_like_repo_id(str(src)) else open_source(src, revision, token)
     return build_plan(source, options)
 
@@ -143,11 +144,11 @@ def quantize(src: str | Path, out: str | Path, *, scheme: str = "tensor", format
         raise FP8ConvertError("--stream-download works with one worker only: workers would delete source "
                               "shards another one still reads")
     if stream_download:
-        from .hub import looks_like_repo_id, streaming_source
+        from .hub import streaming_source
         if not looks_like_repo_id(str(src)):
             raise FP8ConvertError(f"--stream-download applies to Hub repo ids; {src} is local")
         source = streaming_source(str(src), out, revision, token)
-    elif spec.count > 1 and _is_repo_id(src):
+    elif spec.count > 1 and looks_like_repo_id(str(src)):
         from .hub import remote_source
         source = remote_source(str(src), revision, token)  # headers only: each worker fetches the shards it reads
     else:
@@ -184,8 +185,8 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, spec: cluster.
     """One spawned worker process per device shares this worker's shards; then this process finalizes."""
     cluster.log(f"{the_plan.source.label}: {len(device_list)} worker processes ({', '.join(device_list)})"
                 + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), progress)
-    owned = {i for i in spec.owned(len(the_plan.shards)) if i not in done}
-    check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - owned)
+    todo = spec.owned(len(the_plan.shards)) - done
+    check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - todo)
     reports = cluster.run_on_devices(src, str(out_dir), spec, device_list, kwargs)
     report.device = ",".join(r.device for r in reports)
     report.shards_written = sum(r.shards_written for r in reports)
@@ -210,7 +211,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, spec: cluster.WorkerSpec,
                     f"{len(the_plan.shards)} shards to write, {len(done)} already done"
                     + ("" if spec.count <= len(the_plan.shards) else
                        " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
-        if _is_repo_id(src) and not the_plan.source.fetcher:
+        if looks_like_repo_id(str(src)) and not the_plan.source.fetcher:
             from .hub import fetch_from_hub
             fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), token)
     fetcher = the_plan.source.fetcher
@@ -367,15 +368,10 @@ def _plan_from_manifest(state: dict, token: str | None) -> Plan:
     options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"])
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
-    from .hub import fetch_from_hub, looks_like_repo_id, remote_source
+    from .hub import fetch_from_hub, remote_source
     repo_id, revision = state["source"], state.get("revision")
     if not looks_like_repo_id(repo_id):
         raise FP8ConvertError(f"{repo_id}: the manifest's source is neither a directory nor a Hub repo id")
     source = remote_source(repo_id, revision, token)
     fetch_from_hub(source, [], token)  # side files and card: this machine's cache may lack them
     return build_plan(source, options)
-
-
-def _is_repo_id(src) -> bool:
-    from .hub import looks_like_repo_id
-    return not Path(str(src)).exists() and looks_like_repo_id(str(src))

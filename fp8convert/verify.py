@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import FP8ConvertError
+from .formats import get_format
 from .options import BLOCK
 from .output import MANIFEST, WORK_DIR
 from .rules import default_keep_reason, fused_group_key, is_linear_weight, module_of
@@ -119,15 +120,11 @@ class _Files:
         self.fds: dict[Path, int] = {}
 
     def pread(self, path: Path, offset: int, length: int) -> bytearray:
+        from .reader import pread_into
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY)
         buf = bytearray(length)
-        view, done = memoryview(buf), 0
-        while done < length:
-            n = os.preadv(self.fds[path], [view[done:]], offset + done)
-            if n <= 0:
-                raise FP8ConvertError(f"{path.name}: unexpected end of file (truncated?)")
-            done += n
+        pread_into(self.fds[path], memoryview(buf), offset, path.name)
         return buf
 
     def rows(self, path: Path, info: TensorInfo, start: int, stop: int):
@@ -161,7 +158,7 @@ class OutputFormat:
     ignore: tuple[str, ...]     # modules left unquantized, as engines match them
 
     def scale_name(self, weight: str) -> str:
-        return weight + ("_scale_inv" if self.format == "fp8" and self.scheme == "block" else "_scale")
+        return get_format(self.format).scale_name(weight, self.scheme)
 
     def scale_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         out, inp = shape
