@@ -324,9 +324,11 @@ class StreamingFetcher:
     A background thread downloads shards (into `download_dir`, not the shared cache) in the order the
     pipeline will need them. The pipeline calls `need(files)` before reading a batch (blocks until
     those files are on disk; raises FP8ConvertError if a download failed) and `release(files)` once
-    every batch that reads them has been written (deletes them, freeing a slot). A file a blocked
-    `need` waits for is downloaded even when `keep` files are already present, so a batch spanning
-    more than `keep` shards cannot deadlock.
+    every batch that reads them has been written (deletes them, freeing a slot). In between, the
+    pipeline calls `done_reading(files)` once no later batch reads them: their slots free up as soon
+    as the batches in flight are written, so a blocked `need` waits for that. Only when no slot is
+    about to free (every shard on disk is still to be read again, or one batch spans more than `keep`
+    shards) does a blocked `need` go over `keep`, since waiting then would never end.
 
     Lifecycle: `start(order)` after the output directory is prepared (it downloads the small side
     files synchronously, then starts the thread), `need`/`release` during the run, `close(remove=True)`
@@ -351,6 +353,7 @@ class StreamingFetcher:
         self.peak_present = 0                      # most shards on disk (or downloading) at once
         self._waiting: Counter = Counter()         # files some need() call is blocked on
         self._release_when_done: set[str] = set()
+        self._read_done: set[str] = set()          # on disk, read for the last time, not yet released
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -419,12 +422,19 @@ class StreamingFetcher:
                 self._waiting.subtract(files)
                 self._waiting += Counter()  # drop zero counts
 
+    def done_reading(self, files: list[str]) -> None:
+        """No later batch reads these files: `release` follows once the batches in flight are written."""
+        with self._cond:
+            self._read_done.update(f for f in files if f in self.state)
+            self._cond.notify_all()
+
     def release(self, files: list[str]) -> None:
         """Every batch reading these files is written: delete them and let the next download start."""
         with self._cond:
             for f in dict.fromkeys(files):
                 if f not in self.state:
                     continue
+                self._read_done.discard(f)
                 if self.state[f] == self.DOWNLOADING:
                     self._release_when_done.add(f)  # released before it was needed: drop it on arrival
                     continue
@@ -461,10 +471,13 @@ class StreamingFetcher:
         self.peak_present = max(self.peak_present, self._live())
 
     def _next(self) -> str | None:
-        for f in self.order + [f for f in self._waiting if f not in self.order]:
-            if self._waiting.get(f) and self.state[f] == self.PENDING:
-                return f  # a blocked need() waits for it: no limit applies
-        if self._live() >= self.keep:
+        full = self._live() >= self.keep
+        slot_coming = any(self.state[f] in (self.DOWNLOADING, self.PRESENT) for f in self._read_done)
+        if not (full and slot_coming):
+            for f in self.order + [f for f in self._waiting if f not in self.order]:
+                if self._waiting.get(f) and self.state[f] == self.PENDING:
+                    return f  # a blocked need() and no slot about to free up: waiting would never end
+        if full:
             return None
         for f in self.order:
             if self.state[f] == self.PENDING:

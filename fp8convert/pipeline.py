@@ -47,6 +47,7 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
     batch's files before they are read and told when no later batch needs them."""
     seconds = StageSeconds()
     readers_left = Counter(f for batch in batches for f in {t.source.file for t in batch.tensors})
+    reads_left = readers_left.copy()  # the reader's count; readers_left is the writer's
     scheme = plan.options.scheme
     to_main: queue.Queue = queue.Queue(maxsize=1)
     to_writer: queue.Queue = queue.Queue(maxsize=1)
@@ -81,6 +82,10 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 if fetcher:
                     fetcher.need(sorted({t.source.file for t in batch.tensors}))
                 item = (batch, *reader.read([t.source for t in read_order(batch)]))
+                if fetcher:
+                    files = {t.source.file for t in batch.tensors}
+                    reads_left.subtract(files)
+                    fetcher.done_reading(sorted(f for f in files if not reads_left[f]))
                 if on_read:
                     on_read(batch.in_bytes)
                 if stop.is_set() or not hand_to_main(item):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect as pyinspect
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from fp8convert import api, hub
 from fp8convert.card import make_card, retarget_card, split_front_matter
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
+from fp8convert.writer import TEST_DELAY_ENV
 
 # huggingface_hub's own LFS upload passes a file object as `data=`, which httpx2 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -351,9 +353,31 @@ def test_streaming_fetcher_resume_reuses_finished_shards(fake_hub, five_shards, 
         second.close()
 
 
+def test_streaming_fetcher_waits_for_a_slot_about_to_free(fake_hub, five_shards, tmp_path):
+    a, b, c = five_shards[:3]
+    fetcher = make_fetcher(fake_hub, tmp_path, keep=2)
+    fetcher.start([a, b, c])
+    try:
+        fetcher.need([a, b])  # a is read again later; b is not
+        fetcher.done_reading([b])  # b's batch is in flight: its slot frees once that batch is written
+        blocked = threading.Thread(target=fetcher.need, args=([c],))
+        blocked.start()
+        time.sleep(0.3)
+        assert blocked.is_alive() and on_disk(tmp_path / "dl") == [a, b]  # waits instead of a third shard
+        fetcher.release([b])
+        blocked.join(timeout=10)
+        assert not blocked.is_alive() and on_disk(tmp_path / "dl") == [a, c]
+        assert fetcher.peak_present == 2
+    finally:
+        fetcher.close(remove=True)
+
+
 def test_quantize_stream_download_end_to_end(fake_hub, five_shards, tmp_path, monkeypatch):
     assert "stream_download" in pyinspect.signature(api.quantize).parameters, "pipeline hooks pending"
     streamed, plain = tmp_path / "streamed", tmp_path / "plain"
+    # A slow writer keeps batches in flight while the reader asks for the next shard: the case where
+    # a fetcher that only counted shards on disk went over `keep`.
+    monkeypatch.setenv(TEST_DELAY_ENV, "0.02")
     seen: list[list[str]] = []
     real_need = hub.StreamingFetcher.need
 
@@ -365,6 +389,7 @@ def test_quantize_stream_download_end_to_end(fake_hub, five_shards, tmp_path, mo
     api.quantize("acme/five", streamed, device="cpu", stream_download=True, max_resident="64KB")
     assert seen and max(len(s) for s in seen) <= 2, seen  # never more than `keep` source shards on disk
     assert {f for s in seen for f in s} == set(five_shards)
+    monkeypatch.delenv(TEST_DELAY_ENV)
     api.quantize("acme/five", plain, device="cpu")
     assert same_conversion(streamed, plain)
     assert not (streamed / ".fp8convert" / "download").exists()
