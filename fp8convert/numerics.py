@@ -26,6 +26,10 @@ def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """Largest magnitude in float32, per tensor [..., 1, 1], per row [..., out, 1] or per 128x128
     block [..., ceil(out/128), ceil(in/128)]. max|w| = max(max w, -min w): two reductions and no
     full-size |w| temporary. NaN propagates through both."""
+    if scheme == "tensor" and w.device.type == "cpu":
+        # One aminmax pass per weight: on a CPU about twice as fast as amax and amin over two dims.
+        pairs = [torch.aminmax(x) for x in w.reshape(-1, w.shape[-2] * w.shape[-1])]
+        return torch.stack([torch.maximum(hi, lo.neg()) for lo, hi in pairs]).float().reshape(*w.shape[:-2], 1, 1)
     if scheme == "tensor":
         dims = (-2, -1)
     elif scheme == "channel":
@@ -66,15 +70,17 @@ def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> to
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-CPU_TILE_BYTES = 512 << 10  # float32 working tile that stays in a core's L2
+CPU_TILE_BYTES = 2 << 20  # float32 working tile, split over the cores, that stays in their L2 caches
 
 
 def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """The same arithmetic as above, a few rows at a time through one small float32 tile: on a CPU,
     three passes over a tile in cache are about 3x faster than three passes over main memory."""
     stack, out, inp = w.shape
-    rows = 1 << max(0, min(7, (CPU_TILE_BYTES // (4 * inp)).bit_length() - 1))  # a power of 2 <= 128,
-    tile = torch.empty(rows, inp, dtype=torch.float32)                          # so no tile spans two blocks
+    rows = max(1, CPU_TILE_BYTES // (4 * inp))
+    if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
+        rows = 1 << min(7, rows.bit_length() - 1)
+    tile = torch.empty(min(rows, out), inp, dtype=torch.float32)
     q = torch.empty(w.shape, dtype=FP8_DTYPE)
     for n in range(stack):
         for r in range(0, out, rows):
