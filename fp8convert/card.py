@@ -16,7 +16,7 @@ import yaml
 from . import __version__
 from .hub import looks_like_repo_id
 from .options import Options
-from .summary import describe, human
+from .summary import NOT_FOR_TRANSFORMERS, describe, human
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
 COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
@@ -89,7 +89,7 @@ def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_pa
 def transformers_support(fmt: str, scheme: str, warnings: list[str]) -> tuple[bool, str]:
     """Whether transformers loads this combination (see the README's table), and why not."""
     for w in warnings:
-        if "transformers cannot" in w:
+        if NOT_FOR_TRANSFORMERS in w:
             return False, w
     if fmt == "fp8" and scheme == "tensor":
         return False, "transformers has no per-tensor `weight_scale` path for the fp8 format"

@@ -249,22 +249,37 @@ def download_source(repo_id: str, revision: str | None = None, token: str | None
     """Download config, index, the shards the index names (or the top-level safetensors), the side
     files and README.md into the huggingface_hub cache; returns the snapshot directory.
 
-    Nothing else is fetched (no .bin, no original/ folder). Finished files are re-used by a rerun and
-    a partial one resumes, since the cache keeps `.incomplete` blobs. Offline (HF_HUB_OFFLINE), the
-    cached snapshot of an earlier download is used as it is."""
+    Nothing else is fetched (no .bin, no original/ folder). Offline (HF_HUB_OFFLINE), the cached
+    snapshot of an earlier download is used as it is."""
     cached = offline_snapshot(repo_id, revision, cache_dir)
     if cached is not None:
         return cached
     repo = resolve_repo(repo_id, revision, token, cache_dir)
     layout = remote_layout(repo)
-    root = _snapshot_dir(repo)
+    root = _fetch(repo, layout, layout.shards)
+    _remember_ref(root, repo)
+    return root
+
+
+def fetch_from_hub(source: Source, shards: list[str], token: str | None) -> None:
+    """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
+    and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
+    there is nothing to fetch."""
+    if getattr(source, "revision", None) is None:
+        return
+    repo = resolve_repo(source.label, source.revision, token)
+    _fetch(repo, remote_layout(repo), shards)
+
+
+def _fetch(repo: RemoteRepo, layout: RemoteLayout, shards: list[str]) -> Path:
+    """The small files (config, index, card, side files), then `shards`, into the cache snapshot; returns
+    it. Files the cache already holds for this commit cost no request, so a rerun re-uses them; a
+    partial one resumes, since the cache keeps `.incomplete` blobs."""
     small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
     for name in dict.fromkeys(small):
         repo.download(name)
-    # Biggest first keeps the tail short.
-    parallel(repo.download, sorted(layout.shards, key=lambda n: -(repo.sizes.get(n) or 0)))
-    _remember_ref(root, repo)
-    return root
+    parallel(repo.download, sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)))  # biggest first
+    return _snapshot_dir(repo)
 
 
 def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
@@ -642,19 +657,3 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
     except Exception as e:
         raise hub_error(repo_id, e, revision) from e
     return getattr(info, "commit_url", None) or str(info)
-
-
-def fetch_from_hub(source, shards: list[str], token: str | None) -> None:
-    """Into the cache snapshot a remote Source is rooted at: `shards` (the ones a worker reads), the side
-    files and the source's card (what finalize reads), each unless already there. Offline (the source is
-    the cached snapshot itself) there is nothing to fetch."""
-    if getattr(source, "revision", None) is None:
-        return
-    root = Path(source.root)
-    repo = resolve_repo(source.label, source.revision, token)
-    layout = remote_layout(repo)
-    for name in [layout.card, *layout.side_files]:
-        if name and not (root / name).is_file():
-            repo.download(name)
-    missing = sorted((f for f in shards if not (root / f).is_file()), key=lambda n: -(repo.sizes.get(n) or 0))
-    parallel(repo.download, missing)

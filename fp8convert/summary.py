@@ -29,24 +29,28 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
             "host_bytes": host}
 
 
+NOT_FOR_TRANSFORMERS = "transformers cannot"  # how a warning says transformers will not load the output
+
+
 def compatibility_warnings(plan: Plan) -> list[str]:
-    """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
+    """Combinations that some consumer will refuse or read wrongly (see the README's table). A warning
+    that contains NOT_FOR_TRANSFORMERS makes the model card say transformers cannot load the output."""
     scheme, fmt = plan.options.scheme, plan.options.format
     quantized = [t for t in plan.tensors if t.quantize]
     has_experts = any(EXPERT.search(t.name) for t in quantized)
     warnings = []
     if fmt == "fp8" and scheme == "tensor":
-        warnings.append("transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense "
+        warnings.append(f"{NOT_FOR_TRANSFORMERS} use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense "
                         "models load but ignore the scales and give wrong outputs, MoE models fail; use "
                         "--format compressed-tensors to load it in transformers")
     if fmt == "compressed-tensors" and scheme == "block" and has_experts:
-        warnings.append("transformers cannot load compressed-tensors block scales for MoE experts (vLLM can); "
+        warnings.append(f"{NOT_FOR_TRANSFORMERS} load compressed-tensors block scales for MoE experts (vLLM can); "
                         "use --format fp8 --scheme block, or --scheme channel, to load it in transformers")
     if scheme == "block":
         odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
         if odd:
             what = ("transformers infers the block size from the scale grid and dequantizes these wrongly"
-                    if fmt == "fp8" else "transformers cannot load these (needs both dims divisible by 128)")
+                    if fmt == "fp8" else f"{NOT_FOR_TRANSFORMERS} load these (needs both dims divisible by 128)")
             warnings.append(f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}")
         fused = {}
         for t in quantized:

@@ -521,6 +521,13 @@ def test_make_card_fields_command_and_loading(tiny_ckpt):
     assert "base_model" not in meta2 and "license" not in meta2  # local source, no card
     assert "Not loadable in transformers" in body2 and "fp8convert quantize x y --format fp8" in body2
 
+    # A warning that transformers cannot load the output (here: dims of 64 under 128x128 blocks) makes
+    # the card say so, with that warning as the reason.
+    p3 = api.plan(tiny_ckpt, scheme="block", format="compressed-tensors")
+    body3 = split_front_matter(make_card(p3, None, command="fp8convert quantize x y --scheme block"))[1]
+    assert "Not loadable in transformers: " in body3 and "dim not divisible by 128" in body3
+    assert "from_pretrained" not in body3
+
 
 def test_card_examples_follow_the_push_target():
     info = {"source": REPO, "scheme": "channel", "format": "compressed-tensors", "kept": {}, "ignore": ["lm_head"],
