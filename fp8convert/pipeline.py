@@ -109,8 +109,8 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                 batch, outputs = item
                 del item
                 while outputs:  # drop each output as soon as it is written: device memory is freed early
-                    name, tensor = outputs.pop(0)
-                    writer.write(name, tensor)
+                    name, tensor, at = outputs.pop(0)
+                    writer.write(name, tensor, at)
                     del tensor
                 progress.advance(batch.in_bytes, batch.label)
                 if fetcher:  # source shards no later batch reads can go

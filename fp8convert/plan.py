@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import __version__
 from .formats import get_format
@@ -34,6 +34,7 @@ class TensorPlan:
     group: str | None                     # fused group: members share one scale in the tensor scheme
     scale_name: str | None = None
     scale_shape: tuple[int, ...] | None = None
+    at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
 
     @property
     def name(self) -> str:
@@ -131,24 +132,47 @@ class Batch:
         return sum(t.source.nbytes for t in self.tensors)
 
 
+KEPT_PIECE_BYTES = 256 << 20
+
+
 def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
-    """Split units over the memory budget between atoms (a fused group is never split)."""
+    """Split units over the memory budget between atoms (a fused group is never split). A kept tensor
+    larger than a piece is copied piece by piece, each piece a batch of its own."""
+    piece_bytes = min(max_resident, KEPT_PIECE_BYTES)
     batches = []
     for unit in units:
-        if unit.in_bytes <= max_resident:
+        atoms: list[tuple[list[TensorPlan], bool]] = []  # (atom, whether it is a piece)
+        for atom in unit.atoms():
+            pieces = kept_pieces(atom[0], piece_bytes) if len(atom) == 1 else [atom[0]]
+            atoms += [([p], True) for p in pieces] if len(pieces) > 1 else [(atom, False)]
+        if unit.in_bytes <= max_resident and not any(split for _, split in atoms):
             batches.append(Batch(unit, unit.atoms(), unit.label))
             continue
         parts: list[list[list[TensorPlan]]] = [[]]
-        used = 0
-        for atom in unit.atoms():
+        used, alone = 0, False
+        for atom, split in atoms:
             size = sum(t.source.nbytes for t in atom)
-            if used and used + size > max_resident:
+            if parts[-1] and (split or alone or used + size > max_resident):
                 parts.append([])
                 used = 0
             parts[-1].append(atom)
-            used += size
+            used, alone = used + size, split
         batches += [Batch(unit, p, f"{unit.label} (part {i + 1}/{len(parts)})") for i, p in enumerate(parts)]
     return batches
+
+
+def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
+    """A kept tensor over `max_bytes` as ranges of whole rows of at most that size (at least one row).
+    Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
+    does not grow with the vocabulary (an embedding can be several GB)."""
+    info = t.source
+    if t.quantize or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
+        return [t]
+    row = info.nbytes // info.shape[0]
+    step = max(1, max_bytes // row)
+    return [replace(t, at=r * row, source=replace(info, offset=info.offset + r * row, nbytes=n * row,
+                                                    shape=(n, *info.shape[1:])))
+            for r in range(0, info.shape[0], step) for n in [min(step, info.shape[0] - r)]]
 
 
 def natural_key(text: str) -> list:

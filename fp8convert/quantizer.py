@@ -70,10 +70,11 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """Outputs (name, tensor) for every output tensor of the batch. Kept tensors are copied out of
-    `buf` so it can be freed at once, unless the batch keeps everything: then they are views and
-    `buf` lives until they are written, which costs no extra memory."""
+                   ) -> list[tuple[str, torch.Tensor, int]]:
+    """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
+    piece of a kept tensor where it goes. Kept tensors are copied out of `buf` so it can be freed at
+    once, unless the batch keeps everything: then they are views and `buf` lives until they are
+    written, which costs no extra memory."""
     all_kept = not any(t.quantize for t in batch.tensors)
     outputs = []
     for atom in batch.atoms:
@@ -83,7 +84,7 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
             if t.name.endswith(".weight") and t.source.dtype in TORCH_DTYPES and not all_finite(
                     raw.view(TORCH_DTYPES[t.source.dtype])):
                 raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
-            outputs.append((t.name, raw if all_kept else raw.clone()))
+            outputs.append((t.name, raw if all_kept else raw.clone(), t.at))
     for family in families(batch):
         for chunk in family.chunks():
             members = [[atom[m] for atom in chunk] for m in range(len(chunk[0]))]
@@ -95,5 +96,5 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
                                       "refusing to quantize it") from None
             for tensors, q, s in zip(members, codes, scales):
                 for n, t in enumerate(tensors):
-                    outputs += [(t.name, q[n]), (t.scale_name, s[n])]
+                    outputs += [(t.name, q[n], 0), (t.scale_name, s[n], 0)]
     return outputs

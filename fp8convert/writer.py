@@ -37,6 +37,7 @@ class ShardWriter:
                  threads: int = 4):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
         self.remaining = {s.index: set(s.tensors) for s in plan.shards if s.index not in skip_shards}
+        self.bytes_left: dict[str, int] = {}  # tensors written in pieces, until their last piece
         self.fds: dict[int, int] = {}
         self.chunk = chunk_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-write")
@@ -67,20 +68,22 @@ class ShardWriter:
                                       "resume once the problem is fixed") from e
         return self.fds[index]
 
-    def write(self, name: str, data: torch.Tensor) -> None:
-        """Write one output tensor (any device; raw bytes taken in memory order)."""
+    def write(self, name: str, data: torch.Tensor, at: int = 0) -> None:
+        """Write one output tensor, or the piece of it that starts `at` bytes in (any device; raw bytes
+        taken in memory order). A tensor counts as written once all its bytes are."""
         index = self.plan.shard_of[name]
         if index not in self.remaining:
             return  # finished in an earlier run
         shard = self.plan.shards[index]
         placed = shard.tensors[name]
         raw = data.contiguous().view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
-        if raw.numel() != placed.nbytes:
-            raise AssertionError(f"{name}: {raw.numel()} bytes, plan says {placed.nbytes}")
+        left = self.bytes_left.get(name, placed.nbytes) - raw.numel()
+        if at + raw.numel() > placed.nbytes or left < 0:
+            raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, plan says {placed.nbytes} in all")
         if self.test_delay:
             time.sleep(self.test_delay)
         fd = self._fd(index)
-        offset = len(shard.header) + placed.offset
+        offset = len(shard.header) + placed.offset + at
         try:
             if raw.device.type == "cpu":
                 # `raw` stays referenced by the task until its bytes are written
@@ -89,6 +92,10 @@ class ShardWriter:
                 self._write_from_device(index, fd, raw, offset)
         except OSError as e:
             self._raise_write_error(index, e)
+        if left:
+            self.bytes_left[name] = left
+            return
+        self.bytes_left.pop(name, None)
         self.remaining[index].discard(name)
         if not self.remaining[index]:
             self._finish(index)

@@ -6,6 +6,8 @@ implementation of DESIGN.md's numerics and rules), never copied from the product
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import re
 import shutil
 import struct
@@ -657,3 +659,73 @@ def test_cpu_tiled_quantize_matches_reference(scheme, tile_rows, monkeypatch):
         want_codes, want_scale = R.quantize(stack[n], scheme)
         assert torch.equal(codes[0][n].view(torch.uint8), want_codes.view(torch.uint8)), (scheme, n)
         assert torch.equal(scales[0][n].reshape(want_scale.shape), want_scale), (scheme, n)
+
+
+# ------------------------------------------------------------------ batches under a memory budget
+
+
+def _batches(src, max_resident, **plan_options):
+    from fp8convert.plan import make_batches
+    the_plan = fp8convert_module().plan(str(src), **plan_options)
+    return the_plan, make_batches(the_plan.units, max_resident)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("max_resident", [4 << 10, 16 << 10])
+def test_batches_fit_the_budget_keep_fused_groups_and_cover_every_byte(kind, max_resident, source_model):
+    the_plan, batches = _batches(source_model(kind), max_resident)
+    pieces: dict[str, list[tuple[int, int]]] = {}
+    for batch in batches:
+        for atom in batch.atoms:
+            if len(atom) > 1:
+                assert len({t.group for t in atom}) == 1 and atom[0].group  # a whole fused group
+        alone = any(t.source.nbytes < t_orig.source.nbytes for t in batch.tensors
+                    for t_orig in [next(u for u in the_plan.tensors if u.name == t.name)])
+        if alone:
+            assert len(batch.tensors) == 1  # a piece of a kept tensor is a batch of its own
+        largest_atom = max(sum(t.source.nbytes for t in atom) for atom in batch.atoms)
+        assert batch.in_bytes <= max_resident or len(batch.atoms) == 1 and largest_atom > max_resident
+        for t in batch.tensors:
+            pieces.setdefault(t.name, []).append((t.at, t.source.nbytes))
+    for t in the_plan.tensors:  # every source byte is read exactly once, in order
+        spans = pieces.pop(t.name)
+        assert [at for at, _ in spans] == list(itertools.accumulate([n for _, n in spans[:-1]], initial=0))
+        assert sum(n for _, n in spans) == t.source.nbytes
+    assert not pieces
+    big_kept = [t for t in the_plan.tensors if not t.quantize and t.source.nbytes > max_resident]
+    assert big_kept, "the fixture should have a kept tensor (embedding) over the budget"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_kept_tensors_in_pieces_give_the_same_bytes(kind, source_model, converted, tmp_path, monkeypatch):
+    """A kept tensor is copied in pieces of whole rows when it is larger than a piece, so memory does
+    not grow with the vocabulary; the output is the same to the byte."""
+    plan_module = importlib.import_module("fp8convert.plan")
+    monkeypatch.setattr(plan_module, "KEPT_PIECE_BYTES", 3000)
+    the_plan, batches = _batches(source_model(kind), 1 << 30)
+    embed = [b for b in batches if b.tensors[0].name == "model.embed_tokens.weight"]
+    row_bytes = 2 * embed[0].tensors[0].source.shape[1]
+    assert len(embed) > 2 and {b.tensors[0].source.shape[0] for b in embed[:-1]} == {3000 // row_bytes}
+    out = tmp_path / "out"
+    run_quantize(source_model(kind), out, scheme="tensor", format="compressed-tensors")
+    whole = converted(kind, "compressed-tensors", "tensor")
+    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
+        {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
+
+
+def test_nan_in_a_later_piece_of_a_kept_tensor_is_refused(source_model, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    plan_module = importlib.import_module("fp8convert.plan")
+    monkeypatch.setattr(plan_module, "KEPT_PIECE_BYTES", 3000)
+    src = _copy_model(source_model("llama"), tmp_path / "src")
+    name = "model.embed_tokens.weight"
+    shard = src / read_json(src / "model.safetensors.index.json")["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name] = tensors[name].clone()
+    tensors[name][-1, 0] = float("nan")  # in the last piece
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(fp8convert_module().FP8ConvertError) as ei:
+        run_quantize(src, tmp_path / "out", scheme="tensor", format="compressed-tensors")
+    _assert_one_line_error(ei, name)
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
