@@ -143,8 +143,11 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
     for unit in units:
         atoms: list[tuple[list[TensorPlan], bool]] = []  # (atom, whether it is a piece)
         for atom in unit.atoms():
-            pieces = kept_pieces(atom[0], piece_bytes) if len(atom) == 1 else [atom[0]]
-            atoms += [([p], True) for p in pieces] if len(pieces) > 1 else [(atom, False)]
+            pieces = kept_pieces(atom[0], piece_bytes) if len(atom) == 1 else []
+            if len(pieces) > 1:
+                atoms += [([piece], True) for piece in pieces]
+            else:
+                atoms.append((atom, False))
         if unit.in_bytes <= max_resident and not any(split for _, split in atoms):
             batches.append(Batch(unit, unit.atoms(), unit.label))
             continue
