@@ -675,10 +675,11 @@ def _batches(src, max_resident, **plan_options):
 def test_batches_fit_the_budget_keep_fused_groups_and_cover_every_byte(kind, max_resident, source_model):
     the_plan, batches = _batches(source_model(kind), max_resident)
     pieces: dict[str, list[tuple[int, int]]] = {}
+    group_atoms: dict[str, list[int]] = {}  # fused group -> sizes of the atoms holding its members
     for batch in batches:
         for atom in batch.atoms:
-            if len(atom) > 1:
-                assert len({t.group for t in atom}) == 1 and atom[0].group  # a whole fused group
+            for group in {t.group for t in atom if t.group and t.quantize}:
+                group_atoms.setdefault(group, []).append(len(atom))
         alone = any(t.source.nbytes < t_orig.source.nbytes for t in batch.tensors
                     for t_orig in [next(u for u in the_plan.tensors if u.name == t.name)])
         if alone:
@@ -687,6 +688,11 @@ def test_batches_fit_the_budget_keep_fused_groups_and_cover_every_byte(kind, max
         assert batch.in_bytes <= max_resident or len(batch.atoms) == 1 and largest_atom > max_resident
         for t in batch.tensors:
             pieces.setdefault(t.name, []).append((t.at, t.source.nbytes))
+    members = {}
+    for t in the_plan.tensors:
+        if t.group and t.quantize:
+            members[t.group] = members.get(t.group, 0) + 1
+    assert group_atoms and {g: sizes for g, sizes in group_atoms.items()} == {g: [n] for g, n in members.items()}
     for t in the_plan.tensors:  # every source byte is read exactly once, in order
         spans = pieces.pop(t.name)
         assert [at for at, _ in spans] == list(itertools.accumulate([n for _, n in spans[:-1]], initial=0))
