@@ -41,12 +41,18 @@ class _Failed:
         self.error = error
 
 
+def last_use(uses_left: Counter, files: list[str]) -> list[str]:
+    """Count one more use of each file; the files no later batch uses."""
+    uses_left.subtract(files)
+    return [f for f in files if not uses_left[f]]
+
+
 def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter, device: torch.device,
         progress, on_read=None, fetcher=None) -> StageSeconds:
     """`on_read(nbytes)` is told after each batch is read; `fetcher` (streamed sources) is asked for a
     batch's files before they are read and told when no later batch needs them."""
     seconds = StageSeconds()
-    readers_left = Counter(f for batch in batches for f in {t.source.file for t in batch.tensors})
+    readers_left = Counter(f for batch in batches for f in batch.files)
     reads_left = readers_left.copy()  # the reader's count; readers_left is the writer's
     scheme = plan.options.scheme
     to_main: queue.Queue = queue.Queue(maxsize=1)
@@ -80,12 +86,10 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                     if stop.is_set():
                         return
                 if fetcher:
-                    fetcher.need(sorted({t.source.file for t in batch.tensors}))
+                    fetcher.need(batch.files)
                 item = (batch, *reader.read([t.source for t in read_order(batch)]))
                 if fetcher:
-                    files = {t.source.file for t in batch.tensors}
-                    reads_left.subtract(files)
-                    fetcher.done_reading(sorted(f for f in files if not reads_left[f]))
+                    fetcher.done_reading(last_use(reads_left, batch.files))
                 if on_read:
                     on_read(batch.in_bytes)
                 if stop.is_set() or not hand_to_main(item):
@@ -114,9 +118,7 @@ def run(plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWrit
                     del tensor
                 progress.advance(batch.in_bytes, batch.label)
                 if fetcher:  # source shards no later batch reads can go
-                    files = {t.source.file for t in batch.tensors}
-                    readers_left.subtract(files)
-                    finished = sorted(f for f in files if not readers_left[f])
+                    finished = last_use(readers_left, batch.files)
                     if finished:
                         reader.forget(finished)
                         fetcher.release(finished)

@@ -131,6 +131,11 @@ class Batch:
     def in_bytes(self) -> int:
         return sum(t.source.nbytes for t in self.tensors)
 
+    @property
+    def files(self) -> list[str]:
+        """The source files this batch reads, sorted."""
+        return sorted({t.source.file for t in self.tensors})
+
 
 KEPT_PIECE_BYTES = 256 << 20
 

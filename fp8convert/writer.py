@@ -36,8 +36,9 @@ class ShardWriter:
     def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 16 << 20,
                  threads: int = 4):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
-        self.remaining = {s.index: set(s.tensors) for s in plan.shards if s.index not in skip_shards}
-        self.bytes_left: dict[str, int] = {}  # tensors written in pieces, until their last piece
+        # shard -> tensor -> bytes still to write (a tensor may come in pieces); a shard is finished when empty
+        self.remaining = {s.index: {name: t.nbytes for name, t in s.tensors.items()}
+                          for s in plan.shards if s.index not in skip_shards}
         self.fds: dict[int, int] = {}
         self.chunk = chunk_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-write")
@@ -77,7 +78,7 @@ class ShardWriter:
         shard = self.plan.shards[index]
         placed = shard.tensors[name]
         raw = data.contiguous().view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
-        left = self.bytes_left.get(name, placed.nbytes) - raw.numel()
+        left = self.remaining[index].get(name, 0) - raw.numel()
         if at + raw.numel() > placed.nbytes or left < 0:
             raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, plan says {placed.nbytes} in all")
         if self.test_delay:
@@ -93,10 +94,9 @@ class ShardWriter:
         except OSError as e:
             self._raise_write_error(index, e)
         if left:
-            self.bytes_left[name] = left
+            self.remaining[index][name] = left
             return
-        self.bytes_left.pop(name, None)
-        self.remaining[index].discard(name)
+        del self.remaining[index][name]
         if not self.remaining[index]:
             self._finish(index)
 
