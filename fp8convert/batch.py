@@ -188,14 +188,14 @@ def run_job(job: Job, progress: bool = True, token: str | None = None) -> JobRes
         result.gb_in, result.gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
         result.status = "skipped" if report.already_complete else "done"
         if job.push_to_hub and report.complete:
-            pushed_file = Path(job.out) / ".fp8convert" / PUSHED
+            from .output import WORK_DIR, json_bytes, write_atomic
+            pushed_file = Path(job.out) / WORK_DIR / PUSHED
             pushed = _read_json(pushed_file)
             if report.already_complete and job.push_to_hub in pushed:
                 result.pushed = pushed[job.push_to_hub]
             else:
                 result.pushed = hub.push(job.out, job.push_to_hub, private=job.private, token=token)
                 pushed[job.push_to_hub] = result.pushed
-                from .output import json_bytes, write_atomic
                 write_atomic(pushed_file, json_bytes(pushed))
         elif not report.complete:
             result.status = "partial"  # this worker's shards are written; others still owe theirs

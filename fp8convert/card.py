@@ -223,9 +223,10 @@ def retarget_card(text: str, repo_id: str) -> str:
 
 def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
     """A card for an output that has none (made before cards existed), from its manifest and config only."""
+    from .output import Manifest  # output imports this module
     out = Path(out)
     try:
-        manifest = json.loads((out / ".fp8convert" / "manifest.json").read_text())
+        manifest = json.loads(Manifest(out).path.read_text())
     except (OSError, ValueError):
         manifest = {}
     config = json.loads((out / "config.json").read_text())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FP8ConvertError
+from .output import WORK_DIR
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
@@ -190,7 +191,7 @@ def claim_finalize(out_dir: Path) -> int | None:
     """Become the one worker that finalizes now: an O_EXCL claim file naming host and pid. None when
     another worker holds the claim (it is finalizing); a claim left by a dead worker (its pid gone on
     this host, or older than STALE_CLAIM_S) is taken over."""
-    path = Path(out_dir) / ".fp8convert" / CLAIM
+    path = _claim_path(out_dir)
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -225,7 +226,11 @@ def release_finalize(out_dir: Path, fd: int | None) -> None:
     """Drop the claim (fd None: drop whatever claim is there, e.g. after an explicit finalize)."""
     if fd is not None:
         os.close(fd)
-    (Path(out_dir) / ".fp8convert" / CLAIM).unlink(missing_ok=True)
+    _claim_path(out_dir).unlink(missing_ok=True)
+
+
+def _claim_path(out_dir: Path) -> Path:
+    return Path(out_dir) / WORK_DIR / CLAIM
 
 
 # ------------------------------------------------------------------ several devices on one machine

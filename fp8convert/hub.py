@@ -586,7 +586,8 @@ def check_output_complete(out: str | Path) -> dict:
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")
-    manifest_path = out / ".fp8convert" / "manifest.json"
+    from .output import Manifest
+    manifest_path = Manifest(out).path
     if manifest_path.is_file():
         try:
             manifest = json.loads(manifest_path.read_text())

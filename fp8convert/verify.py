@@ -109,8 +109,9 @@ def _json_safe(obj):
 
 def _torch_dtypes():
     import torch
-    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-            FP8: torch.float8_e4m3fn}
+
+    from .quantizer import TORCH_DTYPES
+    return {**TORCH_DTYPES, "F64": torch.float64, FP8: torch.float8_e4m3fn}
 
 
 class _Files:
