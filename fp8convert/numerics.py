@@ -24,8 +24,8 @@ class NonFiniteWeight(ValueError):
 
 def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """Largest magnitude in float32, per tensor [..., 1, 1], per row [..., out, 1] or per 128x128
-    block [..., ceil(out/128), ceil(in/128)]. max|w| = max(max w, -min w): two reductions and no
-    full-size |w| temporary. NaN propagates through both."""
+    block [..., ceil(out/128), ceil(in/128)]. max|w| = max(max w, -min w): no full-size |w|
+    temporary, and NaN propagates through both."""
     if scheme == "tensor" and w.device.type == "cpu":
         # One aminmax pass per weight: on a CPU about twice as fast as amax and amin over two dims.
         pairs = [torch.aminmax(x) for x in w.reshape(-1, w.shape[-2] * w.shape[-1])]
