@@ -1,9 +1,14 @@
-"""fp8convert: offline BF16 -> FP8 (e4m3) checkpoint conversion with memory that does not grow with the model."""
-__version__ = "0.1.0"
+"""fp8convert: offline BF16 -> FP8 (e4m3) checkpoint conversion with memory that does not grow with the model.
 
-# The API imports no torch at import time (the heavy stage modules load on first conversion). It must
-# be imported here, after its submodules, so that `fp8convert.plan` is the function, not the module.
-from .api import FinalizeReport, Report, finalize_output, plan, quantize  # noqa: E402
-from .errors import FP8ConvertError  # noqa: E402
+The package is the pipeline: source/ (what the checkpoint holds) -> plan/ (what becomes of each tensor,
+where each byte goes) -> run/ (read, quantize, write) -> output/ (manifest, finalize, card), with
+formats/ for the output formats, cluster/ for several processes, and api.py, the Python API the cli/
+is a thin layer over.
+"""
+from ._version import __version__
+from .api import FinalizeReport, Report, finalize_output, make_plan, quantize
+from .errors import FP8ConvertError
+from .options import Settings
 
-__all__ = ["FP8ConvertError", "FinalizeReport", "Report", "finalize_output", "plan", "quantize", "__version__"]
+__all__ = ["FP8ConvertError", "FinalizeReport", "Report", "Settings", "finalize_output", "make_plan", "quantize",
+           "__version__"]

@@ -1,14 +1,21 @@
-"""What the user asked for, validated once, before anything is read."""
+"""What the user asked for, validated once, before anything is read.
+
+`Options` is what decides the output bytes (the plan's inputs besides the checkpoint); `Settings` is the
+whole request of a conversion: those options plus where and how to run it. Both are plain frozen
+dataclasses, so a run can be handed to another process whole (`--devices`) and nothing is forgotten.
+"""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .errors import FP8ConvertError
 
 SCHEMES = ("tensor", "channel", "block")
 FORMATS = ("compressed-tensors", "fp8")
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
+DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
 
 def parse_size(value: int | str, what: str = "size") -> int:
     """'5GB' -> 5_000_000_000 (decimal, as transformers' max_shard_size); '2GiB' is binary; ints pass."""
@@ -27,6 +34,8 @@ def parse_size(value: int | str, what: str = "size") -> int:
 
 @dataclass(frozen=True)
 class Options:
+    """The choices that fix the output: with the same source they give the same bytes."""
+
     scheme: str = "tensor"
     format: str = "compressed-tensors"
     ignore: tuple[str, ...] = field(default_factory=tuple)
@@ -48,3 +57,57 @@ class Options:
                     re.compile(pattern[3:])
                 except re.error as e:
                     raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({e})") from e
+
+
+DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a conversion needs besides SRC and OUT. Sizes may be given as text ('5GB'); they are
+    parsed here, so a bad value fails before anything is read or written."""
+
+    scheme: str = "tensor"
+    format: str = "compressed-tensors"
+    ignore: tuple[str, ...] = ()
+    max_shard_size: int | str = "5GB"
+    device: str = "auto"                  # auto, cpu, cuda, cuda:N
+    devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
+    worker: object = None                 # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
+    max_resident: int | str | None = None  # device memory budget of one batch; None: the device type's default
+    prefetch: int | str = DEFAULT_PREFETCH  # page-cache read-ahead window; 0 turns it off
+    prefetch_threads: int | None = None
+    read_threads: int | None = None
+    overwrite: bool = False
+    revision: str | None = None           # Hub sources: branch, tag or commit
+    token: str | None = None              # Hub token; None: HF_TOKEN or the saved login
+    stream_download: bool = False         # Hub sources: keep only a few source shards on disk
+    progress: bool = False
+    finalize: bool = True                 # False: write this worker's shards only
+
+    def __post_init__(self):
+        self.options  # noqa: B018 - validates scheme, format, ignore and shard size now
+        if not DEVICE_TEXT.match(str(self.device)):  # spelling only: whether CUDA is there needs torch
+            raise FP8ConvertError(f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N")
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
+        if self.max_resident:
+            object.__setattr__(self, "max_resident", parse_size(self.max_resident, "--max-resident"))
+        prefetch = str(self.prefetch).strip()
+        object.__setattr__(self, "prefetch", 0 if prefetch in ("0", "") else parse_size(self.prefetch, "--prefetch"))
+        if isinstance(self.devices, list):
+            object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def options(self) -> Options:
+        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size)
+
+    @classmethod
+    def of(cls, settings: "Settings | None" = None, **overrides) -> "Settings":
+        """`settings` with `overrides` (keyword names are the fields); an unknown name is an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        base = settings or cls()
+        return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **overrides})

@@ -14,15 +14,25 @@ from dataclasses import dataclass
 
 from .errors import FP8ConvertError
 
-# safetensors dtype name -> bytes per element
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+# safetensors dtype name -> (bytes per element, torch dtype name). The one dtype table of the package.
+DTYPES = {
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"), "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
+    "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
 }
-FLOAT_SOURCE_DTYPES = ("BF16", "F16", "F32")
+DTYPE_SIZES = {name: size for name, (size, _) in DTYPES.items()}
+FLOAT_SOURCE_DTYPES = ("BF16", "F16", "F32")  # what fp8convert quantizes
+FP8 = "F8_E4M3"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (imports torch: call it from the stages that use it)."""
+    import torch
+    return getattr(torch, DTYPES[name][1])
 
 
 @dataclass(frozen=True)
@@ -41,12 +51,22 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
+    """Fill `view` from `offset` of an open file; a short file is an error naming `label`."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise FP8ConvertError(f"{label}: unexpected end of file at byte {offset + done} (truncated?)")
+        done += n
+
+
 def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors header. Returns (tensors by name, metadata)."""
     label = file_name or os.path.basename(path)
     try:
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:  # unbuffered: read the header, not the data after it
             header_len = header_length(f.read(8), size, label)
             raw = f.read(header_len)
     except OSError as e:

@@ -28,19 +28,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import FP8ConvertError
-from .formats import get_format
+from .formats import QuantizedLayout, read_quantization_config
 from .options import BLOCK
-from .output import MANIFEST, WORK_DIR
-from .rules import default_keep_reason, fused_group_key, is_linear_weight, module_of
-from .safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, read_header
-from .source import INDEX_NAME, Source, safe_relative_name
-
-FP8 = "F8_E4M3"
+from .output.card import with_verification
+from .output.files import write_atomic
+from .output.manifest import Manifest
+from .plan.rules import default_keep_reason, fused_group_key, is_linear_weight, module_of
+from .safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, pread_into, read_header, torch_dtype
+from .source.checkpoint import Source, index_files, parse_index
+from .source.hub import CARD_NAME
+from .source.resolve import open_source
 CHUNK_ELEMENTS = 1 << 22        # elements per slab of a quantized tensor (a few 16 MB float32 temporaries)
 CHUNK_BYTES = 16 << 20          # bytes per piece when comparing kept tensors
 FLOAT_SLACK = 1e-5              # float32 arithmetic in dequant / division, far below any real error
@@ -107,13 +108,6 @@ def _json_safe(obj):
 
 # ---------------------------------------------------------------- reading, one slab at a time
 
-def _torch_dtypes():
-    import torch
-
-    from .quantizer import TORCH_DTYPES
-    return {**TORCH_DTYPES, "F64": torch.float64, FP8: torch.float8_e4m3fn}
-
-
 class _Files:
     """Open file descriptors by path, closed together."""
 
@@ -121,7 +115,6 @@ class _Files:
         self.fds: dict[Path, int] = {}
 
     def pread(self, path: Path, offset: int, length: int) -> bytearray:
-        from .reader import pread_into
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY)
         buf = bytearray(length)
@@ -138,7 +131,7 @@ class _Files:
 
     def _tensor(self, path: Path, info: TensorInfo, offset: int, shape: tuple[int, ...]):
         import torch
-        dtype = _torch_dtypes()[info.dtype]
+        dtype = torch_dtype(info.dtype)
         length = math.prod(shape) * dtype.itemsize
         if not length:
             return torch.empty(shape, dtype=dtype)
@@ -150,73 +143,17 @@ class _Files:
         self.fds.clear()
 
 
-# ---------------------------------------------------------------- what the output says it is
-
-@dataclass(frozen=True)
-class OutputFormat:
-    format: str                 # compressed-tensors | fp8
-    scheme: str                 # tensor | channel | block
-    ignore: tuple[str, ...]     # modules left unquantized, as engines match them
-
-    def scale_name(self, weight: str) -> str:
-        return get_format(self.format).scale_name(weight, self.scheme)
-
-    def scale_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-        out, inp = shape
-        if self.scheme == "block":
-            return [(-(-out // BLOCK), -(-inp // BLOCK))]
-        if self.scheme == "channel":
-            return [(out, 1)]
-        return [(1,)] if self.format == "compressed-tensors" else [(), (1,)]
-
-    def ignores(self, module: str) -> bool:
-        """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""
-        return any(module == p or (p.startswith("re:") and re.match(p[3:], module)) for p in self.ignore)
-
-
-def read_output_format(config: dict, where: str) -> OutputFormat:
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict):
-        raise FP8ConvertError(f"{where}: has no quantization_config; not an FP8 checkpoint")
-    method = qc.get("quant_method")
-    if method == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
-        strategies = {(g.get("weights") or {}).get("strategy") for g in groups.values() if isinstance(g, dict)}
-        weights = [(g.get("weights") or {}) for g in groups.values() if isinstance(g, dict)]
-        if qc.get("format") != "float-quantized" or len(strategies) != 1 or \
-                any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
-            raise FP8ConvertError(f"{where}: quantization_config is not one FP8 float-quantized group")
-        scheme = strategies.pop()
-        if scheme not in ("tensor", "channel", "block"):
-            raise FP8ConvertError(f"{where}: unsupported weight strategy {scheme!r}")
-        if scheme == "block" and any(w.get("block_structure") != [BLOCK, BLOCK] for w in weights):
-            raise FP8ConvertError(f"{where}: block_structure is not [{BLOCK}, {BLOCK}]")
-        return OutputFormat("compressed-tensors", scheme, tuple(qc.get("ignore") or ()))
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        if block not in (None, [BLOCK, BLOCK]):
-            raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}]")
-        if qc.get("fmt", "e4m3") != "e4m3":
-            raise FP8ConvertError(f"{where}: fmt {qc.get('fmt')!r} is not e4m3")
-        ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
-        return OutputFormat("fp8", "block" if block else "tensor", tuple(dict.fromkeys(ignore)))
-    raise FP8ConvertError(f"{where}: quant_method {method!r} is neither compressed-tensors nor fp8")
-
-
 def read_output_layout(out: Path, report: VerifyReport) -> dict[str, tuple[Path, TensorInfo]]:
     """Every output tensor and where it is, checking the index against the shards' headers."""
     index_path = out / INDEX_NAME
     tensors: dict[str, tuple[Path, TensorInfo]] = {}
     if index_path.is_file():
         try:
+            weight_map = parse_index(index_path.read_bytes(), INDEX_NAME)
             index = json.loads(index_path.read_text())
-            weight_map = index["weight_map"]
-            files = sorted({safe_relative_name(f, INDEX_NAME) for f in weight_map.values()})
+            files = index_files(weight_map)
         except FP8ConvertError as e:
             report.failures.append(str(e))
-            return tensors
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            report.failures.append(f"{INDEX_NAME}: not a valid safetensors index ({e})")
             return tensors
     elif (out / "model.safetensors").is_file():
         index, weight_map, files = None, None, ["model.safetensors"]
@@ -259,8 +196,6 @@ def read_output_layout(out: Path, report: VerifyReport) -> dict[str, tuple[Path,
 
 def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None) -> VerifyReport:
     """Verify the FP8 checkpoint in `out` against its source `src` (directory or Hub repo id)."""
-    from .api import open_source  # late: api imports the whole pipeline
-
     source = open_source(src, revision, token)
     out = Path(out)
     if not out.is_dir():
@@ -276,19 +211,19 @@ def verify(src: str | Path, out: str | Path, *, revision: str | None = None, tok
 
 
 def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> None:
-    manifest = out / WORK_DIR / MANIFEST
-    if manifest.is_file():
-        try:
-            if not json.loads(manifest.read_text()).get("complete"):
-                report.failures.append(f"{manifest}: the conversion did not finish; rerun it")
-        except (OSError, ValueError, AttributeError):
-            report.failures.append(f"{manifest}: unreadable")
+    manifest = Manifest(out)
+    try:
+        state = manifest.read()
+        if state is not None and not state.get("complete"):
+            report.failures.append(f"{manifest.path}: the conversion did not finish; rerun it")
+    except FP8ConvertError:
+        report.failures.append(f"{manifest.path}: unreadable")
     config_path = out / "config.json"
     try:
         config = json.loads(config_path.read_text())
         if not isinstance(config, dict):
             raise FP8ConvertError(f"{config_path}: not a JSON object")
-        fmt = read_output_format(config, str(config_path))
+        fmt = read_quantization_config(config, str(config_path))
     except FileNotFoundError:
         report.failures.append(f"{config_path}: missing: the output is incomplete")
         return
@@ -340,7 +275,7 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
         report.min_snr_db = min(t.snr_db if not math.isnan(t.snr_db) else -math.inf for t in report.tensors)
 
 
-def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, fmt: OutputFormat,
+def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, fmt: QuantizedLayout,
                 report: VerifyReport, files: _Files) -> None:
     name = info.name
     if got.dtype != info.dtype or got.shape != info.shape:
@@ -352,7 +287,7 @@ def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, f
         report.failures.append(f"{name}: kept in high precision, but {module_of(name)} is not in the ignore list "
                                "(engines would expect FP8 weights for it)")
     import torch
-    dtype = _torch_dtypes().get(info.dtype)
+    dtype = torch_dtype(info.dtype)
     for start in range(0, info.nbytes, CHUNK_BYTES):
         n = min(CHUNK_BYTES, info.nbytes - start)
         a = files.pread(source.root / info.file, info.offset + start, n)
@@ -367,7 +302,7 @@ def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, f
 
 
 def _check_quantized(source: Source, info: TensorInfo, path: Path, got: TensorInfo,
-                     scale_at: tuple[Path, TensorInfo] | None, scale_name: str, fmt: OutputFormat,
+                     scale_at: tuple[Path, TensorInfo] | None, scale_name: str, fmt: QuantizedLayout,
                      report: VerifyReport, files: _Files):
     """Structure, then numbers, of one quantized tensor. Returns its scales (None when unusable)."""
     name = info.name
@@ -407,7 +342,7 @@ def _numbers(source: Source, info: TensorInfo, path: Path, got: TensorInfo, scal
              files: _Files) -> TensorCheck:
     import torch
 
-    from .numerics import FP8_MAX, dequantize, expand_scale
+    from .run.numerics import FP8_MAX, dequantize, expand_scale
 
     rows, cols = info.shape
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
@@ -466,9 +401,6 @@ def render(report: VerifyReport, worst: int = 10) -> str:
 
 def record_in_card(report: VerifyReport, out: str | Path) -> None:
     """After a passing verify, put its figures in OUT's model card (README.md), so they travel with a push."""
-    from .card import with_verification
-    from .hub import CARD_NAME
-    from .output import write_atomic
     card = Path(out) / CARD_NAME
     if not card.is_file():
         return

@@ -620,10 +620,10 @@ def load_safetensors(files, dev):
 def load_fp8convert(files, dev):
     """fp8convert's own read path: the page-cache prefetcher ahead of BatchReader, over the source's tensors in
     <= 4 GiB batches (the CUDA default), as a conversion reads them."""
-    from fp8convert.api import DEFAULT_PREFETCH
-    from fp8convert.prefetch import Prefetcher
-    from fp8convert.reader import BatchReader
-    from fp8convert.source import open_local
+    from fp8convert.options import DEFAULT_PREFETCH
+    from fp8convert.run.prefetch import Prefetcher
+    from fp8convert.run.reader import BatchReader
+    from fp8convert.source.local import open_local
     source = open_local(Path(files[0]).parent)
     budget = 4 * GiB if dev.type == "cuda" else 1 * GiB
     batches, cur, size = [], [], 0
@@ -634,17 +634,13 @@ def load_fp8convert(files, dev):
         cur.append(t)
         size += t.nbytes
     batches.append(cur)
-    prefetcher = Prefetcher(source.root, source.tensors, DEFAULT_PREFETCH, threads=4).start()
-    reader = BatchReader(source.root, dev)
-    try:
+    with Prefetcher(source.root, source.tensors, DEFAULT_PREFETCH, threads=4) as prefetcher, \
+            BatchReader(source.root, dev) as reader:
         for b in batches:
             buf, _ = reader.read(b)
             prefetcher.advance(sum(t.nbytes for t in b))
             reader.recycle(buf)
             del buf
-    finally:
-        reader.close()
-        prefetcher.stop()
     return sum(t.nbytes for t in source.tensors), len(source.tensors)
 
 

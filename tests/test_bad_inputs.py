@@ -261,9 +261,12 @@ def test_non_finite_weight_names_the_tensor(tmp_path, capsys, value):
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
     line = assert_refused(rc, err, out, "model.layers.1.self_attn.k_proj.weight", SHARD2, preflight=False)
     assert "NaN or Inf" in line
-    # a rerun on a repaired source resumes and then matches a clean conversion
+    # the repaired source is other weights: a plain rerun refuses to mix them with what was written,
+    # naming the changed shard; --overwrite starts again and matches a clean conversion
     write_checkpoint(tmp_path / "src", llama_tensors())
-    assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert rc == 1 and "changed since the output was started" in err and "--overwrite" in err, err
+    assert run_cli(capsys, "quantize", src, out, "-q", "--overwrite")[0] == 0
     assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q")[0] == 0
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from fp8convert import api
-from fp8convert.batch import read_jobs, task_index_from_env
 from fp8convert.cli import main
-from fp8convert.cluster import WorkerSpec, detect_worker, parse_devices, resolve_worker
+from fp8convert.cluster.batch import read_jobs, task_index_from_env
+from fp8convert.cluster.devices import parse_devices
+from fp8convert.cluster.workers import WorkerSpec, detect_worker, resolve_worker
 from fp8convert.demo import make_demo_model
 from fp8convert.errors import FP8ConvertError
 from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes
@@ -58,6 +59,7 @@ def shard_paths(out: Path) -> list[Path]:
 
 # ---------------------------------------------------------------- same bytes, however the work is split
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_give_the_bytes_of_one_process(ref, tmp_path):
     src, reference = ref
     out = tmp_path / "out"
@@ -73,7 +75,7 @@ def test_explicit_workers_then_finalize(ref, tmp_path, capsys):
     src, reference = ref
     out = tmp_path / "out"
     for k in range(2):
-        report = api.quantize(src, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize_when_done=False)
+        report = api.quantize(src, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize=False)
         assert report.worker == f"{k}/2" and report.shards_written == 3 and not report.complete
     assert not looks_complete(out)
     rc, stdout, err = run_cli(capsys, "finalize", out)
@@ -117,6 +119,7 @@ def test_finalize_claim_between_workers(ref, tmp_path):
     assert tree_bytes(out) == reference
 
 
+@pytest.mark.slow
 def test_concurrent_workers_on_an_empty_output(ref, tmp_path):
     """Workers started together on an empty OUT: none trips over the others' work directory or
     manifest, and the output is complete and exact."""
@@ -129,6 +132,7 @@ def test_concurrent_workers_on_an_empty_output(ref, tmp_path):
     assert tree_bytes(out) == reference
 
 
+@pytest.mark.slow
 def test_srun_tasks_are_detected(ref, tmp_path, capsys, monkeypatch):
     """No --worker under a multi-task srun: SLURM_PROCID/SLURM_NTASKS split the work."""
     src, reference = ref
@@ -144,6 +148,7 @@ def test_srun_tasks_are_detected(ref, tmp_path, capsys, monkeypatch):
     assert tree_bytes(out) == reference
 
 
+@pytest.mark.slow
 def test_devices_one_process_each(ref, tmp_path, capsys):
     """--devices spawns one worker per device (cpu entries allowed, so this runs without a GPU)."""
     src, reference = ref
@@ -161,7 +166,7 @@ def test_finalize_refuses_a_missing_or_partial_shard(ref, tmp_path, capsys, brea
     src, _ = ref
     out = tmp_path / "out"
     for k in range(2):
-        api.quantize(src, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize_when_done=False)
+        api.quantize(src, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize=False)
     victim = shard_paths(out)[1]
     if breakage == "missing":
         victim.unlink()
@@ -185,7 +190,7 @@ def test_finalize_refuses_a_changed_source_and_a_foreign_directory(ref, tmp_path
         (copy / p.name).write_bytes(p.read_bytes())
     out = tmp_path / "out"
     for k in range(2):
-        api.quantize(copy, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize_when_done=False)
+        api.quantize(copy, out, device="cpu", max_shard_size="1MB", worker=f"{k}/2", finalize=False)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps(dict(config, rms_norm_eps=1e-6)))
     line = one_error_line(*run_cli(capsys, "finalize", out)[::2])
@@ -208,11 +213,11 @@ def test_finalize_a_hub_source(fake_hub, tmp_path):
     kwargs = dict(device="cpu", max_shard_size="1MB", token=fake_hub.token)
     api.quantize("acme/demo", tmp_path / "ref", **kwargs)
     out = tmp_path / "out"
-    plan = api.plan(root, max_shard_size="1MB")
+    plan = api.make_plan(root, max_shard_size="1MB")
     fetched = []
     for k in range(2):
         shutil.rmtree(constants.HF_HUB_CACHE)  # each worker fetches what it reads (as on its own node)
-        api.quantize("acme/demo", out, worker=(k, 2), finalize_when_done=False, **kwargs)
+        api.quantize("acme/demo", out, worker=(k, 2), finalize=False, **kwargs)
         reads = {t.source.file for u in api.units_for(plan, WorkerSpec(k, 2).owned(6)) for t in u.tensors}
         fetched.append({p.name for p in Path(constants.HF_HUB_CACHE).rglob("model-*.safetensors")})
         assert fetched[-1] == reads
@@ -365,9 +370,11 @@ def test_batch_task_index_runs_one_job(ref, tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     assert tree_bytes(tmp_path / "a") == reference
     assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()
-    # In a Slurm array the task id picks the job (counted from the array's first id).
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "12")
-    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "10")
+    # In a Slurm array task id N runs job N, whatever the array's first id and step: --array=1-2 runs
+    # jobs 1 and 2, --array=2 (rerunning the failed job 2) runs job 2.
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", "1")
     rc, stdout, err = run_cli(capsys, "batch", jobs, "-q")
     assert rc == 0, err
     assert looks_complete(tmp_path / "c") and not (tmp_path / "b").exists()
@@ -408,4 +415,6 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
 def test_task_index_from_env():
     assert task_index_from_env({}) is None
     assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7"}) == 7
-    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "5"}) == 2
+    # --array=3,7 reruns jobs 3 and 7 (not 0 and 4)
+    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"}) == 3
+    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"}) == 7

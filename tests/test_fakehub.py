@@ -364,6 +364,7 @@ def test_lfs_redirect_to_cdn_host(fake_hub: FakeHub, tiny_model: dict[str, bytes
     assert cdn_get.headers["host"].startswith("localhost") and "authorization" not in cdn_get.headers
 
 
+@pytest.mark.slow
 def test_transformers_autoconfig_loads_from_fake_hub(fake_hub: FakeHub, tiny_model: dict[str, bytes]) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.from_pretrained(REPO)

@@ -31,6 +31,16 @@ def test_cuda_writes_the_same_bytes_as_cpu(source_model, tmp_path, kind, scheme,
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scheme,fmt", [("tensor", "compressed-tensors"), ("channel", "compressed-tensors"),
+                                        ("block", "fp8")])
+def test_cuda_fp16_and_fp32_sources_give_the_bytes_of_cpu(source_model, tmp_path, dtype, scheme, fmt):
+    src = source_model("qwen3_moe", dtype)
+    fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
+    fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda", max_shard_size="150KB")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
 @pytest.mark.parametrize("max_resident", ["16KB", "100KB"])
 def test_cuda_split_batches_change_nothing(source_model, tmp_path, max_resident):
     """Layers split to fit a small budget (never inside a fused group) give the same output."""

@@ -8,7 +8,6 @@ quantize --push-to-hub upload every file byte for byte with a model card, never 
 """
 from __future__ import annotations
 
-import inspect as pyinspect
 import json
 import threading
 import time
@@ -20,13 +19,15 @@ try:
     from fakehub import FakeHub, fake_hub  # noqa: F401  (fake_hub is a fixture)
 except ImportError:  # tests/ imported as a package
     from tests.fakehub import FakeHub, fake_hub  # noqa: F401
-from tiny_ckpt import llama_tensors, write_checkpoint
+from tiny_ckpt import llama_tensors, slow_writes, write_checkpoint
 
-from fp8convert import api, hub
-from fp8convert.card import make_card, retarget_card, split_front_matter
+from fp8convert import api, publish
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
-from fp8convert.writer import TEST_DELAY_ENV
+from fp8convert.output.card import make_card, retarget_card, split_front_matter
+from fp8convert.safetensors_io import INDEX_NAME
+from fp8convert.source import hub
+from fp8convert.source.streaming import StreamingFetcher
 
 # huggingface_hub's own LFS upload passes a file object as `data=`, which httpx2 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -111,7 +112,7 @@ def test_quantize_from_repo_id_pinned_revision_fetches_only_needed_files(fake_hu
     local = tmp_path / "local-out"
     api.quantize(tiny_repo, local, device="cpu")
     for name, data in out_files(local).items():
-        if name.endswith(".safetensors") or name == hub.INDEX_NAME:
+        if name.endswith(".safetensors") or name == INDEX_NAME:
             assert out_files(out)[name] == data, name
     # Side files travel; the card is read, never copied verbatim.
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "modeling_tiny.py"):
@@ -159,7 +160,7 @@ def test_missing_repo_and_revision(fake_hub, tiny_repo, tmp_path, capsys):
     with pytest.raises(FP8ConvertError, match=r"^acme/nope: repository not found"):
         api.quantize("acme/nope", tmp_path / "out", device="cpu")
     with pytest.raises(FP8ConvertError, match=rf"^{REPO}: revision no-such-branch not found"):
-        api.plan(REPO, revision="no-such-branch")
+        api.make_plan(REPO, revision="no-such-branch")
     assert main(["inspect", "acme/nope"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: acme/nope: repository not found") and len(err.splitlines()) == 1
@@ -191,7 +192,7 @@ def test_offline_rerun_uses_the_cached_snapshot(fake_hub, tiny_repo, tmp_path, m
     api.quantize(REPO, tmp_path / "out", revision="main", device="cpu")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     start = len(fake_hub.requests)
-    assert api.plan(REPO).fingerprint == api.plan(tiny_repo).fingerprint
+    assert api.make_plan(REPO).fingerprint == api.make_plan(tiny_repo).fingerprint
     api.quantize(REPO, tmp_path / "out2", device="cpu")
     assert same_conversion(tmp_path / "out2", tmp_path / "out")
     assert len(fake_hub.requests) == start
@@ -229,8 +230,8 @@ def plan_view(p):
 @pytest.mark.parametrize("first_read", [hub.FIRST_HEADER_READ, 64])
 def test_inspect_repo_id_reads_headers_only(fake_hub, tiny_repo, capsys, monkeypatch, first_read):
     monkeypatch.setattr(hub, "FIRST_HEADER_READ", first_read)  # 64: every header needs a second Range read
-    remote = api.plan(REPO, scheme="channel")
-    local = api.plan(tiny_repo, scheme="channel")
+    remote = api.make_plan(REPO, scheme="channel")
+    local = api.make_plan(tiny_repo, scheme="channel")
     assert plan_view(remote) == plan_view(local)
     assert remote.source.label == REPO
 
@@ -255,7 +256,7 @@ def test_remote_source_validates_like_local(fake_hub, tiny_ckpt):
     files["model-00001-of-00003.safetensors"] = data + b"\0" * 8  # trailing bytes: refused locally too
     fake_hub.add_repo("acme/padded", files)
     with pytest.raises(FP8ConvertError, match=r"model-00001-of-00003.safetensors: .*trailing bytes"):
-        api.plan("acme/padded")
+        api.make_plan("acme/padded")
 
 
 # --------------------------------------------------------------------------- streaming download
@@ -273,7 +274,7 @@ def five_shards(fake_hub: FakeHub, tmp_path: Path) -> list[str]:
 def make_fetcher(fake_hub, tmp_path, keep=2, **kw):
     repo = hub.resolve_repo("acme/five", token=fake_hub.token)
     layout = hub.remote_layout(repo)
-    return hub.StreamingFetcher(repo, tmp_path / "dl", layout.shards, layout.side_files, keep=keep, **kw)
+    return StreamingFetcher(repo, tmp_path / "dl", layout.shards, layout.side_files, keep=keep, **kw)
 
 
 def on_disk(d: Path) -> list[str]:
@@ -372,24 +373,23 @@ def test_streaming_fetcher_waits_for_a_slot_about_to_free(fake_hub, five_shards,
         fetcher.close(remove=True)
 
 
+@pytest.mark.slow
 def test_quantize_stream_download_end_to_end(fake_hub, five_shards, tmp_path, monkeypatch):
-    assert "stream_download" in pyinspect.signature(api.quantize).parameters, "pipeline hooks pending"
     streamed, plain = tmp_path / "streamed", tmp_path / "plain"
     # A slow writer keeps batches in flight while the reader asks for the next shard: the case where
     # a fetcher that only counted shards on disk went over `keep`.
-    monkeypatch.setenv(TEST_DELAY_ENV, "0.02")
+    slow_writes(monkeypatch, 0.02)
     seen: list[list[str]] = []
-    real_need = hub.StreamingFetcher.need
+    real_need = StreamingFetcher.need
 
     def need(self, files):
         real_need(self, files)
         seen.append(on_disk(self.dir))
 
-    monkeypatch.setattr(hub.StreamingFetcher, "need", need)
+    monkeypatch.setattr(StreamingFetcher, "need", need)
     api.quantize("acme/five", streamed, device="cpu", stream_download=True, max_resident="64KB")
     assert seen and max(len(s) for s in seen) <= 2, seen  # never more than `keep` source shards on disk
     assert {f for s in seen for f in s} == set(five_shards)
-    monkeypatch.delenv(TEST_DELAY_ENV)
     api.quantize("acme/five", plain, device="cpu")
     assert same_conversion(streamed, plain)
     assert not (streamed / ".fp8convert" / "download").exists()
@@ -412,7 +412,7 @@ def card_meta(text: str) -> dict:
 
 def test_push_uploads_every_file_byte_identical_without_work_dir(fake_hub, converted):
     assert (converted / ".fp8convert" / "manifest.json").is_file()
-    url = hub.push(converted, "fake-user/tiny-fp8", private=True, token=fake_hub.token)
+    url = publish.push(converted, "fake-user/tiny-fp8", private=True, token=fake_hub.token)
     assert "fake-user/tiny-fp8" in url
     assert fake_hub.repo("fake-user/tiny-fp8").private
     remote = fake_hub.files("fake-user/tiny-fp8")
@@ -427,7 +427,7 @@ def test_push_uploads_every_file_byte_identical_without_work_dir(fake_hub, conve
 
     # Pushing again, to a branch, with other sharding: stale top-level shards are removed there.
     api.quantize(converted.parent / "src", converted, device="cpu", max_shard_size="30KB", overwrite=True)
-    hub.push(converted, "fake-user/tiny-fp8", revision="resharded", commit_message="resharded",
+    publish.push(converted, "fake-user/tiny-fp8", revision="resharded", commit_message="resharded",
              token=fake_hub.token)
     branch = fake_hub.files("fake-user/tiny-fp8", "resharded")
     assert {n for n in branch if n.endswith(".safetensors")} == {n for n in out_files(converted)
@@ -446,7 +446,7 @@ def test_push_through_the_multi_commit_pipeline(fake_hub, converted, monkeypatch
     monkeypatch.setattr(pipeline, "COMMIT_SIZE_SCALE", [2])  # 2 files per commit: several commits
     monkeypatch.setattr(pipeline, "INITIAL_COMMIT_SIZE_INDEX", 0)
     fake_hub.force_regular_uploads = True  # the pipeline runs; no Xet transfer is needed
-    hub.push(converted, "fake-user/piped", token=fake_hub.token, commit_message="fp8")
+    publish.push(converted, "fake-user/piped", token=fake_hub.token, commit_message="fp8")
     remote = fake_hub.files("fake-user/piped")
     local = out_files(converted)
     assert {n: remote[n] for n in local} == local and not [n for n in remote if n.startswith(".fp8convert")]
@@ -461,7 +461,7 @@ def test_push_refuses_incomplete_output(fake_hub, converted, breakage, capsys):
     if breakage == "no-config":
         (converted / "config.json").unlink()
     elif breakage == "no-index":
-        (converted / hub.INDEX_NAME).unlink()
+        (converted / INDEX_NAME).unlink()
     elif breakage == "manifest-incomplete":
         manifest = converted / ".fp8convert" / "manifest.json"
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "complete": False}))
@@ -470,7 +470,7 @@ def test_push_refuses_incomplete_output(fake_hub, converted, breakage, capsys):
     else:
         shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(FP8ConvertError, match="refusing to push|before pushing|not complete"):
-        hub.push(converted, "fake-user/never", token=fake_hub.token)
+        publish.push(converted, "fake-user/never", token=fake_hub.token)
     assert main(["push", str(converted), "fake-user/never"]) == 1
     assert "error:" in capsys.readouterr().err
     assert not fake_hub.has_repo("fake-user/never") and not fake_hub.requests
@@ -499,7 +499,7 @@ def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypa
 
 
 def test_make_card_fields_command_and_loading(tiny_ckpt):
-    p = api.plan(tiny_ckpt, scheme="block", format="fp8", ignore=["*.down_proj"])
+    p = api.make_plan(tiny_ckpt, scheme="block", format="fp8", ignore=["*.down_proj"])
     p.source.label = REPO  # as if converted from the Hub
     text = make_card(p, SOURCE_CARD, repo_id="me/tiny-fp8",
                      verify={"worst_relative_error": 0.0123456, "min_snr_db": 31.5})
@@ -512,10 +512,10 @@ def test_make_card_fields_command_and_loading(tiny_ckpt):
     assert f"fp8convert quantize {REPO} me/tiny-fp8 --scheme block --format fp8 --ignore '*.down_proj'" in body
     assert "vllm serve me/tiny-fp8" in body and "AutoModelForCausalLM" in body
     assert "| worst relative error | 0.01235 |" in body and "31.5" in body
-    assert "| norm" in body or "norm" in body  # kept reasons listed
+    assert "| 1-D (norm or bias) |" in body  # kept reasons listed in the table
 
     # fp8 per-tensor does not load in transformers: the card says so instead of giving a snippet.
-    p2 = api.plan(tiny_ckpt, scheme="tensor", format="fp8")
+    p2 = api.make_plan(tiny_ckpt, scheme="tensor", format="fp8")
     body2 = make_card(p2, None, command="fp8convert quantize x y --format fp8")
     meta2, body2 = split_front_matter(body2)
     assert "base_model" not in meta2 and "license" not in meta2  # local source, no card
@@ -523,7 +523,7 @@ def test_make_card_fields_command_and_loading(tiny_ckpt):
 
     # A warning that transformers cannot load the output (here: dims of 64 under 128x128 blocks) makes
     # the card say so, with that warning as the reason.
-    p3 = api.plan(tiny_ckpt, scheme="block", format="compressed-tensors")
+    p3 = api.make_plan(tiny_ckpt, scheme="block", format="compressed-tensors")
     body3 = split_front_matter(make_card(p3, None, command="fp8convert quantize x y --scheme block"))[1]
     assert "Not loadable in transformers: " in body3 and "dim not divisible by 128" in body3
     assert "from_pretrained" not in body3
@@ -545,3 +545,21 @@ def test_source_card_front_matter_parsing():
     assert split_front_matter("no header\n") == ({}, "no header\n")
     assert split_front_matter("---\nlicense: mit\n---\nbody\n") == ({"license": "mit"}, "body\n")
     assert split_front_matter("---\n: : bad yaml [\n---\nbody") == ({}, "body")
+
+
+def test_rerun_after_the_branch_moved_is_refused(fake_hub, tiny_repo, tmp_path, capsys):
+    """Resume never mixes two commits: the tensors' names and shapes are the same after the push, only
+    values differ, so the plan alone cannot tell; the recorded commit can."""
+    out = tmp_path / "out"
+    api.quantize(REPO, out, device="cpu", finalize=False, worker="0/2")  # half the shards, then stopped
+    shard = sorted(p.name for p in tiny_repo.glob("*.safetensors"))[0]
+    data = bytearray((tiny_repo / shard).read_bytes())
+    data[-64:] = bytes(64)  # same header, other weights
+    new = fake_hub.commit_files(REPO, {shard: bytes(data)}, message="retrained")
+    with pytest.raises(FP8ConvertError) as e:
+        api.quantize(REPO, out, device="cpu")
+    msg = str(e.value)
+    assert "other source weights" in msg and new[:12] in msg and "--overwrite" in msg, msg
+    assert not (out / "config.json").exists()
+    assert main(["quantize", REPO, str(out), "--device", "cpu", "-q", "--overwrite"]) == 0
+    assert json.loads((out / ".fp8convert" / "manifest.json").read_text())["revision"] == new

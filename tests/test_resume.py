@@ -1,8 +1,8 @@
 """Never a half-written checkpoint: a run killed (SIGKILL) or interrupted (SIGINT) at any moment, or
 stopped by a full disk, leaves an output that does not look complete, whose final-named shards are
 all whole, and which the same command finishes into exactly the bytes of an uninterrupted run. A
-changed plan is refused. The child runs slow down through the test-only FP8CONVERT_TEST_DELAY hook
-(seconds per tensor written), so a kill can land mid-run on a tiny model."""
+changed plan is refused. The child runs are slowed down by the tests (tiny_ckpt.SLOW_CLI: a sleep
+before each tensor write), so a kill can land mid-run on a tiny model."""
 from __future__ import annotations
 
 import errno
@@ -41,7 +41,7 @@ def quantize(src, out, *extra) -> int:
 
 
 def start(src, out) -> subprocess.Popen:
-    return cli_subprocess(["quantize", src, out, *ARGS], {"FP8CONVERT_TEST_DELAY": str(DELAY)})
+    return cli_subprocess(["quantize", src, out, *ARGS], write_delay=DELAY)
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 60) -> bool:
@@ -84,7 +84,7 @@ def manifest_written(out: Path) -> bool:
 
 
 # When to kill: as soon as a condition holds, or ("random-*") a seeded random time into the writing
-# and finishing that follow the manifest (about 100 writes of DELAY seconds each).
+# that follows the manifest (about 100 writes of DELAY seconds each; the wait ends well before them).
 KILL_POINTS = {
     "manifest": manifest_written,
     "first-shard": lambda out: bool(shards(out)),
@@ -94,6 +94,7 @@ KILL_POINTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_sigkill_then_rerun_gives_identical_bytes(ref, tmp_path, point):
     src, reference = ref
@@ -103,22 +104,22 @@ def test_sigkill_then_rerun_gives_identical_bytes(ref, tmp_path, point):
     reached = wait_for(lambda: (condition or manifest_written)(out), proc)
     if reached and condition is None:
         try:
-            proc.wait(timeout=random.Random(point).uniform(0, 110 * DELAY))
+            proc.wait(timeout=random.Random(point).uniform(0, 60 * DELAY))
         except subprocess.TimeoutExpired:
             pass
         reached = proc.poll() is None
     proc.kill()
-    proc.communicate()
-    if reached:
-        assert proc.returncode == -signal.SIGKILL
-        if out.exists():
-            assert_killed_output_is_sound(out, reference)
-    else:
-        assert proc.returncode == 0, "the run ended before the kill point, and not successfully"
+    _, err = proc.communicate()
+    # A run that ended before the kill tested nothing: that is a failure of the test, not a pass.
+    assert reached, f"the run ended (exit {proc.returncode}) before the kill point {point}: {err[-300:]}"
+    assert proc.returncode == -signal.SIGKILL
+    assert out.exists()
+    assert_killed_output_is_sound(out, reference)
     assert quantize(src, out) == 0
     assert tree_bytes(out) == reference
 
 
+@pytest.mark.slow
 def test_sigint_stops_cleanly_and_resumes(ref, tmp_path, capsys):
     src, reference = ref
     out = tmp_path / "out"
@@ -180,6 +181,30 @@ def test_stale_partial_and_missing_shard_are_redone(ref, tmp_path):
     (out / ".fp8convert" / (victim.name + ".partial")).write_bytes(b"garbage")
     assert quantize(src, out) == 0
     assert tree_bytes(out) == reference
+
+
+def test_changed_source_shard_is_refused_then_overwrite_starts_again(ref, tmp_path, capsys):
+    """Same names and shapes, other values (a shard rewritten): the plan's fingerprint is the same, but
+    the shard's size and modification time are recorded, so a rerun refuses to mix old and new."""
+    src, reference = ref
+    copy = tmp_path / "src"
+    copy.mkdir()
+    for p in src.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    out = tmp_path / "out"
+    assert main(["quantize", str(copy), str(out), *ARGS, "--worker", "0/2"]) == 0  # half the shards
+    victim = sorted(copy.glob("*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[-32:] = bytes(32)
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    before = tree_bytes(out)
+    assert main(["quantize", str(copy), str(out), *ARGS]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and victim.name in err and "changed" in err and "--overwrite" in err, err
+    assert tree_bytes(out) == before
+    assert main(["quantize", str(copy), str(out), *ARGS, "--overwrite"]) == 0
+    assert main(["verify", str(copy), str(out)]) == 0
 
 
 def test_rerun_of_a_complete_output_changes_nothing(ref, tmp_path, capsys):

@@ -198,12 +198,23 @@ def test_routers_are_listed(kind, fmt, scheme, outputs):
 # ------------------------------------------------------------------ shapes and scale layouts
 
 
-@pytest.mark.parametrize("kind,fmt,scheme", [c for c in ALL_CASES if c.values[2] in ("tensor", "channel")])
-def test_quantized_weights_have_dims_divisible_by_16(kind, fmt, scheme, outputs):
-    tensors, _ = outputs(kind, fmt, scheme)
+@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
+                                        ("fp8", "tensor")])
+def test_quantized_weights_have_dims_divisible_by_16(fmt, scheme, odd_llama, tmp_path):
+    """A model with linear weights whose dims are not multiples of 16 (the fixture is checked to have
+    them): none of those becomes FP8, every FP8 weight has both dims divisible by 16."""
+    src = read_safetensors_dir(odd_llama)
+    odd = {n for n, t in src.items() if t.dim() == 2 and n.endswith("proj.weight") and
+           (t.shape[0] % 16 or t.shape[1] % 16)}
+    assert odd, "the fixture must have linear weights with dims not divisible by 16"
+    out = tmp_path / "out"
+    run_quantize(odd_llama, out, scheme=scheme, format=fmt)
+    tensors = read_safetensors_dir(out)
+    assert any(t.dtype == FP8 for t in tensors.values())
     for n, t in tensors.items():
         if t.dtype == FP8:
             assert t.dim() == 2 and t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0, (n, tuple(t.shape))
+    assert all(tensors[n].dtype != FP8 for n in odd)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -263,7 +274,7 @@ def test_fp8_format_has_no_channel_scheme(source_model, tmp_path):
     if out.exists():  # nothing heavy starts before the plan validates
         assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))
     with pytest.raises(fp8convert.FP8ConvertError):
-        fp8convert.plan(str(source_model("llama")), scheme="channel", format="fp8")
+        fp8convert.make_plan(str(source_model("llama")), scheme="channel", format="fp8")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -100,10 +101,31 @@ def looks_complete(out) -> bool:
 
 
 CLI = "import sys; from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))"
+# The same, with every tensor write slowed by argv[1] seconds, so a test can stop a run of a tiny model
+# at a chosen moment. The slowing lives here, in the tests, not in the product.
+SLOW_CLI = ("import sys, time; from fp8convert.run.writer import ShardWriter; write = ShardWriter.write; "
+            "delay = float(sys.argv.pop(1)); "
+            "ShardWriter.write = lambda self, *a, **k: (time.sleep(delay), write(self, *a, **k))[1]; "
+            "from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def cli_subprocess(args: list[str], env_extra: dict | None = None) -> subprocess.Popen:
-    """`fp8convert ARGS` in a child process, run from this checkout (its root first on sys.path)."""
+def cli_subprocess(args: list[str], env_extra: dict | None = None, write_delay: float | None = None
+                   ) -> subprocess.Popen:
+    """`fp8convert ARGS` in a child process, run from this checkout (its root first on sys.path).
+    `write_delay`: seconds to sleep before each tensor write."""
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.Popen([sys.executable, "-c", CLI, *map(str, args)], env=env, cwd=Path(__file__).parents[1],
+    code = [SLOW_CLI, str(write_delay)] if write_delay else [CLI]
+    return subprocess.Popen([sys.executable, "-c", *code, *map(str, args)], env=env, cwd=Path(__file__).parents[1],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def slow_writes(monkeypatch, delay: float) -> None:
+    """In this process: sleep `delay` seconds before each tensor write (keeps batches in flight)."""
+    from fp8convert.run.writer import ShardWriter
+    write = ShardWriter.write
+
+    def slow(self, *args, **kwargs):
+        time.sleep(delay)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardWriter, "write", slow)

@@ -10,12 +10,12 @@ import sys
 import typer
 
 from ..errors import FP8ConvertError
-from . import cluster, convert, hub, verify
+from . import cluster, convert, publish, verify
 
 app = typer.Typer(name="fp8convert", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown",
                   help="Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers.")
-for commands in (convert, verify, hub, cluster):
+for commands in (convert, verify, publish, cluster):
     commands.register(app)
 
 

@@ -1,6 +1,7 @@
 """Option aliases shared by the commands, defined once so every command spells them the same way."""
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -29,3 +30,11 @@ Devices = Annotated[Optional[str], typer.Option(
     "--devices", metavar="LIST|all",
     help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
          "entries are allowed too.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+Private = Annotated[bool, typer.Option("--private", help="Create the Hub repo as private (an existing repo keeps "
+                                                         "its visibility).")]
+
+
+def token() -> str | None:
+    """The Hub token: HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
+    return os.environ.get("HF_TOKEN") or None

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import FP8ConvertError
-from ._options import Json
+from ._options import Json, Quiet, token
 
 
 def finalize(
@@ -28,7 +28,6 @@ def finalize(
       sbatch --dependency=afterok:$JOB scripts/slurm_finalize.sbatch ./dsv3-fp8
     """
     from .. import api
-    from .convert import token
 
     report = api.finalize_output(out, token=token())
     if json_out:
@@ -44,7 +43,7 @@ def batch(
         "--task-index", help="Run only job N (counting from 0). Default in a Slurm array: "
                              "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
     json_out: Json = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    quiet: Quiet = False,
 ):
     """Convert every model listed in JOBS, in order: finished outputs are skipped, a failed job does not
     stop the others, and a summary table (job, source, out, status, seconds, GB) ends the run. Exits 1
@@ -58,8 +57,7 @@ def batch(
 
       sbatch --array=0-9 scripts/slurm_array.sbatch jobs.toml     # one job per array task
     """
-    from .. import batch as batch_mod
-    from .convert import token
+    from ..cluster import batch as batch_mod
 
     results = batch_mod.run_batch(jobs, task_index=task_index, progress=not quiet, token=token())
     if json_out:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -10,19 +9,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import api, hub
+from .. import api, publish
 from ..errors import FP8ConvertError
-from ..summary import compatibility_warnings, describe, render
-from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Revision,
-                       Scheme, Worker)
+from ..options import Settings
+from ..plan.summary import compatibility_warnings, describe, render
+from ..source.resolve import REPO_ID
+from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Private, Quiet,
+                       Revision, Scheme, Worker, token)
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
                                      show_default=False)]
-
-
-def token() -> str | None:
-    return os.environ.get("HF_TOKEN") or None  # else huggingface_hub uses the saved login
 
 
 def quantize(
@@ -30,10 +27,10 @@ def quantize(
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace whatever OUT holds.")] = False,
     revision: Revision = None, json_out: Json = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    quiet: Quiet = False,
     push_to_hub: Annotated[Optional[str], typer.Option(
         "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")] = None,
-    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
+    private: Private = False,
     stream_download: Annotated[bool, typer.Option(
         "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                                   "converted (for models larger than the free disk).")] = False,
@@ -59,19 +56,19 @@ def quantize(
     """
     if private and not push_to_hub:
         raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
-    if push_to_hub and not hub.REPO_ID.match(push_to_hub):
+    if push_to_hub and not REPO_ID.match(push_to_hub):
         raise FP8ConvertError(f"--push-to-hub {push_to_hub}: not a Hub repo id (owner/name)")
 
     def show_warnings(the_plan):
         if not quiet:
-            for line in compatibility_warnings(the_plan) + the_plan.notes:
+            for line in [w.text for w in compatibility_warnings(the_plan)] + the_plan.notes:
                 print(f"warning: {line}", file=sys.stderr)
 
-    report = api.quantize(src, out, scheme=scheme, format=format, ignore=ignore or (), device=device,
-                          max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                          revision=revision, token=token(), progress=not quiet, on_plan=show_warnings,
-                          stream_download=stream_download, worker=worker, devices=devices,
-                          prefetch=0 if prefetch.strip() == "0" else prefetch)
+    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
+                        max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
+                        revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
+                        worker=worker, devices=devices, prefetch=prefetch)
+    report = api.quantize(src, out, settings, on_plan=show_warnings)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
     elif report.already_complete:
@@ -86,7 +83,7 @@ def quantize(
               f"{report.tensors_kept} kept, {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
               f"in {report.seconds:.1f}s on {report.device}")
     if push_to_hub and report.complete:
-        url = hub.push(out, push_to_hub, private=private, token=token())
+        url = publish.push(out, push_to_hub, private=private, token=token())
         print(f"pushed {out} to {push_to_hub}: {url}", file=sys.stderr if json_out else sys.stdout)
     elif push_to_hub:
         print(f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
@@ -108,10 +105,12 @@ def inspect(
 
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
     """
-    the_plan = api.plan(src, scheme=scheme, format=format, ignore=ignore or (), max_shard_size=max_shard_size,
-                        revision=revision, token=token())
-    dev = api.resolve_device(device)
-    budget = api.budget_for(dev, max_resident)
+    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
+                        device=device, max_resident=max_resident, revision=revision, token=token())
+    the_plan = api.make_plan(src, settings)
+    from ..run.device import budget_for, resolve_device
+    dev = resolve_device(device)
+    budget = budget_for(dev, settings.max_resident)
     info = describe(the_plan, budget, dev.type)
     if tensors:
         info["tensor_plan"] = [{"name": t.name, "shape": list(t.source.shape), "dtype": t.source.dtype,

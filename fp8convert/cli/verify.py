@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ._options import Json, Revision
+from ._options import Json, Revision, token
 
 
 def verify(
@@ -28,7 +28,6 @@ def verify(
       fp8convert verify meta-llama/Llama-3.1-8B-Instruct ./llama-fp8 --json
     """
     from .. import verify as verify_mod
-    from .convert import token
 
     report = verify_mod.verify(src, out, revision=revision, token=token())
     if json_out:

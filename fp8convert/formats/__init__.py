@@ -1,8 +1,12 @@
-"""Output formats: how quantized tensors are named and what quantization_config says. One module each."""
+"""Output formats: how quantized tensors are named, the shapes of their scales, and what
+`quantization_config` says, both written (quantize) and read back (verify). One module each."""
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from types import ModuleType
 
+from ..errors import FP8ConvertError
 from . import compressed_tensors, fp8
 
 FORMATS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "fp8": fp8}
@@ -10,3 +14,35 @@ FORMATS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "fp8
 
 def get_format(name: str) -> ModuleType:
     return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """What an FP8 checkpoint's config says it is."""
+
+    format: str                 # compressed-tensors | fp8
+    scheme: str                 # tensor | channel | block
+    ignore: tuple[str, ...]     # modules left unquantized, as engines match them
+
+    def scale_name(self, weight: str) -> str:
+        return get_format(self.format).scale_name(weight, self.scheme)
+
+    def scale_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return get_format(self.format).scale_shapes(shape, self.scheme)
+
+    def ignores(self, module: str) -> bool:
+        """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""
+        return any(module == p or (p.startswith("re:") and re.match(p[3:], module)) for p in self.ignore)
+
+
+def read_quantization_config(config: dict, where: str) -> QuantizedLayout:
+    """The layout a config.json declares; one line naming `where` if it is not an FP8 layout we know."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise FP8ConvertError(f"{where}: has no quantization_config; not an FP8 checkpoint")
+    method = qc.get("quant_method")
+    for name, module in FORMATS.items():
+        if method == module.QUANT_METHOD:
+            scheme, ignore = module.read_config(qc, where)
+            return QuantizedLayout(name, scheme, ignore)
+    raise FP8ConvertError(f"{where}: quant_method {method!r} is neither compressed-tensors nor fp8")

@@ -13,22 +13,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import FP8ConvertError
-from .safetensors_io import TensorInfo
+from ..errors import FP8ConvertError
+from ..safetensors_io import TensorInfo, pread_into
 
 ALIGN = 64  # every tensor starts aligned in the batch buffer, so dtype views are always legal
 
 
-def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise FP8ConvertError(f"{label}: unexpected end of file at byte {offset + done} (truncated?)")
-        done += n
-
-
 class BatchReader:
+    """A context manager: leaving it waits for reads in flight and closes the files."""
+
     def __init__(self, root: Path, device: torch.device, threads: int = 8, chunk_bytes: int = 32 << 20):
         self.root, self.device, self.chunk = Path(root), device, chunk_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-read")
@@ -43,6 +36,12 @@ class BatchReader:
         allocator already reuses device memory."""
         if buf.device.type == "cpu" and (self.spare is None or buf.untyped_storage().nbytes() > self.spare.numel()):
             self.spare = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
+
+    def __enter__(self) -> "BatchReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

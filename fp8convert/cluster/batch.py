@@ -15,8 +15,13 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import FP8ConvertError
-from .options import Options
+from ..errors import FP8ConvertError
+from ..options import Settings
+from ..output.files import json_bytes, read_json_object, write_atomic
+from ..output.manifest import WORK_DIR
+from ..source.resolve import REPO_ID
+from .devices import parse_devices
+from .workers import log
 
 STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", "private", "stream_download")
@@ -29,7 +34,7 @@ class Job:
     name: str
     source: str
     out: str
-    options: dict                      # keyword arguments of api.quantize
+    settings: Settings
     push_to_hub: str | None = None
     private: bool = False
 
@@ -131,38 +136,31 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
+    options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
+                                       "revision", "stream_download") if k in merged}
     try:
-        Options(merged.get("scheme", "tensor"), merged.get("format", "compressed-tensors"), tuple(ignore), size)
-        if devices is not None:
-            from .cluster import parse_devices
-            if devices != "all" and devices != ["all"]:  # 'all' is resolved on the machine that runs the job
-                parse_devices(devices)
-        if merged.get("max_resident"):
-            from .options import parse_size
-            parse_size(merged["max_resident"], "max_resident")
+        settings = Settings(**options, ignore=tuple(ignore))
+        if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs
+            parse_devices(devices)
     except FP8ConvertError as e:
         raise FP8ConvertError(f"{label}: {e}") from None
     push = merged.get("push_to_hub")
-    if push:
-        from .hub import REPO_ID
-        if not REPO_ID.match(push):
-            raise FP8ConvertError(f"{label}: push_to_hub {push!r} is not a Hub repo id (owner/name)")
-    elif merged.get("private"):
+    if push and not REPO_ID.match(push):
+        raise FP8ConvertError(f"{label}: push_to_hub {push!r} is not a Hub repo id (owner/name)")
+    if not push and merged.get("private"):
         raise FP8ConvertError(f"{label}: 'private' applies only with 'push_to_hub'")
-    options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
-                                       "revision", "stream_download") if k in merged}
-    options["ignore"] = tuple(ignore)
-    return Job(index, merged.get("name") or str(index), merged["source"], merged["out"], options, push,
+    return Job(index, merged.get("name") or str(index), merged["source"], merged["out"], settings, push,
                bool(merged.get("private")))
 
 
 def task_index_from_env(env=None) -> int | None:
-    """The job of this Slurm array task: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN (None outside an array)."""
+    """The job of this Slurm array task: job N for task id N, whatever the array's first id and step, so
+    `--array=3,7` reruns jobs 3 and 7 (None outside an array)."""
     env = os.environ if env is None else env
     if not env.get("SLURM_ARRAY_TASK_ID"):
         return None
     try:
-        return int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN") or 0)
+        return int(env["SLURM_ARRAY_TASK_ID"])
     except ValueError:
         raise FP8ConvertError(f"$SLURM_ARRAY_TASK_ID={env['SLURM_ARRAY_TASK_ID']!r}: not an integer") from None
 
@@ -177,24 +175,22 @@ def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job
 
 def run_job(job: Job, progress: bool = True, token: str | None = None) -> JobResult:
     """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything)."""
-    from . import api, hub
-    from .cluster import log
+    from .. import api, publish
     started = time.monotonic()
     result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
     log(f"job {job.index} ({job.name}): {job.source} -> {job.out}", progress)
     try:
-        report = api.quantize(job.source, job.out, progress=progress, token=token, **job.options)
+        report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token)
         result.report = asdict(report)
         result.gb_in, result.gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
         result.status = "skipped" if report.already_complete else "done"
         if job.push_to_hub and report.complete:
-            from .output import WORK_DIR, json_bytes, write_atomic
             pushed_file = Path(job.out) / WORK_DIR / PUSHED
-            pushed = _read_json(pushed_file)
+            pushed = read_json_object(pushed_file)
             if report.already_complete and job.push_to_hub in pushed:
                 result.pushed = pushed[job.push_to_hub]
             else:
-                result.pushed = hub.push(job.out, job.push_to_hub, private=job.private, token=token)
+                result.pushed = publish.push(job.out, job.push_to_hub, private=job.private, token=token)
                 pushed[job.push_to_hub] = result.pushed
                 write_atomic(pushed_file, json_bytes(pushed))
         elif not report.complete:
@@ -207,14 +203,6 @@ def run_job(job: Job, progress: bool = True, token: str | None = None) -> JobRes
     log(f"job {job.index} ({job.name}): {result.status} in {result.seconds:.1f}s"
         + (f": {result.error}" if result.error else ""), progress)
     return result
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def run_batch(path: str | Path, task_index: int | None = None, progress: bool = True,

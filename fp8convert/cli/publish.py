@@ -6,11 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import hub
-from .convert import token
-
-Private = Annotated[bool, typer.Option("--private", help="Create the repo as private (an existing repo keeps "
-                                                         "its visibility).")]
+from .. import publish
+from ._options import Private, token
 
 
 def push(
@@ -31,7 +28,7 @@ def push(
 
       fp8convert push ./llama-fp8 my-org/llama-fp8 --private --revision channel-scheme
     """
-    url = hub.push(out, repo_id, private=private, revision=revision, commit_message=commit_message, token=token())
+    url = publish.push(out, repo_id, private=private, revision=revision, commit_message=commit_message, token=token())
     print(f"pushed {out} to {repo_id}: {url}")
 
 

@@ -9,8 +9,8 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from .errors import FP8ConvertError
-from .safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo
+from ..errors import FP8ConvertError
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo
 
 # vLLM fuses these sibling modules into one linear and, with per-tensor scales, re-quantizes every
 # member to the largest scale; giving members one shared scale makes that a no-op. vLLM also refuses

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .options import BLOCK
+from ..options import BLOCK
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -22,11 +22,17 @@ class NonFiniteWeight(ValueError):
         self.member, self.index = member, index
 
 
-def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
+def use_cpu_path(w: torch.Tensor, cpu_path: bool | None) -> bool:
+    """`cpu_path` None means: the path made for w's device. Tests pass True or False to run both
+    paths on a CPU (they must give the same bytes)."""
+    return w.device.type == "cpu" if cpu_path is None else cpu_path
+
+
+def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Tensor:
     """Largest magnitude in float32, per tensor [..., 1, 1], per row [..., out, 1] or per 128x128
     block [..., ceil(out/128), ceil(in/128)]. max|w| = max(max w, -min w): no full-size |w|
     temporary, and NaN propagates through both."""
-    if scheme == "tensor" and w.device.type == "cpu":
+    if scheme == "tensor" and use_cpu_path(w, cpu_path):
         # One aminmax pass per weight: on a CPU about twice as fast as amax and amin over two dims.
         pairs = [torch.aminmax(x) for x in w.reshape(-1, w.shape[-2] * w.shape[-1])]
         return torch.stack([torch.maximum(hi, lo.neg()) for lo, hi in pairs]).float().reshape(*w.shape[:-2], 1, 1)
@@ -62,11 +68,13 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
     return scale.repeat_interleave(BLOCK, dim=-2)[..., :out, :].repeat_interleave(BLOCK, dim=-1)[..., :inp]
 
 
-def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """q = clamp(float32(w) / scale, -448, 448) cast to e4m3 (round to nearest even)."""
-    if w.device.type == "cpu" and w.dim() == 3:
+def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_path: bool | None = None
+                        ) -> torch.Tensor:
+    """q = clamp(float32(w) / scale, -448, 448) cast to e4m3 (round to nearest even). `w` is left as it
+    was (a float32 weight is copied, not divided in place: it may be a view of the read buffer)."""
+    if use_cpu_path(w, cpu_path) and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
-    q = w.float().div_(expand_scale(scale, tuple(w.shape), scheme))
+    q = w.to(torch.float32, copy=True).div_(expand_scale(scale, tuple(w.shape), scheme))
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -80,8 +88,8 @@ def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.T
     rows = max(1, CPU_TILE_BYTES // (4 * inp))
     if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
         rows = 1 << min(7, rows.bit_length() - 1)
-    tile = torch.empty(min(rows, out), inp, dtype=torch.float32)
-    q = torch.empty(w.shape, dtype=FP8_DTYPE)
+    tile = torch.empty(min(rows, out), inp, dtype=torch.float32, device=w.device)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
     for n in range(stack):
         for r in range(0, out, rows):
             part = tile[:min(rows, out - r)]
@@ -101,16 +109,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tenso
     return q.float() * expand_scale(scale.float(), tuple(q.shape), scheme)
 
 
-def quantize_group(members: list[torch.Tensor], scheme: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize the members of a fused group together. Each member is a stack [N, out, in]; index n
     of every member belongs to the same group (N = 1 for a single group). In the tensor scheme members share the max
     amax (vLLM re-quantizes a fused layer to its largest scale, which sharing makes a no-op); per-row
-    and per-block scales need no sharing. Returns (codes, scales), one per member.
+    and per-block scales need no sharing. Returns (codes, scales), one per member. `cpu_path`: see
+    use_cpu_path.
 
     Raises NonFiniteWeight for NaN or Inf: amax propagates both, so checking the small amax tensor
     finds them without another pass over the weights.
     """
-    amaxes = [amax(w, scheme) for w in members]
+    amaxes = [amax(w, scheme, cpu_path) for w in members]
     for j, a in enumerate(amaxes):
         finite = torch.isfinite(a).flatten(start_dim=1).all(dim=1)
         if not bool(finite.all()):
@@ -119,4 +129,4 @@ def quantize_group(members: list[torch.Tensor], scheme: str) -> tuple[list[torch
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)
     scales = [scale_from_amax(a) for a in amaxes]
-    return [quantize_with_scale(w, s, scheme) for w, s in zip(members, scales)], scales
+    return [quantize_with_scale(w, s, scheme, cpu_path) for w, s in zip(members, scales)], scales

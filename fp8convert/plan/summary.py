@@ -1,12 +1,14 @@
 """What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
 from __future__ import annotations
 
-import math
+import enum
 import re
 from collections import Counter
+from dataclasses import dataclass
 
-from .options import BLOCK
-from .plan import Plan, make_batches
+from ..options import BLOCK
+from .batches import make_batches
+from .plan import Plan
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
@@ -29,54 +31,89 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
             "host_bytes": host}
 
 
-NOT_FOR_TRANSFORMERS = "transformers cannot"  # how a warning says transformers will not load the output
+class Caveat(enum.Enum):
+    """What a warning means for the consumers; code that acts on warnings reads this, never the text."""
+
+    TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
+    TRANSFORMERS_MISREADS = "transformers-misreads"     # loads, but some weights dequantize wrongly
+    VLLM_CANNOT_LOAD = "vllm-cannot-load"
+    VLLM_TP_LIMITS = "vllm-tp-limits"                    # loads at some tensor-parallel sizes only
 
 
-def compatibility_warnings(plan: Plan) -> list[str]:
-    """Combinations that some consumer will refuse or read wrongly (see the README's table). A warning
-    that contains NOT_FOR_TRANSFORMERS makes the model card say transformers cannot load the output."""
+@dataclass(frozen=True)
+class PlanWarning:
+    caveat: Caveat
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
+    """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
     scheme, fmt = plan.options.scheme, plan.options.format
     quantized = [t for t in plan.tensors if t.quantize]
     has_experts = any(EXPERT.search(t.name) for t in quantized)
     warnings = []
     if fmt == "fp8" and scheme == "tensor":
-        warnings.append(f"{NOT_FOR_TRANSFORMERS} use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense "
-                        "models load but ignore the scales and give wrong outputs, MoE models fail; use "
-                        "--format compressed-tensors to load it in transformers")
+        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
+                                    "transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang "
+                                    "can): dense models load but ignore the scales and give wrong outputs, MoE "
+                                    "models fail; use --format compressed-tensors to load it in transformers"))
     if fmt == "compressed-tensors" and scheme == "block" and has_experts:
-        warnings.append(f"{NOT_FOR_TRANSFORMERS} load compressed-tensors block scales for MoE experts (vLLM can); "
-                        "use --format fp8 --scheme block, or --scheme channel, to load it in transformers")
+        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
+                                    "transformers cannot load compressed-tensors block scales for MoE experts (vLLM "
+                                    "can); use --format fp8 --scheme block, or --scheme channel, to load it in "
+                                    "transformers"))
     if scheme == "block":
-        odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
-        if odd:
-            what = ("transformers infers the block size from the scale grid and dequantizes these wrongly"
-                    if fmt == "fp8" else f"{NOT_FOR_TRANSFORMERS} load these (needs both dims divisible by 128)")
-            warnings.append(f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}")
-        fused = {}
-        for t in quantized:
-            if t.group:
-                fused.setdefault(t.group, []).append(t)
-        for group, members in fused.items():
-            order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
-            members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
-            if any(t.source.shape[0] % BLOCK for t in members[:-1]):
-                warnings.append(f"vLLM's fused block GEMM needs every member but the last to have an output size "
-                                f"divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
-                                f"{list(members[0].source.shape)})")
-                break
-        sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
-                        re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
-        for size in sizes:
-            ok = [tp for tp in (1, 2, 4, 8) if size % tp == 0 and (size // tp) % BLOCK == 0]
-            bad = [tp for tp in (2, 4, 8) if tp not in ok]
-            if bad:
-                warnings.append(f"block MoE in vLLM needs the expert intermediate size per tensor-parallel rank "
-                                f"divisible by {BLOCK}: {size} works at TP {ok or 'none'}, fails at TP {bad}")
+        warnings += block_warnings(fmt, quantized)
     return warnings
+
+
+def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
+    warnings = []
+    odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
+    if odd:
+        caveat, what = ((Caveat.TRANSFORMERS_MISREADS,
+                         "transformers infers the block size from the scale grid and dequantizes these wrongly")
+                        if fmt == "fp8" else
+                        (Caveat.TRANSFORMERS_CANNOT_LOAD,
+                         "transformers cannot load these (needs both dims divisible by 128)"))
+        warnings.append(PlanWarning(caveat, f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} "
+                                            f"(e.g. {odd[0]}): {what}"))
+    fused = {}
+    for t in quantized:
+        if t.group:
+            fused.setdefault(t.group, []).append(t)
+    for group, members in fused.items():
+        order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
+        members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
+        if any(t.source.shape[0] % BLOCK for t in members[:-1]):
+            warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD,
+                                        f"vLLM's fused block GEMM needs every member but the last to have an output "
+                                        f"size divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
+                                        f"{list(members[0].source.shape)})"))
+            break
+    sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
+                    re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
+    for size in sizes:
+        ok = [tp for tp in (1, 2, 4, 8) if size % tp == 0 and (size // tp) % BLOCK == 0]
+        bad = [tp for tp in (2, 4, 8) if tp not in ok]
+        if bad:
+            warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS,
+                                        f"block MoE in vLLM needs the expert intermediate size per tensor-parallel "
+                                        f"rank divisible by {BLOCK}: {size} works at TP {ok or 'none'}, fails at TP {bad}"))
+    return warnings
+
+
+def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
+    """Why transformers cannot load the output, or None when it can."""
+    return next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
 
 
 def describe(plan: Plan, budget: int, device_type: str) -> dict:
     tensors = plan.tensors
+    warnings = compatibility_warnings(plan)
     kept_reasons = Counter()
     kept_bytes = Counter()
     for t in tensors:
@@ -106,7 +143,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "shards": len(plan.shards),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
-        "warnings": compatibility_warnings(plan),
+        "warnings": [w.text for w in warnings],
+        "transformers_cannot_load": transformers_verdict(warnings),
         "notes": plan.notes,
     }
 

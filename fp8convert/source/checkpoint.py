@@ -1,18 +1,17 @@
-"""The source checkpoint: which files, which tensors where, and its config. Reads headers, never data."""
+"""What a source checkpoint is, wherever it lives: its shards, tensors, config and side files, and the
+checks every source passes (local directory or Hub repo alike). Reads headers, never tensor data."""
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FP8ConvertError
-from .safetensors_io import TensorInfo, read_header
+from ..errors import FP8ConvertError
+from ..safetensors_io import INDEX_NAME, TensorInfo
 
-INDEX_NAME = "model.safetensors.index.json"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx",
-                   ".npz", ".pkl")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES)
 # Files rewritten or generated rather than copied.
 NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json",
               "model.safetensors.index.json.lock"}
@@ -20,26 +19,30 @@ ALREADY_QUANTIZED_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scal
                               ".qzeros", ".scales")
 
 
-def is_copied_file(name: str) -> bool:
-    """Top-level non-weight files travel with the model: tokenizer, chat template, generation config,
-    processor configs, remote-code .py files, license."""
-    return ("/" not in name and not name.startswith(".") and name not in NOT_COPIED
-            and not name.endswith(WEIGHT_SUFFIXES) and not name.endswith(".index.json"))
-
-
 @dataclass
 class Source:
+    """A checkpoint's layout. `root` is where its files are (or will be, for a Hub source not yet
+    downloaded); `label` is what the user named (a directory or a repo id); `revision` is the Hub commit
+    the layout was read at (None for a local directory)."""
+
     root: Path
     files: list[str]                  # safetensors shard names, sorted
     tensors: list[TensorInfo]         # every tensor, in (file, offset) order
     config: dict                      # config.json, key order kept
     copy_files: list[str]             # files copied verbatim into the output
-    label: str                        # what the user passed (dir or repo id)
-    fetcher: object | None = None     # --stream-download: brings shards on demand (hub.StreamingFetcher)
+    label: str
+    revision: str | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+
+def is_copied_file(name: str) -> bool:
+    """Top-level non-weight files travel with the model: tokenizer, chat template, generation config,
+    processor configs, remote-code .py files, license."""
+    return ("/" not in name and not name.startswith(".") and name not in NOT_COPIED
+            and not name.endswith(WEIGHT_SUFFIXES) and not name.endswith(".index.json"))
 
 
 def safe_relative_name(name: str, where: str) -> str:
@@ -50,8 +53,34 @@ def safe_relative_name(name: str, where: str) -> str:
     return name
 
 
+def parse_index(text: str | bytes, where: str) -> dict[str, str]:
+    """The `weight_map` of a safetensors index (tensor name -> shard file), every file name checked."""
+    try:
+        weight_map = json.loads(text)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise TypeError("weight_map is not an object of tensor names")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise FP8ConvertError(f"{where}: not a valid safetensors index ({e})") from e
+    for file in set(weight_map.values()):
+        safe_relative_name(file, where)
+    return weight_map
+
+
+def index_files(weight_map: dict[str, str]) -> list[str]:
+    """The shard files an index names, sorted."""
+    return sorted(set(weight_map.values()))
+
+
+def refuse_pickle_only(names: list[str], where: str) -> None:
+    """Called when no safetensors shard was found among `names` (a file listing)."""
+    if any(n.endswith(PICKLE_SUFFIXES) for n in names):
+        raise FP8ConvertError(f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
+                              "Convert to safetensors first")
+    raise FP8ConvertError(f"{where}: no safetensors weights found")
+
+
 def load_config(root: Path) -> dict:
-    path = root / "config.json"
+    path = Path(root) / "config.json"
     if not path.is_file():
         raise FP8ConvertError(f"{path}: missing; fp8convert needs the model's config.json")
     try:
@@ -61,30 +90,6 @@ def load_config(root: Path) -> dict:
     if not isinstance(config, dict):
         raise FP8ConvertError(f"{path}: not a JSON object")
     return config
-
-
-def shard_names(root: Path, listing: list[str]) -> list[str]:
-    """Which safetensors files hold the model: the index's, else every top-level *.safetensors."""
-    index_path = root / INDEX_NAME
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-            weight_map = index["weight_map"]
-            names = {safe_relative_name(v, INDEX_NAME) for v in weight_map.values()}
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            if isinstance(e, FP8ConvertError):
-                raise
-            raise FP8ConvertError(f"{index_path}: not a valid safetensors index ({e})") from e
-        return sorted(names)
-    return sorted(n for n in listing if n.endswith(".safetensors") and "/" not in n)
-
-
-def check_not_pickle_only(root: Path, listing: list[str], shards: list[str]) -> None:
-    if not shards:
-        if any(n.endswith((".bin", ".pt", ".pth", ".ckpt")) for n in listing):
-            raise FP8ConvertError(f"{root}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
-                                  "Convert to safetensors first")
-        raise FP8ConvertError(f"{root}: no safetensors weights found")
 
 
 def refuse_quantized(config: dict, tensors: list[TensorInfo], where: str) -> None:
@@ -120,27 +125,3 @@ def collect_tensors(headers: dict[str, dict[str, TensorInfo]], index_map: dict[s
     if not seen:
         raise FP8ConvertError(f"{where}: holds no tensors ({', '.join(sorted(headers))} empty)")
     return sorted(seen.values(), key=lambda t: (t.file, t.offset))
-
-
-def open_local(root: Path, label: str | None = None) -> Source:
-    """Read a local checkpoint's layout: headers of every shard, config, files to copy."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
-    listing = sorted(os.listdir(root))
-    shards = shard_names(root, listing)
-    check_not_pickle_only(root, listing, shards)
-    config = load_config(root)
-    headers = {}
-    for name in shards:
-        path = root / name
-        if not path.is_file():
-            raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
-        headers[name], _ = read_header(str(path), name)
-    index_map = None
-    if (root / INDEX_NAME).is_file():
-        index_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-    tensors = collect_tensors(headers, index_map, str(root))
-    refuse_quantized(config, tensors, str(root))
-    copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
-    return Source(root, shards, tensors, config, copy, label or str(root))

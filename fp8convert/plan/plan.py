@@ -10,17 +10,16 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from . import __version__
-from .formats import get_format
-from .options import Options
+from .._version import __version__
+from ..formats import get_format
+from ..options import Options
+from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
+from ..source.checkpoint import Source
 from .rules import decide, is_linear_weight, module_of
-from .safetensors_io import DTYPE_SIZES, OutputTensor, TensorInfo, layout_shard
-from .source import Source
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
-FP8 = "F8_E4M3"
 SCALE_DTYPE = "F32"
 
 
@@ -115,72 +114,6 @@ class Plan:
 
     def quantization_config(self) -> dict:
         return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list)
-
-
-@dataclass
-class Batch:
-    unit: Unit
-    atoms: list[list[TensorPlan]]
-    label: str
-
-    @property
-    def tensors(self) -> list[TensorPlan]:
-        return [t for atom in self.atoms for t in atom]
-
-    @property
-    def in_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
-
-    @property
-    def files(self) -> list[str]:
-        """The source files this batch reads, sorted."""
-        return sorted({t.source.file for t in self.tensors})
-
-
-KEPT_PIECE_BYTES = 256 << 20
-
-
-def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
-    """Split units over the memory budget between atoms (a fused group is never split). A kept tensor
-    larger than a piece is copied piece by piece, each piece a batch of its own."""
-    piece_bytes = min(max_resident, KEPT_PIECE_BYTES)
-    batches = []
-    for unit in units:
-        atoms: list[tuple[list[TensorPlan], bool]] = []  # (atom, whether it is a piece)
-        for atom in unit.atoms():
-            pieces = kept_pieces(atom[0], piece_bytes) if len(atom) == 1 else []
-            if len(pieces) > 1:
-                atoms += [([piece], True) for piece in pieces]
-            else:
-                atoms.append((atom, False))
-        if unit.in_bytes <= max_resident and not any(split for _, split in atoms):
-            batches.append(Batch(unit, unit.atoms(), unit.label))
-            continue
-        parts: list[list[list[TensorPlan]]] = [[]]
-        used, alone = 0, False
-        for atom, split in atoms:
-            size = sum(t.source.nbytes for t in atom)
-            if parts[-1] and (split or alone or used + size > max_resident):
-                parts.append([])
-                used = 0
-            parts[-1].append(atom)
-            used, alone = used + size, split
-        batches += [Batch(unit, p, f"{unit.label} (part {i + 1}/{len(parts)})") for i, p in enumerate(parts)]
-    return batches
-
-
-def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
-    """A kept tensor over `max_bytes` as ranges of whole rows of at most that size (at least one row).
-    Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
-    does not grow with the vocabulary (an embedding can be several GB)."""
-    info = t.source
-    if t.quantize or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
-        return [t]
-    row = info.nbytes // info.shape[0]
-    step = max(1, max_bytes // row)
-    return [replace(t, at=r * row, source=replace(info, offset=info.offset + r * row, nbytes=n * row,
-                                                    shape=(n, *info.shape[1:])))
-            for r in range(0, info.shape[0], step) for n in [min(step, info.shape[0] - r)]]
 
 
 def natural_key(text: str) -> list:

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FP8ConvertError
+from ..errors import FP8ConvertError
+from ..plan.batches import Batch
+from ..plan.plan import TensorPlan
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, torch_dtype
 from .numerics import NonFiniteWeight, quantize_group
-from .plan import Batch, TensorPlan
+from .reader import ALIGN
 
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise launches, small
                         # enough that float32 temporaries stay a sliver of device memory
-ALIGN = 64  # the reader starts every tensor at a multiple of this
 
 
 @dataclass
@@ -55,7 +56,7 @@ def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorP
     """[N, out, in] view of same-shaped tensors laid out back to back, or a copy if they are not."""
     first = tensors[0].source
     start, size = offsets[first.name], first.nbytes
-    dtype = TORCH_DTYPES[first.dtype]
+    dtype = torch_dtype(first.dtype)
     if size % ALIGN == 0 and all(offsets[t.name] == start + i * size for i, t in enumerate(tensors)):
         return buf[start:start + size * len(tensors)].view(dtype).view(len(tensors), *first.shape)
     return torch.stack([buf[offsets[t.name]:offsets[t.name] + size].view(dtype).view(first.shape) for t in tensors])
@@ -69,27 +70,27 @@ def all_finite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
 
 
-def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str
-                   ) -> list[tuple[str, torch.Tensor, int]]:
+def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
+                   cpu_path: bool | None = None) -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
     piece of a kept tensor where it goes. Kept tensors are copied out of `buf` so it can be freed at
     once, unless the batch keeps everything: then they are views and `buf` lives until they are
-    written, which costs no extra memory."""
+    written, which costs no extra memory. `cpu_path`: see numerics.use_cpu_path."""
     all_kept = not any(t.quantize for t in batch.tensors)
     outputs = []
     for atom in batch.atoms:
         if not atom[0].quantize:
             t = atom[0]
             raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
-            if t.name.endswith(".weight") and t.source.dtype in TORCH_DTYPES and not all_finite(
-                    raw.view(TORCH_DTYPES[t.source.dtype])):
+            if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
+                    raw.view(torch_dtype(t.source.dtype))):
                 raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
             outputs.append((t.name, raw if all_kept else raw.clone(), t.at))
     for family in families(batch):
         for chunk in family.chunks():
             members = [[atom[m] for atom in chunk] for m in range(len(chunk[0]))]
             try:
-                codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme)
+                codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme, cpu_path)
             except NonFiniteWeight as e:
                 bad = members[e.member][e.index].source
                 raise FP8ConvertError(f"{bad.file}: tensor {bad.name} contains NaN or Inf; "

@@ -10,19 +10,14 @@ chunk is first copied into one of a small ring of pinned buffers, so host memory
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .errors import FP8ConvertError
-from .plan import Plan
+from ..errors import FP8ConvertError
+from ..plan.plan import Plan
 from .writeback import fsync_dir, start_writeback
-
-# Test-only: seconds to sleep before writing each tensor, so tests can kill or interrupt a run of a
-# tiny model at a chosen moment (tests/test_resume.py). Unset in normal use; never set it in production.
-TEST_DELAY_ENV = "FP8CONVERT_TEST_DELAY"
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -33,6 +28,9 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class ShardWriter:
+    """A context manager: leaving it waits for writes in flight and closes the files (a shard left
+    unfinished stays a partial file, which the next run rewrites)."""
+
     def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 16 << 20,
                  threads: int = 4):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
@@ -47,7 +45,6 @@ class ShardWriter:
         self.ring_size = threads + 1
         self.next_slot = 0
         self.stream = None
-        self.test_delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
 
     def partial_path(self, index: int) -> Path:
         return self.work_dir / (self.plan.shards[index].name + ".partial")
@@ -81,8 +78,6 @@ class ShardWriter:
         left = self.remaining[index].get(name, 0) - raw.numel()
         if at + raw.numel() > placed.nbytes or left < 0:
             raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, plan says {placed.nbytes} in all")
-        if self.test_delay:
-            time.sleep(self.test_delay)
         fd = self._fd(index)
         offset = len(shard.header) + placed.offset + at
         try:
@@ -148,9 +143,14 @@ class ShardWriter:
                                   "resume once the problem is fixed") from e
         del self.remaining[index]
 
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)  # no write may land after its file is closed
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
-

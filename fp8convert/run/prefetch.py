@@ -13,7 +13,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .safetensors_io import TensorInfo
+from ..safetensors_io import TensorInfo
+
+
+def default_threads() -> int:
+    """Prefetch reads cost CPU time too: a quarter of the cores, from 1 to 4 (4 is plenty for a disk)."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
@@ -28,6 +33,8 @@ def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
 
 
 class Prefetcher:
+    """A context manager: entering starts the reads, leaving stops them."""
+
     def __init__(self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8,
                  chunk_bytes: int = 16 << 20):
         self.root, self.window, self.chunk = Path(root), window_bytes, chunk_bytes
@@ -42,6 +49,12 @@ class Prefetcher:
     def start(self) -> "Prefetcher":
         self.thread.start()
         return self
+
+    def __enter__(self) -> "Prefetcher":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def advance(self, nbytes: int) -> None:
         """The reader consumed `nbytes` more, in the same order as the spans."""

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import yaml
 
-from . import __version__
-from .hub import looks_like_repo_id
-from .options import Options
-from .summary import NOT_FOR_TRANSFORMERS, describe, human
+from .._version import __version__
+from ..errors import FP8ConvertError
+from ..options import Options
+from ..plan.summary import describe, human
+from ..source.resolve import looks_like_repo_id
+from .manifest import Manifest
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
 COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
@@ -65,12 +67,8 @@ def _plan_info(plan) -> tuple[dict, dict]:
     """describe() of a Plan, plus what the reproduce command needs (user ignore patterns, shard size, revision)."""
     info = describe(plan, 1 << 30, "cpu")
     source = plan.source
-    revision = getattr(source, "revision", None)
-    root = Path(source.root)
-    if revision is None and root.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", root.name):
-        revision = root.name  # a huggingface_hub cache snapshot: the directory is the commit
     extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
-             "revision": revision if looks_like_repo_id(str(source.label)) else None}
+             "revision": source.revision if looks_like_repo_id(str(source.label)) else None}
     return info, extra
 
 
@@ -86,11 +84,11 @@ def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_pa
     return shlex.join(args)
 
 
-def transformers_support(fmt: str, scheme: str, warnings: list[str]) -> tuple[bool, str]:
-    """Whether transformers loads this combination (see the README's table), and why not."""
-    for w in warnings:
-        if NOT_FOR_TRANSFORMERS in w:
-            return False, w
+def transformers_support(fmt: str, scheme: str, cannot_load: str | None) -> tuple[bool, str]:
+    """Whether transformers loads this combination (see the README's table), and why not.
+    `cannot_load`: the plan's own reason (summary.transformers_verdict), when it has one."""
+    if cannot_load:
+        return False, cannot_load
     if fmt == "fp8" and scheme == "tensor":
         return False, "transformers has no per-tensor `weight_scale` path for the fp8 format"
     return True, ""
@@ -118,14 +116,28 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
                                      "max_shard_size": None, "revision": plan_or_info.get("revision")}
     else:
         info, extra = _plan_info(plan_or_info)
-    source, scheme, fmt = str(info["source"]), info["scheme"], info["format"]
-    source_meta, _ = split_front_matter(source_card_text)
+    source = str(info["source"])
     base_model = source if looks_like_repo_id(source) else None
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
         name = f"{name}-FP8"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
+    cmd = command or reproduce_command(source, where, info["scheme"], info["format"],
+                                       extra.get("ignore_patterns") or (), extra.get("max_shard_size"),
+                                       extra.get("revision"))
+    lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "",
+             introduction(source, base_model, extra.get("revision")), "",
+             *quantization_section(info), "", *kept_section(info)]
+    if verify:
+        lines += ["", *verification_section(verify)]
+    lines += ["", "## Reproduce", "", "```bash", cmd, "```", "", *use_section(info, where)]
+    lines += ["", TARGET_MARK.format(where)]
+    return "\n".join(lines).rstrip() + "\n"
 
+
+def front_matter(info: dict, base_model: str | None, source_card_text: str | None) -> str:
+    """The YAML header: the Hub links the repo to its base model and shows the source's license."""
+    source_meta, _ = split_front_matter(source_card_text)
     meta: dict = {}
     if base_model:
         meta["base_model"] = base_model
@@ -133,16 +145,21 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     for key in COPIED_FIELDS:
         if source_meta.get(key) not in (None, "", []):
             meta[key] = source_meta[key]
-    meta["tags"] = list(dict.fromkeys(["fp8", fmt, "fp8convert"]))
+    meta["tags"] = list(dict.fromkeys(["fp8", info["format"], "fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    return f"---\n{header}---"
 
+
+def introduction(source: str, base_model: str | None, revision: str | None) -> str:
     from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
-    revision = extra.get("revision")
-    lines = [f"---\n{header}---", "", f"# {name}", "",
-             f"FP8 (e4m3) weights of {from_text}" + (f" at commit `{revision[:12]}`" if revision else "")
-             + f", converted offline with fp8convert {__version__}. "
-             "Activations are quantized dynamically at run time, so no calibration data was used.", "",
-             "## Quantization", "",
+    return (f"FP8 (e4m3) weights of {from_text}" + (f" at commit `{revision[:12]}`" if revision else "")
+            + f", converted offline with fp8convert {__version__}. "
+            "Activations are quantized dynamically at run time, so no calibration data was used.")
+
+
+def quantization_section(info: dict) -> list[str]:
+    scheme, fmt = info["scheme"], info["format"]
+    lines = ["## Quantization", "",
              f"- Format: `{fmt}` (`quantization_config` in config.json)",
              f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}",
              f"- Activations: {ACTIVATIONS_TEXT.get((fmt, scheme), 'dynamic FP8')}"]
@@ -153,8 +170,12 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     if info.get("bytes_in") and info.get("bytes_out"):
         lines.append(f"- Checkpoint: {human(info['bytes_in'])} -> {human(info['bytes_out'])} "
                      f"({info['bytes_out'] / info['bytes_in']:.0%})")
+    return lines
+
+
+def kept_section(info: dict) -> list[str]:
     kept = info.get("kept") or {}
-    lines += ["", "### Kept in high precision", ""]
+    lines = ["### Kept in high precision", ""]
     if kept:
         lines += ["| reason | tensors | size |", "|---|---:|---:|"]
         lines += [f"| {reason} | {k['tensors']} | {human(k['bytes'])} |" for reason, k in kept.items()]
@@ -163,20 +184,18 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     lines.append(f"Engines skip the {len(ignore)} linear module(s) listed in the config's ignore list"
                  + (f" ({', '.join(f'`{m}`' for m in ignore[:8])}{', ...' if len(ignore) > 8 else ''})."
                     if ignore else "."))
+    return lines
 
-    if verify:
-        lines += ["", *verification_section(verify)]
 
-    cmd = command or reproduce_command(source, where, scheme, fmt, extra.get("ignore_patterns") or (),
-                                       extra.get("max_shard_size"), extra.get("revision"))
-    lines += ["", "## Reproduce", "", "```bash", cmd, "```",
-              "", "## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
-              "```bash", f"vllm serve {shlex.quote(where)}", "```"]
-    lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
-    ok, why = transformers_support(fmt, scheme, list(info.get("warnings") or []))
+def use_section(info: dict, where: str) -> list[str]:
+    """How to serve or load it: vLLM, SGLang, and transformers where it can."""
+    lines = ["## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
+             "```bash", f"vllm serve {shlex.quote(where)}", "```",
+             "", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
+    ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:
-        need = " (needs `pip install compressed-tensors`)" if fmt == "compressed-tensors" else ""
+        need = " (needs `pip install compressed-tensors`)" if info["format"] == "compressed-tensors" else ""
         lines += [f"Loads with transformers{need}; weights are dequantized on CPU.", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
                   f'model = AutoModelForCausalLM.from_pretrained({json.dumps(where)}, device_map="auto")', "```"]
@@ -185,8 +204,7 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     caveats = [w for w in info.get("warnings") or [] if w != why]
     if caveats:
         lines += ["", "Notes:", ""] + [f"- {w}" for w in caveats]
-    lines += ["", TARGET_MARK.format(where)]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 def verification_section(figures: dict) -> list[str]:
@@ -223,11 +241,10 @@ def retarget_card(text: str, repo_id: str) -> str:
 
 def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
     """A card for an output that has none (made before cards existed), from its manifest and config only."""
-    from .output import Manifest  # output imports this module
     out = Path(out)
     try:
-        manifest = json.loads(Manifest(out).path.read_text())
-    except (OSError, ValueError):
+        manifest = Manifest(out).read() or {}
+    except FP8ConvertError:
         manifest = {}
     config = json.loads((out / "config.json").read_text())
     qc = config.get("quantization_config") or {}
@@ -243,5 +260,5 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
     source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
             "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
-            "warnings": []}
+            "warnings": [], "transformers_cannot_load": None}
     return make_card(info, source_card, repo_id=repo_id)

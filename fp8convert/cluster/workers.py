@@ -12,15 +12,14 @@ Kubernetes indexed Jobs only with `--worker auto`, since an array also runs diff
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FP8ConvertError
-from .output import WORK_DIR
+from ..errors import FP8ConvertError
+from ..output.manifest import WORK_DIR
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
@@ -131,26 +130,6 @@ def resolve_worker(worker: "str | tuple[int, int] | WorkerSpec | None", env=None
     return parse_worker(worker)
 
 
-def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
-    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device). 'cpu' entries are allowed
-    (several CPU workers; mostly for tests). Bare 'cuda' is refused: say which GPU."""
-    items = devices.split(",") if isinstance(devices, str) else list(devices)
-    items = [d.strip() for d in items if d.strip()]
-    if items == ["all"]:
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count:
-            raise FP8ConvertError("--devices all: no CUDA device on this machine")
-        return [f"cuda:{i}" for i in range(count)]
-    if not items:
-        raise FP8ConvertError("--devices: empty list (examples: cuda:0,cuda:1 or all)")
-    for d in items:
-        kind, _, number = d.partition(":")
-        if not (d == "cpu" or (kind == "cuda" and number.isdigit())):
-            raise FP8ConvertError(f"--devices {d!r}: expected cuda:N (or cpu), or all")
-    return items
-
-
 def device_for(spec: WorkerSpec, device: str) -> str:
     """One process per GPU (torchrun, srun --gpus-per-task...): 'auto'/'cuda' becomes cuda:LOCAL_RANK."""
     if spec.local_rank is None or device not in ("auto", "cuda"):
@@ -231,37 +210,3 @@ def release_finalize(out_dir: Path, fd: int | None) -> None:
 
 def _claim_path(out_dir: Path) -> Path:
     return Path(out_dir) / WORK_DIR / CLAIM
-
-
-# ------------------------------------------------------------------ several devices on one machine
-
-def _device_worker(src, out, kwargs: dict):
-    """One --devices child (spawned): the same API call with its own worker slot and device."""
-    from . import api
-    return api.quantize(src, out, **kwargs)
-
-
-def run_on_devices(src, out, spec: WorkerSpec, devices: list[str], kwargs: dict) -> list:
-    """One spawned process per device, worker slot `spec` split between them; returns their Reports.
-    The children never finalize; the caller does once they all succeeded."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-    jobs = []
-    with ProcessPoolExecutor(len(devices), mp_context=ctx) as pool:
-        for part, device in enumerate(devices):
-            child = dict(kwargs, device=device, worker=spec.split(len(devices), part), devices=None,
-                         finalize_when_done=False, on_plan=None)
-            jobs.append((device, pool.submit(_device_worker, src, out, child)))
-        reports, errors = [], []
-        for device, job in jobs:
-            try:
-                reports.append(job.result())
-            except FP8ConvertError as e:
-                errors.append(f"worker on {device}: {e}")
-            except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
-                errors.append(f"worker on {device}: {type(e).__name__}: {e}")
-    if errors:
-        more = f" (and {len(errors) - 1} more worker(s) failed)" if len(errors) > 1 else ""
-        raise FP8ConvertError(errors[0] + more)
-    return reports

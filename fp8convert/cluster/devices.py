@@ -1,0 +1,61 @@
+"""--devices: one spawned worker process per device of this machine, splitting this worker's shards.
+
+A child gets the parent's Settings whole, with only its device and worker slot changed, so every option
+reaches it by construction. The children never finalize; the parent does once they all succeeded.
+"""
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from typing import Callable
+
+from ..errors import FP8ConvertError
+from ..options import Settings
+from .workers import WorkerSpec
+
+
+def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
+    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device). 'cpu' entries are allowed
+    (several CPU workers; mostly for tests). Bare 'cuda' is refused: say which GPU."""
+    items = devices.split(",") if isinstance(devices, str) else list(devices)
+    items = [d.strip() for d in items if d.strip()]
+    if items == ["all"]:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise FP8ConvertError("--devices all: no CUDA device on this machine")
+        return [f"cuda:{i}" for i in range(count)]
+    if not items:
+        raise FP8ConvertError("--devices: empty list (examples: cuda:0,cuda:1 or all)")
+    for d in items:
+        kind, _, number = d.partition(":")
+        if not (d == "cpu" or (kind == "cuda" and number.isdigit())):
+            raise FP8ConvertError(f"--devices {d!r}: expected cuda:N (or cpu), or all")
+    return items
+
+
+def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> list[Settings]:
+    """Each device's settings: its device, its part of worker `spec`'s shards, no finalize."""
+    return [replace(settings, device=device, devices=None, worker=spec.split(len(devices), part), finalize=False)
+            for part, device in enumerate(devices)]
+
+
+def run_on_devices(target: Callable, src: str, out: str, children: list[Settings]) -> list:
+    """target(src, out, settings) in one spawned process per child; returns their results (Reports).
+    `target` must be importable by name (spawned processes import it)."""
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    with ProcessPoolExecutor(len(children), mp_context=ctx) as pool:
+        jobs = [(child.device, pool.submit(target, src, out, child)) for child in children]
+        reports, errors = [], []
+        for device, job in jobs:
+            try:
+                reports.append(job.result())
+            except FP8ConvertError as e:
+                errors.append(f"worker on {device}: {e}")
+            except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
+                errors.append(f"worker on {device}: {type(e).__name__}: {e}")
+    if errors:
+        more = f" (and {len(errors) - 1} more worker(s) failed)" if len(errors) > 1 else ""
+        raise FP8ConvertError(errors[0] + more)
+    return reports

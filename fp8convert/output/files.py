@@ -1,0 +1,38 @@
+"""Small files written whole and atomically: never seen half-written, whenever the process dies."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write under a temporary name, fsync, rename. A failure (disk full) is one resumable error."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise FP8ConvertError(f"{path}: cannot write ({e.strerror}); rerun the same command to resume once "
+                              "the problem is fixed") from e
+
+
+def json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def read_json_object(path: Path) -> dict:
+    """A small JSON file written by fp8convert; {} when it is missing or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

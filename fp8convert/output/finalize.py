@@ -1,0 +1,182 @@
+"""The output directory: refusing to clobber, resuming, and finishing.
+
+An output is complete when config.json and the index exist (written last, after every shard was
+fsynced and renamed). A shard only ever gets its final name by an atomic rename after fsync, so a
+final-named shard of the planned size is finished: rerunning the same command (or another worker)
+skips it and continues with the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import FP8ConvertError, PlanMismatchError
+from ..plan.plan import Plan
+from ..run.writeback import fsync_dir
+from ..safetensors_io import INDEX_NAME, read_header
+from ..source.checkpoint import index_files, parse_index
+from .card import make_card, read_source_card
+from .files import json_bytes, write_atomic
+from .manifest import WORK_DIR, Manifest, plan_change, source_change
+
+
+def is_inside(child: Path, parent: Path) -> bool:
+    child, parent = child.resolve(), parent.resolve()
+    return child == parent or parent in child.parents
+
+
+def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False) -> tuple[set[int], bool]:
+    """Make OUT ready. Returns (indices of shards finished by an earlier run of this plan, complete?).
+    `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source."""
+    out_dir = Path(out_dir)
+    check_placement(plan, out_dir, streamed)
+    manifest = Manifest(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir):
+        state = manifest.read()
+        if overwrite:
+            clear_directory(out_dir)
+        elif state is None:
+            raise FP8ConvertError(f"{out_dir}: already holds files that fp8convert did not write; "
+                                  "choose an empty directory or pass --overwrite")
+        else:
+            check_same_conversion(state, plan, out_dir)
+            done = finished_shards(plan, out_dir)
+            return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
+                and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / WORK_DIR).mkdir(exist_ok=True)
+    except OSError as e:
+        raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
+    if not os.access(out_dir, os.W_OK):
+        raise FP8ConvertError(f"{out_dir}: not writable")
+    manifest.create(plan)
+    return set(), False
+
+
+def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:
+    src = plan.source.root
+    if not streamed and is_inside(out_dir, src):
+        raise FP8ConvertError(f"{out_dir}: the output must not be the source directory or inside it")
+    if not streamed and is_inside(src, out_dir):
+        raise FP8ConvertError(f"{out_dir}: the output must not contain the source directory {src}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
+
+
+def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
+    """OUT holds a run of this very conversion: same plan, and the same source bytes."""
+    if state.get("fingerprint") != plan.fingerprint:
+        raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan ({plan_change(state, plan)}); "
+                                "rerun the original command to resume it, or pass --overwrite to replace it")
+    changed = source_change(state, plan.source)
+    if changed:
+        raise PlanMismatchError(f"{out_dir}: holds a conversion of other source weights ({changed}); pass "
+                                "--overwrite to start again from the source as it is now")
+
+
+def killed_before_manifest(out_dir: Path) -> bool:
+    """OUT holds only the work directory, without a manifest: what a run killed before its manifest
+    existed leaves, or what a worker started a moment earlier has made so far (several workers start
+    together on an empty OUT). Such a directory is ours and empty in every way that matters."""
+    work = out_dir / WORK_DIR
+    return [p.name for p in out_dir.iterdir()] == [WORK_DIR] and work.is_dir() and not work.is_symlink() \
+        and not (work / "manifest.json").exists()
+
+
+def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
+    done = set()
+    for shard in plan.shards:
+        path = Path(out_dir) / shard.name
+        if path.is_file() and path.stat().st_size == shard.size:
+            done.add(shard.index)
+    return done
+
+
+def clear_directory(out_dir: Path) -> None:
+    for entry in out_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def finalize(plan: Plan, out_dir: Path) -> None:
+    """Copy side files, then write the card, the index and config.json last: their presence means complete."""
+    out_dir = Path(out_dir)
+    missing = [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]
+    if missing:
+        raise FP8ConvertError(f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
+                              f"{len(plan.shards)} shards); rerun the conversion to finish it")
+    for name in plan.source.copy_files:
+        write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
+    write_atomic(out_dir / "README.md", make_card(plan, read_source_card(plan.source.root)).encode())
+    write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
+    config = dict(plan.source.config)
+    config["quantization_config"] = plan.quantization_config()
+    write_atomic(out_dir / "config.json", json_bytes(config))
+    Manifest(out_dir).mark_complete(plan)
+    fsync_dir(out_dir)
+
+
+def index_of(plan: Plan) -> dict:
+    weight_map = {name: shard.name for shard in plan.shards for name in shard.tensors}
+    return {"metadata": {"total_size": sum(t.nbytes for s in plan.shards for t in s.tensors.values())},
+            "weight_map": dict(sorted(weight_map.items()))}
+
+
+def check_shards(the_plan: Plan, out_dir: Path) -> None:
+    """Every planned shard present, of the planned size, starting with the planned header bytes."""
+    out_dir = Path(out_dir)
+    missing = [s for s in the_plan.shards if not (out_dir / s.name).is_file()]
+    if missing:
+        raise FP8ConvertError(f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
+                              "shards); run the workers that own them (the same quantize command) first")
+    for shard in the_plan.shards:
+        path = out_dir / shard.name
+        size = path.stat().st_size
+        if size != shard.size:
+            raise FP8ConvertError(f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
+                                  "plan); remove it and rerun the quantize command to rewrite it")
+        with open(path, "rb") as f:
+            head = f.read(len(shard.header))
+        if head != shard.header:
+            raise FP8ConvertError(f"{path}: its header differs from the plan's (not written by this conversion); "
+                                  "remove it and rerun the quantize command to rewrite it")
+
+
+def check_output_complete(out: str | Path, action: str = "push") -> dict:
+    """Refuse anything but a finished conversion: manifest complete (when present), config.json with a
+    quantization_config, the index, and every shard it names present with the size its header implies.
+    Returns the output's config.json. `action` names what is refused ("push")."""
+    out = Path(out)
+    if not out.is_dir():
+        raise FP8ConvertError(f"{out}: no such output directory")
+    try:
+        state = Manifest(out).read()
+    except FP8ConvertError as e:
+        raise FP8ConvertError(f"{e}; refusing to {action}") from e
+    if state is not None and not state.get("complete"):
+        raise FP8ConvertError(f"{out}: the conversion is not complete (manifest says so); rerun the same "
+                              f"quantize command to finish it before you {action}")
+    for name in ("config.json", INDEX_NAME):
+        if not (out / name).is_file():
+            raise FP8ConvertError(f"{out}: no {name}, so the conversion is not complete; rerun the same quantize "
+                                  f"command to finish it before you {action}")
+    try:
+        config = json.loads((out / "config.json").read_text())
+        shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))
+    except ValueError as e:
+        raise FP8ConvertError(f"{out}/config.json: unreadable ({e}); refusing to {action}") from e
+    if not isinstance(config, dict) or "quantization_config" not in config:
+        raise FP8ConvertError(f"{out}/config.json: has no quantization_config; not an FP8 output")
+    for name in shards:
+        if not (out / name).is_file():
+            raise FP8ConvertError(f"{out / name}: missing (the index names it); refusing to {action}")
+        try:
+            read_header(str(out / name), name)  # a truncated or padded shard fails here
+        except FP8ConvertError as e:
+            raise FP8ConvertError(f"{out}: {e}; refusing to {action}") from e
+    return config

@@ -1,0 +1,149 @@
+"""OUT/.fp8convert/manifest.json: what this output is a conversion of, so a rerun can resume it, a
+worker can join it and `finalize` can rebuild its plan. This module is its one reader and writer.
+
+It records the plan's fingerprint (same fingerprint, same bytes), what `finalize_output` needs to rebuild
+the plan (source, scheme, format, ignore patterns, shard size), the identity of the source's bytes (a Hub
+commit, or each local shard's size and modification time: the fingerprint covers names, shapes and
+offsets, not values) and whether the output is complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from .._version import __version__
+from ..errors import FP8ConvertError, PlanMismatchError
+from ..plan.plan import Plan
+from ..run.writeback import fsync_dir
+from ..source.checkpoint import Source
+from .files import json_bytes, write_atomic
+
+WORK_DIR = ".fp8convert"      # OUT's work folder: never uploaded, never part of the result
+MANIFEST = "manifest.json"
+DOWNLOAD_DIR = "download"     # in the work folder: source shards of --stream-download
+
+
+class Manifest:
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / WORK_DIR / MANIFEST
+
+    def read(self) -> dict | None:
+        """The recorded state; None when there is no manifest; an error naming the file when it is
+        unreadable."""
+        try:
+            state = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise FP8ConvertError(f"{self.path}: unreadable ({e}); remove it or pass --overwrite") from e
+        if not isinstance(state, dict):
+            raise FP8ConvertError(f"{self.path}: not a JSON object; remove it or pass --overwrite")
+        return state
+
+    def write(self, data: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, json_bytes(data))
+
+    def create(self, plan: Plan) -> None:
+        """The manifest of a new output. Workers started together on an empty OUT all get here: each
+        writes its own temporary file and renames it into place (same plan, same bytes: whichever lands
+        last is the same manifest), checks that the manifest in place records its plan, and removes
+        temporary files left by runs killed before their rename. A worker whose temporary file another
+        removed that way finds the other's manifest in place."""
+        path = self.path
+        tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            for _ in range(3):
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(json_bytes(new_manifest(plan)))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                    break
+                except FileNotFoundError:
+                    if path.is_file():
+                        break
+            fsync_dir(path.parent)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
+        if (self.read() or {}).get("fingerprint") != plan.fingerprint:
+            raise PlanMismatchError(f"{path.parent.parent}: another run started a conversion with a different "
+                                    "plan in it at the same time")
+        for leftover in path.parent.glob(f".{MANIFEST}*.tmp"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+    def mark_complete(self, plan: Plan) -> None:
+        state = self.read() or new_manifest(plan)
+        state["complete"] = True
+        self.write(state)
+
+    def is_complete(self) -> bool:
+        return bool((self.read() or {}).get("complete"))
+
+
+def is_local(source: Source) -> bool:
+    """A directory the user named (not a Hub repo, not a download of one)."""
+    return source.revision is None
+
+
+def source_identity(source: Source) -> dict:
+    """What says the source's bytes are the ones a recorded run read: its Hub commit, or each shard's
+    size and modification time."""
+    if not is_local(source):
+        return {"revision": source.revision}
+    files = {}
+    for name in source.files:
+        try:
+            st = os.stat(Path(source.root) / name)
+            files[name] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            files[name] = None
+    return {"files": files}
+
+
+def new_manifest(plan: Plan) -> dict:
+    source = plan.source
+    return {"tool": "fp8convert", "version": __version__, "fingerprint": plan.fingerprint, "source": source.label,
+            "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
+            "revision": source.revision, "source_files": source_identity(source).get("files"),
+            "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
+            "max_shard_size": plan.options.max_shard_size, "shards": len(plan.shards), "complete": False}
+
+
+def plan_change(state: dict, plan: Plan) -> str:
+    """What differs between the recorded run and this one, as far as the manifest can tell."""
+    now = new_manifest(plan)
+    names = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
+             "max_shard_size": "--max-shard-size", "version": "fp8convert version"}
+    diffs = [f"{names[key]} was {state.get(key)!r}, now {now[key]!r}" for key in names
+             if key in state and state.get(key) != now[key]]
+    return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"
+
+
+def source_change(state: dict, source: Source) -> str | None:
+    """How the source's bytes differ from what the recorded run read, or None when they do not (or the
+    manifest predates the record)."""
+    now = source_identity(source)
+    if "revision" in now:
+        was = state.get("revision")
+        if was and was != now["revision"]:
+            return f"{source.label} is now at commit {now['revision'][:12]}, the output was started from {was[:12]}"
+        return None
+    recorded = state.get("source_files")
+    if not recorded:
+        return None
+    for name, stat in now["files"].items():
+        if recorded.get(name) != stat:
+            if stat is None:
+                return f"{Path(source.root) / name} is gone"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stat[1] / 1e9))
+            return f"{Path(source.root) / name} changed since the output was started (modified {when})"
+    return None

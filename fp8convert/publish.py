@@ -1,0 +1,52 @@
+"""push: publish a complete output on the Hugging Face Hub, with its model card (never `.fp8convert/`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import FP8ConvertError
+from .output.card import card_from_output, retarget_card
+from .output.finalize import check_output_complete
+from .output.manifest import WORK_DIR
+from .source.hub import CARD_NAME, hub_error
+from .source.resolve import REPO_ID
+
+UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
+
+
+def push(out: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+         commit_message: str | None = None, token: str | None = None) -> str:
+    """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL.
+
+    Uses huggingface_hub's `upload_folder`, which (with hf_xet) uploads in resumable batched commits:
+    rerunning an interrupted push skips what already arrived. `.fp8convert/` is never uploaded. A
+    model card is generated first if OUT has none (a generated one is re-pointed at `repo_id`).
+    Top-level `*.safetensors` on the remote that this output lacks (an earlier push with other
+    sharding) are deleted in the same upload."""
+    from huggingface_hub import HfApi
+    out = Path(out)
+    if not REPO_ID.match(repo_id):
+        raise FP8ConvertError(f"{repo_id}: not a Hub repo id (owner/name)")
+    config = check_output_complete(out, "push")
+    card_path = out / CARD_NAME
+    if card_path.is_file():  # a generated card's examples should name the repo, not the local directory
+        text = card_path.read_text(encoding="utf-8")
+        if retarget_card(text, repo_id) != text:
+            card_path.write_text(retarget_card(text, repo_id), encoding="utf-8")
+    else:
+        card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
+    qc = config.get("quantization_config") or {}
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        # Top-level shards of an earlier push with other sharding would sit beside the new ones.
+        stale = [f for f in api.list_repo_files(repo_id, revision=revision)
+                 if "/" not in f and f.endswith(".safetensors") and not (out / f).is_file()]
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(out), revision=revision,
+            commit_message=commit_message or f"FP8 checkpoint ({qc.get('quant_method', 'fp8')}) made with fp8convert",
+            ignore_patterns=list(UPLOAD_IGNORE), delete_patterns=stale or None)
+    except Exception as e:
+        raise hub_error(repo_id, e, revision) from e
+    return getattr(info, "commit_url", None) or str(info)

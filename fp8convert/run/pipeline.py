@@ -1,0 +1,238 @@
+"""The run: read the next batch while the previous one is written; quantize in between.
+
+Three threads with hand-offs of one batch each. Quantizing is fast next to the disk (on a GPU), so
+the disk is what stays busy: reads of batch i+1 overlap writes of batch i, and the page-cache
+prefetcher keeps reading ahead of both. The device holds at most the batch being read plus
+the outputs of the batch being written (a batch is quantized only once the previous one is written),
+so device memory stays under about 1.5x the largest batch. On CUDA, host memory is only the readers'
+and the writer's fixed pinned chunks; on the CPU the batches themselves live there.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..plan.batches import Batch, make_batches
+from ..plan.plan import Plan, Unit
+from .device import budget_for, io_threads, resolve_device
+from .progress import Progress
+from .quantizer import quantize_batch, read_order
+from .reader import BatchReader
+from .writer import ShardWriter
+
+POLL_S = 0.1  # every wait in the reader and writer threads wakes this often to check for a stop
+
+
+@dataclass
+class StageSeconds:
+    """Where the main thread's time went: waiting for reads, quantizing, waiting for writes."""
+
+    wait_read: float = 0.0
+    quantize: float = 0.0
+    wait_write: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 3) for k, v in vars(self).items()}
+
+
+@dataclass
+class RunResult:
+    stage_seconds: dict
+    device: str
+    peak_device_bytes: int | None
+
+
+def convert(plan: Plan, units: list[Unit], out_dir: Path, work_dir: Path, skip_shards: set[int], device: str,
+            max_resident: int | None, fetcher, *, progress: bool = False, read_threads: int | None = None,
+            on_read: Callable[[int], None] = lambda nbytes: None, started: float | None = None,
+            tag: str = "") -> RunResult:
+    """Write the shards of `units` (all but `skip_shards`) into `out_dir`: the part of a conversion that
+    needs torch. `fetcher` brings streamed source shards (a do-nothing one for files already on disk);
+    `on_read(nbytes)` is told after each batch is read (the prefetcher's pace)."""
+    started = time.monotonic() if started is None else started
+    dev = resolve_device(device)
+    torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
+    torch_ready = time.monotonic()
+    batches = make_batches(units, budget_for(dev, max_resident))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    readers, writers = io_threads(dev.type)
+    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {plan.source.label}{tag}", enabled=progress,
+                   plain=bool(tag))
+    with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
+            ShardWriter(plan, out_dir, work_dir, skip_shards, threads=writers) as writer, \
+            contextlib.closing(bar):
+        stages = Pipeline(batches, reader, writer, plan.options.scheme, dev, bar, fetcher, on_read).run()
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    seconds = {"torch_ready_at": round(torch_ready - started, 3), **stages.as_dict(),
+               "pipeline": round(time.monotonic() - torch_ready, 3)}
+    return RunResult(seconds, str(dev), peak)
+
+
+class _Failed:
+    """A reader-thread failure, handed to the main thread, which raises it."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def last_use(uses_left: Counter, files: list[str]) -> list[str]:
+    """Count one more use of each file; the files no later batch uses."""
+    uses_left.subtract(files)
+    return [f for f in files if not uses_left[f]]
+
+
+class Pipeline:
+    """One run over `batches`: a reader thread, the main thread quantizing, a writer thread.
+
+    Hand-offs hold one batch each: the reader reads batch i+1 while the main thread quantizes batch i
+    (it may, once the writer has written batch i-1) and the writer writes it. Files no later batch reads
+    are released as soon as the batches reading them are written (a streamed source deletes them)."""
+
+    def __init__(self, batches: list[Batch], reader: BatchReader, writer: ShardWriter, scheme: str,
+                 device: torch.device, progress, fetcher, on_read: Callable[[int], None]):
+        self.batches, self.reader, self.writer, self.scheme, self.device = batches, reader, writer, scheme, device
+        self.progress, self.fetcher, self.on_read = progress, fetcher, on_read
+        self.seconds = StageSeconds()
+        self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
+        self.writes_left = self.reads_left.copy()                             # the writer's count
+        self.to_main: queue.Queue = queue.Queue(maxsize=1)
+        self.to_writer: queue.Queue = queue.Queue(maxsize=1)
+        self.read_slot = threading.Semaphore(1)   # one batch being read into device memory at a time
+        self.write_slot = threading.Semaphore(1)  # quantize only once the previous batch is written
+        self.stop = threading.Event()
+        self.writer_error: list[BaseException] = []
+
+    def run(self) -> StageSeconds:
+        threads = [threading.Thread(target=self._read_loop, name="fp8convert-reader", daemon=True),
+                   threading.Thread(target=self._write_loop, name="fp8convert-writer", daemon=True)]
+        for th in threads:
+            th.start()
+        try:
+            while (item := self._next_read()) is not None:
+                batch, buf, offsets = item
+                del item  # the buffer must be freed as soon as the batch is quantized
+                outputs = self._quantize(batch, buf, offsets)
+                del buf
+                self.read_slot.release()
+                self.to_writer.put((batch, outputs))
+            self._wait_for_writer()  # the last batch is written
+            return self.seconds
+        finally:
+            self._shut_down(threads)
+
+    # -- main thread
+
+    def _next_read(self):
+        """The next read batch (batch, buffer, offsets), or None after the last one."""
+        t0 = time.monotonic()
+        while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
+            try:
+                item = self.to_main.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                self._raise_writer_error()
+        self.seconds.wait_read += time.monotonic() - t0
+        if isinstance(item, _Failed):
+            raise item.error
+        return item
+
+    def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int]) -> list:
+        self._wait_for_writer()
+        t0 = time.monotonic()
+        outputs = quantize_batch(batch, buf, offsets, self.scheme)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # outputs ready before another stream reads them
+        self.seconds.quantize += time.monotonic() - t0
+        if any(t.quantize for t in batch.tensors):  # else the outputs are views of buf
+            self.reader.recycle(buf)
+        return outputs
+
+    def _wait_for_writer(self) -> None:
+        t0 = time.monotonic()
+        self.write_slot.acquire()
+        self.seconds.wait_write += time.monotonic() - t0
+        self._raise_writer_error()
+
+    def _raise_writer_error(self) -> None:
+        if self.writer_error:
+            raise self.writer_error[0]
+
+    def _shut_down(self, threads: list[threading.Thread]) -> None:
+        # Every wait in the other threads times out and checks `stop`, so they end even if an interrupt
+        # landed inside a queue operation and a notification was lost; the writer finishes the tensor
+        # it is writing and then stops (a partial shard is rewritten by the next run).
+        self.stop.set()
+        with contextlib.suppress(queue.Full):
+            self.to_writer.put_nowait(None)
+        for th in threads:
+            th.join()
+
+    # -- reader thread
+
+    def _read_loop(self) -> None:
+        try:
+            for batch in self.batches:
+                while not self.read_slot.acquire(timeout=POLL_S):
+                    if self.stop.is_set():
+                        return
+                self.fetcher.need(batch.files)
+                item = (batch, *self.reader.read([t.source for t in read_order(batch)]))
+                self.fetcher.done_reading(last_use(self.reads_left, batch.files))
+                self.on_read(batch.in_bytes)
+                if self.stop.is_set() or not self._hand_to_main(item):
+                    return
+                del item
+            self._hand_to_main(None)
+        except BaseException as e:  # handed to the main thread, which raises it
+            self._hand_to_main(_Failed(e))
+
+    def _hand_to_main(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.to_main.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- writer thread
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                item = self.to_writer.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.stop.is_set():  # the run ended (or was interrupted) and nothing is left to write
+                    return
+                continue
+            if item is None or self.stop.is_set():  # stop is set early only by a failure or an interrupt
+                return
+            try:
+                batch, outputs = item
+                del item
+                self._write(outputs)
+                self.progress.advance(batch.in_bytes, batch.label)
+                finished = last_use(self.writes_left, batch.files)  # source files no later batch reads
+                if finished:
+                    self.reader.forget(finished)
+                    self.fetcher.release(finished)
+            except BaseException as e:
+                self.writer_error.append(e)
+                self.stop.set()
+            finally:
+                self.write_slot.release()
+
+    def _write(self, outputs: list) -> None:
+        while outputs:  # drop each output as soon as it is written: device memory is freed early
+            name, tensor, at = outputs.pop(0)
+            self.writer.write(name, tensor, at)
+            del tensor

@@ -1,0 +1,316 @@
+"""A source on the Hugging Face Hub.
+
+A repo id resolves to one commit, then either
+  * `remote_source`: a Source built from the shards' safetensors headers read with HTTP Range requests
+    (planning and `inspect` download no weights), or
+  * `download_source`: just the files a conversion needs, into the shared huggingface_hub cache
+    (resumable: a rerun re-uses every finished file and resumes a partial one), or
+  * `streaming.streaming_source`: the remote Source plus a fetcher that keeps only a few shards on
+    disk at a time, for models larger than the free disk.
+
+Every huggingface_hub or network failure becomes one FP8ConvertError line that names the repo.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
+from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
+                         refuse_pickle_only, refuse_quantized)
+from .local import open_local
+
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+CARD_NAME = "README.md"
+FIRST_HEADER_READ = 100_000         # one Range request covers most headers (huggingface_hub does the same)
+PARALLEL_REQUESTS = 8
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def hub_error(repo_id: str, error: Exception, revision: str | None = None) -> FP8ConvertError:
+    """One clear line for any huggingface_hub / network failure."""
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    if isinstance(error, FP8ConvertError):
+        return error
+    if isinstance(error, GatedRepoError):
+        return FP8ConvertError(f"{repo_id}: gated repository; accept its terms on the Hub and log in "
+                               "(hf auth login, or set HF_TOKEN)")
+    if isinstance(error, RepositoryNotFoundError):
+        return FP8ConvertError(f"{repo_id}: repository not found (or private: log in or set HF_TOKEN)")
+    if isinstance(error, RevisionNotFoundError):
+        return FP8ConvertError(f"{repo_id}: revision {revision or ''} not found".replace("  ", " "))
+    if isinstance(error, RemoteEntryNotFoundError):
+        return FP8ConvertError(f"{repo_id}: file not found on the Hub ({_first_line(error)})")
+    if isinstance(error, OfflineModeIsEnabled):
+        return FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set, so the Hub cannot be reached")
+    if isinstance(error, LocalEntryNotFoundError):
+        return FP8ConvertError(f"{repo_id}: cannot reach the Hub (network error) and no cached copy; "
+                               "check the connection and rerun (finished downloads are kept)")
+    if isinstance(error, HfHubHTTPError):
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if status == 401:
+            return FP8ConvertError(f"{repo_id}: the Hub refused the credentials (401); check HF_TOKEN or "
+                                   "run hf auth login")
+        if status == 403:
+            return FP8ConvertError(f"{repo_id}: access denied (403); the token may lack write or read "
+                                   f"permission ({_first_line(error)})")
+        return FP8ConvertError(f"{repo_id}: Hub request failed ({_first_line(error)})")
+    if isinstance(error, (OSError, ConnectionError)) or type(error).__module__.startswith(("httpx", "httpcore")):
+        return FP8ConvertError(f"{repo_id}: network error talking to the Hub ({type(error).__name__}: "
+                               f"{_first_line(error)}); rerun to resume (finished downloads are kept)")
+    return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {_first_line(error)})")
+
+
+# ----------------------------------------------------------------------------------- the source repo
+
+
+@dataclass
+class RemoteRepo:
+    """A repo pinned to one commit: every later request uses `sha`, so a push to the branch in the
+    middle of a conversion cannot mix files from two commits."""
+
+    repo_id: str
+    sha: str
+    sizes: dict[str, int]             # every file of the commit -> size in bytes
+    token: str | None = None
+    cache_dir: str | None = None
+    revision: str | None = None       # what the user asked for (branch, tag, commit), for messages
+
+    def call(self, fn, *args, **kwargs):
+        """Run a huggingface_hub call; any failure becomes one FP8ConvertError line naming the repo."""
+        try:
+            return fn(*args, **kwargs)
+        except FP8ConvertError:
+            raise
+        except Exception as e:  # huggingface_hub, httpx and OS errors alike
+            raise hub_error(self.repo_id, e, self.revision) from e
+
+    def download(self, filename: str, local_dir: Path | None = None) -> Path:
+        """One file at the pinned commit: into the shared cache, or into `local_dir`. Resumes partial files."""
+        from huggingface_hub import hf_hub_download
+        path = Path(self.call(hf_hub_download, self.repo_id, filename, revision=self.sha, token=self.token,
+                              cache_dir=self.cache_dir, local_dir=str(local_dir) if local_dir else None))
+        if filename in self.sizes and self.sizes[filename] is not None and path.stat().st_size != self.sizes[filename]:
+            raise FP8ConvertError(f"{self.repo_id}: {filename} arrived with {path.stat().st_size} bytes, the Hub "
+                                  f"lists {self.sizes[filename]}; rerun to fetch it again")
+        return path
+
+
+def resolve_repo(repo_id: str, revision: str | None = None, token: str | None = None,
+                 cache_dir: str | None = None) -> RemoteRepo:
+    """The commit `revision` points to, and the size of every file in it (one API call)."""
+    from huggingface_hub import HfApi
+    probe = RemoteRepo(repo_id, "", {}, token, cache_dir, revision)
+    info = probe.call(HfApi(token=token).model_info, repo_id, revision=revision, files_metadata=True)
+    sizes = {s.rfilename: s.size for s in (info.siblings or [])}
+    return RemoteRepo(repo_id, info.sha, sizes, token, cache_dir, revision)
+
+
+@dataclass
+class RemoteLayout:
+    """Which files of a repo a conversion needs, decided from the listing (and the small index) alone."""
+
+    shards: list[str]
+    index_map: dict[str, str] | None
+    side_files: list[str]             # copied into the output (tokenizer, chat template, .py, ...)
+    card: str | None                  # the source's README.md, read for the model card
+
+
+def remote_layout(repo: RemoteRepo) -> RemoteLayout:
+    """Refuse unusable repos (no config, pickle only, index naming absent shards) before any big download."""
+    where = f"{repo.repo_id}@{repo.revision}" if repo.revision else repo.repo_id
+    if "config.json" not in repo.sizes:
+        raise FP8ConvertError(f"{where}: no config.json in the repository; fp8convert needs the model's config")
+    index_map = None
+    if INDEX_NAME in repo.sizes:
+        index_map = parse_index(repo.download(INDEX_NAME).read_bytes(), f"{where}: {INDEX_NAME}")
+        shards = index_files(index_map)
+        missing = [s for s in shards if s not in repo.sizes]
+        if missing:
+            raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
+    else:
+        shards = sorted(n for n in repo.sizes if n.endswith(".safetensors") and "/" not in n)
+    if not shards:
+        refuse_pickle_only(list(repo.sizes), where)
+    side = sorted(n for n in repo.sizes if is_copied_file(n))
+    return RemoteLayout(shards, index_map, side, CARD_NAME if CARD_NAME in repo.sizes else None)
+
+
+def _read_range(url: str, headers: dict, start: int, length: int, timeout: float | None) -> bytes:
+    """`length` bytes from `start` with one Range request; streams and stops early if the server
+    ignores the Range header, so a weight file is never read in full."""
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+    with get_session().stream("GET", url, headers={**headers, "Range": f"bytes={start}-{start + length - 1}"},
+                              timeout=timeout) as response:
+        if response.status_code >= 400:
+            response.read()
+            hf_raise_for_status(response)
+        skip = start if response.status_code == 200 else 0
+        out = bytearray()
+        for chunk in response.iter_bytes():
+            if skip:
+                dropped = min(skip, len(chunk))
+                chunk, skip = chunk[dropped:], skip - dropped
+            out += chunk
+            if len(out) >= length:
+                break
+        return bytes(out[:length])
+
+
+def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """One shard's safetensors header over HTTP Range requests, validated exactly as a local one
+    (offsets absolute: 8 + header length + data_offsets begin; the file size from the repo listing)."""
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+    url = hf_hub_url(repo.repo_id, filename, revision=repo.sha)
+    headers = build_hf_headers(token=repo.token)
+    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    size = repo.sizes.get(filename)
+    if size is not None and size < 8:
+        raise FP8ConvertError(f"{filename}: not a safetensors file ({size} bytes)")
+    first = repo.call(_read_range, url, headers, 0, FIRST_HEADER_READ if size is None else min(size, FIRST_HEADER_READ),
+                      timeout)
+    header_len = header_length(first, size, filename)
+    raw = first[8:8 + header_len]
+    if len(raw) < header_len:
+        raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
+    return parse_header(decode_header(raw, filename), filename, data_start=8 + header_len, file_size=size)
+
+
+def _snapshot_dir(repo: RemoteRepo) -> Path:
+    """Where the shared cache keeps this commit's files (download_source's root)."""
+    return repo.download("config.json").parent
+
+
+def source_from_repo(repo: RemoteRepo, layout: RemoteLayout, root: Path) -> Source:
+    config = load_config(repo.download("config.json").parent)
+    headers = dict(zip(layout.shards, parallel(lambda f: remote_header(repo, f)[0], layout.shards)))
+    tensors = collect_tensors(headers, layout.index_map, repo.repo_id)
+    refuse_quantized(config, tensors, repo.repo_id)
+    return Source(Path(root), list(layout.shards), tensors, config, list(layout.side_files), repo.repo_id,
+                  revision=repo.sha)
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def offline_source(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Source | None:
+    """With HF_HUB_OFFLINE set: the cached snapshot of an earlier download (None when online). The
+    snapshot directory's name is its commit."""
+    from huggingface_hub import snapshot_download
+    if not hub_offline():
+        return None
+    probe = RemoteRepo(repo_id, "", {}, None, cache_dir, revision)
+    root = Path(probe.call(snapshot_download, repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+    return open_local(root, label=repo_id, revision=root.name)
+
+
+def remote_source(repo_id: str, revision: str | None = None, token: str | None = None,
+                  root: str | Path | None = None, cache_dir: str | None = None) -> Source:
+    """A Source from the Hub without downloading weights: the repo listing, config.json and the
+    index (small files, into the cache) and each shard's header (Range requests). `root` is where the
+    files would be downloaded: by default the cache snapshot that `download_source` fills.
+    Offline (HF_HUB_OFFLINE), the cached snapshot of an earlier download is read instead."""
+    cached = offline_source(repo_id, revision, cache_dir)
+    if cached is not None:
+        return cached
+    repo = resolve_repo(repo_id, revision, token, cache_dir)
+    layout = remote_layout(repo)
+    return source_from_repo(repo, layout, Path(root) if root is not None else _snapshot_dir(repo))
+
+
+def download_source(repo_id: str, revision: str | None = None, token: str | None = None,
+                    cache_dir: str | None = None) -> Source:
+    """Download config, index, the shards the index names (or the top-level safetensors), the side
+    files and README.md into the huggingface_hub cache; the Source read from that snapshot.
+
+    Nothing else is fetched (no .bin, no original/ folder). Offline (HF_HUB_OFFLINE), the cached
+    snapshot of an earlier download is used as it is."""
+    cached = offline_source(repo_id, revision, cache_dir)
+    if cached is not None:
+        return cached
+    repo = resolve_repo(repo_id, revision, token, cache_dir)
+    layout = remote_layout(repo)
+    root = _fetch(repo, layout, layout.shards)
+    _remember_ref(root, repo)
+    return open_local(root, label=repo_id, revision=repo.sha)
+
+
+def fetch_from_hub(source: Source, shards: list[str], token: str | None) -> None:
+    """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
+    and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
+    there is nothing to fetch."""
+    if source.revision is None or hub_offline():
+        return
+    repo = resolve_repo(source.label, source.revision, token)
+    _fetch(repo, remote_layout(repo), shards)
+
+
+def _fetch(repo: RemoteRepo, layout: RemoteLayout, shards: list[str]) -> Path:
+    """The small files (config, index, card, side files), then `shards`, into the cache snapshot; returns
+    it. Files the cache already holds for this commit cost no request, so a rerun re-uses them; a
+    partial one resumes, since the cache keeps `.incomplete` blobs."""
+    small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
+    for name in dict.fromkeys(small):
+        repo.download(name)
+    parallel(repo.download, sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)))  # biggest first
+    return _snapshot_dir(repo)
+
+
+def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
+    """fn over items on daemon threads, results in order. The first failure stops handing out items
+    and is raised; Ctrl-C returns at once (a thread pool would wait for every download in flight,
+    whose partial files a rerun resumes anyway)."""
+    items = list(items)
+    results: list = [None] * len(items)
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+    cursor = iter(range(len(items)))
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if failed else next(cursor, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:
+                with lock:
+                    failed.append(e)
+
+    threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True)
+               for _ in range(max(1, min(workers, len(items))))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        while th.is_alive():
+            th.join(timeout=0.2)
+    if failed:
+        raise failed[0]
+    return results
+
+
+def _remember_ref(snapshot: Path, repo: RemoteRepo) -> None:
+    """Record branch -> commit in the cache as huggingface_hub does (refs/<branch>), so an offline rerun
+    finds this snapshot: the files were fetched by commit, which records no ref."""
+    ref = repo.revision or "main"
+    if COMMIT_SHA.match(ref) or snapshot.parent.name != "snapshots":
+        return
+    path = snapshot.parent.parent / "refs" / ref
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(repo.sha)
+    except OSError:
+        pass  # only offline reruns need it

@@ -1,0 +1,39 @@
+"""A checkpoint in a local directory: its layout from the index (or the top-level safetensors files) and
+every shard's header."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+from ..safetensors_io import INDEX_NAME, read_header
+from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
+                         refuse_pickle_only, refuse_quantized)
+
+
+def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
+    """Read a local checkpoint's layout: headers of every shard, config, files to copy. `revision`: the
+    Hub commit, when the directory is a downloaded snapshot."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
+    listing = sorted(os.listdir(root))
+    index_map = None
+    if (root / INDEX_NAME).is_file():
+        index_map = parse_index((root / INDEX_NAME).read_bytes(), str(root / INDEX_NAME))
+        shards = index_files(index_map)
+    else:
+        shards = [n for n in listing if n.endswith(".safetensors")]
+    if not shards:
+        refuse_pickle_only(listing, str(root))
+    config = load_config(root)
+    headers = {}
+    for name in shards:
+        path = root / name
+        if not path.is_file():
+            raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
+        headers[name], _ = read_header(str(path), name)
+    tensors = collect_tensors(headers, index_map, str(root))
+    refuse_quantized(config, tensors, str(root))
+    copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
+    return Source(root, shards, tensors, config, copy, label or str(root), revision)
