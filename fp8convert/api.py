@@ -24,6 +24,7 @@ from .errors import FP8ConvertError, PlanMismatchError
 from .options import Options, Settings
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
+from .output.ownership import replace_advice
 from .plan.plan import Plan, Unit, build_plan
 from .plan.summary import compatibility_warnings
 from .run.prefetch import Prefetcher, default_threads
@@ -308,11 +309,12 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
     the_plan = _plan_from_manifest(state, token)
     if the_plan.fingerprint != state["fingerprint"]:
         raise PlanMismatchError(f"{out_dir}: the source no longer gives the plan the workers used "
-                                f"({plan_change(state, the_plan)}); rerun the conversion with --overwrite")
+                                f"({plan_change(state, the_plan)}); "
+                                + replace_advice(out_dir, "rerun the conversion with --overwrite"))
     changed = source_change(state, the_plan.source)
     if changed:
-        raise PlanMismatchError(f"{out_dir}: the source changed since the workers read it ({changed}); rerun the "
-                                "conversion with --overwrite")
+        raise PlanMismatchError(f"{out_dir}: the source changed since the workers read it ({changed}); "
+                                + replace_advice(out_dir, "rerun the conversion with --overwrite"))
     check_shards(the_plan, out_dir)
     finalize(the_plan, out_dir)
     workers.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing

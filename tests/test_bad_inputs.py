@@ -320,16 +320,74 @@ def test_out_containing_src_is_refused(tmp_path, capsys):
     assert tree_bytes(tmp_path / "out") == before  # --overwrite did not clear the source away
 
 
-def test_out_with_unrelated_files_needs_overwrite(tmp_path, capsys):
+def test_out_with_unrelated_files_is_refused_even_with_overwrite(tmp_path, capsys):
+    """`--overwrite` replaces only what fp8convert wrote: a folder of the user's own files is refused
+    with or without it, naming a few of them, never suggesting --overwrite, and nothing is deleted."""
     src = write_checkpoint(tmp_path / "src")
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
-    line = assert_refused(rc, err, out, str(out), "--overwrite", preflight=False)
-    assert "did not write" in line and tree_bytes(out) == {"notes.txt": b"mine"}
-    assert run_cli(capsys, "quantize", src, out, "-q", "--overwrite")[0] == 0
-    assert looks_complete(out) and not (out / "notes.txt").exists()
+    line = assert_refused(rc, err, out, str(out), "notes.txt", "did not write", preflight=False)
+    assert "pass --overwrite" not in line and tree_bytes(out) == {"notes.txt": b"mine"}
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--overwrite")
+    line = assert_refused(rc, err, out, str(out), "notes.txt", preflight=False)
+    assert "pass --overwrite" not in line and tree_bytes(out) == {"notes.txt": b"mine"}
+
+
+def test_overwrite_in_the_current_folder_keeps_the_users_work(tmp_path, capsys, monkeypatch):
+    """The reported loss: `quantize SRC . --overwrite` run in a project folder deleted mywork.py and a
+    sub-project. Now refused, naming them; every byte stays."""
+    src = write_checkpoint(tmp_path / "src")
+    work = tmp_path / "project"
+    (work / "subproject" / "pkg").mkdir(parents=True)
+    (work / "mywork.py").write_text("print('mine')\n")
+    (work / "subproject" / "pkg" / "code.py").write_text("x = 1\n")
+    for n in range(4):
+        (work / f"data{n}.csv").write_text(str(n))
+    before = tree_bytes(work)
+    monkeypatch.chdir(work)
+    rc, err = run_cli(capsys, "quantize", src, ".", "-q", "--overwrite")
+    line = assert_refused(rc, err, work, "did not write", "and 3 more", preflight=False)
+    assert "data0.csv" in line and "pass --overwrite" not in line
+    assert tree_bytes(work) == before
+
+
+def test_overwrite_replaces_an_earlier_output_but_not_files_added_to_it(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0
+    first = tree_bytes(out)
+    # an output of fp8convert's own (a folder with its manifest) is replaced
+    assert run_cli(capsys, "quantize", src, out, "-q", "--scheme", "channel", "--overwrite")[0] == 0
+    assert looks_complete(out) and tree_bytes(out) != first
+    # a file the user put there is not fp8convert's to delete: refused, and the plan change does not
+    # advise --overwrite either
+    (out / "eval-results.json").write_text("{}")
+    before = tree_bytes(out)
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--overwrite")
+    assert rc == 1 and "eval-results.json" in err and tree_bytes(out) == before, err
+    rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert rc == 1 and "different plan" in err and "move eval-results.json out of" in err, err
+    assert "pass --overwrite" not in err and tree_bytes(out) == before
+
+
+def test_batch_job_into_a_foreign_folder_fails_and_keeps_it(tmp_path, capsys):
+    """batch jobs follow the same rule; `overwrite = true` in a job replaces an earlier output only."""
+    src = write_checkpoint(tmp_path / "src")
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("k")
+    assert run_cli(capsys, "quantize", src, mine, "-q")[0] == 0
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[defaults]\noverwrite = true\nscheme = "channel"\n'
+                    f'[[job]]\nsource = "{src}"\nout = "{mine}"\n[[job]]\nsource = "{src}"\nout = "{theirs}"\n')
+    rc = main(["batch", str(jobs), "-q"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "keep.txt" in captured.err, captured
+    assert tree_bytes(theirs) == {"keep.txt": b"k"}
+    assert json.loads((mine / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"]["strategy"] == "channel"
 
 
 def test_out_is_a_file_or_under_one(tmp_path, capsys):
@@ -413,3 +471,28 @@ def test_bad_option_fails_before_output_exists(tmp_path, capsys, option, value):
     out = tmp_path / "out"
     rc, err = run_cli(capsys, "quantize", src, out, "-q", option, value)
     assert_refused(rc, err, out, option)
+
+
+def test_different_plan_refusal_names_what_changed(tmp_path, capsys):
+    """From the manifest: an option with both values, a config.json key with both values, or the shard
+    whose tensors changed; the partial output is left as it was."""
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run_cli(capsys, "quantize", src, out, "-q", "--worker", "0/2", "--max-shard-size", "20KB")[0] == 0
+    before = tree_bytes(out)
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "30KB")
+    assert rc == 1 and "--max-shard-size was 20000, now 30000" in err, err
+
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, rope_theta=10000.0, vocab_size=96)))
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "20KB")
+    assert rc == 1 and "config.json changed (rope_theta was null, now 10000.0)" in err, err
+    (src / "config.json").write_text(json.dumps(config))
+
+    tensors = load_file(str(src / SHARD2))
+    tensors["model.layers.0.extra.bias"] = torch.zeros(4, dtype=torch.bfloat16)
+    save_file(tensors, str(src / SHARD2), metadata={"format": "pt"})
+    rewrite_index(src, lambda i: i["weight_map"].update({"model.layers.0.extra.bias": SHARD2}))
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "20KB")
+    assert rc == 1 and f"tensors (names, dtypes, shapes or offsets) changed in {SHARD2}" in err, err
+    assert "config.json" not in err and tree_bytes(out) == before

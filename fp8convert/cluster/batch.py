@@ -24,7 +24,8 @@ from .devices import parse_devices
 from .workers import log
 
 STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident")
-KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", "private", "stream_download")
+BOOL_KEYS = ("private", "stream_download", "overwrite")
+KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
 
@@ -122,7 +123,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     for key in STRING_KEYS:
         if key in merged and not isinstance(merged[key], str):
             raise FP8ConvertError(f"{label}: {key!r} must be a string, got {merged[key]!r}")
-    for key in ("private", "stream_download"):
+    for key in BOOL_KEYS:
         if key in merged and not isinstance(merged[key], bool):
             raise FP8ConvertError(f"{label}: {key!r} must be true or false, got {merged[key]!r}")
     ignore = merged.get("ignore", [])
@@ -137,7 +138,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
     options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
-                                       "revision", "stream_download") if k in merged}
+                                       "revision", "stream_download", "overwrite") if k in merged}
     try:
         settings = Settings(**options, ignore=tuple(ignore))
         if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 from ..errors import FP8ConvertError, PlanMismatchError
@@ -20,6 +19,7 @@ from ..source.checkpoint import index_files, parse_index
 from .card import make_card, read_source_card
 from .files import json_bytes, write_atomic
 from .manifest import WORK_DIR, Manifest, plan_change, source_change
+from .ownership import foreign_entries, killed_before_manifest, refuse_foreign, replace_advice, replace_output
 
 
 def is_inside(child: Path, parent: Path) -> bool:
@@ -34,17 +34,17 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
     check_placement(plan, out_dir, streamed)
     manifest = Manifest(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir):
-        state = manifest.read()
+        # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
+        # replacing it (--overwrite) needs every file in it to be fp8convert's.
         if overwrite:
-            clear_directory(out_dir)
-        elif state is None:
-            raise FP8ConvertError(f"{out_dir}: already holds files that fp8convert did not write; "
-                                  "choose an empty directory or pass --overwrite")
-        else:
+            replace_output(out_dir)
+        elif (state := manifest.read()) is not None:
             check_same_conversion(state, plan, out_dir)
             done = finished_shards(plan, out_dir)
             return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
                 and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
+        elif foreign := foreign_entries(out_dir):
+            refuse_foreign(out_dir, foreign, overwrite)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / WORK_DIR).mkdir(exist_ok=True)
@@ -70,20 +70,13 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
     """OUT holds a run of this very conversion: same plan, and the same source bytes."""
     if state.get("fingerprint") != plan.fingerprint:
         raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan ({plan_change(state, plan)}); "
-                                "rerun the original command to resume it, or pass --overwrite to replace it")
+                                "rerun the original command to resume it, or "
+                                + replace_advice(out_dir, "pass --overwrite to replace it"))
     changed = source_change(state, plan.source)
     if changed:
-        raise PlanMismatchError(f"{out_dir}: holds a conversion of other source weights ({changed}); pass "
-                                "--overwrite to start again from the source as it is now")
-
-
-def killed_before_manifest(out_dir: Path) -> bool:
-    """OUT holds only the work directory, without a manifest: what a run killed before its manifest
-    existed leaves, or what a worker started a moment earlier has made so far (several workers start
-    together on an empty OUT). Such a directory is ours and empty in every way that matters."""
-    work = out_dir / WORK_DIR
-    return [p.name for p in out_dir.iterdir()] == [WORK_DIR] and work.is_dir() and not work.is_symlink() \
-        and not (work / "manifest.json").exists()
+        raise PlanMismatchError(f"{out_dir}: holds a conversion of other source weights ({changed}); "
+                                + replace_advice(out_dir, "pass --overwrite to start again from the source as "
+                                                          "it is now"))
 
 
 def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
@@ -93,14 +86,6 @@ def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
         if path.is_file() and path.stat().st_size == shard.size:
             done.add(shard.index)
     return done
-
-
-def clear_directory(out_dir: Path) -> None:
-    for entry in out_dir.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
 
 
 def finalize(plan: Plan, out_dir: Path) -> None:

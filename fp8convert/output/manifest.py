@@ -4,11 +4,14 @@ worker can join it and `finalize` can rebuild its plan. This module is its one r
 It records the plan's fingerprint (same fingerprint, same bytes), what `finalize_output` needs to rebuild
 the plan (source, scheme, format, ignore patterns, shard size), the identity of the source's bytes (a Hub
 commit, or each local shard's size and modification time: the fingerprint covers names, shapes and
-offsets, not values) and whether the output is complete.
+offsets, not values), what the fingerprint was made of (the source's config.json and a digest of each
+shard's tensor list), so a refusal can say what changed, the names the conversion writes in OUT (see
+ownership.py) and whether the output is complete.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -19,6 +22,7 @@ from .._version import __version__
 from ..errors import FP8ConvertError, PlanMismatchError
 from ..plan.plan import Plan
 from ..run.writeback import fsync_dir
+from ..safetensors_io import INDEX_NAME
 from ..source.checkpoint import Source
 from .files import json_bytes, write_atomic
 
@@ -109,23 +113,62 @@ def source_identity(source: Source) -> dict:
     return {"files": files}
 
 
+def output_names(plan: Plan) -> list[str]:
+    """Every name a conversion of `plan` writes at OUT's top level (besides the work folder)."""
+    return sorted({*(s.name for s in plan.shards), INDEX_NAME, "config.json", "README.md", *plan.source.copy_files})
+
+
+def tensor_layout(source: Source) -> dict[str, str]:
+    """Per shard file, a digest of its tensors' names, dtypes, shapes and offsets (what the plan reads)."""
+    by_file: dict[str, list] = {}
+    for t in source.tensors:
+        by_file.setdefault(t.file, []).append([t.name, t.dtype, list(t.shape), t.offset])
+    return {file: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] for file, rows in by_file.items()}
+
+
 def new_manifest(plan: Plan) -> dict:
     source = plan.source
     return {"tool": "fp8convert", "version": __version__, "fingerprint": plan.fingerprint, "source": source.label,
             "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
             "revision": source.revision, "source_files": source_identity(source).get("files"),
             "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
-            "max_shard_size": plan.options.max_shard_size, "shards": len(plan.shards), "complete": False}
+            "max_shard_size": plan.options.max_shard_size, "shards": len(plan.shards),
+            "config": source.config, "tensor_layout": tensor_layout(source), "outputs": output_names(plan),
+            "complete": False}
+
+
+OPTION_NAMES = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
+                "max_shard_size": "--max-shard-size", "version": "fp8convert version"}
 
 
 def plan_change(state: dict, plan: Plan) -> str:
-    """What differs between the recorded run and this one, as far as the manifest can tell."""
+    """What differs between the recorded run and this one: each option with both values, then the
+    source's config.json keys or the shard files whose tensors changed."""
     now = new_manifest(plan)
-    names = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
-             "max_shard_size": "--max-shard-size", "version": "fp8convert version"}
-    diffs = [f"{names[key]} was {state.get(key)!r}, now {now[key]!r}" for key in names
+    diffs = [f"{OPTION_NAMES[key]} was {state.get(key)!r}, now {now[key]!r}" for key in OPTION_NAMES
              if key in state and state.get(key) != now[key]]
+    if not diffs:
+        diffs = source_layout_change(state, now)
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"
+
+
+def source_layout_change(state: dict, now: dict) -> list[str]:
+    """The config.json keys and the shards whose tensor lists differ from the recorded ones (manifests
+    written before these were recorded have neither: then nothing is said)."""
+    diffs = []
+    was_config = state.get("config")
+    if isinstance(was_config, dict) and was_config != now["config"]:
+        keys = sorted(k for k in set(was_config) | set(now["config"]) if was_config.get(k) != now["config"].get(k))
+        shown = ", ".join(f"{k} was {json.dumps(was_config.get(k))}, now {json.dumps(now['config'].get(k))}"
+                          for k in keys[:3])
+        diffs.append(f"the source's config.json changed ({shown}{f' and {len(keys) - 3} more keys' if len(keys) > 3 else ''})")
+    was_layout = state.get("tensor_layout")
+    if isinstance(was_layout, dict) and was_layout != now["tensor_layout"]:
+        files = sorted(set(was_layout) | set(now["tensor_layout"]))
+        changed = [f + (" (new)" if f not in was_layout else " (gone)" if f not in now["tensor_layout"] else "")
+                   for f in files if was_layout.get(f) != now["tensor_layout"].get(f)]
+        diffs.append(f"the source's tensors (names, dtypes, shapes or offsets) changed in {', '.join(changed)}")
+    return diffs
 
 
 def source_change(state: dict, source: Source) -> str | None:

@@ -1,0 +1,87 @@
+"""Whose files OUT holds: fp8convert may replace (`--overwrite`) only what it wrote itself.
+
+An output directory is fp8convert's when it is empty, holds only the work folder of a run killed before
+its manifest existed, or holds a manifest. A manifest records the names the conversion writes at OUT's
+top level, so anything else found there (the user's own files) is foreign and is never deleted: the
+command that would replace OUT is refused instead, naming a few of them. Every command that replaces an
+output (quantize, batch jobs, finalize's advice, and any later command that writes an OUT) asks
+`replace_output` or `foreign_entries`.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+from .manifest import MANIFEST, WORK_DIR, Manifest
+
+NAMED = 3  # foreign entries named in a refusal; the rest are counted
+
+
+def killed_before_manifest(out_dir: Path) -> bool:
+    """OUT holds only the work directory, without a manifest: what a run killed before its manifest
+    existed leaves, or what a worker started a moment earlier has made so far (several workers start
+    together on an empty OUT). Such a directory is ours and empty in every way that matters."""
+    work = Path(out_dir) / WORK_DIR
+    return [p.name for p in Path(out_dir).iterdir()] == [WORK_DIR] and work.is_dir() and not work.is_symlink() \
+        and not (work / MANIFEST).exists()
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """OUT's top-level entries that fp8convert did not write, sorted (directories end in '/'); [] when
+    every entry is its own. Without a manifest everything but the work folder is foreign; a manifest
+    that cannot be read, or one from before fp8convert recorded its outputs, makes the folder its own."""
+    out_dir = Path(out_dir)
+    entries = {p.name: p for p in out_dir.iterdir()} if out_dir.is_dir() else {}
+    if not entries or killed_before_manifest(out_dir):
+        return []
+    manifest = Manifest(out_dir)
+    if not manifest.path.is_file():
+        ours: set[str] | None = set()
+    else:
+        try:
+            recorded = (manifest.read() or {}).get("outputs")
+        except FP8ConvertError:
+            recorded = None
+        ours = set(recorded) if isinstance(recorded, list) else None
+    if ours is None:
+        return []
+    ours.add(WORK_DIR)
+    return sorted(name + ("/" if path.is_dir() and not path.is_symlink() else "")
+                  for name, path in entries.items() if name not in ours)
+
+
+def describe(names: list[str]) -> str:
+    """'a, b, c and 4 more'."""
+    shown = ", ".join(names[:NAMED])
+    return shown + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+
+
+def refuse_foreign(out_dir: Path, foreign: list[str], overwrite: bool) -> None:
+    """The one refusal for an OUT that holds someone else's files. It never suggests --overwrite, which
+    could not replace them anyway."""
+    why = " (--overwrite replaces only an earlier fp8convert output)" if overwrite else ""
+    raise FP8ConvertError(f"{out_dir}: holds files fp8convert did not write ({describe(foreign)}); choose an "
+                          f"empty or new output directory{why}")
+
+
+def replace_output(out_dir: Path) -> None:
+    """Delete an earlier fp8convert output so a new one can be written in its place; refused, deleting
+    nothing, when OUT holds anything fp8convert did not write."""
+    out_dir = Path(out_dir)
+    foreign = foreign_entries(out_dir)
+    if foreign:
+        refuse_foreign(out_dir, foreign, overwrite=True)
+    for entry in out_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def replace_advice(out_dir: Path, what: str = "pass --overwrite to replace it") -> str:
+    """How to start OUT again: `what` when --overwrite may replace it, else what stands in the way."""
+    foreign = foreign_entries(out_dir)
+    if foreign:
+        return f"move {describe(foreign)} out of {out_dir} or choose another output directory"
+    return what
