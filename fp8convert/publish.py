@@ -7,15 +7,20 @@ from .errors import FP8ConvertError
 from .output.card import card_from_output, retarget_card
 from .output.finalize import check_output_complete
 from .output.manifest import WORK_DIR
-from .source.hub import CARD_NAME, hub_error
+from .source.hub import CARD_NAME
+from .source.hub_calls import hub_error, with_retries
 from .source.resolve import REPO_ID
 
 UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
 
 
+RESUME_PUSH = "rerun the same push to resume it (files that arrived are not sent again)"
+
+
 def push(out: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-         commit_message: str | None = None, token: str | None = None) -> str:
-    """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL.
+         commit_message: str | None = None, token: str | None = None, create_pr: bool = False) -> str:
+    """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL, or
+    with `create_pr` the URL of the pull request opened against `revision` (default main).
 
     Uses huggingface_hub's `upload_folder`, which (with hf_xet) uploads in resumable batched commits:
     rerunning an interrupted push skips what already arrived. `.fp8convert/` is never uploaded. A
@@ -37,16 +42,18 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
     qc = config.get("quantization_config") or {}
     api = HfApi(token=token)
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        with_retries(api.create_repo, repo_id, private=private, exist_ok=True, repo_type="model")
         if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
+            with_retries(api.create_branch, repo_id, branch=revision, exist_ok=True)
         # Top-level shards of an earlier push with other sharding would sit beside the new ones.
-        stale = [f for f in api.list_repo_files(repo_id, revision=revision)
+        stale = [f for f in with_retries(api.list_repo_files, repo_id, revision=revision)
                  if "/" not in f and f.endswith(".safetensors") and not (out / f).is_file()]
-        info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(out), revision=revision,
+        info = with_retries(
+            api.upload_folder, repo_id=repo_id, folder_path=str(out), revision=revision, create_pr=create_pr,
             commit_message=commit_message or f"FP8 checkpoint ({qc.get('quant_method', 'fp8')}) made with fp8convert",
             ignore_patterns=list(UPLOAD_IGNORE), delete_patterns=stale or None)
     except Exception as e:
-        raise hub_error(repo_id, e, revision) from e
+        raise hub_error(repo_id, e, revision, then=RESUME_PUSH) from e
+    if create_pr and getattr(info, "pr_url", None):
+        return info.pr_url
     return getattr(info, "commit_url", None) or str(info)

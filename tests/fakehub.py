@@ -164,8 +164,9 @@ class RecordedRequest:
 
 @dataclass
 class Failure:
-    """A fault to inject: answer `status` (kind="status") or close the socket without answering
-    (kind="drop") on matching requests, `times` times (None: until cleared)."""
+    """A fault to inject: answer `status` (kind="status"), close the socket without answering
+    (kind="drop"), or keep the connection open and never answer (kind="hang", until the server
+    stops) on matching requests, `times` times (None: until cleared)."""
 
     kind: str = "status"
     status: int = 500
@@ -227,6 +228,7 @@ class FakeHub:
         self._counter = itertools.count()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()  # releases requests held by a "hang" failure
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -242,6 +244,7 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -352,8 +355,9 @@ class FakeHub:
         path_contains: str | None = None,
     ) -> Failure:
         """Make matching requests fail: kind="status" answers `status`, kind="drop" closes the
-        connection without any answer (the client sees a RemoteProtocolError)."""
-        assert kind in ("status", "drop"), kind
+        connection without any answer (the client sees a RemoteProtocolError), kind="hang" accepts the
+        request and never answers (a client without a read timeout waits forever)."""
+        assert kind in ("status", "drop", "hang"), kind
         failure = Failure(kind, status, times, method, path_contains)
         with self._lock:
             self.failures.append(failure)
@@ -457,6 +461,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.body = body
 
         failure = self.hub._take_failure(self.command, url.path)
+        if failure is not None and failure.kind == "hang":
+            self.hub._stopping.wait()
+            self.close_connection = True
+            return
         if failure is not None and failure.kind == "drop":
             # Close without a single byte of answer: the client sees "Server disconnected".
             self.close_connection = True

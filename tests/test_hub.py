@@ -157,13 +157,15 @@ def test_gated_repo_is_one_line_naming_the_repo_and_exit_1(fake_hub, tiny_ckpt, 
 
 
 def test_missing_repo_and_revision(fake_hub, tiny_repo, tmp_path, capsys):
-    with pytest.raises(FP8ConvertError, match=r"^acme/nope: repository not found"):
+    with pytest.raises(FP8ConvertError, match=r"^acme/nope: no local folder of that name .*, and as a Hub repo id: "
+                                              r"repository not found"):
         api.quantize("acme/nope", tmp_path / "out", device="cpu")
     with pytest.raises(FP8ConvertError, match=rf"^{REPO}: revision no-such-branch not found"):
         api.make_plan(REPO, revision="no-such-branch")
     assert main(["inspect", "acme/nope"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: acme/nope: repository not found") and len(err.splitlines()) == 1
+    assert err.startswith("error: acme/nope: no local folder") and "repository not found" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_network_failure_is_clear_and_rerun_reuses_downloads(fake_hub, tiny_repo, tmp_path):
@@ -208,7 +210,117 @@ def test_hub_error_lines():
     err = hub.hub_error("a/b", LocalEntryNotFoundError("long\nmessage"))
     assert str(err).startswith("a/b: cannot reach the Hub") and "\n" not in str(err)
     err = hub.hub_error("a/b", ConnectionResetError("reset\nby peer"))
-    assert str(err).startswith("a/b: network error") and "\n" not in str(err)
+    assert str(err).startswith("a/b: cannot reach the Hub (network error") and "\n" not in str(err)
+
+
+# --------------------------------------------------------------------------- never hang, never mislead
+
+def in_thread(fn, limit_s: float):
+    """fn() on a daemon thread: (returned, raised), or a test failure if it is still running after
+    `limit_s` (a Hub call without a read timeout would wait for ever)."""
+    result: list = []
+
+    def run():
+        try:
+            result.append((fn(), None))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result.append((None, e))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    assert not worker.is_alive(), f"still waiting on the Hub after {limit_s} s"
+    return result[0]
+
+
+@pytest.fixture
+def short_hub_limits(monkeypatch):
+    """0.5 s timeouts and one retry (huggingface_hub reads its HF_HUB_*_TIMEOUT settings at import)."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.5)
+    monkeypatch.setenv("FP8CONVERT_HUB_RETRIES", "1")
+
+
+def test_inspect_against_a_hub_that_never_answers_ends_in_one_line(fake_hub, tiny_repo, short_hub_limits, capsys):
+    """The reported hang: the endpoint accepts the connection and never answers. Now a read timeout,
+    one retry, then one line naming the repo and the wait; exit 1."""
+    fake_hub.fail("hang", path_contains="/api/models/")
+    started = time.monotonic()
+    rc, raised = in_thread(lambda: main(["inspect", REPO]), limit_s=30)
+    err = capsys.readouterr().err.strip()
+    assert raised is None and rc == 1, (raised, err)
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {REPO}: "), err
+    assert "did not answer within 0.5 s, 2 attempts" in err and "HF_HUB_DOWNLOAD_TIMEOUT" in err, err
+    assert "finished downloads" not in err  # inspect downloads no weights
+    assert len(fake_hub.requests_to("/api/models/")) == 2 and time.monotonic() - started < 20
+
+
+def test_a_shard_download_that_never_answers_ends_in_one_line(fake_hub, tiny_repo, short_hub_limits, tmp_path,
+                                                            monkeypatch):
+    """huggingface_hub retries a stalled download itself (five times, resuming): fp8convert adds the
+    read timeout that makes it stall at all, and no retries of its own."""
+    from types import SimpleNamespace
+
+    import huggingface_hub.file_download as file_download
+    monkeypatch.setattr(file_download, "time", SimpleNamespace(sleep=lambda s: None))  # its 1 s between retries
+    fake_hub.fail("hang", method="GET", path_contains="model-00002-of-00003")
+    _, raised = in_thread(lambda: api.quantize(REPO, tmp_path / "out", device="cpu"), limit_s=60)
+    assert isinstance(raised, FP8ConvertError), raised
+    msg = str(raised)
+    assert msg.startswith(f"{REPO}: the Hub did not answer within 0.5 s") and "rerun to resume" in msg, msg
+    assert len(fake_hub.requests_to("model-00002-of-00003", "GET")) == 6
+    assert "no local folder" not in msg  # the repo was found: only the download failed
+
+
+def test_a_mistyped_relative_path_says_both_readings(fake_hub, tiny_repo, tmp_path, monkeypatch, capsys):
+    """`models/does-not-exist` is a relative path and a repo id at once: the error says there is no
+    such folder here, and what the Hub said of the repo id (not found, or the network failure)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", "models/does-not-exist", str(tmp_path / "out"), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: models/does-not-exist: no local folder of that name (in {tmp_path}), and as "
+                          "a Hub repo id: repository not found"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+    fake_hub.fail("drop", path_contains="/api/models/")
+    assert main(["inspect", "models/does-not-exist"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "no local folder of that name" in err and "cannot reach the Hub (network error" in err, err
+
+
+def test_offline_mode_is_not_reported_as_a_network_problem(fake_hub, tiny_repo, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for args in (["inspect", REPO], ["quantize", REPO, str(tmp_path / "out"), "-q"]):
+        assert main(args) == 1
+        err = capsys.readouterr().err.strip()
+        assert "HF_HUB_OFFLINE is set and the download cache" in err and "holds no copy" in err, err
+        assert "network" not in err and "connection" not in err and len(err.splitlines()) == 1, err
+    assert not fake_hub.requests
+
+
+def test_a_full_cache_disk_is_not_reported_as_a_network_problem(fake_hub, tiny_repo, tmp_path, monkeypatch):
+    """ENOSPC while a shard lands in the download cache: the line names the cache file and the shard's
+    size, and says where the cache can go instead."""
+    import errno
+    import os
+
+    import huggingface_hub.file_download as file_download
+    real_get = file_download.http_get
+
+    def http_get(url, temp_file, *args, **kwargs):
+        if "model-00002-of-00003" in url:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), temp_file.name)
+        return real_get(url, temp_file, *args, **kwargs)
+
+    monkeypatch.setattr(file_download, "http_get", http_get)
+    with pytest.raises(FP8ConvertError) as e:
+        api.quantize(REPO, tmp_path / "out", device="cpu")
+    msg = str(e.value)
+    size = (tiny_repo / "model-00002-of-00003.safetensors").stat().st_size
+    assert "no space left on the download cache's disk" in msg and "HF_HUB_CACHE" in msg, msg
+    assert f"{size / 1e6:.1f} MB" in msg and "network" not in msg and ".incomplete" in msg, msg
 
 
 # --------------------------------------------------------------------------- inspect / remote headers
@@ -318,7 +430,7 @@ def test_streaming_fetcher_need_release_keeps_at_most_keep(fake_hub, five_shards
 
 
 def test_streaming_fetcher_need_more_than_keep_and_failure(fake_hub, five_shards, tmp_path):
-    fetcher = make_fetcher(fake_hub, tmp_path, keep=1, retries=1, retry_wait=0.01)
+    fetcher = make_fetcher(fake_hub, tmp_path, keep=1)
     fetcher.start(five_shards)
     try:
         fetcher.need(five_shards[:3])  # one batch spanning three shards with keep=1: no deadlock

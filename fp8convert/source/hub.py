@@ -8,10 +8,12 @@ A repo id resolves to one commit, then either
   * `streaming.streaming_source`: the remote Source plus a fetcher that keeps only a few shards on
     disk at a time, for models larger than the free disk.
 
-Every huggingface_hub or network failure becomes one FP8ConvertError line that names the repo.
+Every request goes through hub_calls.with_retries (timeouts, bounded retries) and every failure becomes
+one FP8ConvertError line that names the repo (hub_calls.hub_error).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from dataclasses import dataclass
@@ -21,53 +23,13 @@ from ..errors import FP8ConvertError
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
 from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
                          refuse_pickle_only, refuse_quantized)
+from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
 from .local import open_local
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 CARD_NAME = "README.md"
 FIRST_HEADER_READ = 100_000         # one Range request covers most headers (huggingface_hub does the same)
 PARALLEL_REQUESTS = 8
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def hub_error(repo_id: str, error: Exception, revision: str | None = None) -> FP8ConvertError:
-    """One clear line for any huggingface_hub / network failure."""
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-    if isinstance(error, FP8ConvertError):
-        return error
-    if isinstance(error, GatedRepoError):
-        return FP8ConvertError(f"{repo_id}: gated repository; accept its terms on the Hub and log in "
-                               "(hf auth login, or set HF_TOKEN)")
-    if isinstance(error, RepositoryNotFoundError):
-        return FP8ConvertError(f"{repo_id}: repository not found (or private: log in or set HF_TOKEN)")
-    if isinstance(error, RevisionNotFoundError):
-        return FP8ConvertError(f"{repo_id}: revision {revision or ''} not found".replace("  ", " "))
-    if isinstance(error, RemoteEntryNotFoundError):
-        return FP8ConvertError(f"{repo_id}: file not found on the Hub ({_first_line(error)})")
-    if isinstance(error, OfflineModeIsEnabled):
-        return FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set, so the Hub cannot be reached")
-    if isinstance(error, LocalEntryNotFoundError):
-        return FP8ConvertError(f"{repo_id}: cannot reach the Hub (network error) and no cached copy; "
-                               "check the connection and rerun (finished downloads are kept)")
-    if isinstance(error, HfHubHTTPError):
-        status = getattr(getattr(error, "response", None), "status_code", None)
-        if status == 401:
-            return FP8ConvertError(f"{repo_id}: the Hub refused the credentials (401); check HF_TOKEN or "
-                                   "run hf auth login")
-        if status == 403:
-            return FP8ConvertError(f"{repo_id}: access denied (403); the token may lack write or read "
-                                   f"permission ({_first_line(error)})")
-        return FP8ConvertError(f"{repo_id}: Hub request failed ({_first_line(error)})")
-    if isinstance(error, (OSError, ConnectionError)) or type(error).__module__.startswith(("httpx", "httpcore")):
-        return FP8ConvertError(f"{repo_id}: network error talking to the Hub ({type(error).__name__}: "
-                               f"{_first_line(error)}); rerun to resume (finished downloads are kept)")
-    return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {_first_line(error)})")
 
 
 # ----------------------------------------------------------------------------------- the source repo
@@ -85,20 +47,26 @@ class RemoteRepo:
     cache_dir: str | None = None
     revision: str | None = None       # what the user asked for (branch, tag, commit), for messages
 
-    def call(self, fn, *args, **kwargs):
-        """Run a huggingface_hub call; any failure becomes one FP8ConvertError line naming the repo."""
+    def call(self, fn, *args, then: str = "check the connection and rerun", needed_bytes: int | None = None,
+             retryable=is_transient, **kwargs):
+        """Run a huggingface_hub call with timeouts and bounded retries (of failures `retryable` accepts);
+        any failure becomes one FP8ConvertError line naming the repo (`then`, `needed_bytes`: see
+        hub_calls.hub_error)."""
         try:
-            return fn(*args, **kwargs)
+            return with_retries(fn, *args, retryable=retryable, **kwargs)
         except FP8ConvertError:
             raise
         except Exception as e:  # huggingface_hub, httpx and OS errors alike
-            raise hub_error(self.repo_id, e, self.revision) from e
+            raise hub_error(self.repo_id, e, self.revision, then=then, needed_bytes=needed_bytes) from e
 
-    def download(self, filename: str, local_dir: Path | None = None) -> Path:
-        """One file at the pinned commit: into the shared cache, or into `local_dir`. Resumes partial files."""
+    def download(self, filename: str, local_dir: Path | None = None, weights: bool = False) -> Path:
+        """One file at the pinned commit: into the shared cache, or into `local_dir`. Resumes partial files.
+        `weights`: a shard, which a rerun resumes (said when the download fails)."""
         from huggingface_hub import hf_hub_download
+        then = "rerun to resume (finished downloads are kept)" if weights else "check the connection and rerun"
         path = Path(self.call(hf_hub_download, self.repo_id, filename, revision=self.sha, token=self.token,
-                              cache_dir=self.cache_dir, local_dir=str(local_dir) if local_dir else None))
+                              cache_dir=self.cache_dir, local_dir=str(local_dir) if local_dir else None,
+                              then=then, needed_bytes=self.sizes.get(filename), retryable=download_is_retryable))
         if filename in self.sizes and self.sizes[filename] is not None and path.stat().st_size != self.sizes[filename]:
             raise FP8ConvertError(f"{self.repo_id}: {filename} arrived with {path.stat().st_size} bytes, the Hub "
                                   f"lists {self.sizes[filename]}; rerun to fetch it again")
@@ -110,9 +78,25 @@ def resolve_repo(repo_id: str, revision: str | None = None, token: str | None = 
     """The commit `revision` points to, and the size of every file in it (one API call)."""
     from huggingface_hub import HfApi
     probe = RemoteRepo(repo_id, "", {}, token, cache_dir, revision)
-    info = probe.call(HfApi(token=token).model_info, repo_id, revision=revision, files_metadata=True)
+    with also_no_folder(repo_id):
+        info = probe.call(HfApi(token=token).model_info, repo_id, revision=revision, files_metadata=True)
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     return RemoteRepo(repo_id, info.sha, sizes, token, cache_dir, revision)
+
+
+@contextlib.contextmanager
+def also_no_folder(repo_id: str):
+    """`owner/name` is also a relative path: when the Hub cannot give that repo, the user may have
+    meant a local folder (a typo, another working directory), so the error says both."""
+    from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
+    try:
+        yield
+    except FP8ConvertError as e:
+        if Path(repo_id).exists() or any(isinstance(c, (GatedRepoError, RevisionNotFoundError)) for c in causes(e)):
+            raise  # the Hub knows the repo: no doubt about what was meant
+        hub_said = str(e).removeprefix(f"{repo_id}: ")
+        raise FP8ConvertError(f"{repo_id}: no local folder of that name (in {Path.cwd()}), and as a Hub repo id: "
+                              f"{hub_said}") from e
 
 
 @dataclass
@@ -208,11 +192,18 @@ def hub_offline() -> bool:
 def offline_source(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Source | None:
     """With HF_HUB_OFFLINE set: the cached snapshot of an earlier download (None when online). The
     snapshot directory's name is its commit."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     if not hub_offline():
         return None
-    probe = RemoteRepo(repo_id, "", {}, None, cache_dir, revision)
-    root = Path(probe.call(snapshot_download, repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+    with also_no_folder(repo_id):
+        try:
+            root = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+        except LocalEntryNotFoundError as e:
+            at = f" at {revision}" if revision else ""
+            raise FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set and the download cache "
+                                  f"({cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
+                                  "HF_HUB_OFFLINE to download it") from e
     return open_local(root, label=repo_id, revision=root.name)
 
 
@@ -264,7 +255,8 @@ def _fetch(repo: RemoteRepo, layout: RemoteLayout, shards: list[str]) -> Path:
     small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
     for name in dict.fromkeys(small):
         repo.download(name)
-    parallel(repo.download, sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)))  # biggest first
+    parallel(lambda name: repo.download(name, weights=True),
+             sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)))  # biggest first
     return _snapshot_dir(repo)
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 from ..errors import FP8ConvertError
 from .checkpoint import Source
-from .hub import RemoteRepo, hub_error, remote_layout, resolve_repo, source_from_repo
+from .hub import RemoteRepo, remote_layout, resolve_repo, source_from_repo
+from .hub_calls import hub_error
 
 class NoFetcher:
     """The fetcher of a source already on disk: every file is there, nothing is ever deleted."""
@@ -62,13 +62,12 @@ class StreamingFetcher:
     PENDING, DOWNLOADING, PRESENT, RELEASED, FAILED = "pending", "downloading", "present", "released", "failed"
 
     def __init__(self, repo: RemoteRepo, download_dir: str | Path, shards: list[str], side_files: list[str] = (),
-                 keep: int = 2, retries: int = 2, retry_wait: float = 1.0):
+                 keep: int = 2):
         self.repo = repo
         self.dir = Path(download_dir)
         self.shards = list(shards)
         self.side_files = list(side_files)
         self.keep = max(1, int(keep))
-        self.retries, self.retry_wait = retries, retry_wait
         self.order: list[str] = list(self.shards)
         self.state: dict[str, str] = {f: self.PENDING for f in self.shards}
         self.errors: dict[str, FP8ConvertError] = {}
@@ -107,7 +106,7 @@ class StreamingFetcher:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for name in self.side_files:
-                self._download_with_retries(name)
+                self.repo.download(name, local_dir=self.dir, weights=True)
         except BaseException:
             with self._cond:
                 self._started = False
@@ -229,7 +228,7 @@ class StreamingFetcher:
                         break
                     self._cond.wait()
             try:
-                self._download_with_retries(name)
+                self.repo.download(name, local_dir=self.dir, weights=True)
                 error = None
             except BaseException as e:  # handed to need(), which raises it in the pipeline
                 error = e if isinstance(e, FP8ConvertError) else hub_error(self.repo.repo_id, e)
@@ -245,18 +244,6 @@ class StreamingFetcher:
                     self.state[name] = self.FAILED
                     self.errors[name] = error
                 self._cond.notify_all()
-
-    def _download_with_retries(self, name: str) -> Path:
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-        for attempt in range(self.retries + 1):
-            try:
-                return self.repo.download(name, local_dir=self.dir)
-            except FP8ConvertError as e:
-                permanent = isinstance(e.__cause__, (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError))
-                if permanent or attempt == self.retries or self._closed:
-                    raise
-                time.sleep(self.retry_wait * (attempt + 1))  # the partial file resumes on the next attempt
-        raise AssertionError("unreachable")
 
     def _delete(self, name: str) -> None:
         (self.dir / name).unlink(missing_ok=True)

@@ -1,0 +1,235 @@
+"""Every request fp8convert makes to the Hugging Face Hub: timeouts, bounded retries, and the one line a
+failure becomes.
+
+huggingface_hub's client has no timeout of its own (several calls, `model_info` among them, wait forever
+on a server that accepts the connection and never answers). `install_timeouts` gives every request of
+its shared client a connect and a read timeout, following huggingface_hub's own settings:
+
+  HF_HUB_ETAG_TIMEOUT      seconds to open a connection (default 10)
+  HF_HUB_DOWNLOAD_TIMEOUT  seconds to wait for the next bytes of an answer (default 10); an upload's
+                           answer (the Hub may take minutes to make a commit) waits UPLOAD_READ_TIMEOUT_S
+  FP8CONVERT_HUB_RETRIES   how many times a request that timed out or failed on the network, or that
+                           the Hub answered 429/5xx, is tried again (default 2)
+  FP8CONVERT_HUB_RETRY_WAIT  seconds before the first retry, doubled for each further one (default 1)
+
+Only timeouts a request left open are filled in or, for reads, lowered to these: huggingface_hub's own
+60 s metadata retry is one example.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import FP8ConvertError
+
+UPLOAD_READ_TIMEOUT_S = 300.0
+MAX_RETRY_WAIT_S = 8.0
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+# huggingface_hub turns a failed metadata request into LocalEntryNotFoundError and an interrupted
+# download into other types: the network error is found by walking the exception's causes.
+NETWORK_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
+                  errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE}
+
+
+@dataclass(frozen=True)
+class HubLimits:
+    connect_s: float
+    read_s: float
+    retries: int
+    retry_wait_s: float
+
+    @classmethod
+    def current(cls) -> "HubLimits":
+        from huggingface_hub import constants
+        return cls(float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
+                   max(0, _env_number("FP8CONVERT_HUB_RETRIES", 2, int)),
+                   max(0.0, _env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float)))
+
+
+def _env_number(name: str, default, kind):
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise FP8ConvertError(f"${name}={text!r}: not a number") from None
+
+
+_installed = threading.Lock()
+_done = False
+
+
+def install_timeouts() -> None:
+    """Make every request of huggingface_hub's shared client carry connect and read timeouts (once per
+    process; the client factory in place, a user's own included, is kept and wrapped)."""
+    global _done
+    with _installed:
+        if _done:
+            return
+        from huggingface_hub.utils import _http, close_session, set_client_factory
+        base = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+
+        def factory():
+            client = base()
+            client.event_hooks["request"].append(_bound_timeouts)
+            return client
+
+        set_client_factory(factory)  # closes the current client: the next request makes one with the hook
+        close_session()
+        _done = True
+
+
+def _bound_timeouts(request) -> None:
+    """A request hook: connect and read timeouts no longer than the limits, and never none at all."""
+    limits = HubLimits.current()
+    timeout = dict(request.extensions.get("timeout") or {})
+    read = limits.read_s if request.method in ("GET", "HEAD") else max(limits.read_s, UPLOAD_READ_TIMEOUT_S)
+    timeout["connect"] = min(timeout.get("connect") or limits.connect_s, limits.connect_s)
+    timeout["pool"] = min(timeout.get("pool") or limits.connect_s, limits.connect_s)
+    timeout["read"] = min(timeout.get("read") or read, read)
+    timeout["write"] = timeout.get("write") or read
+    request.extensions = {**request.extensions, "timeout": timeout}
+
+
+def causes(error: BaseException):
+    """The error and every exception it was raised from, outermost first."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def is_timeout(error: BaseException) -> bool:
+    import httpx2
+    return any(isinstance(e, (httpx2.TimeoutException, TimeoutError)) for e in causes(error))
+
+
+def is_network_error(error: BaseException) -> bool:
+    """Timeouts, refused or dropped connections, unreachable hosts: a rerun may succeed."""
+    import httpx2
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    for e in causes(error):
+        if isinstance(e, OfflineModeIsEnabled):
+            return False
+        if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+            return True
+        if isinstance(e, OSError) and e.errno in NETWORK_ERRNOS:
+            return True
+    return False
+
+
+def http_status(error: BaseException) -> int | None:
+    from huggingface_hub.errors import HfHubHTTPError
+    for e in causes(error):
+        if isinstance(e, HfHubHTTPError):
+            return getattr(getattr(e, "response", None), "status_code", None)
+    return None
+
+
+def is_transient(error: BaseException) -> bool:
+    return is_network_error(error) or http_status(error) in RETRY_STATUS
+
+
+def download_is_retryable(error: BaseException) -> bool:
+    """Whether a failed hf_hub_download deserves another attempt: a transient failure, unless it came
+    out of huggingface_hub's content download (`http_get`), which has already retried a stalled or
+    broken transfer five times, resuming it; another round would multiply the wait."""
+    if not is_transient(error):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "http_get":
+            return False
+        tb = tb.tb_next
+    return True
+
+
+def with_retries(fn, *args, retryable=is_transient, **kwargs):
+    """fn(*args, **kwargs), tried again after failures `retryable` accepts (by default network errors,
+    timeouts and 429/5xx answers) up to FP8CONVERT_HUB_RETRIES times with a doubling wait; anything
+    else is raised at once."""
+    install_timeouts()
+    limits = HubLimits.current()
+    wait = limits.retry_wait_s
+    for attempt in range(limits.retries + 1):
+        try:
+            return fn(*args, **kwargs)
+        except FP8ConvertError:
+            raise
+        except Exception as e:
+            if attempt == limits.retries or not retryable(e):
+                e.attempts = attempt + 1  # hub_error says how often it was tried
+                raise
+        time.sleep(wait)
+        wait = min(MAX_RETRY_WAIT_S, wait * 2)
+    raise AssertionError("unreachable")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _tries(error: BaseException) -> str:
+    attempts = getattr(error, "attempts", 1)
+    return f", {attempts} attempts" if attempts > 1 else ""
+
+
+def hub_error(repo_id: str, error: Exception, revision: str | None = None, *,
+              then: str = "check the connection and rerun", needed_bytes: int | None = None) -> FP8ConvertError:
+    """One clear line for any huggingface_hub, network or download-cache failure. `then`: what to do
+    about a network failure in this command (e.g. that a rerun resumes it); `needed_bytes`: the size of
+    the file being downloaded, said when the cache's disk is full."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    if isinstance(error, FP8ConvertError):
+        return error
+    if isinstance(error, GatedRepoError):
+        return FP8ConvertError(f"{repo_id}: gated repository; accept its terms on the Hub and log in "
+                               "(hf auth login, or set HF_TOKEN or --token)")
+    if isinstance(error, RepositoryNotFoundError):
+        return FP8ConvertError(f"{repo_id}: repository not found (or private: log in, or set HF_TOKEN or --token)")
+    if isinstance(error, RevisionNotFoundError):
+        return FP8ConvertError(f"{repo_id}: revision {revision or ''} not found".replace("  ", " "))
+    if isinstance(error, RemoteEntryNotFoundError):
+        return FP8ConvertError(f"{repo_id}: file not found on the Hub ({_first_line(error)})")
+    if isinstance(error, OfflineModeIsEnabled):
+        return FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to "
+                               "download")
+    if is_timeout(error):
+        return FP8ConvertError(f"{repo_id}: the Hub did not answer within {HubLimits.current().read_s:g} s"
+                               f"{_tries(error)} ({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets "
+                               "the wait)")
+    if is_network_error(error) or isinstance(error, LocalEntryNotFoundError):
+        cause = next((e for e in causes(error) if e is not error and is_network_error(e)), error)
+        return FP8ConvertError(f"{repo_id}: cannot reach the Hub (network error{_tries(error)}: "
+                               f"{type(cause).__name__}: {_first_line(cause)}); {then}")
+    status = http_status(error)
+    if status == 401:
+        return FP8ConvertError(f"{repo_id}: the Hub refused the credentials (401); check HF_TOKEN or --token, "
+                               "or run hf auth login")
+    if status == 403:
+        return FP8ConvertError(f"{repo_id}: access denied (403); the token may lack write or read "
+                               f"permission ({_first_line(error)})")
+    if status is not None:
+        return FP8ConvertError(f"{repo_id}: Hub request failed{_tries(error)} ({_first_line(error)})")
+    if isinstance(error, OSError):  # not the network: the disk the download cache lives on
+        where = error.filename or constants.HF_HUB_CACHE
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            need = f"; {_size(needed_bytes)} more is needed for this file" if needed_bytes else ""
+            return FP8ConvertError(f"{where}: no space left on the download cache's disk{need}; free space or "
+                                   "point HF_HUB_CACHE (or --cache-dir) elsewhere, then rerun (finished "
+                                   "downloads are kept)")
+        return FP8ConvertError(f"{where}: cannot write the download cache ({error.strerror or _first_line(error)}); "
+                               "fix it or point HF_HUB_CACHE (or --cache-dir) elsewhere")
+    return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {_first_line(error)})")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
