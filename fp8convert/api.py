@@ -76,13 +76,13 @@ def make_plan(src: str | Path, settings: Settings | None = None, **overrides) ->
     """Plan a conversion from headers and config alone; reads no tensor data (a Hub repo id is planned
     from remote headers)."""
     settings = Settings.of(settings, **overrides)
-    return build_plan(plan_source(src, settings.revision, settings.token), settings.options)
+    return build_plan(plan_source(src, settings.revision, settings.token, settings.cache_dir), settings.options)
 
 
-def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None):
-    """Check the FP8 checkpoint in `out` against its source (fp8convert.verify.verify)."""
+def verify(src: str | Path, out: str | Path, **options):
+    """Check the FP8 checkpoint in `out` against its source (fp8convert.verify.verify takes the options)."""
     from .verify import verify as verify_output
-    return verify_output(src, out, revision=revision, token=token)
+    return verify_output(src, out, **options)
 
 
 def quantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
@@ -110,7 +110,8 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     if on_plan:
         on_plan(the_plan)
     out_dir = Path(out)
-    done, complete = prepare_output(the_plan, out_dir, settings.overwrite, streamed=settings.stream_download)
+    done, complete = prepare_output(the_plan, out_dir, settings.overwrite, streamed=settings.stream_download,
+                                    base_model=settings.base_model)
     report = _new_report(the_plan, out_dir, settings, spec, done, complete)
     if complete:
         pass  # an earlier run of this plan finished it
@@ -129,10 +130,9 @@ def _device_list(settings: Settings) -> list[str] | None:
     devices = device_split.parse_devices(settings.devices)
     if settings.device != "auto":
         raise FP8ConvertError(f"--device {settings.device} and --devices {','.join(devices)}: give only one of them")
-    if len(devices) > 1:
-        from .run.device import resolve_device
-        for d in devices:
-            resolve_device(d, "--devices")  # a GPU this machine lacks fails now, not in a child after OUT was made
+    from .run.device import resolve_device
+    for d in devices:  # a GPU this machine lacks fails now, named as --devices, not later as --device
+        resolve_device(d, "--devices")
     return devices
 
 
@@ -152,11 +152,12 @@ def _open_for_run(src, out_dir: Path, settings: Settings, spec: workers.WorkerSp
     files are (or will be, for workers of a Hub repo) on disk and a fetcher that does nothing."""
     if settings.stream_download:
         from .source.streaming import streaming_source
-        return streaming_source(str(src), out_dir / WORK_DIR / DOWNLOAD_DIR, settings.revision, settings.token)
+        return streaming_source(str(src), out_dir / WORK_DIR / DOWNLOAD_DIR, settings.revision, settings.token,
+                                cache_dir=settings.cache_dir)
     if spec.count > 1 and looks_like_repo_id(str(src)):
         from .source.hub import remote_source  # headers only: each worker fetches the shards it reads
-        return remote_source(str(src), settings.revision, settings.token), NoFetcher()
-    return open_source(src, settings.revision, settings.token), NoFetcher()
+        return remote_source(str(src), settings.revision, settings.token, cache_dir=settings.cache_dir), NoFetcher()
+    return open_source(src, settings.revision, settings.token, settings.cache_dir), NoFetcher()
 
 
 def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],
@@ -203,7 +204,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):
             from .source.hub import fetch_from_hub
-            fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), settings.token)
+            fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), settings.token,
+                           settings.cache_dir)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher:
         fetcher.start(need_order(units))
         from .run.pipeline import convert  # imports torch: the prefetcher is reading meanwhile
@@ -288,7 +290,7 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
                               f"{free / 1e9:.2f} GB available")
 
 
-def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeReport:
+def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str | None = None) -> FinalizeReport:
     """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
     records (source, revision, scheme, format, ignore patterns, shard size; headers only, a Hub repo
     id is planned from remote headers), refuse if it is not the plan the workers used or the source
@@ -306,7 +308,7 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
     if lacking:
         raise FP8ConvertError(f"{manifest.path}: does not record {lacking[0]} (written by an older fp8convert); "
                               "rerun the quantize command to finish the output")
-    the_plan = _plan_from_manifest(state, token)
+    the_plan = _plan_from_manifest(state, token, cache_dir)
     if the_plan.fingerprint != state["fingerprint"]:
         raise PlanMismatchError(f"{out_dir}: the source no longer gives the plan the workers used "
                                 f"({plan_change(state, the_plan)}); "
@@ -322,7 +324,7 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
                           time.monotonic() - started)
 
 
-def _plan_from_manifest(state: dict, token: str | None) -> Plan:
+def _plan_from_manifest(state: dict, token: str | None, cache_dir: str | None) -> Plan:
     """The workers' plan again, from the manifest: same source label (the card names it), same options."""
     options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"])
     if state.get("source_path"):
@@ -331,6 +333,6 @@ def _plan_from_manifest(state: dict, token: str | None) -> Plan:
     repo_id, revision = state["source"], state.get("revision")
     if not looks_like_repo_id(repo_id):
         raise FP8ConvertError(f"{repo_id}: the manifest's source is neither a directory nor a Hub repo id")
-    source: Source = remote_source(repo_id, revision, token)
-    fetch_from_hub(source, [], token)  # side files and card: this machine's cache may lack them
+    source: Source = remote_source(repo_id, revision, token, cache_dir=cache_dir)
+    fetch_from_hub(source, [], token, cache_dir)  # side files and card: this machine's cache may lack them
     return build_plan(source, options)

@@ -15,6 +15,7 @@ SCHEMES = ("tensor", "channel", "block")
 FORMATS = ("compressed-tensors", "fp8")
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 
 
 def parse_size(value: int | str, what: str = "size") -> int:
@@ -81,6 +82,8 @@ class Settings:
     overwrite: bool = False
     revision: str | None = None           # Hub sources: branch, tag or commit
     token: str | None = None              # Hub token; None: HF_TOKEN or the saved login
+    cache_dir: str | None = None          # Hub download cache; None: huggingface_hub's (HF_HUB_CACHE, HF_HOME)
+    base_model: str | None = None         # the model card's base_model; None: a Hub source's repo id
     stream_download: bool = False         # Hub sources: keep only a few source shards on disk
     progress: bool = False
     finalize: bool = True                 # False: write this worker's shards only
@@ -97,6 +100,8 @@ class Settings:
         object.__setattr__(self, "prefetch", 0 if prefetch in ("0", "") else parse_size(self.prefetch, "--prefetch"))
         if isinstance(self.devices, list):
             object.__setattr__(self, "devices", tuple(self.devices))
+        if self.base_model is not None and not REPO_ID.match(self.base_model):
+            raise FP8ConvertError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
 
     @property
     def options(self) -> Options:

@@ -4,12 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import FP8ConvertError
+from .options import REPO_ID
 from .output.card import card_from_output, retarget_card
 from .output.finalize import check_output_complete
 from .output.manifest import WORK_DIR
 from .source.hub import CARD_NAME
 from .source.hub_calls import hub_error, with_retries
-from .source.resolve import REPO_ID
 
 UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
 

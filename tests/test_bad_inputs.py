@@ -259,7 +259,7 @@ def test_non_finite_weight_names_the_tensor(tmp_path, capsys, value):
     src = write_checkpoint(tmp_path / "src", tensors)
     out = tmp_path / "out"
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
-    line = assert_refused(rc, err, out, "model.layers.1.self_attn.k_proj.weight", SHARD2, preflight=False)
+    line = assert_refused(rc, err, out, "model.layers.1.self_attn.k_proj.weight", str(src / SHARD2), preflight=False)
     assert "NaN or Inf" in line
     # the repaired source is other weights: a plain rerun refuses to mix them with what was written,
     # naming the changed shard; --overwrite starts again and matches a clean conversion
@@ -281,6 +281,7 @@ def test_non_finite_kept_weight_names_the_tensor(tmp_path, capsys, name):
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
     assert rc != 0 and not looks_complete(out)
     assert name in err and "NaN or Inf" in err and len(err.strip().splitlines()) == 1
+    assert f"error: {src}/model-0000" in err  # the shard named with its folder
 
 
 def test_all_zero_weights_are_valid(tmp_path, capsys):

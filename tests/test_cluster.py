@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8convert import api
 from fp8convert.cli import main
@@ -236,6 +237,8 @@ def test_refusals(ref, tmp_path, capsys):
     cases = [(["--worker", "0/2", "--overwrite"], "--overwrite"), (["--worker", "2/2"], "--worker 2/2"),
              (["--worker", "x"], "K/N"), (["--devices", "tpu:0"], "tpu:0"),
              (["--devices", "cpu,cpu", "--device", "cpu"], "--devices")]
+    if not torch.cuda.is_available():  # one GPU this machine lacks: named as --devices, not --device
+        cases += [(["--devices", "cuda:0"], "--devices cuda:0: CUDA is not available")]
     for extra, needle in cases:
         line = one_error_line(*run_cli(capsys, "quantize", src, out, *ARGS, *extra)[::2])
         assert needle in line, (extra, line)

@@ -24,6 +24,7 @@ from tiny_ckpt import llama_tensors, slow_writes, write_checkpoint
 from fp8convert import api, publish
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
+from fp8convert.units import format_size
 from fp8convert.output.card import make_card, retarget_card, split_front_matter
 from fp8convert.safetensors_io import INDEX_NAME
 from fp8convert.source import hub
@@ -320,7 +321,8 @@ def test_a_full_cache_disk_is_not_reported_as_a_network_problem(fake_hub, tiny_r
     msg = str(e.value)
     size = (tiny_repo / "model-00002-of-00003.safetensors").stat().st_size
     assert "no space left on the download cache's disk" in msg and "HF_HUB_CACHE" in msg, msg
-    assert f"{size / 1e6:.1f} MB" in msg and "network" not in msg and ".incomplete" in msg, msg
+    assert f"the file being downloaded is {format_size(size)}" in msg, msg
+    assert "network" not in msg and ".incomplete" in msg, msg
 
 
 # --------------------------------------------------------------------------- inspect / remote headers
@@ -612,7 +614,7 @@ def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypa
 
 def test_make_card_fields_command_and_loading(tiny_ckpt):
     p = api.make_plan(tiny_ckpt, scheme="block", format="fp8", ignore=["*.down_proj"])
-    p.source.label = REPO  # as if converted from the Hub
+    p.source.label, p.source.revision = REPO, "0" * 40  # as if converted from the Hub
     text = make_card(p, SOURCE_CARD, repo_id="me/tiny-fp8",
                      verify={"worst_relative_error": 0.0123456, "min_snr_db": 31.5})
     meta, body = split_front_matter(text)
@@ -675,3 +677,92 @@ def test_rerun_after_the_branch_moved_is_refused(fake_hub, tiny_repo, tmp_path, 
     assert not (out / "config.json").exists()
     assert main(["quantize", REPO, str(out), "--device", "cpu", "-q", "--overwrite"]) == 0
     assert json.loads((out / ".fp8convert" / "manifest.json").read_text())["revision"] == new
+
+
+# --------------------------------------------------------------------------- --token, --cache-dir, --create-pr
+
+
+def test_push_with_token_option_and_create_pr(fake_hub, converted, monkeypatch, capsys):
+    """`push --token` works without HF_TOKEN or a saved login (the fake Hub refuses writes without an
+    accepted token); `--create-pr` opens a pull request and leaves the branch as it was."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token]) == 0
+    main_before = fake_hub.files("fake-user/tiny-fp8")
+    (converted / "README.md").write_text((converted / "README.md").read_text() + "\nA note.\n")
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token, "--create-pr"]) == 0
+    out = capsys.readouterr().out
+    assert "opened a pull request on fake-user/tiny-fp8" in out and "/discussions/1" in out, out
+    assert fake_hub.files("fake-user/tiny-fp8") == main_before  # main untouched
+    assert fake_hub.files("fake-user/tiny-fp8", "refs/pr/1")["README.md"].endswith(b"A note.\n")
+
+
+def test_a_push_that_fails_on_the_network_says_a_rerun_resumes_the_upload(fake_hub, converted, monkeypatch):
+    monkeypatch.setenv("FP8CONVERT_HUB_RETRIES", "0")
+    fake_hub.fail("drop", path_contains="/api/repos/create")
+    with pytest.raises(FP8ConvertError) as e:
+        publish.push(converted, "fake-user/tiny-fp8", token=fake_hub.token)
+    assert "rerun the same push to resume it" in str(e.value) and "downloads" not in str(e.value)
+
+
+def test_cache_dir_option_holds_the_downloads(fake_hub, tiny_repo, tmp_path, capsys):
+    from huggingface_hub import constants
+    cache = tmp_path / "my-cache"
+    assert main(["inspect", REPO, "--cache-dir", str(cache)]) == 0
+    assert main(["quantize", REPO, str(tmp_path / "out"), "--cache-dir", str(cache), "--device", "cpu", "-q"]) == 0
+    assert list(cache.glob("models--acme--tiny-llama/snapshots/*/model-00002-of-00003.safetensors"))
+    assert not list(Path(constants.HF_HUB_CACHE).glob("models--acme--tiny-llama"))
+
+
+# --------------------------------------------------------------------------- the model card
+
+
+def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
+    """Sizes as a user types them, a local source has no base_model unless --base-model sets it (then
+    the command repeats it), and a directory in huggingface_hub's cache is its repo."""
+    out = tmp_path / "out"
+    api.quantize(tiny_ckpt, out, device="cpu", max_shard_size="30KB")
+    text = (out / "README.md").read_text()
+    assert "--max-shard-size 30KB" in text and "30000" not in text
+    assert "base_model" not in card_meta(text)
+    assert main(["quantize", str(tiny_ckpt), str(tmp_path / "o2"), "-q", "--base-model", "acme/tiny-llama"]) == 0
+    text = (tmp_path / "o2" / "README.md").read_text()
+    meta = card_meta(text)
+    assert meta["base_model"] == "acme/tiny-llama" and meta["base_model_relation"] == "quantized"
+    assert "--base-model acme/tiny-llama" in text and "[acme/tiny-llama](https://huggingface.co/acme/tiny-llama)" in text
+    assert main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 1
+    snapshot = tmp_path / "hub" / "models--acme--cached" / "snapshots" / ("a" * 40)
+    snapshot.parent.mkdir(parents=True)
+    tiny_ckpt.rename(snapshot)
+    api.quantize(snapshot, tmp_path / "o4", device="cpu")
+    assert card_meta((tmp_path / "o4" / "README.md").read_text())["base_model"] == "acme/cached"
+
+
+@pytest.mark.parametrize("fmt,needs", [("compressed-tensors", "pip install transformers compressed-tensors\n"),
+                                       ("fp8", "pip install transformers accelerate\n")])
+def test_card_says_what_its_transformers_snippet_needs(tiny_ckpt, tmp_path, fmt, needs):
+    out = tmp_path / "out"
+    api.quantize(tiny_ckpt, out, device="cpu", format=fmt, scheme="block" if fmt == "fp8" else "tensor")
+    text = (out / "README.md").read_text()
+    assert needs in text and "device_map" not in text and "from_pretrained(" in text
+
+
+@pytest.mark.slow
+def test_card_snippet_runs_with_only_what_the_card_installs(tmp_path):
+    """The compressed-tensors card's snippet, run as written where accelerate is missing (the card does
+    not ask for it): the model loads. (device_map="auto", which the card used to show, needs it.)"""
+    import re
+    import subprocess
+    import sys
+    from fp8convert.demo import make_demo_model
+    src = make_demo_model(tmp_path / "src")
+    out = tmp_path / "src-FP8"  # the card's examples say ./src-FP8 until a push names the repo
+    api.quantize(src, out, device="cpu")
+    text = (out / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert "pip install transformers compressed-tensors" in text and "accelerate" not in text
+    # as if accelerate were not installed: import fails and importlib finds no such package
+    no_accelerate = "import sys\nsys.modules['accelerate'] = None\n"
+    run = subprocess.run([sys.executable, "-c", no_accelerate + snippet + "\nprint(type(model).__name__)"],
+                         cwd=out.parent, capture_output=True, text=True,
+                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0 and "LlamaForCausalLM" in run.stdout, run.stderr[-2000:]

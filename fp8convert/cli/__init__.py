@@ -1,7 +1,8 @@
 """Command-line interface: a thin layer over fp8convert's Python API.
 
-Errors are mapped to exit codes in one place (`main`): an FP8ConvertError prints one line and exits 1;
-Ctrl-C exits 130 and leaves a resumable output.
+How a command ends is decided in one place (`main`): a failure prints one line (cli/_failures.py maps
+every kind of error to it and to an exit code) and, with --json, an error object on stdout; Ctrl-C
+exits 130 and SIGTERM 143, each with a line saying what a rerun does.
 """
 from __future__ import annotations
 
@@ -9,35 +10,57 @@ import sys
 
 import typer
 
-from ..errors import FP8ConvertError
-from . import cluster, convert, publish, verify
+from .._version import __version__
+from . import _failures, cluster, convert, publish, verify
+from ._options import Group
+from ._output import printed
 
-app = typer.Typer(name="fp8convert", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  rich_markup_mode="markdown",
+app = typer.Typer(name="fp8convert", cls=Group, no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False, rich_markup_mode="markdown",
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"fp8convert {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _top(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                      callback=_print_version, metavar="")) -> None:
+    """Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers."""
+
+
 for commands in (convert, verify, publish, cluster):
     commands.register(app)
 
 
-INTERRUPTED = "interrupted: rerun the same command to resume"
+def command_of(argv: list[str]) -> str | None:
+    """The command word of a command line (the first argument that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        # With standalone_mode=False typer returns exit codes instead of raising them; in particular
-        # it turns Ctrl-C inside a command into a returned 130.
-        rc = app(args=argv, standalone_mode=False)
-    except FP8ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except (KeyboardInterrupt, typer.Abort):
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
-    except typer.Exit as e:
-        return e.exit_code
-    except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
-        e.show()
-        return getattr(e, "exit_code", 2)
-    if rc == 130:
-        print(INTERRUPTED, file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    command = command_of(argv)
+    printed.json = False
+    with _failures.StopOnSigterm() as sigterm:
+        try:
+            # With standalone_mode=False typer returns exit codes instead of raising them; in particular
+            # it turns Ctrl-C (and so SIGTERM, raised as a KeyboardInterrupt) inside a command into 130.
+            rc = app(args=argv, standalone_mode=False, prog_name="fp8convert")
+        except (KeyboardInterrupt, typer.Abort):
+            rc = _failures.SIGINT_EXIT
+        except typer.Exit as e:
+            return e.exit_code
+        except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
+            e.show()
+            return getattr(e, "exit_code", 2)
+        except Exception as e:
+            return _failures.report(e, json_wanted="--json" in argv, json_printed=printed.json)
+    if rc == _failures.SIGINT_EXIT:
+        print(_failures.stop_line(command, sigterm.received), file=sys.stderr)
+        return _failures.SIGTERM_EXIT if sigterm.received else _failures.SIGINT_EXIT
     return rc if isinstance(rc, int) else 0

@@ -1,26 +1,77 @@
-"""Option aliases shared by the commands, defined once so every command spells them the same way."""
+"""Option aliases shared by the commands, defined once so every command spells them the same way, and
+the help conventions of every command (-h, usage `SRC OUT`, no type placeholders after flags)."""
 from __future__ import annotations
 
 import os
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
-Scheme = Annotated[str, typer.Option("--scheme", help="Scale granularity: tensor, channel (per output row) or block (128x128).")]
-Format = Annotated[str, typer.Option("--format", help="Output format: compressed-tensors or fp8 (vLLM/DeepSeek native).")]
+from ..options import FORMATS, SCHEMES
+
+
+class _PlainHelp:
+    """Help as a user reads it: the usage line names arguments as SRC OUT (typer prints {src} {out}),
+    and -h/--help, like every flag, shows no type placeholder."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = (param.metavar or param.name).upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_PlainHelp, TyperCommand):
+    pass
+
+
+class Group(TyperGroup):
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+def flag(*names: str, help: str) -> typer.models.OptionInfo:
+    """An on/off option, shown without a <bool> placeholder."""
+    return typer.Option(*names, help=help, metavar="")
+
+
+Scheme = Annotated[str, typer.Option("--scheme", metavar="|".join(SCHEMES),
+                                     help="Scale granularity: tensor (one per weight), channel (one per output "
+                                          "row) or block (one per 128x128 block).")]
+Format = Annotated[str, typer.Option("--format", metavar="|".join(FORMATS),
+                                     help="Output format: compressed-tensors, or fp8 (vLLM/DeepSeek native).")]
 Ignore = Annotated[Optional[list[str]], typer.Option(
-    "--ignore", help="Keep matching modules in high precision, on top of the defaults: exact module name, "
-                     "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.")]
-Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
-MaxShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest output shard, e.g. 5GB, 500MB.")]
+    "--ignore", metavar="PATTERN",
+    help="Keep matching modules in high precision, on top of the defaults: exact module name, "
+         "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.")]
+Device = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda|cuda:N",
+                                     help="Where to compute: auto (CUDA when present), cpu, cuda or cuda:N.")]
+MaxShardSize = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE",
+                                           help="Largest output shard, e.g. 5GB, 500MB.")]
 MaxResident = Annotated[Optional[str], typer.Option(
-    "--max-resident", help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
-                           "1GiB on CPU); larger layers are split, never inside a fused group.")]
+    "--max-resident", metavar="SIZE",
+    help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
+         "1GiB on CPU); larger layers are split, never inside a fused group.")]
 Prefetch = Annotated[str, typer.Option(
-    "--prefetch", help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); "
-                       "0 turns it off. Page cache is reclaimable, but it counts in some job memory limits.")]
-Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of SRC.")]
-Json = Annotated[bool, typer.Option("--json", help="Print a JSON document instead of text.")]
+    "--prefetch", metavar="SIZE",
+    help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); "
+         "0 turns it off. Page cache is reclaimable, but it counts in some job memory limits.")]
+Revision = Annotated[Optional[str], typer.Option("--revision", metavar="REV",
+                                                 help="Hub revision (branch, tag or commit) of SRC.")]
+Json = Annotated[bool, flag("--json", help="Print a JSON document on stdout instead of text (an error object "
+                                           "when the command fails).")]
 Worker = Annotated[Optional[str], typer.Option(
     "--worker", metavar="K/N|auto",
     help="Convert only worker K's share of N (output shards with index % N == K, counting from 0). Without "
@@ -30,11 +81,18 @@ Devices = Annotated[Optional[str], typer.Option(
     "--devices", metavar="LIST|all",
     help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
          "entries are allowed too.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
-Private = Annotated[bool, typer.Option("--private", help="Create the Hub repo as private (an existing repo keeps "
-                                                         "its visibility).")]
+Quiet = Annotated[bool, flag("--quiet", "-q", help="No progress output.")]
+Private = Annotated[bool, flag("--private", help="Create the Hub repo as private (an existing repo keeps "
+                                                 "its visibility).")]
+Token = Annotated[Optional[str], typer.Option(
+    "--token", metavar="TOKEN",
+    help="Hugging Face token for the Hub. Default: $HF_TOKEN, else the token saved by `hf auth login`.")]
+CacheDir = Annotated[Optional[str], typer.Option(
+    "--cache-dir", metavar="DIR",
+    help="Where Hub downloads are cached. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+         "~/.cache/huggingface/hub (huggingface_hub's own rule).")]
 
 
-def token() -> str | None:
-    """The Hub token: HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
-    return os.environ.get("HF_TOKEN") or None
+def token(given: str | None = None) -> str | None:
+    """The Hub token: --token, else HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
+    return given or os.environ.get("HF_TOKEN") or None

@@ -1,7 +1,6 @@
 """finalize and batch: the commands for cluster jobs (docs/cluster.md)."""
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -10,12 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import FP8ConvertError
-from ._options import Json, Quiet, token
+from ..units import format_size, plural
+from ._options import CacheDir, Command, Json, Quiet, Token, token
+from ._output import print_json
 
 
 def finalize(
-    out: Annotated[Path, typer.Argument(help="An output directory whose shards workers wrote.", show_default=False)],
-    json_out: Json = False,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="An output directory whose shards workers wrote.",
+                                        show_default=False)],
+    json_out: Json = False, hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Check that every shard of OUT is present and complete (size and header), then write the index,
     config.json and model card. The plan is rebuilt from the source recorded in OUT/.fp8convert
@@ -29,21 +31,24 @@ def finalize(
     """
     from .. import api
 
-    report = api.finalize_output(out, token=token())
+    report = api.finalize_output(out, token=token(hub_token), cache_dir=cache_dir)
     if json_out:
-        print(json.dumps(asdict(report), indent=2))
+        print_json(asdict(report))
     else:
-        print(f"finalized {out}: {report.shards} shard(s), {report.bytes_out / 1e9:.2f} GB, from {report.source}")
+        print(f"finalized {out}: {plural(report.shards, 'shard')}, {format_size(report.bytes_out)}, from "
+              f"{report.source}")
 
 
 def batch(
     jobs: Annotated[Path, typer.Argument(  # \\[ keeps rich from reading [[job]] as markup
-        help="Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md).", show_default=False)],
+        metavar="JOBS", help="Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md).",
+        show_default=False)],
     task_index: Annotated[Optional[int], typer.Option(
-        "--task-index", help="Run only job N (counting from 0). Default in a Slurm array: "
-                             "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
+        "--task-index", metavar="N", help="Run only job N (counting from 0). Default in a Slurm array: "
+                                          "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
     json_out: Json = False,
     quiet: Quiet = False,
+    hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Convert every model listed in JOBS, in order: finished outputs are skipped, a failed job does not
     stop the others, and a summary table (job, source, out, status, seconds, GB) ends the run. Exits 1
@@ -59,18 +64,19 @@ def batch(
     """
     from ..cluster import batch as batch_mod
 
-    results = batch_mod.run_batch(jobs, task_index=task_index, progress=not quiet, token=token())
+    results = batch_mod.run_batch(jobs, task_index=task_index, progress=not quiet, token=token(hub_token),
+                                  cache_dir=cache_dir)
     if json_out:
-        print(json.dumps(batch_mod.summary(results), indent=2))
+        print_json(batch_mod.summary(results))
     else:
         print(batch_mod.render(results))
     failed = [r for r in results if r.status == "failed"]
     if failed:
-        raise FP8ConvertError(f"{jobs}: {len(failed)} of {len(results)} job(s) failed (first: job {failed[0].index} "
+        raise FP8ConvertError(f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: job {failed[0].index} "
                               f"({failed[0].job}): {failed[0].error})")
     sys.stdout.flush()
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(finalize)
-    app.command()(batch)
+    app.command(cls=Command)(finalize)
+    app.command(cls=Command)(batch)

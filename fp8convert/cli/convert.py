@@ -1,7 +1,6 @@
 """quantize, inspect and demo."""
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -11,30 +10,39 @@ import typer
 
 from .. import api, publish
 from ..errors import FP8ConvertError
-from ..options import Settings
+from ..options import REPO_ID, Settings
 from ..plan.summary import compatibility_warnings, describe, render
-from ..source.resolve import REPO_ID
-from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Private, Quiet,
-                       Revision, Scheme, Worker, token)
+from ..units import format_size, plural
+from ._options import (CacheDir, Command, Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch,
+                       Private, Quiet, Revision, Scheme, Token, Worker, flag, token)
+from ._output import print_json
 
-Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
-Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
-                                     show_default=False)]
+Src = Annotated[str, typer.Argument(metavar="SRC", show_default=False,
+                                    help="Local checkpoint directory or Hub repo id (owner/name).")]
+Out = Annotated[Path, typer.Argument(metavar="OUT", show_default=False,
+                                     help="Output directory (created; must be empty, or a partial run of the same "
+                                          "plan).")]
 
 
 def quantize(
     src: Src, out: Out, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace whatever OUT holds.")] = False,
+    overwrite: Annotated[bool, flag("--overwrite", help="Replace an earlier fp8convert output in OUT (a folder "
+                                                        "holding other files is refused).")] = False,
     revision: Revision = None, json_out: Json = False,
     quiet: Quiet = False,
     push_to_hub: Annotated[Optional[str], typer.Option(
         "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")] = None,
     private: Private = False,
-    stream_download: Annotated[bool, typer.Option(
+    stream_download: Annotated[bool, flag(
         "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                                   "converted (for models larger than the free disk).")] = False,
     worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB",
+    hub_token: Token = None, cache_dir: CacheDir = None,
+    base_model: Annotated[Optional[str], typer.Option(
+        "--base-model", metavar="REPO_ID",
+        help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
+             "local source).")] = None,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -66,35 +74,43 @@ def quantize(
 
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
                         max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                        revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
-                        worker=worker, devices=devices, prefetch=prefetch)
+                        revision=revision, token=token(hub_token), cache_dir=cache_dir, progress=not quiet,
+                        stream_download=stream_download, worker=worker, devices=devices, prefetch=prefetch,
+                        base_model=base_model)
     report = api.quantize(src, out, settings, on_plan=show_warnings)
     if json_out:
-        print(json.dumps(asdict(report), indent=2))
+        print_json(asdict(report))
     elif report.already_complete:
         print(f"{out}: already complete (same plan); nothing to do")
     elif not report.complete:
-        print(f"worker {report.worker}: wrote {report.shards_written} of {report.shards} shard(s) of {out} in "
-              f"{report.seconds:.1f}s on {report.device}; the worker that finds every shard written finalizes the "
-              f"output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every worker is done")
+        print(f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of {out} "
+              f"in {report.seconds:.1f}s on {report.device}; the worker that finds every shard written finalizes "
+              f"the output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every worker is done")
     else:
-        resumed = f", {report.shards_resumed} resumed" if report.shards_resumed else ""
-        print(f"wrote {out}: {report.shards} shard(s){resumed}, {report.tensors_quantized} tensors quantized, "
-              f"{report.tensors_kept} kept, {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
-              f"in {report.seconds:.1f}s on {report.device}")
+        print(summary_line(report))
     if push_to_hub and report.complete:
-        url = publish.push(out, push_to_hub, private=private, token=token())
+        url = publish.push(out, push_to_hub, private=private, token=token(hub_token))
         print(f"pushed {out} to {push_to_hub}: {url}", file=sys.stderr if json_out else sys.stdout)
     elif push_to_hub:
         print(f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
               f"(or run `fp8convert push {out} {push_to_hub}` after finalize)", file=sys.stderr)
 
 
+def summary_line(report: api.Report) -> str:
+    """'wrote OUT: 1 shard, 28 tensors quantized, 11 kept, 6.32 MB -> 3.86 MB in 0.9s on cpu'."""
+    resumed = f", {report.shards_resumed} resumed" if report.shards_resumed else ""
+    return (f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{resumed}, "
+            f"{plural(report.tensors_quantized, 'tensor')} quantized, {report.tensors_kept} kept, "
+            f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} in {report.seconds:.1f}s on "
+            f"{report.device}")
+
+
 def inspect(
     src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
     revision: Revision = None, json_out: Json = False,
-    tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and what becomes of it.")] = False,
+    tensors: Annotated[bool, flag("--tensors", help="Also list every tensor and what becomes of it.")] = False,
+    hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
     groups, output size, shard count, and estimated peak memory.
@@ -106,7 +122,8 @@ def inspect(
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
-                        device=device, max_resident=max_resident, revision=revision, token=token())
+                        device=device, max_resident=max_resident, revision=revision, token=token(hub_token),
+                        cache_dir=cache_dir)
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
     dev = resolve_device(device)
@@ -117,7 +134,7 @@ def inspect(
                                 "quantize": t.quantize, "reason": t.reason, "group": t.group}
                                for t in the_plan.tensors]
     if json_out:
-        print(json.dumps(info, indent=2))
+        print_json(info)
         return
     print(render(info))
     if tensors:
@@ -127,11 +144,12 @@ def inspect(
 
 
 def demo(
-    directory: Annotated[Path, typer.Argument(help="Where to put the demo model and its FP8 conversion.")] = Path("fp8convert-demo"),
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to put the demo model and its FP8 "
+                                                                  "conversion.")] = Path("fp8convert-demo"),
     scheme: Scheme = "tensor", format: Format = "compressed-tensors", device: Device = "auto",
 ):
-    """Build a small random Llama-shaped BF16 model (embedded, no download) in DIRECTORY/source and
-    convert it to DIRECTORY/fp8.
+    """Build a small random Llama-shaped BF16 model (embedded, no download) in DIR/source and convert it
+    to DIR/fp8.
 
     Example:
 
@@ -144,6 +162,6 @@ def demo(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(quantize)
-    app.command()(inspect)
-    app.command()(demo)
+    app.command(cls=Command)(quantize)
+    app.command(cls=Command)(inspect)
+    app.command(cls=Command)(demo)

@@ -7,30 +7,39 @@ from typing import Annotated, Optional
 import typer
 
 from .. import publish
-from ._options import Private, token
+from ._options import Command, Private, Token, flag, token
 
 
 def push(
-    out: Annotated[Path, typer.Argument(help="A complete fp8convert output directory.", show_default=False)],
-    repo_id: Annotated[str, typer.Argument(help="Hub repo to upload to (owner/name); created if needed.",
-                                           show_default=False)],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="A complete fp8convert output directory.",
+                                        show_default=False)],
+    repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", show_default=False,
+                                           help="Hub repo to upload to (owner/name); created if needed.")],
     private: Private = False,
     revision: Annotated[Optional[str], typer.Option(
-        "--revision", help="Branch to push to (created from main if needed).")] = None,
-    commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit title.")] = None,
+        "--revision", metavar="BRANCH", help="Branch to push to (created from main if needed).")] = None,
+    commit_message: Annotated[Optional[str], typer.Option("--commit-message", metavar="TEXT",
+                                                          help="Commit title.")] = None,
+    create_pr: Annotated[bool, flag("--create-pr", help="Open a pull request (against --revision, default main) "
+                                                        "instead of committing to the branch.")] = False,
+    hub_token: Token = None,
 ):
     """Upload OUT to the Hub repo REPO_ID with its model card. Refuses an incomplete output; never
-    uploads OUT/.fp8convert/. Rerunning an interrupted push resumes it. Uses HF_TOKEN or the saved login.
+    uploads OUT/.fp8convert/. Rerunning an interrupted push resumes it. Uses --token, HF_TOKEN or the
+    saved login.
 
     Examples:
 
       fp8convert push ./Qwen3-8B-FP8 me/Qwen3-8B-FP8
 
       fp8convert push ./llama-fp8 my-org/llama-fp8 --private --revision channel-scheme
+
+      fp8convert push ./llama-fp8 their-org/llama-fp8 --create-pr       # a repo you may not write to directly
     """
-    url = publish.push(out, repo_id, private=private, revision=revision, commit_message=commit_message, token=token())
-    print(f"pushed {out} to {repo_id}: {url}")
+    url = publish.push(out, repo_id, private=private, revision=revision, commit_message=commit_message,
+                       token=token(hub_token), create_pr=create_pr)
+    print(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(push)
+    app.command(cls=Command)(push)

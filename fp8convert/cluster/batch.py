@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..options import Settings
+from ..options import REPO_ID, Settings
 from ..output.files import json_bytes, read_json_object, write_atomic
 from ..output.manifest import WORK_DIR
-from ..source.resolve import REPO_ID
+from ..units import plural
 from .devices import parse_devices
 from .workers import log
 
@@ -170,18 +170,19 @@ def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job
     if task_index is None:
         return jobs
     if not 0 <= task_index < len(jobs):
-        raise FP8ConvertError(f"task index {task_index}: {where} has {len(jobs)} job(s), numbered 0 to {len(jobs) - 1}")
+        raise FP8ConvertError(f"task index {task_index}: {where} has {plural(len(jobs), 'job')}, numbered 0 to "
+                              f"{len(jobs) - 1}")
     return [jobs[task_index]]
 
 
-def run_job(job: Job, progress: bool = True, token: str | None = None) -> JobResult:
+def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir: str | None = None) -> JobResult:
     """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything)."""
     from .. import api, publish
     started = time.monotonic()
     result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
     log(f"job {job.index} ({job.name}): {job.source} -> {job.out}", progress)
     try:
-        report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token)
+        report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token, cache_dir=cache_dir)
         result.report = asdict(report)
         result.gb_in, result.gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
         result.status = "skipped" if report.already_complete else "done"
@@ -207,13 +208,13 @@ def run_job(job: Job, progress: bool = True, token: str | None = None) -> JobRes
 
 
 def run_batch(path: str | Path, task_index: int | None = None, progress: bool = True,
-              token: str | None = None) -> list[JobResult]:
+              token: str | None = None, cache_dir: str | None = None) -> list[JobResult]:
     """Validate the jobs file, then run its jobs in order (or only job `task_index`; by default the
     Slurm array task's). Returns one result per job run."""
     jobs = read_jobs(path)
     if task_index is None:
         task_index = task_index_from_env()
-    return [run_job(job, progress, token) for job in select_jobs(jobs, task_index, str(path))]
+    return [run_job(job, progress, token, cache_dir) for job in select_jobs(jobs, task_index, str(path))]
 
 
 def render(results: list[JobResult]) -> str:

@@ -12,6 +12,7 @@ from typing import Callable
 
 from ..errors import FP8ConvertError
 from ..options import Settings
+from ..units import plural
 from .workers import WorkerSpec
 
 
@@ -48,14 +49,27 @@ def run_on_devices(target: Callable, src: str, out: str, children: list[Settings
     with ProcessPoolExecutor(len(children), mp_context=ctx) as pool:
         jobs = [(child.device, pool.submit(target, src, out, child)) for child in children]
         reports, errors = [], []
-        for device, job in jobs:
-            try:
-                reports.append(job.result())
-            except FP8ConvertError as e:
-                errors.append(f"worker on {device}: {e}")
-            except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
-                errors.append(f"worker on {device}: {type(e).__name__}: {e}")
+        try:
+            for device, job in jobs:
+                try:
+                    reports.append(job.result())
+                except FP8ConvertError as e:
+                    errors.append(f"worker on {device}: {e}")
+                except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
+                    errors.append(f"worker on {device}: {type(e).__name__}: {e}")
+        except BaseException:  # Ctrl-C or SIGTERM: leaving the pool would wait for the workers to finish
+            stop_workers(pool)
+            raise
     if errors:
-        more = f" (and {len(errors) - 1} more worker(s) failed)" if len(errors) > 1 else ""
+        more = f" (and {plural(len(errors) - 1, 'more worker')} failed)" if len(errors) > 1 else ""
         raise FP8ConvertError(errors[0] + more)
     return reports
+
+
+def stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the pool's worker processes now (SIGTERM; what they wrote stays resumable, as after Ctrl-C).
+    Ctrl-C in a terminal reaches them anyway; a SIGTERM sent to this process alone (Kubernetes signals
+    only PID 1) would not. ProcessPoolExecutor has no public way to reach its processes."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)

@@ -15,9 +15,9 @@ import yaml
 
 from .._version import __version__
 from ..errors import FP8ConvertError
-from ..options import Options
-from ..plan.summary import describe, human
-from ..source.resolve import looks_like_repo_id
+from ..options import REPO_ID, Options
+from ..units import format_size, plural, size_text
+from ..plan.summary import describe
 from .manifest import Manifest
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
@@ -36,6 +36,9 @@ ACTIVATIONS_TEXT = {
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
 DEFAULT_MAX_SHARD = Options().max_shard_size
+# What the card's transformers snippet needs installed, by format (checked with transformers 5.24: the fp8
+# format needs accelerate even without a device_map; compressed-tensors needs only its own package).
+TRANSFORMERS_NEEDS = {"compressed-tensors": "transformers compressed-tensors", "fp8": "transformers accelerate"}
 # Marks a generated card and records the local path its examples use, so `push` can put the repo id there.
 TARGET_MARK = "<!-- fp8convert card; examples use: {} -->"
 
@@ -64,23 +67,44 @@ def split_front_matter(text: str | None) -> tuple[dict, str]:
 
 
 def _plan_info(plan) -> tuple[dict, dict]:
-    """describe() of a Plan, plus what the reproduce command needs (user ignore patterns, shard size, revision)."""
+    """describe() of a Plan, plus what the reproduce command needs (user ignore patterns, shard size, and
+    for a Hub source its commit; a local directory has no revision)."""
     info = describe(plan, 1 << 30, "cpu")
     source = plan.source
     extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
-             "revision": source.revision if looks_like_repo_id(str(source.label)) else None}
+             "revision": source.revision, "root": str(source.root)}
     return info, extra
 
 
+SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def base_model_of(source: str, revision: str | None, root: str | None, given: str | None) -> str | None:
+    """The Hub repo the card names as base model: `given` (--base-model), else a Hub source's repo id
+    (a source with a Hub commit), else the repo of a huggingface_hub cache snapshot given as a
+    directory; None for any other local directory. (The source card's own base_model names the
+    source's parent, not the source, so it is not used.)"""
+    if given:
+        return given
+    if revision and REPO_ID.match(source):
+        return source
+    m = SNAPSHOT.search((root or source).replace("\\", "/"))
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
 def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_patterns=(),
-                      max_shard_size: int | None = None, revision: str | None = None) -> str:
+                      max_shard_size: int | None = None, revision: str | None = None,
+                      base_model: str | None = None) -> str:
+    """The quantize command line, sizes written as a user types them ('2GB', not 2000000000)."""
     args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
     for pattern in ignore_patterns:
         args += ["--ignore", pattern]
     if max_shard_size and max_shard_size != DEFAULT_MAX_SHARD:
-        args += ["--max-shard-size", str(max_shard_size)]
+        args += ["--max-shard-size", size_text(max_shard_size)]
     if revision:
         args += ["--revision", revision]
+    if base_model:
+        args += ["--base-model", base_model]
     return shlex.join(args)
 
 
@@ -103,28 +127,32 @@ def _fmt_value(value) -> str:
 
 
 def make_card(plan_or_info, source_card_text: str | None = None, command: str | None = None,
-              verify: dict | None = None, repo_id: str | None = None, out_dir: str | Path | None = None) -> str:
+              verify: dict | None = None, repo_id: str | None = None, out_dir: str | Path | None = None,
+              base_model: str | None = None) -> str:
     """The README.md of a converted checkpoint.
 
-    `plan_or_info`: the Plan, or a `summary.describe()` dict. `source_card_text`: the source's README.md
-    (its YAML header gives license, library_name, pipeline_tag). `command`: the exact command line;
-    generated from the plan when None. `verify`: optional figures (e.g. worst relative error, min SNR)
-    rendered as a table. `repo_id`: where it will be published, else `out_dir`: where it was written
-    (the load examples and the command use it; `push` later replaces it with the repo id)."""
+    `plan_or_info`: the Plan, or a `summary.describe()` dict (with "revision", the Hub commit of a Hub
+    source). `source_card_text`: the source's README.md (its YAML header gives license, library_name,
+    pipeline_tag). `command`: the exact command line; generated from the plan when None. `verify`:
+    optional figures (e.g. worst relative error, min SNR) rendered as a table. `repo_id`: where it will
+    be published, else `out_dir`: where it was written (the load examples and the command use it;
+    `push` later replaces it with the repo id). `base_model`: --base-model, when given."""
     if isinstance(plan_or_info, dict):
         info, extra = plan_or_info, {"ignore_patterns": plan_or_info.get("ignore_patterns", []),
-                                     "max_shard_size": None, "revision": plan_or_info.get("revision")}
+                                     "max_shard_size": None, "revision": plan_or_info.get("revision"),
+                                     "root": plan_or_info.get("root")}
     else:
         info, extra = _plan_info(plan_or_info)
     source = str(info["source"])
-    base_model = source if looks_like_repo_id(source) else None
+    given = base_model
+    base_model = base_model_of(source, extra.get("revision"), extra.get("root"), given)
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
         name = f"{name}-FP8"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(source, where, info["scheme"], info["format"],
                                        extra.get("ignore_patterns") or (), extra.get("max_shard_size"),
-                                       extra.get("revision"))
+                                       extra.get("revision"), given)
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "",
              introduction(source, base_model, extra.get("revision")), "",
              *quantization_section(info), "", *kept_section(info)]
@@ -165,10 +193,10 @@ def quantization_section(info: dict) -> list[str]:
              f"- Activations: {ACTIVATIONS_TEXT.get((fmt, scheme), 'dynamic FP8')}"]
     q = info.get("quantized")
     if q:
-        lines.append(f"- Quantized: {q['tensors']} linear weights, {human(q['bytes_in'])} -> "
-                     f"{human(q['bytes_out'])} with scales")
+        lines.append(f"- Quantized: {q['tensors']} linear weights, {format_size(q['bytes_in'])} -> "
+                     f"{format_size(q['bytes_out'])} with scales")
     if info.get("bytes_in") and info.get("bytes_out"):
-        lines.append(f"- Checkpoint: {human(info['bytes_in'])} -> {human(info['bytes_out'])} "
+        lines.append(f"- Checkpoint: {format_size(info['bytes_in'])} -> {format_size(info['bytes_out'])} "
                      f"({info['bytes_out'] / info['bytes_in']:.0%})")
     return lines
 
@@ -178,10 +206,10 @@ def kept_section(info: dict) -> list[str]:
     lines = ["### Kept in high precision", ""]
     if kept:
         lines += ["| reason | tensors | size |", "|---|---:|---:|"]
-        lines += [f"| {reason} | {k['tensors']} | {human(k['bytes'])} |" for reason, k in kept.items()]
+        lines += [f"| {reason} | {k['tensors']} | {format_size(k['bytes'])} |" for reason, k in kept.items()]
         lines.append("")
     ignore = info.get("ignore") or []
-    lines.append(f"Engines skip the {len(ignore)} linear module(s) listed in the config's ignore list"
+    lines.append(f"Engines skip the {plural(len(ignore), 'linear module')} listed in the config's ignore list"
                  + (f" ({', '.join(f'`{m}`' for m in ignore[:8])}{', ...' if len(ignore) > 8 else ''})."
                     if ignore else "."))
     return lines
@@ -195,10 +223,10 @@ def use_section(info: dict, where: str) -> list[str]:
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:
-        need = " (needs `pip install compressed-tensors`)" if info["format"] == "compressed-tensors" else ""
-        lines += [f"Loads with transformers{need}; weights are dequantized on CPU.", "", "```python",
+        lines += ["Loads with transformers, which dequantizes the weights on the CPU:", "",
+                  "```bash", f"pip install {TRANSFORMERS_NEEDS[info['format']]}", "```", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
-                  f'model = AutoModelForCausalLM.from_pretrained({json.dumps(where)}, device_map="auto")', "```"]
+                  f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})", "```"]
     else:
         lines += [f"Not loadable in transformers: {why.rstrip('.')}. Serve it with vLLM or SGLang."]
     caveats = [w for w in info.get("warnings") or [] if w != why]
@@ -260,5 +288,6 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
     source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
             "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
-            "warnings": [], "transformers_cannot_load": None}
-    return make_card(info, source_card, repo_id=repo_id)
+            "warnings": [], "transformers_cannot_load": None, "revision": manifest.get("revision"),
+            "root": manifest.get("source_path")}
+    return make_card(info, source_card, repo_id=repo_id, base_model=manifest.get("base_model"))

@@ -27,9 +27,11 @@ def is_inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
-def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False) -> tuple[set[int], bool]:
+def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False,
+                   base_model: str | None = None) -> tuple[set[int], bool]:
     """Make OUT ready. Returns (indices of shards finished by an earlier run of this plan, complete?).
-    `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source."""
+    `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source.
+    `base_model`: --base-model, recorded for the model card (the first run's value stands)."""
     out_dir = Path(out_dir)
     check_placement(plan, out_dir, streamed)
     manifest = Manifest(out_dir)
@@ -52,7 +54,7 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
         raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
     if not os.access(out_dir, os.W_OK):
         raise FP8ConvertError(f"{out_dir}: not writable")
-    manifest.create(plan)
+    manifest.create(plan, base_model)
     return set(), False
 
 
@@ -97,7 +99,9 @@ def finalize(plan: Plan, out_dir: Path) -> None:
                               f"{len(plan.shards)} shards); rerun the conversion to finish it")
     for name in plan.source.copy_files:
         write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
-    write_atomic(out_dir / "README.md", make_card(plan, read_source_card(plan.source.root)).encode())
+    card = make_card(plan, read_source_card(plan.source.root),
+                     base_model=(Manifest(out_dir).read() or {}).get("base_model"))
+    write_atomic(out_dir / "README.md", card.encode())
     write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
     config = dict(plan.source.config)
     config["quantization_config"] = plan.quantization_config()

@@ -52,7 +52,7 @@ class Manifest:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json_bytes(data))
 
-    def create(self, plan: Plan) -> None:
+    def create(self, plan: Plan, base_model: str | None = None) -> None:
         """The manifest of a new output. Workers started together on an empty OUT all get here: each
         writes its own temporary file and renames it into place (same plan, same bytes: whichever lands
         last is the same manifest), checks that the manifest in place records its plan, and removes
@@ -64,7 +64,7 @@ class Manifest:
             for _ in range(3):
                 try:
                     with open(tmp, "wb") as f:
-                        f.write(json_bytes(new_manifest(plan)))
+                        f.write(json_bytes(new_manifest(plan, base_model)))
                         f.flush()
                         os.fsync(f.fileno())
                     os.replace(tmp, path)
@@ -126,7 +126,8 @@ def tensor_layout(source: Source) -> dict[str, str]:
     return {file: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] for file, rows in by_file.items()}
 
 
-def new_manifest(plan: Plan) -> dict:
+def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
+    """`base_model`: --base-model, for the model card (finalize may run in another process)."""
     source = plan.source
     return {"tool": "fp8convert", "version": __version__, "fingerprint": plan.fingerprint, "source": source.label,
             "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
@@ -134,7 +135,7 @@ def new_manifest(plan: Plan) -> dict:
             "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
             "max_shard_size": plan.options.max_shard_size, "shards": len(plan.shards),
             "config": source.config, "tensor_layout": tensor_layout(source), "outputs": output_names(plan),
-            "complete": False}
+            "base_model": base_model, "complete": False}
 
 
 OPTION_NAMES = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",

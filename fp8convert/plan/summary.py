@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..options import BLOCK
+from ..units import format_size, plural
 from .batches import make_batches
 from .plan import Plan
 
@@ -149,34 +150,26 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
     }
 
 
-def human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 def render(info: dict) -> str:
     q = info["quantized"]
     lines = [
         f"source      {info['source']}",
         f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
         f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
-        f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales",
+        f"quantized   {q['tensors']} tensors, {format_size(q['bytes_in'])} -> {format_size(q['bytes_out'])} with scales",
     ]
     for reason, k in info["kept"].items():
-        lines.append(f"kept        {k['tensors']:>5} tensors {human(k['bytes']):>10}  {reason}")
+        lines.append(f"kept        {k['tensors']:>5} tensors {format_size(k['bytes']):>10}  {reason}")
     if info["fused_groups"]:
         share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
     mem = info["memory"]
     lines += [
-        f"output      {human(info['bytes_out'])} in {info['shards']} shard(s) (input {human(info['bytes_in'])}, "
+        f"output      {format_size(info['bytes_out'])} in {plural(info['shards'], 'shard')} (input {format_size(info['bytes_in'])}, "
         f"{info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
-        f"memory      peak device ~{human(mem['device_bytes'])}, peak host ~{human(mem['host_bytes'])} "
-        f"({mem['batches']} batches, largest {human(mem['largest_batch_bytes'])})",
+        f"memory      peak device ~{format_size(mem['device_bytes'])}, peak host ~{format_size(mem['host_bytes'])} "
+        f"({mem['batches']} batches, largest {format_size(mem['largest_batch_bytes'])})",
         f"ignore list {len(info['ignore'])} modules: {', '.join(info['ignore'][:6])}"
         + (" ..." if len(info["ignore"]) > 6 else ""),
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FP8ConvertError
+from ..units import plural
 
 DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}
 
@@ -23,7 +24,7 @@ def resolve_device(device: str, option: str = "--device") -> torch.device:
         if not torch.cuda.is_available():
             raise FP8ConvertError(f"{option} {device}: CUDA is not available on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise FP8ConvertError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise FP8ConvertError(f"{option} {device}: this machine has {plural(torch.cuda.device_count(), 'CUDA device')}")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -61,16 +61,21 @@ def convert(plan: Plan, units: list[Unit], out_dir: Path, work_dir: Path, skip_s
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
     torch_ready = time.monotonic()
-    batches = make_batches(units, budget_for(dev, max_resident))
+    budget = budget_for(dev, max_resident)
+    batches = make_batches(units, budget)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     readers, writers = io_threads(dev.type)
     bar = Progress(sum(b.in_bytes for b in batches), f"quantize {plan.source.label}{tag}", enabled=progress,
                    plain=bool(tag))
-    with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
-            ShardWriter(plan, out_dir, work_dir, skip_shards, threads=writers) as writer, \
-            contextlib.closing(bar):
-        stages = Pipeline(batches, reader, writer, plan.options.scheme, dev, bar, fetcher, on_read).run()
+    try:
+        with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
+                ShardWriter(plan, out_dir, work_dir, skip_shards, threads=writers) as writer, \
+                contextlib.closing(bar):
+            stages = Pipeline(batches, reader, writer, plan.options.scheme, dev, bar, fetcher, on_read).run()
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        e.max_resident = budget  # the CLI suggests a smaller --max-resident than this
+        raise
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     seconds = {"torch_ready_at": round(torch_ready - started, 3), **stages.as_dict(),
                "pipeline": round(time.monotonic() - torch_ready, 3)}
@@ -148,7 +153,7 @@ class Pipeline:
     def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int]) -> list:
         self._wait_for_writer()
         t0 = time.monotonic()
-        outputs = quantize_batch(batch, buf, offsets, self.scheme)
+        outputs = quantize_batch(batch, buf, offsets, self.scheme, root=self.reader.root)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # outputs ready before another stream reads them
         self.seconds.quantize += time.monotonic() - t0

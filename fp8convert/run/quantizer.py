@@ -7,6 +7,7 @@ same-shaped groups member by member, so a stack is a plain view of the input buf
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,11 +72,12 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
-                   cpu_path: bool | None = None) -> list[tuple[str, torch.Tensor, int]]:
+                   cpu_path: bool | None = None, root: Path = Path()) -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
     piece of a kept tensor where it goes. Kept tensors are copied out of `buf` so it can be freed at
     once, unless the batch keeps everything: then they are views and `buf` lives until they are
-    written, which costs no extra memory. `cpu_path`: see numerics.use_cpu_path."""
+    written, which costs no extra memory. `cpu_path`: see numerics.use_cpu_path. `root`: the source's
+    directory, which errors name with the shard file."""
     all_kept = not any(t.quantize for t in batch.tensors)
     outputs = []
     for atom in batch.atoms:
@@ -84,7 +86,8 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
             raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
             if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
                     raw.view(torch_dtype(t.source.dtype))):
-                raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
+                raise FP8ConvertError(f"{root / t.source.file}: tensor {t.name} contains NaN or Inf; refusing to "
+                                      "copy it")
             outputs.append((t.name, raw if all_kept else raw.clone(), t.at))
     for family in families(batch):
         for chunk in family.chunks():
@@ -93,7 +96,7 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
                 codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme, cpu_path)
             except NonFiniteWeight as e:
                 bad = members[e.member][e.index].source
-                raise FP8ConvertError(f"{bad.file}: tensor {bad.name} contains NaN or Inf; "
+                raise FP8ConvertError(f"{root / bad.file}: tensor {bad.name} contains NaN or Inf; "
                                       "refusing to quantize it") from None
             for tensors, q, s in zip(members, codes, scales):
                 for n, t in enumerate(tensors):

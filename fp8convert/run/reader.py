@@ -63,7 +63,7 @@ class BatchReader:
                 try:
                     self.fds[file] = os.open(self.root / file, os.O_RDONLY)
                 except OSError as e:
-                    raise FP8ConvertError(f"{file}: cannot open ({e.strerror})") from e
+                    raise FP8ConvertError(f"{self.root / file}: cannot open ({e.strerror})") from e
             return self.fds[file]
 
     @staticmethod
@@ -94,13 +94,13 @@ class BatchReader:
     def _read_piece(self, file: str, file_offset: int, buf: torch.Tensor, dest: int, length: int) -> None:
         fd = self._fd(file)
         if self.device.type == "cpu":
-            pread_into(fd, memoryview(buf[dest:dest + length].numpy()), file_offset, file)
+            pread_into(fd, memoryview(buf[dest:dest + length].numpy()), file_offset, str(self.root / file))
             return
         if not hasattr(self.local, "staging"):
             self.local.staging = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True)
             self.local.stream = torch.cuda.Stream(self.device)
         staging, stream = self.local.staging, self.local.stream
-        pread_into(fd, memoryview(staging[:length].numpy()), file_offset, file)
+        pread_into(fd, memoryview(staging[:length].numpy()), file_offset, str(self.root / file))
         with torch.cuda.stream(stream):
             buf[dest:dest + length].copy_(staging[:length], non_blocking=True)
         stream.synchronize()  # the staging chunk is reused by this thread's next read

@@ -238,13 +238,13 @@ def download_source(repo_id: str, revision: str | None = None, token: str | None
     return open_local(root, label=repo_id, revision=repo.sha)
 
 
-def fetch_from_hub(source: Source, shards: list[str], token: str | None) -> None:
+def fetch_from_hub(source: Source, shards: list[str], token: str | None, cache_dir: str | None = None) -> None:
     """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
     and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
     there is nothing to fetch."""
     if source.revision is None or hub_offline():
         return
-    repo = resolve_repo(source.label, source.revision, token)
+    repo = resolve_repo(source.label, source.revision, token, cache_dir)
     _fetch(repo, remote_layout(repo), shards)
 
 

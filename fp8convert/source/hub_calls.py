@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
+from ..units import format_size
 
 UPLOAD_READ_TIMEOUT_S = 300.0
 MAX_RETRY_WAIT_S = 8.0
@@ -222,14 +223,10 @@ def hub_error(repo_id: str, error: Exception, revision: str | None = None, *,
     if isinstance(error, OSError):  # not the network: the disk the download cache lives on
         where = error.filename or constants.HF_HUB_CACHE
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            need = f"; {_size(needed_bytes)} more is needed for this file" if needed_bytes else ""
+            need = f" (the file being downloaded is {format_size(needed_bytes)})" if needed_bytes else ""
             return FP8ConvertError(f"{where}: no space left on the download cache's disk{need}; free space or "
                                    "point HF_HUB_CACHE (or --cache-dir) elsewhere, then rerun (finished "
                                    "downloads are kept)")
         return FP8ConvertError(f"{where}: cannot write the download cache ({error.strerror or _first_line(error)}); "
                                "fix it or point HF_HUB_CACHE (or --cache-dir) elsewhere")
     return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {_first_line(error)})")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"

@@ -252,12 +252,12 @@ class StreamingFetcher:
 
 
 def streaming_source(repo_id: str, download_dir: str | Path, revision: str | None = None, token: str | None = None,
-                     keep: int = 2) -> tuple[Source, StreamingFetcher]:
+                     keep: int = 2, cache_dir: str | None = None) -> tuple[Source, StreamingFetcher]:
     """The remote Source rooted at `download_dir` (in OUT's work folder), and the fetcher that fills it.
 
     Nothing is written until `fetcher.start(order)`, which must come after the output directory is
     prepared (prepare_output may clear OUT)."""
-    repo = resolve_repo(repo_id, revision, token)
+    repo = resolve_repo(repo_id, revision, token, cache_dir)  # the small files go to the cache
     layout = remote_layout(repo)
     download_dir = Path(download_dir)
     source = source_from_repo(repo, layout, download_dir)
