@@ -4,6 +4,7 @@ names the tensor or file."""
 from __future__ import annotations
 
 import json
+import re
 import math
 import shutil
 import struct
@@ -352,3 +353,135 @@ def test_passing_verify_puts_its_figures_in_the_card(tmp_path, capsys):
     assert card.index("## Verification") < card.index("## Reproduce")
     assert main(["verify", str(src), str(out)]) == 0  # again: still one section
     assert (out / "README.md").read_text().count("## Verification") == 1
+
+
+# ---------------------------------------------------------------- the fast arithmetic is the exact one
+
+def quantized(w: torch.Tensor, scheme: str):
+    """Codes and scales as the converter makes them, and the scale as verify broadcasts it."""
+    from fp8convert.run.numerics import quantize_group
+    codes, scales = quantize_group([w.unsqueeze(0)], scheme)
+    return codes[0][0], scales[0][0]
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", ["random", "tiny-member", "zeros", "ties", "outliers"])
+def test_fast_sums_are_the_exact_sums(scheme, dtype, case):
+    """fast_sums must give exact_sums' figures wherever it answers: the same off-grid count (0) and
+    the same float64 sums up to summation order; it must answer for every honest conversion."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 272, generator=g) * 0.02
+    if case == "tiny-member":  # most elements land in e4m3's subnormal range (the bound's second term)
+        w[:, 200:] *= 1e-4
+        w[:, :100] *= 1e-6
+    elif case == "zeros":
+        w[::3] = 0.0
+    elif case == "ties":  # values halfway between e4m3 codes once divided by the scale
+        w = torch.tensor([448.0, 1.0625, 1.1875, 0.00146484375, -1.0625, 2.0**-10, 3 * 2.0**-11] * 40
+                         ).repeat(300, 1)[:, :272] * 0.5
+    else:
+        w.view(-1)[::97] *= 40.0
+    w = w.to(dtype)
+    codes, scale = quantized(w, scheme)
+    slab_scale = verify_mod.slab_scale(scale, 0, w.shape[0], w.shape[1], scheme)
+    exact = verify_mod.exact_sums(w, codes, slab_scale)
+    fast = verify_mod.fast_sums(w, codes, slab_scale)
+    assert fast is not None and exact.off_grid == fast.off_grid == 0
+    for field in ("w2", "e2", "bound2"):
+        assert getattr(fast, field) == pytest.approx(getattr(exact, field), rel=1e-12, abs=0), field
+
+
+def test_fast_sums_step_aside_for_a_wrong_code_or_a_non_finite_weight():
+    w = torch.randn(64, 64, dtype=torch.bfloat16) * 0.02
+    codes, scale = quantized(w, "channel")
+    s = verify_mod.slab_scale(scale, 0, 64, 64, "channel")
+    bad = codes.view(torch.uint8).clone()
+    bad[5, 5] ^= 0x01
+    assert verify_mod.fast_sums(w, bad.view(torch.float8_e4m3fn), s) is None
+    assert verify_mod.exact_sums(w, bad.view(torch.float8_e4m3fn), s).off_grid == 1
+    w2 = w.clone()
+    w2[1, 1] = float("inf")
+    assert verify_mod.fast_sums(w2, codes, s) is None
+
+
+def test_a_good_conversion_is_measured_without_the_element_by_element_path(made, monkeypatch):
+    """Speed comes from the fast path: an honest output never needs exact_sums."""
+    src, outs = made
+
+    def refuse(*args):
+        raise AssertionError("exact_sums used on an honest conversion")
+    monkeypatch.setattr(verify_mod, "exact_sums", refuse)
+    for out in outs.values():
+        assert verify(src, out, device="cpu").ok
+
+
+# ---------------------------------------------------------------- one cause, one line; the reader and progress
+
+def test_truncated_shard_is_one_line_and_all_lists_every_tensor(damaged, capsys):
+    """A truncated shard makes every tensor in it unreadable: one line for the cause (it used to be
+    two per tensor), and `--all` lists each."""
+    src, copy = damaged
+    out = copy()
+    data = (out / SHARD).read_bytes()
+    (out / SHARD).write_bytes(data[:-100])
+    report = verify(src, out)
+    causes = report.causes()
+    assert len(causes) == 1 and causes[0].startswith(f"{SHARD}: file is truncated"), causes
+    assert "so 21 tensors in it could not be checked" in causes[0]
+    assert len(report.failures) == 22  # the file, and each of its 21 source tensors
+    assert main(["verify", str(src), str(out), "-q"]) == 1
+    captured = capsys.readouterr()
+    listed = [line for line in captured.out.splitlines() if line.startswith("    - ")]
+    assert len(listed) == 1 and "FAILED: 1 problem (22 findings in all; --all lists each)" in captured.out
+    assert captured.err.count("\n") == 1 and "verification failed, 1 problem;" in captured.err
+    assert main(["verify", str(src), str(out), "-q", "--all"]) == 1
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("    - ")]
+    assert len(listed) == 22 and sum(Q in line for line in listed) == 1
+
+
+def test_the_same_problem_in_many_tensors_is_one_line(damaged):
+    src, copy = damaged
+    out = copy()
+    names = [f"model.layers.{n}.input_layernorm.weight" for n in (0, 1)] + ["model.norm.weight"]
+    for name in names:
+        t = load_file(str(out / SHARD))[name]
+        t[0] += 1
+        set_tensor(out, name, t)
+    report = verify(src, out)
+    assert len(report.failures) == 3
+    (line,) = report.causes()
+    assert line.endswith(": kept in high precision, but its bytes differ from the source") and \
+        all(name in line for name in names), line
+
+
+def test_verify_reads_through_the_batch_reader_within_the_budget(made, monkeypatch):
+    """verify streams through quantize's reader: batches of at most half the budget (two are in
+    memory at once), the same figures whatever the budget."""
+    from fp8convert.run.reader import BatchReader
+    src, outs = made
+    out = outs[("fp8", "block")]
+    whole = {t.name: t.rel_error for t in verify(src, out, device="cpu").tensors}
+    sizes = []
+    real = BatchReader.read
+
+    def spy(self, tensors):
+        sizes.append(sum(t.nbytes for t in tensors))
+        return real(self, tensors)
+    monkeypatch.setattr(BatchReader, "read", spy)
+    report = verify(src, out, device="cpu", max_resident="64KB")
+    assert report.ok and {t.name: t.rel_error for t in report.tensors} == pytest.approx(whole, rel=1e-12)
+    largest = 320 * 64 * 2  # up_proj: one read larger than a batch is a batch of its own
+    assert len(sizes) > 10 and sum(sizes) == report.bytes_read and max(sizes) <= max(64_000 // 2, largest)
+
+
+def test_verify_shows_progress_and_takes_a_device(made, capsys):
+    src, outs = made
+    out = outs[("compressed-tensors", "tensor")]
+    assert main(["verify", str(src), str(out), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"verify {re.escape(str(out))}\S*: \d+\.\d\d/\d+\.\d\d GB \(100%\)", err), err
+    assert main(["verify", str(src), str(out), "-q"]) == 0 and capsys.readouterr().err == ""
+    if not torch.cuda.is_available():
+        assert main(["verify", str(src), str(out), "--device", "cuda"]) == 1
+        assert "--device cuda: CUDA is not available" in capsys.readouterr().err

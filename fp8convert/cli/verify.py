@@ -1,45 +1,56 @@
 """verify: check an FP8 checkpoint against its source, structure and numbers."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ._options import Json, Revision, token
+from ..units import plural
+from ._options import (CacheDir, Command, Device, Json, MaxResident, Prefetch, Quiet, Revision, Token, flag,
+                       token)
+from ._output import print_json
 
 
 def verify(
-    src: Annotated[str, typer.Argument(help="The source checkpoint: directory or Hub repo id.", show_default=False)],
-    out: Annotated[Path, typer.Argument(help="The FP8 checkpoint to check.", show_default=False)],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="The source checkpoint: directory or Hub repo id.",
+                                       show_default=False)],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="The FP8 checkpoint to check.", show_default=False)],
     revision: Revision = None, json_out: Json = False,
-    worst: Annotated[int, typer.Option("--worst", help="How many of the worst tensors to list.")] = 10,
+    worst: Annotated[int, typer.Option("--worst", metavar="N", help="How many of the worst tensors to list.")] = 10,
+    every_problem: Annotated[bool, flag("--all", help="List every problem found, not one line per cause.")] = False,
+    device: Device = "auto", max_resident: MaxResident = None, prefetch: Prefetch = "8GiB", quiet: Quiet = False,
+    hub_token: Token = None, cache_dir: CacheDir = None,
 ):
-    """Check OUT against SRC, one tensor at a time: every source tensor accounted for, dtypes, shapes,
-    finite positive scales, config, ignore list and index consistent, kept tensors byte-identical, and
-    each quantized tensor within the e4m3 rounding bound (relative error and SNR listed, worst first).
-    Exits 1 on any failure.
+    """Check OUT against SRC: every source tensor accounted for, dtypes, shapes, finite positive scales,
+    config, ignore list and index consistent, kept tensors byte-identical, and each quantized tensor
+    within the e4m3 rounding bound, element by element (relative error and SNR listed, worst first).
+    Reads both checkpoints as quantize does (batched, on CUDA when present). Problems are listed one
+    line per cause. Exits 1 on any failure.
 
     Examples:
 
       fp8convert verify ./Qwen3-8B ./Qwen3-8B-FP8
 
       fp8convert verify meta-llama/Llama-3.1-8B-Instruct ./llama-fp8 --json
+
+      fp8convert verify ./Qwen3-8B ./Qwen3-8B-FP8 --all --device cpu
     """
     from .. import verify as verify_mod
 
-    report = verify_mod.verify(src, out, revision=revision, token=token())
+    report = verify_mod.verify(src, out, revision=revision, token=token(hub_token), cache_dir=cache_dir,
+                               device=device, max_resident=max_resident, prefetch=prefetch, progress=not quiet)
     if json_out:
-        print(json.dumps(report.to_dict(worst), indent=2))
+        print_json(report.to_dict(worst))
     else:
-        print(verify_mod.render(report, worst))
+        print(verify_mod.render(report, worst, every_problem))
     if report.ok:
         verify_mod.record_in_card(report, out)
     else:
-        raise verify_mod.VerifyFailed(f"{out}: verification failed, {len(report.failures)} problem(s); "
-                                      f"first: {report.failures[0]}")
+        causes = report.causes()
+        raise verify_mod.VerifyFailed(f"{out}: verification failed, {plural(len(causes), 'problem')}; "
+                                      f"first: {causes[0]}")
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(verify)
+    app.command(cls=Command)(verify)

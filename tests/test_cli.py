@@ -1,0 +1,291 @@
+"""The command line as a user meets it: the conventions of the `hf` CLI (--version, -h, --token,
+--cache-dir), help a person can read, and how every failure ends: one line, an exit code, a JSON error
+object with --json, a traceback only with FP8CONVERT_DEBUG=1, and Ctrl-C or SIGTERM with a line that
+says what a rerun does."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8convert import __version__, api
+from fp8convert.cli import _failures, main
+from fp8convert.demo import make_demo_model
+from fp8convert.units import format_size, plural, size_option, size_text
+from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes, write_checkpoint
+
+COMMANDS = ["quantize", "inspect", "demo", "verify", "push", "finalize", "batch"]
+HUB_COMMANDS = ["quantize", "inspect", "verify", "push", "finalize", "batch"]
+
+
+def run(capsys, *args, env: dict | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    rc = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def help_text(capsys, *args) -> str:
+    rc, out, err = run(capsys, *args, "-h")
+    assert rc == 0, err
+    return out
+
+
+# ---------------------------------------------------------------- conventions
+
+
+def test_version_and_short_help(capsys):
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"fp8convert {__version__}"
+    top = help_text(capsys)
+    assert "--version" in top and all(c in top for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_reads_as_a_user_types_it(capsys, command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    text = help_text(capsys, command)
+    assert "<bool>" not in text and not re.search(r"\{\w+\}", text), text  # no type placeholders, no {src}
+    usage = next(line for line in text.splitlines() if "Usage:" in line)
+    assert re.search(rf"Usage: fp8convert {command} \[OPTIONS\]( [A-Z_]+| \[[A-Z_]+\])*\s*$", usage), usage
+    if command in ("quantize", "inspect", "demo"):
+        assert "tensor|channel|block" in text and "compressed-tensors|fp8" in text
+    if command in HUB_COMMANDS:
+        assert "--token" in text and "HF_TOKEN" in text
+    if command in set(HUB_COMMANDS) - {"push"}:
+        assert "--cache-dir" in text and "HF_HUB_CACHE" in text and "HF_HOME" in text
+
+
+def test_plurals_and_units_of_the_demo(tmp_path, capsys):
+    """The demo's summary line: no '1 shards', no '0.01 GB -> 0.00 GB'."""
+    rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu")
+    assert rc == 0, err
+    line = out.strip().splitlines()[-1]
+    assert re.match(r"wrote \S+: 1 shard, 28 tensors quantized, 11 kept, \d+\.\d\d MB -> \d+\.\d\d MB in ", line), line
+    assert "(s)" not in line and "0.00 GB" not in line
+
+
+def test_units_helpers():
+    assert [plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
+    assert format_size(6_320_000) == "6.32 MB" and format_size(999) == "999 B"
+    from fp8convert.options import parse_size
+    for n in (5 * 10**9, 2**31, 30_000, 1_500_000_000, 123_456_789, 512 << 20):
+        assert parse_size(size_text(n)) == n
+    assert (size_text(5 * 10**9), size_text(2**31), size_text(30_000)) == ("5GB", "2GiB", "30KB")
+    assert size_option(3 * 2**30 // 2) == "1536MiB" and size_option(2**31) == "2GiB"
+
+
+# ---------------------------------------------------------------- how failures end
+
+
+def test_json_failure_prints_an_error_object(tmp_path, capsys):
+    """--json promises a JSON document on stdout: a failing command prints an error object there."""
+    rc, out, err = run(capsys, "quantize", tmp_path / "nope", tmp_path / "out", "--json", "-q")
+    assert rc == 1 and err.startswith("error: ")
+    doc = json.loads(out)
+    assert doc == {"ok": False, "error": err.strip().removeprefix("error: "), "exit_code": 1}
+    rc, out, err = run(capsys, "inspect", tmp_path / "nope", "--json")
+    assert rc == 1 and json.loads(out)["error"] in err
+
+
+def test_json_failure_after_the_commands_own_document_prints_no_second_one(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run(capsys, "quantize", src, out, "-q")[0] == 0
+    (out / "config.json").write_text("{}")
+    rc, stdout, err = run(capsys, "verify", src, out, "--json")
+    assert rc == 1 and json.loads(stdout)["ok"] is False  # one document: the verify report
+
+
+def fails_with(monkeypatch, error: BaseException):
+    """Make the quantize API raise `error` (what some library or the OS would raise mid-run)."""
+    def boom(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(api, "quantize", boom)
+
+
+@pytest.mark.parametrize("error,expected", [
+    (PermissionError(errno.EACCES, "Permission denied", "/data/model/config.json"),
+     r"^error: /data/model/config.json: Permission denied$"),
+    (OSError(errno.EIO, "Input/output error", "/data/model/model-00001-of-00002.safetensors"),
+     r"^error: /data/model/model-00001-of-00002.safetensors: Input/output error$"),
+    (IsADirectoryError(errno.EISDIR, "Is a directory", "/data/x", None, "/data/y"),
+     r"^error: /data/x -> /data/y: Is a directory$"),
+    (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+     r"^error: network error \(ConnectionResetError: .*Connection reset by peer\); check the connection"),
+    (MemoryError(), r"^error: out of host memory \(MemoryError\); try a smaller batch: --max-resident 512MiB"),
+    (ValueError("something odd\nsecond line"),
+     r"^error: unexpected ValueError: something odd \(run with FP8CONVERT_DEBUG=1 to see where; please report it\)$"),
+])
+def test_errors_other_than_fp8converts_own_are_one_line(tmp_path, capsys, monkeypatch, error, expected):
+    monkeypatch.delenv("FP8CONVERT_DEBUG", raising=False)
+    if isinstance(error, MemoryError):
+        error.max_resident = 1 << 30  # as the pipeline notes it: the CPU default
+    fails_with(monkeypatch, error)
+    rc, out, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "b", "-q")
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(expected, err.strip()), err
+
+
+def test_disk_full_says_how_much_is_free_and_needed(tmp_path, capsys, monkeypatch):
+    error = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "config.json"))
+    error.bytes_needed = 3 * 10**9
+    (tmp_path / "out").mkdir()
+    fails_with(monkeypatch, error)
+    rc, _, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "out", "-q")
+    assert rc == 1 and "Traceback" not in err
+    assert re.search(r"config.json: no space left on the device \(\d+\.\d\d [KMGT]?B free there\); 3.00 GB more is "
+                     r"needed; free space and rerun the same command to resume", err), err
+
+
+def test_cuda_out_of_memory_suggests_a_smaller_budget(tmp_path, capsys, monkeypatch):
+    """torch's CUDA out-of-memory error, as the pipeline lets it through (budget noted on it)."""
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+    error.max_resident = 4 << 30
+    fails_with(monkeypatch, error)
+    rc, _, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "b", "-q")
+    assert rc == 1 and err.strip() == ("error: CUDA out of memory (CUDA out of memory. Tried to allocate 2.00 GiB "
+                                       "(GPU 0; 79.1 GiB total)); try a smaller batch: --max-resident 2GiB")
+
+
+def test_out_of_memory_in_the_pipeline_carries_the_budget(tmp_path, capsys, monkeypatch):
+    """A real run: the quantize stage runs out of memory; the line suggests half the budget it used."""
+    import fp8convert.run.pipeline as pipeline
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    monkeypatch.setattr(pipeline, "quantize_batch", oom)
+    src = write_checkpoint(tmp_path / "src")
+    rc, _, err = run(capsys, "quantize", src, tmp_path / "out", "-q", "--device", "cpu", "--max-resident", "3GiB")
+    assert rc == 1 and "--max-resident 1536MiB" in err and "Traceback" not in err, err
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    fails_with(monkeypatch, ValueError("odd"))
+    monkeypatch.setenv("FP8CONVERT_DEBUG", "1")
+    rc, _, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "b")
+    assert rc == 1 and "Traceback (most recent call last)" in err and err.strip().endswith(
+        "error: unexpected ValueError: odd (run with FP8CONVERT_DEBUG=1 to see where; please report it)")
+    rc, _, err = run(capsys, "inspect", tmp_path / "missing")
+    assert rc == 1 and "Traceback" in err and "FP8ConvertError" in err
+
+
+def test_interrupt_lines_say_what_a_rerun_does():
+    assert _failures.stop_line("quantize", False) == "interrupted: rerun the same command to resume"
+    assert _failures.stop_line("verify", False) == "interrupted: nothing was changed; rerun it to verify"
+    assert _failures.stop_line("push", True) == "terminated (SIGTERM): rerun the same push to resume the upload"
+    assert "resume" not in _failures.stop_line("inspect", False)
+
+
+def test_ctrl_c_in_verify_does_not_promise_a_resume(tmp_path, capsys, monkeypatch):
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run(capsys, "quantize", src, out, "-q")[0] == 0
+    import fp8convert.verify as verify_mod
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(verify_mod, "verify", interrupted)
+    rc, _, err = run(capsys, "verify", src, out)
+    assert rc == 130 and err.strip() == "interrupted: nothing was changed; rerun it to verify"
+
+
+# ---------------------------------------------------------------- SIGTERM, as Slurm and Kubernetes stop jobs
+
+
+def wait_for(predicate, proc, timeout=60.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"exited early: {proc.communicate()}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("timed out")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A 4-shard demo checkpoint and the bytes of its one-process conversion in 1 MB shards."""
+    base = tmp_path_factory.mktemp("sigterm")
+    src = make_demo_model(base / "src", shards=4)
+    assert main(["quantize", str(src), str(base / "ref"), "-q", "--device", "cpu", "--max-shard-size", "1MB"]) == 0
+    return src, tree_bytes(base / "ref")
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_is_one_line_exit_143_and_resumable(demo, tmp_path):
+    src, reference = demo
+    out = tmp_path / "out"
+    proc = cli_subprocess(["quantize", src, out, "--device", "cpu", "--max-shard-size", "1MB", "-q"],
+                          write_delay=0.05)
+    wait_for(lambda: len(list(out.glob("model-*.safetensors"))) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip() == "terminated (SIGTERM): rerun the same command to resume"
+    assert not looks_complete(out)
+    assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", "1MB"]) == 0
+    assert tree_bytes(out) == reference
+
+
+# A worker that finds every shard written takes the finalize claim, then is held in finalize (a marker
+# file says so) until SIGTERM arrives.
+HELD_IN_FINALIZE = (
+    "import sys, time, pathlib; import fp8convert.api as api; real = api.finalize; "
+    "marker = pathlib.Path(sys.argv.pop(1)); "
+    "api.finalize = lambda *a, **k: (marker.write_text('in'), time.sleep(60), real(*a, **k))[-1]; "
+    "from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.slow
+def test_sigterm_while_finalizing_releases_the_claim(demo, tmp_path):
+    src, reference = demo
+    out = tmp_path / "out"
+    args = ["quantize", str(src), str(out), "--device", "cpu", "--max-shard-size", "1MB", "-q"]
+    assert main([*args, "--worker", "0/2"]) == 0
+    marker = tmp_path / "in-finalize"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_IN_FINALIZE, str(marker), *args, "--worker", "1/2"],
+                            cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    claim = out / ".fp8convert" / "finalize.claim"
+    wait_for(marker.exists, proc)
+    assert claim.exists()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip() == "terminated (SIGTERM): rerun the same command to resume", err
+    assert not claim.exists() and not looks_complete(out)
+    assert main(["finalize", str(out)]) == 0
+    assert tree_bytes(out) == reference
+
+
+# Every process of the run (the --devices workers are spawned: they import afresh) writes slowly.
+SLOW_EVERYWHERE = ("from fp8convert.run.writer import ShardWriter\nimport time\nwrite = ShardWriter.write\n"
+                   "ShardWriter.write = lambda self, *a, **k: (time.sleep({delay}), write(self, *a, **k))[1]\n")
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_the_device_workers(demo, tmp_path):
+    """--devices: a SIGTERM sent to the parent alone (Kubernetes signals PID 1) stops its workers too,
+    instead of the parent waiting for them to finish the whole conversion."""
+    src, _ = demo
+    out = tmp_path / "out"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_EVERYWHERE.format(delay=0.5))
+    proc = cli_subprocess(["quantize", src, out, "--devices", "cpu,cpu", "--max-shard-size", "1MB", "-q"],
+                          env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[1])])})
+    wait_for(lambda: any(out.glob(".fp8convert/*.partial")), proc)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - started < 10, err
+    assert "terminated (SIGTERM)" in err and not looks_complete(out)
