@@ -37,6 +37,7 @@ the code's bits; the sums are the same float64 sums of the same float32 values. 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -112,6 +113,7 @@ class VerifyReport:
     tensors: list[TensorCheck] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
+    stage_seconds: dict = field(default_factory=dict)   # where the time went: waiting for reads, checking
 
     def fail(self, subject: str, what: str, follows_from: str | None = None) -> None:
         self.problems.append(Problem(subject, " ".join(what.split()), follows_from))
@@ -445,13 +447,21 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
 
 
 def same_bytes(a, b) -> bool:
-    """Two uint8 tensors hold the same bytes (compared 8 at a time where the length allows: 4x faster)."""
+    """Two uint8 tensors of one length hold the same bytes. On a CPU that is the C library's memcmp:
+    several times faster than torch.equal, which builds an elementwise comparison."""
     import torch
-    a, b = a.reshape(-1), b.reshape(-1)
-    if a.numel() % 8 == 0 and a.is_contiguous() and b.is_contiguous() and b.data_ptr() % 8 == 0 \
-            and a.data_ptr() % 8 == 0:
-        return torch.equal(a.view(torch.int64), b.view(torch.int64))
-    return torch.equal(a, b)
+    if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
+        return torch.equal(a, b)
+    return memcmp()(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+
+
+@functools.cache
+def memcmp():
+    import ctypes
+    function = ctypes.CDLL(None).memcmp  # the process's own symbols: the C library is among them
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return function
 
 
 def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
@@ -534,6 +544,7 @@ def verify(src: str | Path, out: str | Path, *, revision: str | None = None, tok
         report.min_snr_db = min(t.snr_db if not math.isnan(t.snr_db) else -math.inf for t in report.tensors)
     report.ok = not report.problems
     report.seconds = time.monotonic() - started
+    report.stage_seconds = {k: round(v, 3) for k, v in report.stage_seconds.items()}
     return report
 
 
@@ -609,14 +620,21 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout, rep
     report.bytes_read = sum(r.nbytes for r in reads)
     bar = Progress(report.bytes_read, f"verify {out}", enabled=settings.progress)
     group_scales: dict[str, set[float]] = {}
+    seconds = report.stage_seconds
+    seconds.update(wait_read=0.0, check=0.0)
     try:
         with VerifyStream(reads, source.root, out, dev, budget_for(dev, settings.max_resident), bar,
                           settings.prefetch) as stream, checkers(dev) as run_all, torch.no_grad():
+            waited = time.monotonic()
             for batch in stream:
+                checking = time.monotonic()
                 results = run_all([lambda item=item: check_piece(*item, fmt.scheme) for item in batch])
                 for (read, _, _), result in zip(batch, results):
                     record(*read.key, result, fmt.scheme, report, group_scales)
                 del batch, results
+                seconds["wait_read"] += checking - waited
+                waited = time.monotonic()
+                seconds["check"] += waited - checking
     except (torch.OutOfMemoryError, MemoryError) as e:
         e.max_resident = budget_for(dev, settings.max_resident)  # the CLI suggests a smaller one
         raise

@@ -62,3 +62,43 @@ def test_cuda_refuses_nan_naming_the_tensor(tmp_path):
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(fp8convert.FP8ConvertError, match="model.layers.0.mlp.down_proj.weight"):
         fp8convert.quantize(src, tmp_path / "out", device="cuda")
+
+
+@pytest.mark.parametrize("scheme,fmt", COMBOS)
+def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fmt, monkeypatch):
+    """verify --device cuda reads through the CUDA reader and measures on the GPU: the same verdicts
+    and figures as on the CPU, every honest code on the fast path."""
+    from fp8convert import verify as verify_mod
+    src = source_model("qwen3_moe")
+    out = tmp_path / "out"
+    fp8convert.quantize(src, out, scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
+    cpu = verify_mod.verify(src, out, device="cpu")
+
+    def refuse(*args):
+        raise AssertionError("exact_sums used on an honest conversion")
+    monkeypatch.setattr(verify_mod, "exact_sums", refuse)
+    cuda = verify_mod.verify(src, out, device="cuda", max_resident="64KB")
+    assert cpu.ok and cuda.ok and len(cuda.tensors) == len(cpu.tensors) > 0
+    by_name = {t.name: t for t in cpu.tensors}
+    for t in cuda.tensors:
+        assert t.rel_error == pytest.approx(by_name[t.name].rel_error, rel=1e-9)
+        assert t.bound == pytest.approx(by_name[t.name].bound, rel=1e-9) and t.off_grid == 0
+
+
+def test_cuda_verify_finds_one_corrupted_code(source_model, tmp_path):
+    import json
+    import struct
+    from fp8convert import verify as verify_mod
+    src = source_model("llama")
+    out = tmp_path / "out"
+    fp8convert.quantize(src, out, device="cpu")
+    shard = next(out.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F8_E4M3")
+    at = 8 + n + header[name]["data_offsets"][0] + 7
+    data[at] ^= 0x01 if data[at] & 0x7F not in (0x7E, 0x7F) else 0x02
+    shard.write_bytes(bytes(data))
+    report = verify_mod.verify(src, out, device="cuda")
+    assert not report.ok and any(f.startswith(name) and "nearest e4m3" in f for f in report.failures)

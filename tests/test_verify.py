@@ -405,6 +405,15 @@ def test_fast_sums_step_aside_for_a_wrong_code_or_a_non_finite_weight():
     assert verify_mod.fast_sums(w2, codes, s) is None
 
 
+def test_same_bytes_finds_a_difference_anywhere():
+    a = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    assert verify_mod.same_bytes(a, a.clone())
+    for i in (0, 1, 2047, 3999):
+        b = a.clone()
+        b[i] ^= 0x10
+        assert not verify_mod.same_bytes(a, b) and not verify_mod.same_bytes(a[i:], b[i:])
+
+
 def test_a_good_conversion_is_measured_without_the_element_by_element_path(made, monkeypatch):
     """Speed comes from the fast path: an honest output never needs exact_sums."""
     src, outs = made

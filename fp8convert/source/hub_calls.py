@@ -105,19 +105,28 @@ def causes(error: BaseException):
         error = error.__cause__ or error.__context__
 
 
+def http_module():
+    """The HTTP library huggingface_hub uses (httpx2 from its 2.0, httpx in 1.x): it re-exports it."""
+    try:
+        from huggingface_hub.utils import httpx
+    except ImportError:  # huggingface_hub 1.x before 1.30
+        import httpx
+    return httpx
+
+
 def is_timeout(error: BaseException) -> bool:
-    import httpx2
-    return any(isinstance(e, (httpx2.TimeoutException, TimeoutError)) for e in causes(error))
+    http = http_module()
+    return any(isinstance(e, (http.TimeoutException, TimeoutError)) for e in causes(error))
 
 
 def is_network_error(error: BaseException) -> bool:
     """Timeouts, refused or dropped connections, unreachable hosts: a rerun may succeed."""
-    import httpx2
     from huggingface_hub.errors import OfflineModeIsEnabled
+    http = http_module()
     for e in causes(error):
         if isinstance(e, OfflineModeIsEnabled):
             return False
-        if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+        if isinstance(e, (http.TransportError, ConnectionError, TimeoutError)):
             return True
         if isinstance(e, OSError) and e.errno in NETWORK_ERRNOS:
             return True
