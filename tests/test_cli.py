@@ -73,6 +73,14 @@ def test_plurals_and_units_of_the_demo(tmp_path, capsys):
     assert "(s)" not in line and "0.00 GB" not in line
 
 
+def test_inspect_speaks_in_singulars_where_there_is_one(tmp_path, capsys):
+    src = make_demo_model(tmp_path / "src")
+    rc, out, err = run(capsys, "inspect", src, "--device", "cpu")
+    assert rc == 0, err
+    assert "in 1 shard " in out and "ignore list 1 module:" in out and "1 tensor " in out
+    assert not re.search(r"\b1 (tensors|shards|modules|units|batches)\b", out), out
+
+
 def test_units_helpers():
     assert [plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert format_size(6_320_000) == "6.32 MB" and format_size(999) == "999 B"

@@ -728,7 +728,8 @@ def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
     text = (tmp_path / "o2" / "README.md").read_text()
     meta = card_meta(text)
     assert meta["base_model"] == "acme/tiny-llama" and meta["base_model_relation"] == "quantized"
-    assert "--base-model acme/tiny-llama" in text and "[acme/tiny-llama](https://huggingface.co/acme/tiny-llama)" in text
+    assert "--base-model acme/tiny-llama" in text
+    assert "[acme/tiny-llama](https://huggingface.co/acme/tiny-llama)" in text
     assert main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 1
     snapshot = tmp_path / "hub" / "models--acme--cached" / "snapshots" / ("a" * 40)
     snapshot.parent.mkdir(parents=True)

@@ -162,7 +162,8 @@ def source_layout_change(state: dict, now: dict) -> list[str]:
         keys = sorted(k for k in set(was_config) | set(now["config"]) if was_config.get(k) != now["config"].get(k))
         shown = ", ".join(f"{k} was {json.dumps(was_config.get(k))}, now {json.dumps(now['config'].get(k))}"
                           for k in keys[:3])
-        diffs.append(f"the source's config.json changed ({shown}{f' and {len(keys) - 3} more keys' if len(keys) > 3 else ''})")
+        more = f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
+        diffs.append(f"the source's config.json changed ({shown}{more})")
     was_layout = state.get("tensor_layout")
     if isinstance(was_layout, dict) and was_layout != now["tensor_layout"]:
         files = sorted(set(was_layout) | set(now["tensor_layout"]))

@@ -155,22 +155,25 @@ def render(info: dict) -> str:
     lines = [
         f"source      {info['source']}",
         f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
-        f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
-        f"quantized   {q['tensors']} tensors, {format_size(q['bytes_in'])} -> {format_size(q['bytes_out'])} with scales",
+        f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)",
+        f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
+        f"{format_size(q['bytes_out'])} with scales",
     ]
     for reason, k in info["kept"].items():
-        lines.append(f"kept        {k['tensors']:>5} tensors {format_size(k['bytes']):>10}  {reason}")
+        lines.append(f"kept        {k['tensors']:>5} {'tensor ' if k['tensors'] == 1 else 'tensors'} "
+                     f"{format_size(k['bytes']):>10}  {reason}")
     if info["fused_groups"]:
         share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
     mem = info["memory"]
     lines += [
-        f"output      {format_size(info['bytes_out'])} in {plural(info['shards'], 'shard')} (input {format_size(info['bytes_in'])}, "
+        f"output      {format_size(info['bytes_out'])} in {plural(info['shards'], 'shard')} "
+        f"(input {format_size(info['bytes_in'])}, "
         f"{info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
         f"memory      peak device ~{format_size(mem['device_bytes'])}, peak host ~{format_size(mem['host_bytes'])} "
-        f"({mem['batches']} batches, largest {format_size(mem['largest_batch_bytes'])})",
-        f"ignore list {len(info['ignore'])} modules: {', '.join(info['ignore'][:6])}"
+        f"({plural(mem['batches'], 'batch', 'batches')}, largest {format_size(mem['largest_batch_bytes'])})",
+        f"ignore list {plural(len(info['ignore']), 'module')}: {', '.join(info['ignore'][:6])}"
         + (" ..." if len(info["ignore"]) > 6 else ""),
     ]
     lines += [f"warning     {w}" for w in info["warnings"]]

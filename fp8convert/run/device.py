@@ -24,7 +24,8 @@ def resolve_device(device: str, option: str = "--device") -> torch.device:
         if not torch.cuda.is_available():
             raise FP8ConvertError(f"{option} {device}: CUDA is not available on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise FP8ConvertError(f"{option} {device}: this machine has {plural(torch.cuda.device_count(), 'CUDA device')}")
+            count = plural(torch.cuda.device_count(), "CUDA device")
+            raise FP8ConvertError(f"{option} {device}: this machine has {count}")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
