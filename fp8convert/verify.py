@@ -393,17 +393,13 @@ class Scratch:
     def __init__(self):
         self.buffers: list = []
 
-    def take(self, shape) -> list:
+    def take(self, shape, device) -> list:
         """One tensor per KINDS entry, shaped `shape` (views of buffers grown as needed)."""
         import torch
         n = math.prod(shape)
-        if not self.buffers or self.buffers[0].numel() < n or self.buffers[0].device != self.device:
-            self.buffers = [torch.empty(n, dtype=getattr(torch, kind), device=self.device) for kind in self.KINDS]
+        if not self.buffers or self.buffers[0].numel() < n or self.buffers[0].device != device:
+            self.buffers = [torch.empty(n, dtype=getattr(torch, kind), device=device) for kind in self.KINDS]
         return [b[:n].view(shape) for b in self.buffers]
-
-    def on(self, device) -> "Scratch":
-        self.device = device
-        return self
 
 
 def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
@@ -412,7 +408,7 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     import torch
 
     from .run.numerics import FP8_MAX
-    wf, x, dq, wd, dd, magnitude, bits, x8 = (scratch or Scratch()).on(w.device).take(tuple(w.shape))
+    wf, x, dq, wd, dd, magnitude, bits, x8 = (scratch or Scratch()).take(tuple(w.shape), w.device)
     wf.copy_(w)
     torch.div(wf, s, out=x).clamp_(-FP8_MAX, FP8_MAX)  # float32, exactly as the quantizer divides
     x8.copy_(x)
@@ -512,7 +508,8 @@ def check_scale(scale) -> bool:
 def numbers_problem(check: TensorCheck) -> str:
     what = []
     if check.off_grid:
-        what.append(f"{plural(check.off_grid, 'code')} not the nearest e4m3 value of weight/scale")
+        verb = "is" if check.off_grid == 1 else "are"
+        what.append(f"{plural(check.off_grid, 'code')} {verb} not the nearest e4m3 value of weight/scale")
     if not check.rel_error <= check.bound * (1 + FLOAT_SLACK):
         what.append(f"relative error {check.rel_error:.4g} exceeds the e4m3 bound {check.bound:.4g}")
     return f"{'; '.join(what)} (SNR {check.snr_db:.1f} dB)"

@@ -257,6 +257,16 @@ def test_inspect_against_a_hub_that_never_answers_ends_in_one_line(fake_hub, tin
     assert len(fake_hub.requests_to("/api/models/")) == 2 and time.monotonic() - started < 20
 
 
+def test_verify_of_an_unreachable_hub_source_promises_no_resume(fake_hub, tiny_repo, tmp_path, capsys):
+    out = tmp_path / "out"
+    api.quantize(tiny_repo, out, device="cpu")
+    fake_hub.fail("drop", path_contains="/api/models/")
+    assert main(["verify", REPO, str(out), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "cannot reach the Hub (network error" in err and "check the connection and rerun" in err, err
+    assert "finished downloads" not in err and "resume" not in err
+
+
 def test_a_shard_download_that_never_answers_ends_in_one_line(fake_hub, tiny_repo, short_hub_limits, tmp_path,
                                                             monkeypatch):
     """huggingface_hub retries a stalled download itself (five times, resuming): fp8convert adds the
