@@ -61,7 +61,7 @@ from .units import plural
 
 CHUNK_ELEMENTS = 1 << 24        # elements per slab of a quantized tensor (one read of the stream)
 CHUNK_BYTES = 64 << 20          # bytes per piece when comparing kept tensors
-TILE_ELEMENTS = 1 << 18         # on a CPU, a slab is measured a tile at a time, in the cores' caches
+TILE_ELEMENTS = 1 << 17         # on a CPU, a slab is measured a tile at a time, in the cores' caches
 FLOAT_SLACK = 1e-5              # float32 arithmetic in dequant / division, far below any real error
 NAMED = 3                       # a grouped line names this many of its tensors
 
@@ -388,7 +388,7 @@ class Scratch:
     """The buffers `fast_sums` works in, allocated once and reused by every tile: a fresh temporary per
     operation would cost more in page faults than the arithmetic itself."""
 
-    KINDS = ("float32", "float32", "float32", "float64", "float64", "uint8", "int16", "float8_e4m3fn")
+    KINDS = ("float32", "float32", "float64", "uint8", "int16", "float8_e4m3fn")
 
     def __init__(self):
         self.buffers: list = []
@@ -408,7 +408,7 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     import torch
 
     from .run.numerics import FP8_MAX
-    wf, x, dq, wd, dd, magnitude, bits, x8 = (scratch or Scratch()).take(tuple(w.shape), w.device)
+    wf, x, wide, magnitude, bits, x8 = (scratch or Scratch()).take(tuple(w.shape), w.device)
     wf.copy_(w)
     torch.div(wf, s, out=x).clamp_(-FP8_MAX, FP8_MAX)  # float32, exactly as the quantizer divides
     x8.copy_(x)
@@ -419,27 +419,30 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     # are the code's magnitude / 2^8 (subnormals included); exact, and no NaN code is left at this point
     torch.bitwise_and(codes, 0x7F, out=magnitude)
     bits.copy_(magnitude).bitwise_left_shift_(7)
+    dq = x  # x is done with: its buffer takes |dequant|
     dq.copy_(bits.view(torch.float16)).mul_(s * 256.0)   # |float32(q) * scale|: one rounding, as dequantize
     # q has the sign of x = w / scale, so |w - dequant| = ||w| - |dequant||; float32 holds that
     # difference exactly here (it is at most half a step, far below both), and its square in float64
     wf.abs_()
     dq.sub_(wf)
-    dd.copy_(dq)
-    e2 = float(torch.dot(dd.view(-1), dd.view(-1)))
-    wd.copy_(wf)
-    w2 = float(torch.dot(wd.view(-1), wd.view(-1)))
+    wide.copy_(dq)
+    e2 = float(torch.dot(wide.view(-1), wide.view(-1)))
+    wide.copy_(w)
+    w2 = float(torch.dot(wide.view(-1), wide.view(-1)))
     if not (math.isfinite(w2) and math.isfinite(e2)):
         return None
-    # bound: max(w^2, t^2) / 2^8 with t = scale / 2^6, i.e. w2 / 2^8 plus, where |w| < t, (t^2 - w^2) / 2^8.
-    # Such a w has |w / scale| < 2^-6, so its code is at most 2^-6 (magnitude bits <= 0x08): only those
-    # few elements are looked at one by one.
-    extra = 0.0
+    # bound: sum of max(|w|, t)^2 / 2^8 with t = scale / 2^6 (module docstring). Where every |w| >= t
+    # that is w2 / 2^8; a w below t has |w / scale| < 2^-6, so its code is at most 2^-6 (magnitude bits
+    # <= 0x08), and only then is the sum taken again with |w| raised to t.
+    bound2 = w2
     if int(magnitude.min()) <= 0x08:
-        small = magnitude <= 0x08
-        ws = wd[small]
-        ts = (s.expand_as(w)[small] if s.numel() > 1 else s.reshape(1)).double() * 2.0**-6
-        extra = float((ts.square() - ws.square()).clamp_(min=0).sum())
-    return ErrorSums(w2, e2, (w2 + extra) * 2.0**-8, 0)
+        wide.abs_()
+        if s.numel() == 1:
+            wide.clamp_(min=s.item() * 2.0**-6)  # exact: a float32 times a power of two, as a float64
+        else:
+            torch.maximum(wide, (s * 2.0**-6).double(), out=wide)
+        bound2 = float(torch.dot(wide.view(-1), wide.view(-1)))
+    return ErrorSums(w2, e2, bound2 * 2.0**-8, 0)
 
 
 def same_bytes(a, b) -> bool:
