@@ -3,8 +3,9 @@
 
 Each round runs, as child processes, `fp8convert quantize SRC OUT` and then `fp8convert verify SRC OUT`
 (both with --device and -q; OUT is removed before each quantize), and records their wall time
-(start-up and imports included), peak RSS and the machine's 1-minute load average when each started:
-on a shared machine the load says how far to trust a round. Rounds alternate the two commands, so a
+(start-up and imports included), CPU time (user + system, all threads), peak RSS and the machine's
+1-minute load average when each started (it counts the previous command too): on a shared machine the
+load says how far to trust a round, and CPU time moves less than wall time. Rounds alternate the two commands, so a
 slow spell of the machine hits both. The checkpoint is built with scripts/anchor/make_ckpt.py (or the
 demo model for `tiny`) and kept in --work for later calls.
 
@@ -71,7 +72,8 @@ def run(args: list[str]) -> dict:
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"fp8convert {' '.join(args)} failed ({code}):\n{out[-2000:]}{err[-2000:]}")
-    return {"wall_s": round(wall, 2), "rss_gib": round(usage.ru_maxrss / 2**20, 2), "load": round(load, 2)}
+    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "rss_gib": round(usage.ru_maxrss / 2**20, 2), "load": round(load, 2)}
 
 
 def main() -> int:
@@ -103,15 +105,17 @@ def main() -> int:
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     lines = [f"{args.ckpt}: {size / 1e9:.2f} GB, --device {args.device}"
              + (", page cache dropped before each command" if args.drop_caches else ", page cache warm"), "",
-             "| round | quantize s (load) | verify s (load) | verify / quantize | peak RSS GiB q / v |",
-             "|---|---|---|---|---|"]
+             "| round | quantize wall s (load) | verify wall s (load) | verify / quantize | CPU s q / v | "
+             "peak RSS GiB q / v |", "|---|---|---|---|---|---|"]
     for n, r in enumerate(rounds, 1):
         q, v = r["quantize"], r["verify"]
         lines.append(f"| {n} | {q['wall_s']} ({q['load']}) | {v['wall_s']} ({v['load']}) | {r['ratio']} | "
-                     f"{q['rss_gib']} / {v['rss_gib']} |")
-    median_q = statistics.median(r["quantize"]["wall_s"] for r in rounds)
-    median_v = statistics.median(r["verify"]["wall_s"] for r in rounds)
-    lines.append(f"| median | {median_q} | {median_v} | {median_v / median_q:.2f} | |")
+                     f"{q['cpu_s']} / {v['cpu_s']} | {q['rss_gib']} / {v['rss_gib']} |")
+    median = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall_s", "cpu_s")}
+              for k in ("quantize", "verify")}
+    lines.append(f"| median | {median['quantize']['wall_s']} | {median['verify']['wall_s']} | "
+                 f"{median['verify']['wall_s'] / median['quantize']['wall_s']:.2f} | "
+                 f"{median['quantize']['cpu_s']} / {median['verify']['cpu_s']} | |")
     print("\n".join(lines))
     (args.out / "results.json").write_text(json.dumps({"ckpt": args.ckpt, "bytes": size, "device": args.device,
                                                       "drop_caches": args.drop_caches, "rounds": rounds},
