@@ -392,14 +392,18 @@ class Scratch:
 
     def __init__(self):
         self.buffers: list = []
+        self.views: tuple = ((), None, [])  # the last shape and device asked for, and its views
 
     def take(self, shape, device) -> list:
         """One tensor per KINDS entry, shaped `shape` (views of buffers grown as needed)."""
         import torch
+        if self.views[:2] == (shape, device):
+            return self.views[2]
         n = math.prod(shape)
         if not self.buffers or self.buffers[0].numel() < n or self.buffers[0].device != device:
             self.buffers = [torch.empty(n, dtype=getattr(torch, kind), device=device) for kind in self.KINDS]
-        return [b[:n].view(shape) for b in self.buffers]
+        self.views = (shape, device, [b[:n].view(shape) for b in self.buffers])
+        return self.views[2]
 
 
 def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
@@ -425,23 +429,24 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     # difference exactly here (it is at most half a step, far below both), and its square in float64
     wf.abs_()
     dq.sub_(wf)
+    flat = wide.view(-1)
     wide.copy_(dq)
-    e2 = float(torch.dot(wide.view(-1), wide.view(-1)))
-    wide.copy_(w)
-    w2 = float(torch.dot(wide.view(-1), wide.view(-1)))
+    e2 = float(torch.dot(flat, flat))
+    wide.copy_(wf)
+    w2 = float(torch.dot(flat, flat))
     if not (math.isfinite(w2) and math.isfinite(e2)):
         return None
     # bound: sum of max(|w|, t)^2 / 2^8 with t = scale / 2^6 (module docstring). Where every |w| >= t
     # that is w2 / 2^8; a w below t has |w / scale| < 2^-6, so its code is at most 2^-6 (magnitude bits
-    # <= 0x08), and only then is the sum taken again with |w| raised to t.
+    # <= 0x08), and only then is the sum taken again with |w| raised to t (exact in float64: t is a
+    # float32 times a power of two).
     bound2 = w2
     if int(magnitude.min()) <= 0x08:
-        wide.abs_()
         if s.numel() == 1:
-            wide.clamp_(min=s.item() * 2.0**-6)  # exact: a float32 times a power of two, as a float64
+            wide.clamp_(min=s.item() * 2.0**-6)
         else:
             torch.maximum(wide, (s * 2.0**-6).double(), out=wide)
-        bound2 = float(torch.dot(wide.view(-1), wide.view(-1)))
+        bound2 = float(torch.dot(flat, flat))
     return ErrorSums(w2, e2, bound2 * 2.0**-8, 0)
 
 
