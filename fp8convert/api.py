@@ -26,7 +26,11 @@ from .output.finalize import check_shards, finalize, finished_shards, prepare_ou
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .plan.plan import Plan, Unit, build_plan
 from .plan.summary import compatibility_warnings
+from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
+from .run.progress import Progress
+from .run.warmup import start_torch
+from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
 from .source.resolve import looks_like_repo_id, open_source, plan_source
@@ -203,18 +207,45 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
         if looks_like_repo_id(str(src)):
             from .source.hub import fetch_from_hub
             fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), settings.token)
-    with fetcher, _prefetcher(the_plan, units, settings) as prefetcher:
+    warmup = start_torch(workers.device_for(spec, settings.device))
+    copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
+    kept = [t for u in units for t in u.tensors if not t.quantize] if copy_kept else []
+    bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
+                   enabled=settings.progress, plain=spec.count > 1)
+    with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
+            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
-        from .run.pipeline import convert  # imports torch: the prefetcher is reading meanwhile
-        result = convert(the_plan, units, out_dir, out_dir / WORK_DIR, skip, workers.device_for(spec, settings.device),
-                         settings.max_resident, fetcher, progress=settings.progress,
-                         read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
-                         started=started, tag=f" [worker {spec.text}]" if spec.count > 1 else "")
+        from .run.pipeline import convert  # waits for torch (warmup); kept tensors are being copied meanwhile
+        warmup.join()
+        result = convert(the_plan, without(units, kept), writer, workers.device_for(spec, settings.device),
+                         settings.max_resident, fetcher, bar, read_threads=settings.read_threads,
+                         on_read=prefetcher.advance if prefetcher else _ignore, started=started, check=copier.check)
+        copier.finish()
         report.stage_seconds, report.device, report.peak_device_bytes = (
             result.stage_seconds, result.device, result.peak_device_bytes)
         report.shards_written = len(todo)
         if settings.finalize:
             report.complete = _finish(the_plan, out_dir, spec, settings.progress)
+
+
+def _tag(spec: workers.WorkerSpec) -> str:
+    return f" [worker {spec.text}]" if spec.count > 1 else ""
+
+
+def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:
+    def copied(nbytes: int) -> None:
+        bar.advance(nbytes)
+        if prefetcher:
+            prefetcher.advance(nbytes)
+    return copied
+
+
+def without(units: list[Unit], tensors: list) -> list[Unit]:
+    """`units` without `tensors` (and without the units that had nothing else)."""
+    names = {t.name for t in tensors}
+    left = [Unit(u.label, [t for t in u.tensors if t.name not in names]) for u in units]
+    return [u for u in left if u.tensors]
 
 
 def _ignore(nbytes: int) -> None:

@@ -540,6 +540,61 @@ def run_contender(c: dict, src: Path, info: dict, floor: dict | None, args, log:
     return r
 
 
+def warm_page_cache(src: Path) -> float:
+    """Read every file of `src` once, so the run after it reads from memory; returns seconds."""
+    start = time.monotonic()
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.read(CHUNK * 4):
+                    pass
+    return time.monotonic() - start
+
+
+def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
+    """fp8convert with no disk in the way: the input in the page cache, the output on tmpfs. What is left
+    is the pipeline itself (and start-up): its GB/s is what the tool could do on a disk of any speed."""
+    rows = []
+    devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
+    warm_page_cache(src)
+    for dev in devices:
+        for rep in range(args.ceiling_repeat):
+            if out_of_time(log, f"ceiling {dev} #{rep + 1}"):
+                return rows
+            out = args.ceiling_out / f"out-{dev}"
+            shutil.rmtree(out, ignore_errors=True)
+            warm_page_cache(src)
+            cmd = fp8convert_cmd() + ["quantize", str(src), str(out), "--device", dev, "--max-shard-size",
+                                      args.max_shard_size, "--overwrite", "--json", "-q"]
+            r = run_measured(f"{src.name}-ceiling-{dev}-{rep}", cmd, child_env([REPO]), args.work / "logs", log,
+                             gpu, args.timeout)
+            report = parse_json_report(r["stdout"]) or {}
+            stages = report.get("stage_seconds") or {}
+            row = {"device": dev, "rep": rep + 1, "rc": r["rc"], "wall_s": r["wall_s"], "rss_gib": r["rss_peak_gib"],
+                   "gpu_gib": (report.get("peak_device_bytes") or 0) / GiB or None, "stages": stages,
+                   "torch_ready_s": stages.get("torch_ready_at"), "pipeline_s": stages.get("pipeline")}
+            row["gbps_pipeline"] = info["bytes_in"] / row["pipeline_s"] / 1e9 if row["pipeline_s"] else None
+            row["gbps_whole"] = info["bytes_in"] / r["wall_s"] / 1e9 if r["rc"] == 0 else None
+            rows.append(row)
+            shutil.rmtree(out, ignore_errors=True)
+            log.say(f"  ceiling {dev} #{rep + 1}: rc {r['rc']}, wall {r['wall_s']:.2f} s, torch ready "
+                    f"{fmt(row['torch_ready_s'], 2)} s, pipeline {fmt(row['pipeline_s'], 2)} s = "
+                    f"{fmt(row['gbps_pipeline'], 2)} GB/s, whole {fmt(row['gbps_whole'], 2)} GB/s, stages {stages}")
+            if r["rc"] != 0:
+                log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
+    return rows
+
+
+def ceiling_table(name: str, info: dict, rows: list[dict]) -> str:
+    lines = [f"### {name}: pipeline ceiling ({info['bytes_in'] / 1e9:.2f} GB in the page cache, output on tmpfs)", "",
+             "| device | run | wall s | torch ready at s | pipeline s | GB/s pipeline | GB/s whole run | peak RSS GiB "
+             "| peak GPU GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['device']} | {r['rep']} | {r['wall_s']:.2f} | {fmt(r['torch_ready_s'], 2)} | "
+              f"{fmt(r['pipeline_s'], 2)} | {fmt(r['gbps_pipeline'], 2)} | {fmt(r['gbps_whole'], 2)} | "
+              f"{fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} |" for r in rows]
+    return "\n".join(lines)
+
+
 def contender_table(name: str, info: dict, floor: dict | None, runs: list[dict]) -> str:
     lines = [f"### {name}: {info['bytes_in'] / 1e9:.2f} GB in {len(info['files'])} shards, {info['tensors']} tensors"]
     if floor:
@@ -898,6 +953,10 @@ def parse_args(argv=None):
                    help="scheme/format pairs to compare (default tensor, channel, block with compressed-tensors, block/fp8)")
     p.add_argument("--identical-devices", type=lambda v: v.split(","), default=["cpu", "cuda"],
                    help="the two devices compared (default cpu,cuda; cpu,cpu tries the check without a GPU)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="fp8convert with the input in the page cache and the output on tmpfs (the pipeline's own speed)")
+    p.add_argument("--ceiling-out", type=Path, default=Path("/dev/shm/fp8bench"), help="tmpfs for --ceiling outputs")
+    p.add_argument("--ceiling-repeat", type=int, default=2, help="runs per device for --ceiling (default 2)")
     p.add_argument("--keep-ckpts", action="store_true", help="do not remove checkpoints this call does not use")
     p.add_argument("--keep-outputs", action="store_true", help="keep the contenders' outputs")
     p.add_argument("--timeout", type=float, default=480, help="seconds before a contender is killed")
@@ -909,7 +968,7 @@ def parse_args(argv=None):
     p.add_argument("--loader-wheels", type=Path, default=REPO / ".whl-loaders")
     p.add_argument("--loader-site", type=Path, default=Path("/tmp/site-loaders"))
     a = p.parse_args(argv)
-    if not a.ckpt and not a.double and not (a.skip_convert and not a.loaders):
+    if not a.ckpt and not a.double and not (a.skip_convert and not a.loaders and not a.ceiling):
         a.ckpt = ["moe8", "dense16"]
     a.ckpt = list(dict.fromkeys((a.ckpt or []) + (["moe16", "dense32"] if a.double else [])))
     a.shard_gb = a.shard_gb or [2.0]
@@ -979,6 +1038,10 @@ def main(argv=None) -> int:
                 entry["runs"].append(run_contender(c, src, info, floor, args, log, gpu))
                 save_json(results_path, results)
             tables.append(contender_table(src.name, info, floor, entry["runs"]))
+        if args.ceiling and not out_of_time(log, "the ceiling runs"):
+            entry["ceiling"] = run_ceiling(src, info, args, log, gpu)
+            save_json(results_path, results)
+            tables.append(ceiling_table(src.name, info, entry["ceiling"]))
         if args.loaders:
             entry["loaders"] = run_loaders(src, info, args, log, gpu, loaders_ok)
             save_json(results_path, results)
@@ -1005,6 +1068,8 @@ def main(argv=None) -> int:
     results["tables"] = tables
     save_json(results_path, results)
     failed = [r["label"] for c in results["checkpoints"].values() for r in c.get("runs", []) if r["rc"] != 0]
+    failed += [f"ceiling {r['device']}" for c in results["checkpoints"].values() for r in c.get("ceiling", [])
+               if r["rc"] != 0]
     failed += [f"identical {r['scheme']}/{r['format']}" for r in results["identical"] if not r["identical"]]
     log.say(f"\nresults: {results_path}, log: {args.out / 'bench.log'}" + (f"; FAILED/DIFFERENT: {failed}" if failed else ""))
     return 1 if failed else 0

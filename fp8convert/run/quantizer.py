@@ -73,10 +73,8 @@ def all_finite(values: torch.Tensor) -> bool:
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
                    cpu_path: bool | None = None) -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
-    piece of a kept tensor where it goes. Kept tensors are copied out of `buf` so it can be freed at
-    once, unless the batch keeps everything: then they are views and `buf` lives until they are
-    written, which costs no extra memory. `cpu_path`: see numerics.use_cpu_path."""
-    all_kept = not any(t.quantize for t in batch.tensors)
+    piece of a kept tensor where it goes. Kept tensors are views of `buf` (the caller copies them into
+    the output runs, or writes them from `buf` itself). `cpu_path`: see numerics.use_cpu_path."""
     outputs = []
     for atom in batch.atoms:
         if not atom[0].quantize:
@@ -85,7 +83,7 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
             if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
                     raw.view(torch_dtype(t.source.dtype))):
                 raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
-            outputs.append((t.name, raw if all_kept else raw.clone(), t.at))
+            outputs.append((t.name, raw, t.at))
     for family in families(batch):
         for chunk in family.chunks():
             members = [[atom[m] for atom in chunk] for m in range(len(chunk[0]))]

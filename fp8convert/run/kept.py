@@ -1,0 +1,101 @@
+"""Kept tensors copied byte for byte, without torch, while torch is still loading.
+
+Tensors that stay in high precision (embeddings, heads, norms, routers...) need no device: a thread
+reads them, checks their bit patterns for NaN/Inf with numpy, and writes them to their planned place.
+It starts with the run, so the disk writes while torch and CUDA load (seconds), and the device never
+holds them (an embedding can be gigabytes). Streamed sources, whose shards arrive only as the pipeline
+asks for them, leave kept tensors to the pipeline.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import FP8ConvertError
+from ..plan.plan import Plan, TensorPlan
+from ..plan.runs import Run, output_runs
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, pread_into
+from .writer import ShardWriter
+
+CHUNK_BYTES = 16 << 20
+# An IEEE float is NaN or Inf exactly when every exponent bit is set.
+EXPONENT_BITS = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+
+
+def has_non_finite(raw: np.ndarray, dtype: str) -> bool:
+    """Whether the bytes `raw` (uint8, whole elements) of a float tensor hold a NaN or an Inf."""
+    kind, mask = EXPONENT_BITS[dtype]
+    return bool(np.any(np.bitwise_and(raw.view(kind), kind(mask)) == mask))
+
+
+def must_be_finite(t: TensorPlan) -> bool:
+    """Kept float weights are checked (a NaN norm is as broken as a NaN linear); buffers and integer
+    tensors are copied as they are."""
+    return t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES
+
+
+class KeptCopier:
+    """Copies `tensors` (kept ones) into their shards on a thread of its own. A context manager: leaving
+    it stops the thread after the chunk in hand. `check()` raises the copier's error, if it had one;
+    `finish()` waits for the copy and raises it too."""
+
+    def __init__(self, plan: Plan, tensors: list[TensorPlan], writer: ShardWriter,
+                 on_copied: Callable[[int], None] = lambda nbytes: None):
+        self.plan, self.tensors, self.writer, self.on_copied = plan, tensors, writer, on_copied
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._copy_all, name="fp8convert-kept", daemon=True)
+
+    def __enter__(self) -> "KeptCopier":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        self.thread.join()
+        self.check()
+
+    def _copy_all(self) -> None:
+        fds: dict[str, int] = {}
+        try:
+            for t in self.tensors:
+                if self.stop.is_set():
+                    return
+                if t.source.file not in fds:
+                    path = Path(self.plan.source.root) / t.source.file
+                    try:
+                        fds[t.source.file] = os.open(path, os.O_RDONLY)
+                    except OSError as e:
+                        raise FP8ConvertError(f"{t.source.file}: cannot open ({e.strerror})") from e
+                self._copy(t, fds[t.source.file])
+        except BaseException as e:  # raised in the main thread by check() or finish()
+            self.error = e
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _copy(self, t: TensorPlan, fd: int) -> None:
+        (run,) = output_runs(self.plan, [t])
+        buf = np.empty(min(CHUNK_BYTES, max(t.source.nbytes, 1)), dtype=np.uint8)
+        for start in range(0, t.source.nbytes, CHUNK_BYTES):
+            if self.stop.is_set():
+                return
+            n = min(CHUNK_BYTES, t.source.nbytes - start)
+            pread_into(fd, memoryview(buf[:n]), t.source.offset + start, t.source.file)
+            if must_be_finite(t) and has_non_finite(buf[:n], t.source.dtype):
+                raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
+            self.writer.write(Run(run.shard, run.start + start, n, ()), buf[:n], in_this_thread=True)
+            self.on_copied(n)
+        if not t.source.nbytes:
+            self.writer.write(run, buf[:0], in_this_thread=True)
