@@ -37,6 +37,10 @@ from .source.resolve import looks_like_repo_id, open_source, plan_source
 from .source.streaming import NoFetcher, need_order
 
 
+# Kept tensors are copied while torch loads (the disk has work from the first second) rather than after.
+COPY_KEPT_DURING_IMPORT = True
+
+
 @dataclass
 class Report:
     """What a conversion did."""
@@ -214,7 +218,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
                    enabled=settings.progress, plain=spec.count > 1)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
-            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
+            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
+                       after=None if COPY_KEPT_DURING_IMPORT else warmup) as copier:
         fetcher.start(need_order(units))
         from .run.pipeline import convert  # waits for torch (warmup); kept tensors are being copied meanwhile
         warmup.join()

@@ -5,7 +5,8 @@ The checkpoint is read once first (so it sits in the page cache) and the output 
 directory; then, in this one process, with torch already imported:
   read       the reader alone: every batch into device memory;
   +quantize  the reader and the quantizer (outputs dropped);
-  pipeline   the whole run (reader thread, quantize, writer thread) into OUT, as a conversion does.
+  pipeline   the whole run (reader thread, quantize, writer thread) into OUT, as a conversion does;
+  no-write   the same with pwrite doing nothing: what the pipeline does without an output medium.
 Each line gives seconds and GB/s of input. A stage much slower than the one before it is the one to
 look at.
 
@@ -114,6 +115,18 @@ def main() -> int:
                              Progress(nbytes, "profile", enabled=False))
         line("pipeline", time.perf_counter() - t0)
         print(f"             stages {result.stage_seconds}", flush=True)
+        # the same without the output medium: bytes still leave the device, pwrite does nothing
+        from fp8convert.run import writer as writer_module
+        real_pwrite = writer_module.pwrite_all
+        writer_module.pwrite_all = lambda fd, data, offset: None
+        shutil.rmtree(args.out, ignore_errors=True)
+        (args.out / ".fp8convert").mkdir(parents=True)
+        t0 = time.perf_counter()
+        with ShardWriter(plan, args.out, args.out / ".fp8convert", set()) as writer:
+            convert(plan, plan.units, writer, args.device, settings.max_resident, NoFetcher(),
+                    Progress(nbytes, "profile", enabled=False))
+        line("no-write", time.perf_counter() - t0)
+        writer_module.pwrite_all = real_pwrite
     shutil.rmtree(args.out, ignore_errors=True)
     return 0
 

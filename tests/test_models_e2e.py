@@ -669,7 +669,7 @@ def test_both_quantize_paths_match_reference(scheme, dtype, path, tile_rows, mon
     made for CUDA (whole-tensor reductions and division), run here on the CPU. Both must give the
     reference's bytes. Real layers are far larger than these, so the tile is shrunk to get many tiles."""
     if tile_rows:
-        monkeypatch.setattr(numerics, "CPU_TILE_BYTES", 4 * 200 * tile_rows)
+        monkeypatch.setattr(numerics, "cpu_tile_bytes", lambda: 4 * 200 * tile_rows)
     gen = torch.Generator().manual_seed(tile_rows or 0)
     stack = (torch.randn(3, 300, 200, generator=gen) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)).to(dtype)
     stack[1, 5, 7] = 0.0

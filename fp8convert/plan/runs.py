@@ -31,8 +31,9 @@ class Run:
     pieces: tuple[Piece, ...]
 
 
-def output_runs(plan: Plan, tensors: list[TensorPlan]) -> list[Run]:
-    """The contiguous ranges of the output shards that `tensors`' outputs fill, in file order."""
+def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True) -> list[Run]:
+    """The contiguous ranges of the output shards that `tensors`' outputs fill, in file order; with
+    `merge` False, one run per output (piece)."""
     spans = []  # (shard, file offset, name, at, nbytes)
     for t in tensors:
         for name, _, _ in t.outputs():
@@ -44,7 +45,7 @@ def output_runs(plan: Plan, tensors: list[TensorPlan]) -> list[Run]:
     open_runs: list[list] = []  # [shard, start, nbytes, pieces], the last one still growing
     for shard, start, name, at, nbytes in spans:
         last = open_runs[-1] if open_runs else None
-        if last and last[0] == shard and last[1] + last[2] == start:
+        if merge and last and last[0] == shard and last[1] + last[2] == start:
             last[3].append(Piece(name, at, nbytes, last[2]))
             last[2] += nbytes
         else:

@@ -44,8 +44,9 @@ class KeptCopier:
     `finish()` waits for the copy and raises it too."""
 
     def __init__(self, plan: Plan, tensors: list[TensorPlan], writer: ShardWriter,
-                 on_copied: Callable[[int], None] = lambda nbytes: None):
-        self.plan, self.tensors, self.writer, self.on_copied = plan, tensors, writer, on_copied
+                 on_copied: Callable[[int], None] = lambda nbytes: None, after: threading.Thread | None = None):
+        """`after`: a thread to wait for before copying (None: copy at once)."""
+        self.plan, self.tensors, self.writer, self.on_copied, self.after = plan, tensors, writer, on_copied, after
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._copy_all, name="fp8convert-kept", daemon=True)
@@ -68,6 +69,8 @@ class KeptCopier:
 
     def _copy_all(self) -> None:
         fds: dict[str, int] = {}
+        if self.after is not None:
+            self.after.join()
         try:
             for t in self.tensors:
                 if self.stop.is_set():

@@ -151,7 +151,10 @@ class Pipeline:
         """The batch's outputs, assembled in the byte runs they fill in the shards."""
         self._wait_for_writer()
         t0 = time.monotonic()
-        assembled = BatchOutput(output_runs(self.plan, batch.tensors), self.device)
+        # From a GPU, few large copies beat many small ones; on the CPU the outputs are written as they are
+        # (assembling them would only add a copy).
+        runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
+        assembled = BatchOutput(runs, self.device)
         for name, tensor, at in quantize_batch(batch, buf, offsets, self.plan.options.scheme):
             assembled.put(name, tensor, at)
         if self.device.type == "cuda":
