@@ -156,8 +156,9 @@ def converted(tmp_path_factory, source_model):
 
 
 @pytest.fixture(scope="session")
-def gpt_oss_like(tmp_path_factory) -> Path:
-    return make_gpt_oss_like(tmp_path_factory.mktemp("gpt-oss") / "model")
+def unknown_fused_experts(tmp_path_factory) -> Path:
+    """gpt-oss's fused 3-D experts under a model_type the registry does not know."""
+    return make_gpt_oss_like(tmp_path_factory.mktemp("mystery") / "model", model_type="mystery_moe")
 
 
 @pytest.fixture(scope="session")

@@ -218,12 +218,27 @@ def expected_quantized(shapes: dict, scheme: str, user_ignored=frozenset()) -> s
     return quant
 
 
-def expected_ignore_list(shapes: dict, quantized: set[str]) -> set[str]:
-    """Every 2D linear weight's module left unquantized (embeddings are not linears), plus lm_head."""
+# How transformers 5.24 names checkpoint modules in memory, where it renames them when it loads
+# (transformers/conversion_mapping.py: "mixtral" moves block_sparse_moe to mlp). compressed-tensors in
+# transformers matches the ignore list against these in-memory names.
+TRANSFORMERS_RENAMES = {
+    "mixtral": ((r"\.block_sparse_moe\.", ".mlp."),),
+}
+
+
+def transformers_name(kind: str | None, module: str) -> str:
+    for pattern, to in TRANSFORMERS_RENAMES.get(kind, ()):
+        module = re.sub(pattern, to, module, count=1)
+    return module
+
+
+def expected_ignore_list(shapes: dict, quantized: set[str], kind: str | None = None) -> set[str]:
+    """Every 2D linear weight's module left unquantized (embeddings are not linears), by its checkpoint
+    name and its transformers in-memory name, plus lm_head."""
     out = {"lm_head"}
     for n, s in shapes.items():
         if n.endswith(".weight") and len(s) == 2 and n not in quantized and not is_embedding(module_of(n)):
-            out.add(module_of(n))
+            out |= {module_of(n), transformers_name(kind, module_of(n))}
     return out
 
 

@@ -130,8 +130,8 @@ def assert_kept_identical(got: dict, src: dict, quantized: set):
     assert not bad, f"kept tensors not byte-identical to the source: {bad[:8]}"
 
 
-def assert_ignore_list(fmt: str, cfg: dict, src: dict, quantized: set):
-    want = R.expected_ignore_list({n: tuple(t.shape) for n, t in src.items()}, quantized)
+def assert_ignore_list(fmt: str, cfg: dict, src: dict, quantized: set, kind: str | None = None):
+    want = R.expected_ignore_list({n: tuple(t.shape) for n, t in src.items()}, quantized, kind)
     for lst in ignore_lists(fmt, cfg):
         assert isinstance(lst, list)
         assert len(lst) == len(set(lst)), f"duplicates in ignore list: {lst}"
@@ -232,7 +232,7 @@ def test_zero_weights_get_scale_one_and_zero_codes(kind, scheme, module, output_
 def test_ignore_list_names_exactly_the_unquantized_linears(kind, fmt, scheme, converted, source_tensors, expected):
     cfg = read_json(converted(kind, fmt, scheme) / "config.json")
     _, quant = expected(kind, fmt, scheme)
-    assert_ignore_list(fmt, cfg, source_tensors(kind), quant)
+    assert_ignore_list(fmt, cfg, source_tensors(kind), quant, kind)
     for lst in ignore_lists(fmt, cfg):
         assert "lm_head" in lst
         assert not {R.module_of(n) for n in quant} & set(lst), "a quantized module is in the ignore list"
@@ -534,7 +534,7 @@ def test_user_ignore_exact_glob_and_regex(source_model, source_tensors, tmp_path
     assert_codes_and_scales(got, exp, quant)
     assert_kept_identical(got, src, quant)
     cfg = read_json(out / "config.json")
-    assert_ignore_list("compressed-tensors", cfg, src, quant)
+    assert_ignore_list("compressed-tensors", cfg, src, quant, kind)
     assert ignored <= set(cfg["quantization_config"]["ignore"])
 
 
@@ -564,16 +564,22 @@ def _assert_one_line_error(exc_info, must_contain: str):
     assert "\n" not in msg.strip(), f"not a one-line message: {msg!r}"
 
 
-def test_gpt_oss_fused_3d_experts_are_refused(gpt_oss_like, tmp_path):
+def test_fused_3d_experts_of_an_unknown_architecture_are_refused(unknown_fused_experts, tmp_path):
+    """No layout is guessed from shapes: 3-D experts of a model_type the registry does not list are
+    refused, naming the tensor and why, before anything is written; --ignore keeps them."""
     fp8convert = fp8convert_module()
     out = tmp_path / "out"
     with pytest.raises(fp8convert.FP8ConvertError) as ei:
-        run_quantize(gpt_oss_like, out, scheme="tensor", format="compressed-tensors")
+        run_quantize(unknown_fused_experts, out, scheme="tensor", format="compressed-tensors")
     _assert_one_line_error(ei, GPT_OSS_FUSED_TENSOR)
+    assert "'mystery_moe', not in the registry" in str(ei.value)
     assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     with pytest.raises(fp8convert.FP8ConvertError) as ei:
-        fp8convert.make_plan(str(gpt_oss_like), scheme="tensor", format="compressed-tensors")
+        fp8convert.make_plan(str(unknown_fused_experts), scheme="tensor", format="compressed-tensors")
     _assert_one_line_error(ei, GPT_OSS_FUSED_TENSOR)
+    plan = fp8convert.make_plan(str(unknown_fused_experts), ignore=("re:.*experts",))
+    assert not any(t.quantize for t in plan.tensors if ".experts." in t.name)
+    assert any("not in fp8convert's architecture registry" in n for n in plan.notes)
 
 
 def _copy_model(src: Path, dst: Path) -> Path:

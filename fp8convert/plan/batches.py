@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .plan import TensorPlan, Unit
+from .plan import TensorPlan, Unit, unique_inputs
 
 
 @dataclass
@@ -18,7 +18,7 @@ class Batch:
 
     @property
     def in_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
+        return sum(info.nbytes for info in unique_inputs(self.tensors))
 
     @property
     def files(self) -> list[str]:
@@ -48,7 +48,7 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
         parts: list[list[list[TensorPlan]]] = [[]]
         used, alone = 0, False
         for atom, split in atoms:
-            size = sum(t.source.nbytes for t in atom)
+            size = sum(info.nbytes for info in unique_inputs(atom))
             if parts[-1] and (split or alone or used + size > max_resident):
                 parts.append([])
                 used = 0
@@ -63,12 +63,12 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
     Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
     does not grow with the vocabulary (an embedding can be several GB)."""
     info = t.source
-    if t.quantize or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
+    if t.quantize or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
         return [t]
     row = info.nbytes // info.shape[0]
     step = max(1, max_bytes // row)
-    return [replace(t, at=r * row, source=replace(info, offset=info.offset + r * row, nbytes=n * row,
-                                                    shape=(n, *info.shape[1:])))
+    return [replace(t, at=r * row, inputs=(replace(info, offset=info.offset + r * row, nbytes=n * row,
+                                                     shape=(n, *info.shape[1:])),))
             for r in range(0, info.shape[0], step) for n in [min(step, info.shape[0] - r)]]
 
 

@@ -1,13 +1,12 @@
 """What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
 from __future__ import annotations
 
-import enum
 import re
 from collections import Counter
-from dataclasses import dataclass
 
 from ..options import BLOCK
 from .batches import make_batches
+from .caveats import Caveat, PlanWarning
 from .plan import Plan
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
@@ -29,24 +28,6 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
         host = PYTHON_HOST_BYTES + device
     return {"batches": len(batches), "largest_batch_bytes": largest_batch, "device_bytes": device,
             "host_bytes": host}
-
-
-class Caveat(enum.Enum):
-    """What a warning means for the consumers; code that acts on warnings reads this, never the text."""
-
-    TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
-    TRANSFORMERS_MISREADS = "transformers-misreads"     # loads, but some weights dequantize wrongly
-    VLLM_CANNOT_LOAD = "vllm-cannot-load"
-    VLLM_TP_LIMITS = "vllm-tp-limits"                    # loads at some tensor-parallel sizes only
-
-
-@dataclass(frozen=True)
-class PlanWarning:
-    caveat: Caveat
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
 
 
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
