@@ -201,9 +201,6 @@ _QWEN_VL_VLLM = (
     Rename(r"^lm_head$", "language_model.lm_head"),
 )
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
-_SPLIT_NOT_IN_TRANSFORMERS = ("transformers 5.24 has no loader for per-expert FP8 weights of this model (it "
-                              "reads its fused expert tensors only, and copies FP8 ones without their scales); "
-                              "serve it with vLLM or SGLang")
 
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
@@ -274,7 +271,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # replaces Llama4TextExperts by per-expert Linears (quantizers/base.py,
         # SequentialLlama4TextExperts), so it reads that split layout too, FP8 or BF16.
         "Llama-4", ("llama4", "llama4_text"),
-        keep=(Keep(r"\.self_attn\.(q_proj|k_proj|v_proj)$",
+        keep=(Keep(r"^(language_model\.)?model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)$",
                    "vLLM's Llama-4 loader permutes q/k rows per head and cannot permute 128x128 block scales",
                    formats=("compressed-tensors",), schemes=("block",)),),
         experts=Experts(
@@ -355,7 +352,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             count=("num_local_experts",), width=("intermediate_size",)),
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
-        limits=(Limit(Caveat.TRANSFORMERS_CANNOT_LOAD, _SPLIT_NOT_IN_TRANSFORMERS),),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
         notes="fused experts [E, 2*inter, hidden] split per expert"),
     Architecture(
@@ -382,7 +378,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
              ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.down_proj", ("down_proj",), ("in_out", "out_in"))),
             count=("num_experts", "num_local_experts"), width=("moe_intermediate_size",)),
         vllm_names=_QWEN_VL_VLLM,
-        limits=(Limit(Caveat.TRANSFORMERS_CANNOT_LOAD, _SPLIT_NOT_IN_TRANSFORMERS),),
         quantized=f"language model attention, {_MOE_ROUTED}",
         notes="fused experts ([E, hidden, 2*inter] as released, or [E, 2*inter, hidden] as transformers "
               "saves them: told apart by the config's sizes) split per expert"),
@@ -400,7 +395,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                     Rename(r"^model\.vision_tower\.", "vision_tower."),
                     Rename(r"^model\.embed_vision\.", "embed_vision."),
                     Rename(r"^lm_head$", "language_model.lm_head")),
-        limits=(Limit(Caveat.TRANSFORMERS_CANNOT_LOAD, _SPLIT_NOT_IN_TRANSFORMERS),),
         quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}"),
     Architecture(
         # vllm/model_executor/models/qwen2_5_vl.py: the vision tower is built with the quant config, so

@@ -7,6 +7,7 @@ from collections import Counter
 from ..options import BLOCK
 from .batches import make_batches
 from .caveats import Caveat, PlanWarning
+from .parallel import tp_warnings
 from .plan import Plan
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
@@ -48,12 +49,32 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
                                     "transformers"))
     if scheme == "block":
         warnings += block_warnings(fmt, quantized)
+    warnings += architecture_warnings(plan)
+    warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
+    return warnings
+
+
+def architecture_warnings(plan: Plan) -> list[PlanWarning]:
+    """What the registry says this family's consumers cannot load in this format and scheme."""
+    arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
+    if arch is None:
+        return []
+    warnings = [PlanWarning(limit.caveat, limit.text) for limit in arch.limits if limit.applies(fmt, scheme)]
+    split = arch.experts and any(t.cut for t in plan.tensors)
+    if split and fmt not in arch.experts.transformers_loads_split:
+        elsewhere = arch.experts.transformers_loads_split
+        warnings.append(PlanWarning(
+            Caveat.TRANSFORMERS_CANNOT_LOAD,
+            f"transformers cannot load {arch.name}'s experts written one weight per expert"
+            + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else
+               " (it reads only fused expert tensors, and copies FP8 ones without their scales)")
+            + "; vLLM and SGLang can"))
     return warnings
 
 
 def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     warnings = []
-    odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
+    odd = [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]
     if odd:
         caveat, what = ((Caveat.TRANSFORMERS_MISREADS,
                          "transformers infers the block size from the scale grid and dequantizes these wrongly")
@@ -64,26 +85,17 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
                                             f"(e.g. {odd[0]}): {what}"))
     fused = {}
     for t in quantized:
-        if t.group:
+        if t.group and not EXPERT.search(t.name):  # experts follow vLLM's MoE rules (parallel.py)
             fused.setdefault(t.group, []).append(t)
     for group, members in fused.items():
         order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
         members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
-        if any(t.source.shape[0] % BLOCK for t in members[:-1]):
+        if any(t.shape[0] % BLOCK for t in members[:-1]):
             warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD,
                                         f"vLLM's fused block GEMM needs every member but the last to have an output "
                                         f"size divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
-                                        f"{list(members[0].source.shape)})"))
+                                        f"{list(members[0].shape)})"))
             break
-    sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
-                    re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
-    for size in sizes:
-        ok = [tp for tp in (1, 2, 4, 8) if size % tp == 0 and (size // tp) % BLOCK == 0]
-        bad = [tp for tp in (2, 4, 8) if tp not in ok]
-        if bad:
-            warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS,
-                                        f"block MoE in vLLM needs the expert intermediate size per tensor-parallel "
-                                        f"rank divisible by {BLOCK}: {size} works at TP {ok or 'none'}, fails at TP {bad}"))
     return warnings
 
 
@@ -106,8 +118,11 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
     groups = Counter()
     for key in {t.group for t in tensors if t.group and t.quantize}:
         groups[key.rsplit(".", 1)[-1]] += 1
+    arch = plan.architecture
     return {
         "source": plan.source.label,
+        "architecture": (f"{arch.name} (model_type {plan.source.config.get('model_type')!r})" if arch else
+                         f"not in the registry (model_type {plan.source.config.get('model_type')!r}): generic rules"),
         "scheme": plan.options.scheme,
         "format": plan.options.format,
         "fingerprint": plan.fingerprint,
@@ -122,12 +137,25 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
+        "split_experts": split_experts(plan),
+        "target_tp": list(plan.options.target_tp),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
         "warnings": [w.text for w in warnings],
         "transformers_cannot_load": transformers_verdict(warnings),
         "notes": plan.notes,
     }
+
+
+def split_experts(plan: Plan) -> list[str]:
+    """One line per fused expert tensor written one weight per expert: where the outputs come from."""
+    cuts: dict[str, list] = {}
+    for t in plan.tensors:
+        if t.cut:
+            cuts.setdefault(t.source.name, []).append(t)
+    return [f"{name} {list(ts[0].source.shape)} -> {len(ts)} weights {list(ts[0].shape)} "
+            f"(e.g. {ts[0].name} = {ts[0].cut.describe(name.rsplit('.', 1)[-1])})"
+            for name, ts in cuts.items()]
 
 
 def human(n: int) -> str:
@@ -142,6 +170,7 @@ def render(info: dict) -> str:
     q = info["quantized"]
     lines = [
         f"source      {info['source']}",
+        f"family      {info['architecture']}",
         f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
         f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
         f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales",
@@ -152,6 +181,9 @@ def render(info: dict) -> str:
         share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
+    if info["split_experts"]:
+        lines.append(f"experts     {len(info['split_experts'])} fused expert tensors split per expert, e.g. "
+                     f"{info['split_experts'][0]}")
     mem = info["memory"]
     lines += [
         f"output      {human(info['bytes_out'])} in {info['shards']} shard(s) (input {human(info['bytes_in'])}, "
