@@ -158,6 +158,7 @@ FUSED_GROUP_PATTERNS = (
     ),
     (re.compile(r"^(?P<p>.+)\.(gate_proj|up_proj)$"), ("gate_proj", "up_proj"), "gate_up_proj"),
     (re.compile(r"^(?P<p>.+\.experts\.\d+)\.(w1|w3)$"), ("w1", "w3"), "w13"),
+    (re.compile(r"^(?P<p>.+\.linear_attn)\.(in_proj_qkv|in_proj_z)$"), ("in_proj_qkv", "in_proj_z"), "in_proj_qkvz"),
 )
 
 
@@ -307,7 +308,11 @@ ARCH_KEEPS = {
     "gpt_oss": r"\.mlp\.router$",                          # gpt_oss.py: MLPBlock.router
     "gpt2": r"\.(c_attn|c_proj|c_fc)$",                    # modeling_gpt2.py: Conv1D, weight stored [in, out]
     "gemma4": r"(\.router\.proj|^model\.embed_vision\.embedding_projection)$",
-    "phimoe": None, "mixtral": None, "minimax_m2": None, "qwen3_moe": None, "olmoe": None, "ernie4_5_moe": None,
+    "llama4_text": r"\.feed_forward\.router$",
+    "granitemoeshared": r"\.router\.layer$",
+    "granitemoehybrid": r"\.router\.layer$",
+    "qwen3_5": r"(\.linear_attn\.in_proj_[ab]|^mtp\.fc)$",     # qwen3_5.py: in_proj_b + in_proj_a -> in_proj_ba
+    "qwen3_5_moe": r"(\.linear_attn\.in_proj_[ab]|^mtp\.fc)$",
 }
 
 
@@ -333,7 +338,7 @@ def split_experts(arch: str, tensors: dict, config: dict) -> dict:
     for name, w in tensors.items():
         m = re.fullmatch(r"(.+)\.experts\.(gate_up_proj|down_proj)", name)
         g = re.fullmatch(r"(.+\.block_sparse_moe)\.(input_linear|output_linear)\.weight", name)
-        if arch in ("llama4", "qwen3_vl_moe") and m:
+        if arch in ("llama4", "llama4_text", "qwen3_vl_moe") and m:
             # Llama4TextExperts.forward: bmm(x, gate_up_proj[e]) with gate_up_proj [E, hidden, 2*inter], then
             # chunk(2, dim=-1): gate is columns [:I], up [I:]; down_proj [E, inter, hidden]. Released
             # Qwen3-VL-MoE checkpoints store theirs the same way (x @ W).
@@ -353,7 +358,7 @@ def split_experts(arch: str, tensors: dict, config: dict) -> dict:
                     out[f"{m.group(1)}.experts.{e}.up_proj.weight"] = w[e][inter:].contiguous()
                 else:
                     out[f"{m.group(1)}.experts.{e}.down_proj.weight"] = w[e].contiguous()
-        elif arch == "granitemoe" and g:
+        elif arch.startswith("granitemoe") and g:
             # GraniteMoeParallelExperts: F.linear(x, input_linear[e]) [E, 2*inter, hidden], chunk(2): gate|up
             for e in range(w.shape[0]):
                 if g.group(2) == "input_linear":

@@ -25,6 +25,7 @@ import reference as R
 import zoo
 from checks import FP8, assert_codes_and_scales, assert_names_shapes_dtypes, ignore_lists, same_bytes
 from conftest import FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from test_vllm_contract import CONTRACTS, ZOO_TWO_COMBOS, vllm_name
 
 ZOO_ARCHS = (
     # dense
@@ -38,7 +39,12 @@ ZOO_ARCHS = (
     # multimodal
     "qwen2_5_vl", "gemma3", "mistral3", "llava",
 )
+# Further model_types the registry lists, checked in two combinations only (bytes, verify, ignore list,
+# vLLM contract).
+MORE_ARCHS = ZOO_TWO_COMBOS
 CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in ZOO_ARCHS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
+MORE_CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in MORE_ARCHS
+              for (f, s), i in (((("compressed-tensors", "tensor")), "ct-tensor"), ((("fp8", "block")), "fp8-block"))]
 MIN_COSINE = 0.99
 E4M3_BOUND = 2.0**-4 * 1.02   # relative error of a correctly dequantized weight (verify.py's bound, normal values)
 
@@ -98,7 +104,7 @@ LAYOUT_MARKERS = {
 
 def test_zoo_models_have_the_layouts_the_tests_rely_on(zoo_source, zoo_tensors):
     assert len(ZOO_ARCHS) >= 20
-    for arch in ZOO_ARCHS:
+    for arch in ZOO_ARCHS + MORE_ARCHS:
         assert len(list(zoo_source(arch).glob("model-*.safetensors"))) >= 3, f"{arch}: fewer than 3 shards"
         assert zoo.ARCHS[arch].model_type == read_json(zoo_source(arch) / "config.json")["model_type"]
         if arch in LAYOUT_MARKERS:
@@ -113,7 +119,7 @@ def test_zoo_models_have_the_layouts_the_tests_rely_on(zoo_source, zoo_tensors):
 # ------------------------------------------------------------------ bytes
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", CASES + MORE_CASES)
 def test_converts_exactly(arch, fmt, scheme, zoo_outputs, zoo_tensors, zoo_source):
     """Names, shapes, dtypes, FP8 codes and scales bit-exact against the reference; kept tensors
     byte-identical; and fp8convert's own verify agrees."""
@@ -219,20 +225,19 @@ def in_memory(zoo_source):
     return get
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", CASES + MORE_CASES)
 def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memory, zoo_source):
     """Every entry is a module of the model as the checkpoint, transformers or vLLM names it (or
     lm_head); a `re:` entry (compressed-tensors only) matches at least one. Every kept linear of the
     checkpoint is listed by its checkpoint name."""
-    from test_vllm_contract import CONTRACTS, vllm_name
-
     _, got, cfg, _ = zoo_outputs(arch, fmt, scheme)
     checkpoint = {n[: -len(".weight")] for n, t in got.items() if n.endswith(".weight")} | \
         {n for n in got if not n.endswith((".weight", "_scale", "_scale_inv", ".bias"))}
     names, modules = in_memory(arch)
     config = read_json(zoo_source(arch) / "config.json")
-    vllm = {vllm_name(CONTRACTS[arch], m, config) for m in checkpoint} | \
-        {vllm_name(CONTRACTS[arch], m.rsplit(".", 2)[0] if ".experts." in m else m, config) for m in checkpoint}
+    contract = CONTRACTS[arch]
+    vllm = {vllm_name(contract, m, config) for m in checkpoint} | \
+        {vllm_name(contract, m.rsplit(".", 2)[0] if ".experts." in m else m, config) for m in checkpoint}
     real = checkpoint | set(modules) | vllm | {"lm_head"}
     kept_linears = {n[: -len(".weight")] for n, t in got.items()
                     if n.endswith(".weight") and t.dim() == 2 and t.dtype != FP8 and not R.is_embedding(n[:-7])}
@@ -362,19 +367,6 @@ def test_llama4_experts_kept_by_the_user_stay_per_expert_under_compressed_tensor
 # ------------------------------------------------------------------ loading back in transformers
 
 
-def loadable_cases():
-    """(arch, fmt, scheme) where the plan says transformers loads the output (its verdict is None)."""
-    cases = []
-    for p in CASES:
-        arch, fmt, scheme = p.values
-        if fmt == "fp8" and scheme == "tensor":
-            continue  # transformers has no per-tensor path for the fp8 format (the plan says so too)
-        if fmt == "compressed-tensors" and scheme == "block":
-            continue  # every zoo model has in_features that are not multiples of 128 (the plan says so)
-        cases.append(p)
-    return cases
-
-
 @pytest.fixture(scope="module")
 def source_state(zoo_source):
     cache: dict = {}
@@ -388,8 +380,21 @@ def source_state(zoo_source):
     return get
 
 
+def as_source_param(loaded: dict, name: str) -> torch.Tensor:
+    """A loaded parameter by the source model's name. Under compressed-tensors transformers replaces
+    Llama-4's fused experts ([E, hidden, 2*inter], x @ W) by per-expert Linears: stack them back."""
+    if name in loaded:
+        return loaded[name].detach()
+    experts, _, kind = name.rpartition(".")
+    count = 1 + max(int(m.group(1)) for k in loaded if (m := re.match(re.escape(experts) + r"\.(\d+)\.", k)))
+    if kind == "gate_up_proj":
+        return torch.stack([torch.cat([loaded[f"{experts}.{e}.gate_proj.weight"],
+                                       loaded[f"{experts}.{e}.up_proj.weight"]]).T for e in range(count)]).detach()
+    return torch.stack([loaded[f"{experts}.{e}.down_proj.weight"].T for e in range(count)]).detach()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,fmt,scheme", loadable_cases())
+@pytest.mark.parametrize("arch,fmt,scheme", CASES)
 def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, source_state):
     """Loads with the class the model was saved with: logits cosine >= 0.99 against the source, and
     every parameter within e4m3 rounding of the source's (a kept tower or router loaded into an FP8
@@ -413,8 +418,99 @@ def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, sourc
     loaded = dict(model.named_parameters())
     bad = []
     for name, want in params.items():
-        have = loaded[name].detach().float()
+        have = as_source_param(loaded, name).float()
         err = ((have - want.float()).norm() / max(want.float().norm().item(), 1e-30)).item()
         if not err <= E4M3_BOUND:
             bad.append(f"{name}: relative error {err:.3g}")
     assert not bad, bad[:5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,ignore", [("qwen3_vl_moe", r"re:.*mlp\.experts"), ("llama4", r"re:.*feed_forward\.experts")])
+def test_experts_kept_by_the_user_load_in_transformers(arch, ignore, zoo_source, source_state, tmp_path):
+    """The way to a transformers-loadable checkpoint when the per-expert FP8 layout is not one:
+    --ignore the experts (fused as released; Llama-4 under compressed-tensors per expert)."""
+    assert not any(w.caveat.value == "transformers-cannot-load" for w in plan_warnings_with(
+        zoo_source(arch), ignore=(ignore,)))
+    out = tmp_path / "out"
+    run_quantize(zoo_source(arch), out, ignore=(ignore,))
+    _, ref = source_state(arch)
+    logits = zoo.logits(zoo.load(out))
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), logits.flatten(), dim=0).item()
+    assert cos >= MIN_COSINE, f"logits cosine {cos:.5f}"
+
+
+def plan_warnings_with(src: Path, **options):
+    from fp8convert.plan.summary import compatibility_warnings
+    return compatibility_warnings(fp8convert_module().make_plan(str(src), **options))
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+
+def _tp(name: str, shape: tuple[int, int]):
+    from types import SimpleNamespace
+    return SimpleNamespace(name=name, shape=shape)
+
+
+QWEN3_30B = ([_tp(f"model.layers.0.mlp.experts.{e}.{p}.weight", (768, 2048)) for e in range(2) for p in ("gate_proj", "up_proj")]
+             + [_tp("model.layers.0.mlp.experts.0.down_proj.weight", (2048, 768)),
+                _tp("model.layers.0.self_attn.q_proj.weight", (4096, 2048)),
+                _tp("model.layers.0.self_attn.k_proj.weight", (512, 2048)),
+                _tp("model.layers.0.self_attn.o_proj.weight", (2048, 4096))])
+QWEN3_30B_CONFIG = {"hidden_size": 2048, "num_key_value_heads": 4}
+
+
+def test_tp_block_moe_compressed_tensors_needs_128_per_rank():
+    """Qwen3-30B-A3B's experts (768 wide): 384 per rank at TP 2, 192 at TP 4 (not a multiple of 128:
+    compressed-tensors' block MoE refuses it), 96 at TP 8. Attention (4 KV heads, replicated one head of
+    128 per rank at TP 8) loads everywhere."""
+    from fp8convert.plan.caveats import Caveat
+    from fp8convert.plan.parallel import tp_warnings
+
+    warnings = tp_warnings(QWEN3_30B, QWEN3_30B_CONFIG, "compressed-tensors", "block", (1, 2, 4, 8))
+    assert len(warnings) == 1 and warnings[0].caveat is Caveat.VLLM_TP_LIMITS
+    text = warnings[0].text
+    assert "expert intermediate size 768 of model.layers.*.mlp.experts" in text
+    assert "at TP 4, 8 (192, 96 per rank)" in text and "it loads at TP 1, 2" in text and "--scheme channel" in text
+    assert not tp_warnings(QWEN3_30B, QWEN3_30B_CONFIG, "compressed-tensors", "channel", (1, 2, 4, 8))
+
+
+def test_tp_block_moe_fp8_format_falls_back_to_smaller_blocks():
+    """The fp8 format's MoE refines the block to gcd(128, per-rank size, hidden) >= 32 on Triton: it loads
+    at every size, and says where it runs on the smaller blocks."""
+    from fp8convert.plan.caveats import Caveat
+    from fp8convert.plan.parallel import tp_warnings
+
+    (warning,) = tp_warnings(QWEN3_30B, QWEN3_30B_CONFIG, "fp8", "block", (1, 2, 4, 8))
+    assert warning.caveat is Caveat.VLLM_TP_LIMITS
+    assert "it loads at TP 1, 2, 4, 8 (at TP 4, 8 only with smaller blocks" in warning.text
+    narrow = [_tp(f"model.layers.0.mlp.experts.0.{p}.weight", (48, 64)) for p in ("gate_proj", "up_proj")]
+    (warning,) = tp_warnings(narrow, {"hidden_size": 64}, "fp8", "block", (1,))
+    assert warning.caveat is Caveat.VLLM_CANNOT_LOAD  # gcd(128, 48, 64) = 16: no block vLLM accepts
+
+
+def test_tp_sizes_that_do_not_divide():
+    from fp8convert.plan.parallel import tp_warnings
+
+    warnings = tp_warnings(QWEN3_30B, QWEN3_30B_CONFIG, "compressed-tensors", "tensor", (3,))
+    texts = " | ".join(w.text for w in warnings)
+    assert "expert intermediate size 768" not in texts  # 768 = 3 x 256 divides
+    assert "output size 4096 of model.layers.*.self_attn.q_proj" in texts and "does not divide evenly at TP 3" in texts
+    assert "input size 4096 of model.layers.*.self_attn.o_proj" in texts
+
+
+def test_target_tp_option_in_inspect(source_model, capsys):
+    from fp8convert.cli import main
+
+    src = source_model("qwen3_moe")
+    assert main(["inspect", str(src), "--scheme", "block", "--json", "--target-tp", "4"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["target_tp"] == [4]
+    tp_lines = [w for w in info["warnings"] if "tensor-parallel" in w]
+    assert tp_lines and all("TP 4" in w and "TP 2" not in w for w in tp_lines)
+    assert main(["inspect", str(src), "--scheme", "block", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target_tp"] == [1, 2, 4, 8]
+    assert main(["inspect", str(src), "--target-tp", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "--target-tp" in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1

@@ -219,8 +219,7 @@ def _falcon_h1_vllm_name(module: str, config: dict) -> str:
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
-        "Llama-style dense", ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "glm4", "olmo2",
-                              "granite", "starcoder2"),
+        "Llama-style dense", ("llama", "mistral", "qwen2", "qwen3", "gemma2", "glm4", "olmo2", "granite", "starcoder2"),
         notes="q/k/v and gate/up share one scale per layer in the tensor scheme"),
     Architecture(
         "Phi-3", ("phi3",),
@@ -252,7 +251,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         # vllm/model_executor/models/deepseek_mtp.py: MTP layer L = num_hidden_layers + i is a full decoder
         # layer plus eh_proj (a torch nn.Linear, never quantized) and shared_head.head (a ParallelLMHead).
-        "DeepSeek-V3 / GLM-4.5", ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"),
+        "DeepSeek-V3 / GLM-4.5", ("deepseek_v2", "deepseek_v3", "glm4_moe"),
         keep=(Keep(r"\.eh_proj$", "MTP input projection (vLLM builds it as a plain nn.Linear)"),
               Keep(r"\.shared_head\.head$", "output head")),
         mtp="layers",
@@ -384,7 +383,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         # vllm/model_executor/models/gemma4.py: router.proj built without quant config; experts fused
         # [E, 2I, H] (F.linear orientation); embed_vision.embedding_projection is quantizable there.
-        "Gemma-4", ("gemma4", "gemma4_text"),
+        "Gemma-4", ("gemma4",),
         keep=(Keep(r"\.router\.proj$", ROUTER), Keep(r"(^|\.)embed_(vision|audio)\.", TOWER)),
         experts=Experts(
             (ExpertTensor(r"(?P<block>.+\.layers\.\d+)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
