@@ -514,3 +514,20 @@ def test_target_tp_option_in_inspect(source_model, capsys):
     assert main(["inspect", str(src), "--target-tp", "0"]) != 0
     err = capsys.readouterr().err
     assert "--target-tp" in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+# ------------------------------------------------------------------ the README
+
+
+def test_readme_architecture_table_is_the_registry():
+    from conftest import REPO_ROOT
+    from fp8convert.plan.architectures import ARCHITECTURES, architectures_table
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    start = "<!-- architectures table: fp8convert.plan.architectures.architectures_table() -->\n"
+    end = "\n<!-- end of architectures table -->"
+    assert start in readme and end in readme
+    assert readme[readme.index(start) + len(start):readme.index(end)] == architectures_table(), \
+        "README's supported-architectures table differs from the registry: paste architectures_table()"
+    listed = {t for arch in ARCHITECTURES for t in arch.model_types}
+    assert listed <= set(ZOO_ARCHS + MORE_ARCHS), f"registered but never converted in the tests: {listed - set(ZOO_ARCHS + MORE_ARCHS)}"

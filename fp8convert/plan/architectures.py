@@ -201,6 +201,8 @@ _QWEN_VL_VLLM = (
     Rename(r"^lm_head$", "language_model.lm_head"),
 )
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
+_TOWER_NOTE = ("vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
+               "in transformers' and vLLM's names too")
 
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
@@ -280,8 +282,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             count=("num_local_experts",), width=("intermediate_size",),
             split_when_kept=("compressed-tensors",), transformers_loads_split=("compressed-tensors",)),
         quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",
-        notes="fused experts [E, hidden, 2*inter] (gate|up) split per expert and transposed to [out, in]; "
-              "the fp8 format loads in vLLM only"),
+        notes="fused experts [E, hidden, 2*inter] (gate, up concatenated) split per expert and transposed to "
+              "[out, in]; transformers loads them under compressed-tensors only"),
     Architecture(
         # vllm/model_executor/models/gpt_oss.py: GptOssModel.load_weights sends fp8 and compressed-tensors
         # checkpoints to _load_weights_other, the BF16 path (no expert scales); transformers 5.24 has no
@@ -403,15 +405,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         transformers_names=(Rename(r"^visual\.", "model.visual."),
                             Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model.")),
         vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
-        quantized="language model linears"),
+        quantized="language model linears", notes=_TOWER_NOTE),
     Architecture(
-        "Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM, quantized="language model linears"),
+        "Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM, quantized="language model linears", notes=_TOWER_NOTE),
     Architecture(
         "Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM,
-        quantized="language model linears"),
+        quantized="language model linears", notes=_TOWER_NOTE),
     Architecture(
         "Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM,
-        quantized="language model linears"),
+        quantized="language model linears", notes=_TOWER_NOTE),
     Architecture(
         # vllm/model_executor/models/mistral3.py: its mapper renames `.weight_scale_inv` to `.weight_scale`,
         # which the fp8 format's block layers do not have.
@@ -420,7 +422,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         limits=(Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, "
                                                "which fp8-format block layers do not have; use --format "
                                                "compressed-tensors", formats=("fp8",), schemes=("block",)),),
-        quantized="language model linears"),
+        quantized="language model linears",
+        notes=_TOWER_NOTE + "; fp8-format block scales do not load in vLLM (its loader renames weight_scale_inv)"),
 )
 
 _BY_MODEL_TYPE = {t: arch for arch in ARCHITECTURES for t in arch.model_types}

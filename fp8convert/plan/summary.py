@@ -68,7 +68,7 @@ def architecture_warnings(plan: Plan) -> list[PlanWarning]:
             f"transformers cannot load {arch.name}'s experts written one weight per expert"
             + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else
                " (it reads only fused expert tensors, and copies FP8 ones without their scales)")
-            + "; vLLM and SGLang can"))
+            + "; vLLM can"))
     return warnings
 
 
