@@ -531,3 +531,29 @@ def test_readme_architecture_table_is_the_registry():
         "README's supported-architectures table differs from the registry: paste architectures_table()"
     listed = {t for arch in ARCHITECTURES for t in arch.model_types}
     assert listed <= set(ZOO_ARCHS + MORE_ARCHS), f"registered but never converted in the tests: {listed - set(ZOO_ARCHS + MORE_ARCHS)}"
+
+
+# ------------------------------------------------------------------ memory
+
+
+def test_fused_experts_over_the_budget_are_read_a_few_experts_at_a_time(zoo_source, zoo_converted, tmp_path):
+    """A fused expert tensor larger than --max-resident is read in ranges of whole experts (each a batch
+    within the budget); the output is the same to the byte."""
+    from fp8convert.plan.batches import make_batches
+
+    src = zoo_source("llama4")
+    the_plan = fp8convert_module().make_plan(str(src))
+    fused = the_plan.source.tensors[[t.name for t in the_plan.source.tensors].index(LAYOUT_MARKERS["llama4"])]
+    budget = fused.nbytes // 5 + 1
+    batches = make_batches(the_plan.units, budget)
+    cut = [b for b in batches if any(t.cut and t.source.name == fused.name for t in b.tensors)]
+    assert len(cut) >= 5 and all(b.in_bytes <= budget for b in cut)
+    spans = sorted({(t.source.offset, t.source.nbytes) for b in cut for t in b.tensors if t.source.name == fused.name})
+    assert [s[0] for s in spans] == [fused.offset + sum(n for _, n in spans[:i]) for i in range(len(spans))]
+    assert sum(n for _, n in spans) == fused.nbytes  # every byte of the fused tensor read once
+    assert len({t.name for b in cut for t in b.tensors}) == 2 * zoo.N_EXPERTS  # every expert's gate and up once
+    out = tmp_path / "out"
+    run_quantize(src, out, max_resident=budget)
+    whole, _ = zoo_converted("llama4", "compressed-tensors", "tensor")
+    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
+        {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}

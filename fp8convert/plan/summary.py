@@ -1,6 +1,7 @@
 """What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -21,7 +22,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
     largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
     largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
-    largest_tensor = max((t.source.numel for t in plan.tensors if t.quantize), default=0)
+    largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.quantize), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
     if device_type == "cuda":
         host = CUDA_CONTEXT_HOST_BYTES + (read_threads + 1) * chunk_bytes
@@ -114,7 +115,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = t.reason.split(" [")[0] if t.reason else "?"
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
             kept_reasons[reason] += 1
-            kept_bytes[reason] += t.source.nbytes
+            kept_bytes[reason] += t.in_bytes
     groups = Counter()
     for key in {t.group for t in tensors if t.group and t.quantize}:
         groups[key.rsplit(".", 1)[-1]] += 1
@@ -129,7 +130,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "tensors": len(tensors),
         "units": len(plan.units),
         "quantized": {"tensors": sum(t.quantize for t in tensors),
-                      "bytes_in": sum(t.source.nbytes for t in tensors if t.quantize),
+                      "bytes_in": sum(t.in_bytes for t in tensors if t.quantize),
                       "bytes_out": sum(t.out_bytes for t in tensors if t.quantize)},
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
