@@ -9,6 +9,7 @@ from ..options import BLOCK
 from .batches import make_batches
 from .caveats import Caveat, PlanWarning
 from .parallel import tp_warnings
+from .architectures import mtp_layers
 from .plan import Plan
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
@@ -139,6 +140,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
         "split_experts": split_experts(plan),
+        "mtp": mtp_summary(plan),
         "target_tp": list(plan.options.target_tp),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
@@ -157,6 +159,24 @@ def split_experts(plan: Plan) -> list[str]:
     return [f"{name} {list(ts[0].source.shape)} -> {len(ts)} weights {list(ts[0].shape)} "
             f"(e.g. {ts[0].name} = {ts[0].cut.describe(name.rsplit('.', 1)[-1])})"
             for name, ts in cuts.items()]
+
+
+def mtp_summary(plan: Plan) -> str | None:
+    """Where the next-token-prediction layers are and what became of them (None: the family has none)."""
+    arch = plan.architecture
+    names = [t.name for t in plan.source.tensors]
+    if arch is None or not arch.mtp:
+        return None
+    if arch.mtp == "layers":
+        found = [layer for layer in mtp_layers(arch, plan.source.config)
+                 if any(n.startswith(layer + ".") for n in names)]
+    else:
+        found = ["mtp"] if any(n.startswith("mtp.") for n in names) else []
+    if not found:
+        return None
+    return (f"{', '.join(found)}: converted like the decoder layers, as vLLM's MTP loads them (their input "
+            f"projection and head stay BF16); transformers' own MTP decoding reads them without dequantizing, "
+            f"--ignore {found[0]} keeps one in BF16 for it")
 
 
 def human(n: int) -> str:
@@ -185,6 +205,8 @@ def render(info: dict) -> str:
     if info["split_experts"]:
         lines.append(f"experts     {len(info['split_experts'])} fused expert tensors split per expert, e.g. "
                      f"{info['split_experts'][0]}")
+    if info["mtp"]:
+        lines.append(f"mtp         {info['mtp']}")
     mem = info["memory"]
     lines += [
         f"output      {human(info['bytes_out'])} in {info['shards']} shard(s) (input {human(info['bytes_in'])}, "
