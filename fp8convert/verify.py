@@ -9,6 +9,11 @@ stays at a few slabs whatever the model. Works for both output formats:
 - fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
   [ceil(out/128), ceil(in/128)] (block).
 
+A fused expert tensor (all experts of a layer in one tensor) that the output holds as one weight per
+expert is checked output by output against the slice of the source it must come from, as the
+architecture registry lays it out (plan/rules.py expert_cuts): the expert, its gate or up half, in
+nn.Linear orientation. Missing experts, extra tensors and a wrong slice all fail.
+
 The numeric bound (why a conversion passes or fails)
 ---------------------------------------------------
 e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most half a

@@ -500,7 +500,7 @@ def test_tp_sizes_that_do_not_divide():
     assert "input size 4096 of model.layers.*.self_attn.o_proj" in texts
 
 
-def test_target_tp_option_in_inspect(source_model, capsys):
+def test_target_tp_option_in_inspect_and_quantize(source_model, capsys, tmp_path):
     from fp8convert.cli import main
 
     src = source_model("qwen3_moe")
@@ -514,6 +514,12 @@ def test_target_tp_option_in_inspect(source_model, capsys):
     assert main(["inspect", str(src), "--target-tp", "0"]) != 0
     err = capsys.readouterr().err
     assert "--target-tp" in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "--scheme", "block", "--target-tp", "4", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    tp_lines = [line for line in err.splitlines() if "tensor-parallel" in line]
+    assert tp_lines and all(line.startswith("warning:") and "TP 4" in line and "TP 2" not in line for line in tp_lines)
+    assert "at TP 4" in (out / "README.md").read_text()  # the card reports the sizes asked for
 
 
 # ------------------------------------------------------------------ the README
