@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import reference as R
+from checks import ignore_lists
 from conftest import ALL_CASES, FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
 from tiny_models import KINDS, MOE_KINDS, N_EXPERTS, make_model
 
@@ -39,13 +40,6 @@ def outputs(converted):
         return cache[key]
 
     return get
-
-
-def ignore_lists(fmt: str, cfg: dict) -> list[list[str]]:
-    qc = cfg["quantization_config"]
-    if fmt == "compressed-tensors":
-        return [qc["ignore"]]
-    return [qc["ignored_layers"], qc["modules_to_not_convert"]]
 
 
 def weight_modules(tensors: dict) -> set[str]:
@@ -329,7 +323,6 @@ def test_linears_not_divisible_by_16_stay_high_precision_and_listed(fmt, scheme,
 import dataclasses  # noqa: E402
 from typing import Callable  # noqa: E402
 
-from checks import ignore_lists as _ignore_lists  # noqa: E402,F401
 
 QKV_GATE_UP = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 EMBED_HEAD = r"(^|\.)(embed_tokens|embed_tokens_per_layer|wte|wpe|lm_head)$"

@@ -21,7 +21,7 @@ and `inspect` says so.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .caveats import Caveat
