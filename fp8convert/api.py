@@ -24,7 +24,7 @@ from .errors import FP8ConvertError, PlanMismatchError
 from .options import Options, Settings
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
-from .plan.plan import Plan, Unit, build_plan
+from .plan.plan import Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
 from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
@@ -213,7 +213,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), settings.token)
     warmup = start_torch(workers.device_for(spec, settings.device))
     copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
-    kept = [t for u in units for t in u.tensors if not t.quantize] if copy_kept else []
+    # kept tensors copied as they are (not cuts of fused experts, which need the device's reshaping)
+    kept = [t for u in units for t in u.tensors if not t.quantize and t.cut is None] if copy_kept else []
     bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
@@ -261,7 +262,7 @@ def _prefetcher(the_plan: Plan, units: list[Unit], settings: Settings):
     """The page-cache read-ahead (nothing to read ahead of a streamed source: its shards arrive as needed)."""
     if not settings.prefetch or settings.stream_download:
         return contextlib.nullcontext()
-    return Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
+    return Prefetcher(the_plan.source.root, unique_inputs([t for u in units for a in u.atoms() for t in a]),
                       settings.prefetch, threads=settings.prefetch_threads or default_threads())
 
 
@@ -325,7 +326,7 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
 
 def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeReport:
     """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
-    records (source, revision, scheme, format, ignore patterns, shard size; headers only, a Hub repo
+    records (source, revision, scheme, format, ignore patterns, shard size, target TP sizes; headers only, a Hub repo
     id is planned from remote headers), refuse if it is not the plan the workers used or the source
     changed, check that every shard is present and complete (size and header bytes), then write side
     files, card, index and config.json. Idempotent: finalizing a complete output rewrites the same bytes."""
@@ -358,7 +359,8 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
 
 def _plan_from_manifest(state: dict, token: str | None) -> Plan:
     """The workers' plan again, from the manifest: same source label (the card names it), same options."""
-    options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"])
+    options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"],
+                      tuple(state.get("target_tp") or Options().target_tp))
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
     from .source.hub import fetch_from_hub, remote_source

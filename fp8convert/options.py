@@ -14,6 +14,7 @@ from .errors import FP8ConvertError
 SCHEMES = ("tensor", "channel", "block")
 FORMATS = ("compressed-tensors", "fp8")
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
+TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -40,6 +41,7 @@ class Options:
     format: str = "compressed-tensors"
     ignore: tuple[str, ...] = field(default_factory=tuple)
     max_shard_size: int = 5 * 10**9
+    target_tp: tuple[int, ...] = TARGET_TP  # the model card reports vLLM's limits at these sizes
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -51,12 +53,24 @@ class Options:
                                   "or --format compressed-tensors --scheme channel")
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
+        object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 try:
                     re.compile(pattern[3:])
                 except re.error as e:
                     raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({e})") from e
+
+
+def parse_target_tp(sizes) -> tuple[int, ...]:
+    """Sorted distinct tensor-parallel sizes; each a positive integer (text is accepted: the CLI)."""
+    try:
+        values = sorted({int(v) for v in sizes})
+    except (TypeError, ValueError):
+        raise FP8ConvertError(f"--target-tp: expected whole numbers, got {list(sizes)!r}") from None
+    if not values or values[0] < 1:
+        raise FP8ConvertError(f"--target-tp: sizes must be 1 or more, got {list(sizes)!r}")
+    return tuple(values)
 
 
 DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
@@ -71,6 +85,7 @@ class Settings:
     format: str = "compressed-tensors"
     ignore: tuple[str, ...] = ()
     max_shard_size: int | str = "5GB"
+    target_tp: tuple[int, ...] = TARGET_TP
     device: str = "auto"                  # auto, cpu, cuda, cuda:N
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
     worker: object = None                 # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
@@ -100,7 +115,7 @@ class Settings:
 
     @property
     def options(self) -> Options:
-        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size)
+        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size, self.target_tp)
 
     @classmethod
     def of(cls, settings: "Settings | None" = None, **overrides) -> "Settings":

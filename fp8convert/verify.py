@@ -9,6 +9,11 @@ stays at a few slabs whatever the model. Works for both output formats:
 - fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
   [ceil(out/128), ceil(in/128)] (block).
 
+A fused expert tensor (all experts of a layer in one tensor) that the output holds as one weight per
+expert is checked output by output against the slice of the source it must come from, as the
+architecture registry lays it out (plan/rules.py expert_cuts): the expert, its gate or up half, in
+nn.Linear orientation. Missing experts, extra tensors and a wrong slice all fail.
+
 The numeric bound (why a conversion passes or fails)
 ---------------------------------------------------
 e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most half a
@@ -37,7 +42,10 @@ from .options import BLOCK
 from .output.card import with_verification
 from .output.files import write_atomic
 from .output.manifest import Manifest
-from .plan.rules import default_keep_reason, fused_group_key, is_linear_weight, module_of
+from .plan.architectures import GENERIC, Architecture, architecture_of
+from .plan.cuts import Cut
+from .plan.rules import (UnsupportedLayout, default_keep_reason, expert_cuts, fused_group_key, is_linear_weight,
+                         module_of)
 from .safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, pread_into, read_header, torch_dtype
 from .source.checkpoint import Source, index_files, parse_index
 from .source.hub import CARD_NAME
@@ -245,12 +253,14 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
             report.warnings.append(f"{copied}: missing or different from the source's {name}")
 
     outputs = read_output_layout(out, report)
+    arch = architecture_of(source.config) or GENERIC
     accounted: set[str] = set()
     group_scales: dict[str, set[float]] = {}
-    for info in source.tensors:
-        name = info.name
+    for want in expected_outputs(source, arch, outputs, report):
+        name = want.name
         if name not in outputs:
-            report.failures.append(f"{name}: source tensor missing from the output")
+            report.failures.append(f"{name}: " + (f"missing from the output ({want.where})" if want.cut else
+                                                  "source tensor missing from the output"))
             continue
         accounted.add(name)
         path, got = outputs[name]
@@ -258,12 +268,12 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
             scale_name = fmt.scale_name(name)
             accounted.add(scale_name)
             report.tensors_quantized += 1
-            scale = _check_quantized(source, info, path, got, outputs.get(scale_name), scale_name, fmt, report, files)
-            if scale is not None and fmt.scheme == "tensor" and (key := fused_group_key(name)):
+            scale = _check_quantized(source, want, path, got, outputs.get(scale_name), scale_name, fmt, report, files)
+            if scale is not None and fmt.scheme == "tensor" and (key := fused_group_key(name, arch.fused)):
                 group_scales.setdefault(key, set()).add(scale.reshape(-1)[0].item())
         else:
             report.tensors_kept += 1
-            _check_kept(source, info, path, got, fmt, report, files)
+            _check_kept(source, want, path, got, fmt, arch, report, files)
     for name in sorted(set(outputs) - accounted):
         report.failures.append(f"{name}: in the output ({outputs[name][1].file}) but not derived from any source tensor")
     for key, scales in group_scales.items():
@@ -275,19 +285,72 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
         report.min_snr_db = min(t.snr_db if not math.isnan(t.snr_db) else -math.inf for t in report.tensors)
 
 
-def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, fmt: QuantizedLayout,
-                report: VerifyReport, files: _Files) -> None:
-    name = info.name
-    if got.dtype != info.dtype or got.shape != info.shape:
-        report.failures.append(f"{name}: kept as {got.dtype} {list(got.shape)} but the source is "
-                               f"{info.dtype} {list(info.shape)}")
+@dataclass
+class Expected:
+    """An output tensor the source implies: all of a source tensor, or a cut of a fused expert tensor."""
+
+    name: str
+    info: TensorInfo
+    cut: Cut | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.cut.shape(self.info.shape) if self.cut else self.info.shape
+
+    @property
+    def where(self) -> str:
+        return self.cut.describe(self.info.name) if self.cut else self.info.name
+
+
+def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: VerifyReport) -> list[Expected]:
+    """Every output the source implies. A fused expert tensor the output does not hold as it is must
+    be there one 2-D weight per expert, cut as the registry's layout says."""
+    expected = []
+    for info in source.tensors:
+        fused = arch.expert_tensor(info.name)
+        if fused is None or info.name in outputs:
+            expected.append(Expected(info.name, info))
+            continue
+        try:
+            expected += [Expected(name, info, cut) for name, cut in
+                         expert_cuts(info, fused[0], fused[1], arch, source.config)]
+        except UnsupportedLayout as e:
+            report.failures.append(str(e))
+    return expected
+
+
+def source_weight(source: Source, want: Expected, files: "_Files"):
+    """rows(r0, r1) -> float32 rows [r0, r1) of the source weight an output was made from. A cut
+    reads its one expert (all of the fused tensor's rows for that expert) and views it."""
+    info = want.info
+    if want.cut is None:
+        return lambda r0, r1: files.rows(source.root / info.file, info, r0, r1).float()
+    expert = files.rows(source.root / info.file, info, want.cut.expert, want.cut.expert + 1)
+    weight = want.cut.across_experts().apply(expert)[0]
+    return lambda r0, r1: weight[r0:r1].float()
+
+
+def _check_kept(source: Source, want: Expected, path: Path, got: TensorInfo, fmt: QuantizedLayout,
+                arch: Architecture, report: VerifyReport, files: _Files) -> None:
+    name, info = want.name, want.info
+    if got.dtype != info.dtype or got.shape != want.shape:
+        report.failures.append(f"{name}: kept as {got.dtype} {list(got.shape)} but the source "
+                               f"({want.where}) is {info.dtype} {list(want.shape)}")
         return
-    if len(info.shape) == 2 and is_linear_weight(info, default_keep_reason(info)) \
-            and not fmt.ignores(module_of(name)):
+    reason = default_keep_reason(info, arch, fmt.format, fmt.scheme) if len(info.shape) == 2 else None
+    if is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
         report.failures.append(f"{name}: kept in high precision, but {module_of(name)} is not in the ignore list "
                                "(engines would expect FP8 weights for it)")
     import torch
     dtype = torch_dtype(info.dtype)
+    if want.cut:  # one expert's member: compare it whole (it is one expert's share of the source)
+        expected = source_weight(source, want, files)(0, want.shape[0]).to(dtype).contiguous()
+        stored = files.whole(path, got)
+        if not torch.equal(expected.view(torch.uint8), stored.contiguous().view(torch.uint8)):
+            report.failures.append(f"{name}: kept in high precision, but its bytes differ from {want.where}")
+        elif dtype.is_floating_point and not bool(torch.isfinite(stored).all()):
+            report.failures.append(f"{name}: contains NaN or Inf")
+        return
     for start in range(0, info.nbytes, CHUNK_BYTES):
         n = min(CHUNK_BYTES, info.nbytes - start)
         a = files.pread(source.root / info.file, info.offset + start, n)
@@ -301,23 +364,24 @@ def _check_kept(source: Source, info: TensorInfo, path: Path, got: TensorInfo, f
             return
 
 
-def _check_quantized(source: Source, info: TensorInfo, path: Path, got: TensorInfo,
+def _check_quantized(source: Source, want: Expected, path: Path, got: TensorInfo,
                      scale_at: tuple[Path, TensorInfo] | None, scale_name: str, fmt: QuantizedLayout,
                      report: VerifyReport, files: _Files):
     """Structure, then numbers, of one quantized tensor. Returns its scales (None when unusable)."""
-    name = info.name
+    name, info, shape = want.name, want.info, want.shape
     problems = []
-    if info.dtype not in FLOAT_SOURCE_DTYPES or len(info.shape) != 2:
-        problems.append(f"quantized, but the source is {info.dtype} {list(info.shape)} (FP8 needs a 2-D float weight)")
-    elif got.shape != info.shape:
-        problems.append(f"shape {list(got.shape)} differs from the source's {list(info.shape)}")
+    if info.dtype not in FLOAT_SOURCE_DTYPES or len(shape) != 2:
+        problems.append(f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D "
+                        "float weight)")
+    elif got.shape != shape:
+        problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
     if fmt.ignores(module_of(name)):
         problems.append(f"quantized, but the ignore list names {module_of(name)}")
     if scale_at is None:
         problems.append(f"its scale {scale_name} is missing")
-    elif scale_at[1].dtype != "F32" or (not problems and scale_at[1].shape not in fmt.scale_shapes(info.shape)):
+    elif scale_at[1].dtype != "F32" or (not problems and scale_at[1].shape not in fmt.scale_shapes(shape)):
         problems.append(f"scale {scale_name} is {scale_at[1].dtype} {list(scale_at[1].shape)}, expected F32 "
-                        f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(info.shape))}")
+                        f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(shape))}")
     if problems:
         report.failures.append(f"{name}: {'; '.join(problems)}")
         return None
@@ -326,7 +390,7 @@ def _check_quantized(source: Source, info: TensorInfo, path: Path, got: TensorIn
     if not bool((torch.isfinite(scale) & (scale > 0)).all()):
         report.failures.append(f"{name}: scale {scale_name} is not finite and positive everywhere")
         return None
-    check = _numbers(source, info, path, got, scale, fmt.scheme, files)
+    check = _numbers(name, source_weight(source, want, files), path, got, scale, fmt.scheme, files)
     report.tensors.append(check)
     if not check.ok:
         what = []
@@ -338,13 +402,13 @@ def _check_quantized(source: Source, info: TensorInfo, path: Path, got: TensorIn
     return scale
 
 
-def _numbers(source: Source, info: TensorInfo, path: Path, got: TensorInfo, scale, scheme: str,
-             files: _Files) -> TensorCheck:
+def _numbers(name: str, source_rows, path: Path, got: TensorInfo, scale, scheme: str, files: _Files) -> TensorCheck:
+    """`source_rows(r0, r1)`: float32 rows of the source weight (source_weight)."""
     import torch
 
     from .run.numerics import FP8_MAX, dequantize, expand_scale
 
-    rows, cols = info.shape
+    rows, cols = got.shape
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
     if scheme == "block":  # slabs start on block rows, so each slab's scale rows expand on their own
         step = max(BLOCK, step // BLOCK * BLOCK)
@@ -352,7 +416,7 @@ def _numbers(source: Source, info: TensorInfo, path: Path, got: TensorInfo, scal
     off_grid = 0
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        w = files.rows(source.root / info.file, info, r0, r1).float()
+        w = source_rows(r0, r1)
         q = files.rows(path, got, r0, r1)
         if scheme == "tensor":
             s = scale.reshape(1, 1)
@@ -377,7 +441,7 @@ def _numbers(source: Source, info: TensorInfo, path: Path, got: TensorInfo, scal
     snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm else -math.inf)
     bound = math.sqrt(bound2) / norm if norm else math.inf
     ok = off_grid == 0 and e2 <= bound2 * (1 + FLOAT_SLACK) ** 2
-    return TensorCheck(info.name, list(info.shape), list(scale.shape), rel, snr, bound, off_grid, ok)
+    return TensorCheck(name, list(got.shape), list(scale.shape), rel, snr, bound, off_grid, ok)
 
 
 def render(report: VerifyReport, worst: int = 10) -> str:

@@ -62,3 +62,13 @@ def test_cuda_refuses_nan_naming_the_tensor(tmp_path):
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(fp8convert.FP8ConvertError, match="model.layers.0.mlp.down_proj.weight"):
         fp8convert.quantize(src, tmp_path / "out", device="cuda")
+
+
+@pytest.mark.parametrize("arch", ["llama4", "granitemoe", "qwen3_vl_moe", "gemma4"])
+@pytest.mark.parametrize("scheme,fmt", COMBOS)
+def test_cuda_cuts_fused_experts_like_cpu(zoo_source, tmp_path, arch, scheme, fmt):
+    """Experts cut from fused 3-D tensors (strided views: transposed, halves) give the CPU's bytes."""
+    src = zoo_source(arch)
+    fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu")
+    fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")

@@ -11,6 +11,10 @@ Format = Annotated[str, typer.Option("--format", help="Output format: compressed
 Ignore = Annotated[Optional[list[str]], typer.Option(
     "--ignore", help="Keep matching modules in high precision, on top of the defaults: exact module name, "
                      "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.")]
+TargetTp = Annotated[Optional[list[int]], typer.Option(
+    "--target-tp", metavar="N",
+    help="Tensor-parallel size to check against vLLM's splitting rules (block scales per rank, MoE "
+         "intermediate size per rank); repeatable. Default: 1, 2, 4 and 8.")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 MaxShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest output shard, e.g. 5GB, 500MB.")]
 MaxResident = Annotated[Optional[str], typer.Option(

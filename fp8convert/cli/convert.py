@@ -14,8 +14,9 @@ from ..errors import FP8ConvertError
 from ..options import Settings
 from ..plan.summary import compatibility_warnings, describe, render
 from ..source.resolve import REPO_ID
+from ..options import TARGET_TP
 from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Private, Quiet,
-                       Revision, Scheme, Worker, token)
+                       Revision, Scheme, TargetTp, Worker, token)
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
@@ -34,7 +35,7 @@ def quantize(
     stream_download: Annotated[bool, typer.Option(
         "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                                   "converted (for models larger than the free disk).")] = False,
-    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB",
+    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB", target_tp: TargetTp = None,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -45,6 +46,8 @@ def quantize(
       fp8convert quantize ./llama --scheme channel --ignore 're:.*down_proj' ./llama-fp8
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
+
+      fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --target-tp 4     # say what fails at TP 4
 
       fp8convert quantize Qwen/Qwen3-8B ./Qwen3-8B-FP8 --push-to-hub me/Qwen3-8B-FP8 --stream-download
 
@@ -65,6 +68,7 @@ def quantize(
                 print(f"warning: {line}", file=sys.stderr)
 
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
+                        target_tp=tuple(target_tp or TARGET_TP),
                         max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
                         revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
                         worker=worker, devices=devices, prefetch=prefetch)
@@ -93,7 +97,7 @@ def quantize(
 def inspect(
     src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    revision: Revision = None, json_out: Json = False,
+    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and what becomes of it.")] = False,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
@@ -104,8 +108,11 @@ def inspect(
       fp8convert inspect meta-llama/Llama-3.1-8B-Instruct
 
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
+
+      fp8convert inspect ./Llama-4-Scout --tensors --target-tp 8
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
+                        target_tp=tuple(target_tp or TARGET_TP),
                         device=device, max_resident=max_resident, revision=revision, token=token())
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
@@ -113,8 +120,9 @@ def inspect(
     budget = budget_for(dev, settings.max_resident)
     info = describe(the_plan, budget, dev.type)
     if tensors:
-        info["tensor_plan"] = [{"name": t.name, "shape": list(t.source.shape), "dtype": t.source.dtype,
-                                "quantize": t.quantize, "reason": t.reason, "group": t.group}
+        info["tensor_plan"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.source.dtype,
+                                "quantize": t.quantize, "reason": t.reason, "group": t.group,
+                                "from": t.cut.describe(t.source.name) if t.cut else None}
                                for t in the_plan.tensors]
     if json_out:
         print(json.dumps(info, indent=2))
@@ -123,7 +131,8 @@ def inspect(
     if tensors:
         for t in info["tensor_plan"]:
             what = "fp8" if t["quantize"] else f"keep ({t['reason']})"
-            print(f"  {t['name']:<70} {str(t['shape']):<16} {what}")
+            origin = f"  <- {t['from']}" if t["from"] else ""
+            print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
 
 def demo(

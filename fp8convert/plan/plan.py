@@ -6,6 +6,7 @@ rerun can tell whether an existing partial output came from the same plan (its f
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
@@ -17,37 +18,69 @@ from ..formats import get_format
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
-from .rules import decide, is_linear_weight, module_of
+from .architectures import GENERIC, Architecture, architecture_of, mtp_layers
+from .cuts import Cut
+from .rules import decide, experts_of, is_linear_weight, module_of
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 SCALE_DTYPE = "F32"
 
 
+class Action(enum.Enum):
+    """What is done to the source to make an output tensor. New kinds of source (an FP8 weight with
+    its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
+
+    KEEP = "keep"            # the source bytes (or a cut of them) unchanged
+    QUANTIZE = "quantize"    # FP8 codes and a float32 scale from a high-precision weight
+
+
 @dataclass(frozen=True)
 class TensorPlan:
-    """One source tensor and what becomes of it."""
+    """One output tensor (and its scale, when quantized) and how it is made from the source."""
 
-    source: TensorInfo
-    quantize: bool
+    name: str                             # the output tensor's name
+    inputs: tuple[TensorInfo, ...]        # source tensors it is made from (the weight first)
+    action: Action
     reason: str | None                    # why it stays in high precision (None when quantized)
     group: str | None                     # fused group: members share one scale in the tensor scheme
     scale_name: str | None = None
     scale_shape: tuple[int, ...] | None = None
+    cut: Cut | None = None                # the part of the source it is (fused experts); None: all of it
     at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
 
     @property
-    def name(self) -> str:
-        return self.source.name
+    def source(self) -> TensorInfo:
+        return self.inputs[0]
+
+    @property
+    def quantize(self) -> bool:
+        return self.action is Action.QUANTIZE
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.cut.shape(self.source.shape) if self.cut else self.source.shape
+
+    @property
+    def in_bytes(self) -> int:
+        """Bytes of the source this output is made from (all of them unless it is a cut)."""
+        if not self.cut:
+            return self.source.nbytes
+        return math.prod(self.shape) * DTYPE_SIZES[self.source.dtype]
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every output tensor this source tensor produces."""
+        """(name, dtype, shape) of every output tensor this plan produces."""
         if not self.quantize:
-            return [(self.name, self.source.dtype, self.source.shape)]
-        return [(self.name, FP8, self.source.shape), (self.scale_name, SCALE_DTYPE, self.scale_shape)]
+            return [(self.name, self.source.dtype, self.shape)]
+        return [(self.name, FP8, self.shape), (self.scale_name, SCALE_DTYPE, self.scale_shape)]
 
     @property
     def out_bytes(self) -> int:
         return sum(math.prod(shape) * DTYPE_SIZES[dtype] for _, dtype, shape in self.outputs())
+
+
+def unique_inputs(tensors: list[TensorPlan]) -> list[TensorInfo]:
+    """The source tensors `tensors` read, each once, in order (outputs cut from one source share it)."""
+    return list({info.name: info for t in tensors for info in t.inputs}.values())
 
 
 @dataclass
@@ -59,25 +92,21 @@ class Unit:
 
     @property
     def in_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
+        return sum(info.nbytes for info in unique_inputs(self.tensors))
 
     @property
     def out_bytes(self) -> int:
         return sum(t.out_bytes for t in self.tensors)
 
     def atoms(self) -> list[list[TensorPlan]]:
-        """Pieces that must never be split: a fused group, or a single tensor."""
-        groups: dict[str, list[TensorPlan]] = {}
-        atoms: list[list[TensorPlan]] = []
+        """Pieces that must never be split: every output cut from one source tensor (so it is read
+        once), a quantized fused group (one scale), or a single tensor."""
+        atoms: dict[str, list[TensorPlan]] = {}
         for t in self.tensors:
-            if t.group and t.quantize:
-                if t.group not in groups:
-                    groups[t.group] = []
-                    atoms.append(groups[t.group])
-                groups[t.group].append(t)
-            else:
-                atoms.append([t])
-        return atoms
+            key = (f"cut:{t.source.name}" if t.cut else f"group:{t.group}" if t.group and t.quantize
+                   else f"tensor:{t.name}")
+            atoms.setdefault(key, []).append(t)
+        return list(atoms.values())
 
 
 @dataclass
@@ -103,6 +132,7 @@ class Plan:
     ignore_list: list[str]                # linear modules left unquantized, as engines match them
     notes: list[str] = field(default_factory=list)
     fingerprint: str = ""
+    architecture: Architecture | None = None   # the registry's family; None: generic rules only
 
     @property
     def tensors(self) -> list[TensorPlan]:
@@ -151,7 +181,8 @@ def fingerprint(source: Source, options: Options) -> str:
     """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
     blob = json.dumps({
         "tool": __version__,
-        "options": [options.scheme, options.format, list(options.ignore), options.max_shard_size],
+        "options": [options.scheme, options.format, list(options.ignore), options.max_shard_size,
+                    list(options.target_tp)],
         "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
         "config": source.config,
     }, sort_keys=True).encode()
@@ -160,15 +191,17 @@ def fingerprint(source: Source, options: Options) -> str:
 
 def build_plan(source: Source, options: Options) -> Plan:
     fmt = get_format(options.format)
-    decisions, notes = decide(source.tensors, options.ignore)
+    arch = architecture_of(source.config)
+    decisions, notes = decide(source.tensors, source.config, options, arch or GENERIC)
     plans = []
-    for info in source.tensors:
-        d = decisions[info.name]
+    for d in decisions:
         if d.quantize:
-            plans.append(TensorPlan(info, True, None, d.group, fmt.scale_name(info.name, options.scheme),
-                                    fmt.scale_shape(info.shape, options.scheme)))
+            shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
+            plans.append(TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group,
+                                    fmt.scale_name(d.name, options.scheme), fmt.scale_shape(shape, options.scheme),
+                                    d.cut))
         else:
-            plans.append(TensorPlan(info, False, d.reason, d.group))
+            plans.append(TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut))
     if not any(t.quantize for t in plans):
         notes.append("no tensor is quantized: every weight is kept in high precision")
     units = group_into_units(plans)
@@ -183,11 +216,58 @@ def build_plan(source: Source, options: Options) -> Plan:
         shards.append(Shard(index, name, sorted({ui for ui, _ in pieces}), header, placed))
         shard_of.update({n: index for n in placed})
 
-    ignore = sorted({module_of(t.name) for t in plans if not t.quantize and is_linear_weight(t.source, t.reason)},
-                    key=natural_key)
-    if "lm_head" not in ignore:  # tied heads have no tensor; transformers only skips what the list names
-        ignore.insert(0, "lm_head")
+    notes += architecture_notes(arch, source)
     if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
         notes.append("the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
                      "activations; consider serving with --dtype bfloat16")
-    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options))
+    ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
+    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch)
+
+
+def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: str) -> list[str]:
+    """Every linear module left unquantized, by its full name as the checkpoint, transformers (in
+    memory) and vLLM (after its mapper) each name it: vLLM and transformers match exact names (and
+    `re:` regexes in compressed-tensors), and each renames differently. A MoE layer whose experts are
+    all kept is also named as a whole, the way each consumer's experts module is matched: vLLM's fp8
+    path by a substring of the experts prefix, compressed-tensors by per-expert names (only a regex
+    covers every naming, and one expert's module is not always a real module)."""
+    entries: set[str] = set()
+    for t in plans:
+        if not t.quantize and is_linear_weight(t.name, t.shape, t.source.dtype, t.reason):
+            entries.update(arch.names(module_of(t.name), config))
+    for experts in kept_expert_blocks(plans, arch):
+        names = arch.names(experts, config)
+        if fmt == "compressed-tensors":
+            entries.add("re:^(" + "|".join(re.escape(n) for n in names) + r")(\.|$)")
+        else:
+            entries.update(names)
+    ignore = sorted(entries, key=natural_key)
+    if "lm_head" not in ignore:  # tied heads have no tensor; transformers only skips what the list names
+        ignore.insert(0, "lm_head")
+    return ignore
+
+
+def kept_expert_blocks(plans: list[TensorPlan], arch: Architecture) -> list[str]:
+    """Experts modules (e.g. `model.layers.1.mlp.experts`) none of whose outputs is quantized."""
+    quantized: dict[str, bool] = {}
+    for t in plans:
+        fused = arch.expert_tensor(t.name)
+        experts = fused[1] if fused else experts_of(t.name)
+        if experts:
+            quantized[experts] = quantized.get(experts, False) or t.quantize
+    return sorted((e for e, q in quantized.items() if not q), key=natural_key)
+
+
+def architecture_notes(arch: Architecture | None, source: Source) -> list[str]:
+    """What the registry knows (or not) about this model, for the user."""
+    config = source.config
+    if arch is None:
+        return [f"model_type {config.get('model_type')!r} is not in fp8convert's architecture registry: the "
+                "generic rules apply (see the README's supported architectures); check the ignore list against "
+                "your engine and run fp8convert verify"]
+    names = {t.name for t in source.tensors}
+    missing = [layer for layer in mtp_layers(arch, config) if not any(n.startswith(layer + ".") for n in names)]
+    if missing:
+        return [f"config.json declares MTP layer(s) {', '.join(missing)} (num_nextn_predict_layers), but the "
+                "checkpoint has none: the output cannot serve MTP speculative decoding either"]
+    return []

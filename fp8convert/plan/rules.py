@@ -1,7 +1,9 @@
 """Which tensors become FP8, which stay in high precision (and why), and which share a scale.
 
-Pure functions of tensor names, shapes and the options: no I/O. Names are Hugging Face checkpoint
-names; a "module" is a tensor name without its trailing ".weight".
+Pure functions of tensor names, shapes, config.json and the options: no I/O. Names are Hugging Face
+checkpoint names; a "module" is a tensor name without its trailing ".weight". The architecture
+registry (architectures.py) adds each family's own rules to the generic ones here; a family it does
+not know gets the generic rules alone.
 """
 from __future__ import annotations
 
@@ -10,18 +12,10 @@ import re
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
+from ..options import Options
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo
-
-# vLLM fuses these sibling modules into one linear and, with per-tensor scales, re-quantizes every
-# member to the largest scale; giving members one shared scale makes that a no-op. vLLM also refuses
-# a fused layer whose members are partly ignored, so members are kept or quantized together.
-FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),          # qkv_proj
-    ("gate_proj", "up_proj"),                # gate_up_proj, also per expert and for shared experts
-    ("w1", "w3"),                            # Mixtral experts' gate/up
-    ("q_a_proj", "kv_a_proj_with_mqa"),      # DeepSeek MLA fused_qkv_a_proj
-)
-_SIBLING_GROUP = {leaf: group for group in FUSED_SIBLINGS for leaf in group}
+from .architectures import FUSED_SIBLINGS, GENERIC, TOWER, Architecture, ExpertTensor, config_value
+from .cuts import Cut
 
 EMBEDDING_LEAVES = {"embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
                     "token_type_embeddings", "embeddings", "embed_positions", "tok_embeddings"}
@@ -33,6 +27,7 @@ TOWER_PARTS = {"vision_tower", "vision_model", "visual", "vision_encoder", "visi
                "audio_model", "audio_encoder", "multi_modal_projector", "mm_projector", "vision_projector",
                "image_newline", "audio_projector", "vision_embed_tokens"}
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
+PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
 
 
 def module_of(name: str) -> str:
@@ -50,10 +45,10 @@ def matches_pattern(module: str, pattern: str) -> bool:
 
 
 class UnsupportedLayout(FP8ConvertError):
-    """A weight that looks like a linear layer but is not 2-D (e.g. fused 3-D experts)."""
+    """A weight that looks like a linear layer but has a layout fp8convert cannot convert exactly."""
 
 
-def default_keep_reason(info: TensorInfo) -> str | None:
+def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str = "", scheme: str = "") -> str | None:
     """Why a tensor stays in high precision by default, or None if it is a candidate for FP8.
     Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
     if info.dtype not in FLOAT_SOURCE_DTYPES:
@@ -62,13 +57,17 @@ def default_keep_reason(info: TensorInfo) -> str | None:
         return "1-D (norm or bias)"
     if info.numel == 0:
         return "empty"
-    parts = module_of(info.name).split(".")
+    module = module_of(info.name)
+    parts = module.split(".")
     # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
     if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):
         return "not a weight (bias or buffer)"
+    reason = arch.keep_reason(module, fmt, scheme)
+    if reason:
+        return reason
     leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
     if TOWER_PARTS.intersection(parts):
-        return "vision/audio tower or projector"
+        return TOWER
     if leaf in EMBEDDING_LEAVES or "embed" in leaf:
         return "embedding"
     if leaf in HEAD_LEAVES and "layers" not in parts:
@@ -84,31 +83,97 @@ def default_keep_reason(info: TensorInfo) -> str | None:
     return None
 
 
-def fused_group_key(name: str) -> str | None:
+def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS) -> str | None:
     """The vLLM fused layer a weight belongs to, e.g. 'model.layers.0.self_attn.q_proj/k_proj/v_proj'."""
     module = module_of(name)
     parent, _, leaf = module.rpartition(".")
-    group = _SIBLING_GROUP.get(leaf)
+    group = next((g for g in fused if leaf in g), None)
     return f"{parent}.{'/'.join(group)}" if group else None
+
+
+def experts_of(name: str) -> str | None:
+    """The experts module (e.g. `model.layers.1.mlp.experts`) a per-expert weight belongs to, or None."""
+    m = PER_EXPERT.match(module_of(name))
+    return m.group("experts") if m else None
 
 
 @dataclass(frozen=True)
 class Decision:
+    """One output tensor: its name, the source tensor it is made from (a cut of it, or all of it),
+    and whether it is quantized."""
+
+    name: str
+    source: TensorInfo
     quantize: bool
     reason: str | None  # why kept; None when quantized
     group: str | None   # fused group key (scale shared in the tensor scheme)
+    cut: Cut | None = None
 
 
-def decide(tensors: list[TensorInfo], ignore: tuple[str, ...]) -> tuple[dict[str, Decision], list[str]]:
-    """Decide every tensor. Returns (decisions by name, notes for the user)."""
+# ---------------------------------------------------------------- fused expert tensors
+
+def expert_cuts(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
+                ) -> list[tuple[str, Cut]]:
+    """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear
+    orientation. The orientation comes from the registry and the config's sizes, never the shape
+    alone; a tensor that fits no declared orientation, or more than one, is refused."""
+    count = config_value(config, *arch.experts.count)
+    width = config_value(config, *arch.experts.width)
+    hidden = config_value(config, "hidden_size", "d_model")
+    if not all(isinstance(v, int) and v > 0 for v in (count, width, hidden)):
+        raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts, but config.json does not "
+                                "give their number, width and the hidden size, which fix the layout")
+    out, inp = (hidden, width) if "down_proj" in layout.members else (width * len(layout.members), hidden)
+    expected = {"out_in": (count, out, inp), "in_out": (count, inp, out)}
+    fits = [o for o in layout.stored if expected[o] == tuple(info.shape)]
+    if len(fits) != 1:
+        want = " or ".join(f"{list(expected[o])} ({o.replace('_', ', ')})" for o in layout.stored)
+        problem = "fits both orientations (hidden size == expert width x members)" if fits else f"expected {want}"
+        raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
+                                f"from config.json: {problem}; keep them with --ignore {module_of(info.name)}")
+    transpose = fits[0] == "in_out"
+    parts = len(layout.members)
+    return [(f"{experts}.{e}.{member}.weight",
+             Cut(expert=e, transpose=transpose, part=j, parts=parts, interleaved=layout.interleaved))
+            for e in range(count) for j, member in enumerate(layout.members)]
+
+
+def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict,
+                      options: Options, hit: str | None) -> list[Decision]:
+    reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
+    if reason and options.format not in arch.experts.split_when_kept:
+        return [Decision(info.name, info, False, reason, None)]
+    decisions = []
+    for name, cut in expert_cuts(info, layout, experts, arch, config):
+        shape = cut.shape(info.shape)
+        why = reason or (f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
+                         if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE else None)
+        decisions.append(Decision(name, info, why is None, why, fused_group_key(name, arch.fused), cut))
+    return decisions
+
+
+# ---------------------------------------------------------------- all tensors
+
+def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture = GENERIC
+           ) -> tuple[list[Decision], list[str]]:
+    """Decide every output tensor. Returns (decisions in source order, notes for the user)."""
     notes: list[str] = []
-    reasons: dict[str, str | None] = {}
+    decisions: list[Decision] = []
     used_patterns: set[str] = set()
     unsupported: list[str] = []
     for info in tensors:
-        hit = next((p for p in ignore if matches_pattern(module_of(info.name), p)), None)
+        module = module_of(info.name)
+        fused_experts = arch.expert_tensor(info.name)
+        if fused_experts:
+            layout, experts = fused_experts
+            hit = next((p for p in options.ignore if matches_pattern(module, p) or matches_pattern(experts, p)), None)
+            if hit:
+                used_patterns.add(hit)
+            decisions += _expert_decisions(info, layout, experts, arch, config, options, hit)
+            continue
+        hit = next((p for p in options.ignore if matches_pattern(module, p)), None)
         try:
-            reason = default_keep_reason(info)
+            reason = default_keep_reason(info, arch, options.format, options.scheme)
         except UnsupportedLayout as e:
             if hit is None:
                 unsupported.append(str(e))
@@ -116,38 +181,46 @@ def decide(tensors: list[TensorInfo], ignore: tuple[str, ...]) -> tuple[dict[str
         if reason is None and hit is not None:
             used_patterns.add(hit)
             reason = f"--ignore {hit}"
-        reasons[info.name] = reason
+        group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
+        decisions.append(Decision(info.name, info, reason is None, reason, group))
     if unsupported:
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
+        family = f"model_type {config.get('model_type')!r}" + ("" if arch is not GENERIC else ", not in the registry")
         raise UnsupportedLayout(
-            f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D; fp8convert quantizes 2-D linear weights "
-            f"only (fused 3-D expert layouts are not supported); keep them in high precision with --ignore")
-    for pattern in ignore:
+            f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D, and fp8convert has no layout for it "
+            f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
+            "precision with --ignore")
+    for pattern in options.ignore:
         if pattern not in used_patterns:
             notes.append(f"--ignore {pattern!r} matched no weight that would otherwise be quantized")
+    decisions = _keep_together(decisions, lambda d: d.group if d.name.endswith(".weight") else None,
+                               "kept all of {key} because {kept} is kept ({reason})", notes)
+    # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
+    return _keep_together(decisions, lambda d: experts_of(d.name),
+                          "kept every expert of {key} because {kept} is kept ({reason})", notes), notes
 
-    # A fused group is quantized only if every member is: vLLM cannot mix within one fused layer.
-    members: dict[str, list[str]] = {}
-    for info in tensors:
-        key = fused_group_key(info.name) if info.name.endswith(".weight") else None
+
+def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str]) -> list[Decision]:
+    """Where some members of a set (a fused group, a MoE layer's experts) are kept, keep them all."""
+    members: dict[str, list[int]] = {}
+    for i, d in enumerate(decisions):
+        key = key_of(d)
         if key:
-            members.setdefault(key, []).append(info.name)
-    for key, names in members.items():
-        kept = [n for n in names if reasons[n] is not None]
-        if kept and len(kept) < len(names):
-            for n in names:
-                if reasons[n] is None:
-                    reasons[n] = f"fused with {module_of(kept[0])}, which is kept"
-            notes.append(f"kept all of {key} because {module_of(kept[0])} is kept ({reasons[kept[0]]})")
-
-    decisions = {}
-    for info in tensors:
-        key = fused_group_key(info.name) if info.name.endswith(".weight") else None
-        decisions[info.name] = Decision(reasons[info.name] is None, reasons[info.name], key)
-    return decisions, notes
+            members.setdefault(key, []).append(i)
+    out = list(decisions)
+    for key, indices in members.items():
+        kept = [i for i in indices if not out[i].quantize]
+        if kept and len(kept) < len(indices):
+            first = out[kept[0]]
+            for i in indices:
+                if out[i].quantize:
+                    out[i] = Decision(out[i].name, out[i].source, False,
+                                      f"fused with {module_of(first.name)}, which is kept", out[i].group, out[i].cut)
+            notes.append(note.format(key=key, kept=module_of(first.name), reason=first.reason))
+    return out
 
 
-def is_linear_weight(info: TensorInfo, reason: str | None) -> bool:
+def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:
     """Kept 2-D weights that engines build as linear layers, so the ignore list must name them."""
-    return (info.name.endswith(".weight") and len(info.shape) == 2
-            and reason not in ("embedding",) and info.dtype in FLOAT_SOURCE_DTYPES)
+    return (name.endswith(".weight") and len(shape) == 2
+            and reason not in ("embedding",) and dtype in FLOAT_SOURCE_DTYPES)

@@ -1,13 +1,15 @@
 """What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
 from __future__ import annotations
 
-import enum
+import math
 import re
 from collections import Counter
-from dataclasses import dataclass
 
 from ..options import BLOCK
 from .batches import make_batches
+from .caveats import Caveat, PlanWarning
+from .parallel import tp_warnings
+from .architectures import mtp_layers
 from .plan import Plan
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
@@ -21,7 +23,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
     largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
     largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
-    largest_tensor = max((t.source.numel for t in plan.tensors if t.quantize), default=0)
+    largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.quantize), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
     if device_type == "cuda":
         host = CUDA_CONTEXT_HOST_BYTES + (read_threads + 1) * chunk_bytes
@@ -29,24 +31,6 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
         host = PYTHON_HOST_BYTES + device
     return {"batches": len(batches), "largest_batch_bytes": largest_batch, "device_bytes": device,
             "host_bytes": host}
-
-
-class Caveat(enum.Enum):
-    """What a warning means for the consumers; code that acts on warnings reads this, never the text."""
-
-    TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
-    TRANSFORMERS_MISREADS = "transformers-misreads"     # loads, but some weights dequantize wrongly
-    VLLM_CANNOT_LOAD = "vllm-cannot-load"
-    VLLM_TP_LIMITS = "vllm-tp-limits"                    # loads at some tensor-parallel sizes only
-
-
-@dataclass(frozen=True)
-class PlanWarning:
-    caveat: Caveat
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
 
 
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
@@ -67,12 +51,32 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
                                     "transformers"))
     if scheme == "block":
         warnings += block_warnings(fmt, quantized)
+    warnings += architecture_warnings(plan)
+    warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
+    return warnings
+
+
+def architecture_warnings(plan: Plan) -> list[PlanWarning]:
+    """What the registry says this family's consumers cannot load in this format and scheme."""
+    arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
+    if arch is None:
+        return []
+    warnings = [PlanWarning(limit.caveat, limit.text) for limit in arch.limits if limit.applies(fmt, scheme)]
+    split = arch.experts and any(t.cut for t in plan.tensors)
+    if split and fmt not in arch.experts.transformers_loads_split:
+        elsewhere = arch.experts.transformers_loads_split
+        warnings.append(PlanWarning(
+            Caveat.TRANSFORMERS_CANNOT_LOAD,
+            f"transformers cannot load {arch.name}'s experts written one weight per expert"
+            + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else
+               " (it reads only fused expert tensors, and copies FP8 ones without their scales)")
+            + "; vLLM can"))
     return warnings
 
 
 def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     warnings = []
-    odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
+    odd = [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]
     if odd:
         caveat, what = ((Caveat.TRANSFORMERS_MISREADS,
                          "transformers infers the block size from the scale grid and dequantizes these wrongly")
@@ -83,26 +87,17 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
                                             f"(e.g. {odd[0]}): {what}"))
     fused = {}
     for t in quantized:
-        if t.group:
+        if t.group and not EXPERT.search(t.name):  # experts follow vLLM's MoE rules (parallel.py)
             fused.setdefault(t.group, []).append(t)
     for group, members in fused.items():
         order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
         members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
-        if any(t.source.shape[0] % BLOCK for t in members[:-1]):
+        if any(t.shape[0] % BLOCK for t in members[:-1]):
             warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD,
                                         f"vLLM's fused block GEMM needs every member but the last to have an output "
                                         f"size divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
-                                        f"{list(members[0].source.shape)})"))
+                                        f"{list(members[0].shape)})"))
             break
-    sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
-                    re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
-    for size in sizes:
-        ok = [tp for tp in (1, 2, 4, 8) if size % tp == 0 and (size // tp) % BLOCK == 0]
-        bad = [tp for tp in (2, 4, 8) if tp not in ok]
-        if bad:
-            warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS,
-                                        f"block MoE in vLLM needs the expert intermediate size per tensor-parallel "
-                                        f"rank divisible by {BLOCK}: {size} works at TP {ok or 'none'}, fails at TP {bad}"))
     return warnings
 
 
@@ -121,19 +116,22 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = t.reason.split(" [")[0] if t.reason else "?"
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
             kept_reasons[reason] += 1
-            kept_bytes[reason] += t.source.nbytes
+            kept_bytes[reason] += t.in_bytes
     groups = Counter()
     for key in {t.group for t in tensors if t.group and t.quantize}:
         groups[key.rsplit(".", 1)[-1]] += 1
+    arch = plan.architecture
     return {
         "source": plan.source.label,
+        "architecture": (f"{arch.name} (model_type {plan.source.config.get('model_type')!r})" if arch else
+                         f"not in the registry (model_type {plan.source.config.get('model_type')!r}): generic rules"),
         "scheme": plan.options.scheme,
         "format": plan.options.format,
         "fingerprint": plan.fingerprint,
         "tensors": len(tensors),
         "units": len(plan.units),
         "quantized": {"tensors": sum(t.quantize for t in tensors),
-                      "bytes_in": sum(t.source.nbytes for t in tensors if t.quantize),
+                      "bytes_in": sum(t.in_bytes for t in tensors if t.quantize),
                       "bytes_out": sum(t.out_bytes for t in tensors if t.quantize)},
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
@@ -141,12 +139,44 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
+        "split_experts": split_experts(plan),
+        "mtp": mtp_summary(plan),
+        "target_tp": list(plan.options.target_tp),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
         "warnings": [w.text for w in warnings],
         "transformers_cannot_load": transformers_verdict(warnings),
         "notes": plan.notes,
     }
+
+
+def split_experts(plan: Plan) -> list[str]:
+    """One line per fused expert tensor written one weight per expert: where the outputs come from."""
+    cuts: dict[str, list] = {}
+    for t in plan.tensors:
+        if t.cut:
+            cuts.setdefault(t.source.name, []).append(t)
+    return [f"{name} {list(ts[0].source.shape)} -> {len(ts)} weights {list(ts[0].shape)} "
+            f"(e.g. {ts[0].name} = {ts[0].cut.describe(name.rsplit('.', 1)[-1])})"
+            for name, ts in cuts.items()]
+
+
+def mtp_summary(plan: Plan) -> str | None:
+    """Where the next-token-prediction layers are and what became of them (None: the family has none)."""
+    arch = plan.architecture
+    names = [t.name for t in plan.source.tensors]
+    if arch is None or not arch.mtp:
+        return None
+    if arch.mtp == "layers":
+        found = [layer for layer in mtp_layers(arch, plan.source.config)
+                 if any(n.startswith(layer + ".") for n in names)]
+    else:
+        found = ["mtp"] if any(n.startswith("mtp.") for n in names) else []
+    if not found:
+        return None
+    return (f"{', '.join(found)}: converted like the decoder layers, as vLLM's MTP loads them (their input "
+            f"projection and head stay BF16); transformers' own MTP decoding reads them without dequantizing, "
+            f"--ignore {found[0]} keeps one in BF16 for it")
 
 
 def human(n: int) -> str:
@@ -161,6 +191,7 @@ def render(info: dict) -> str:
     q = info["quantized"]
     lines = [
         f"source      {info['source']}",
+        f"family      {info['architecture']}",
         f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
         f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
         f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales",
@@ -171,6 +202,11 @@ def render(info: dict) -> str:
         share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
+    if info["split_experts"]:
+        lines.append(f"experts     {len(info['split_experts'])} fused expert tensors split per expert, e.g. "
+                     f"{info['split_experts'][0]}")
+    if info["mtp"]:
+        lines.append(f"mtp         {info['mtp']}")
     mem = info["memory"]
     lines += [
         f"output      {human(info['bytes_out'])} in {info['shards']} shard(s) (input {human(info['bytes_in'])}, "

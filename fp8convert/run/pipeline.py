@@ -193,7 +193,7 @@ class Pipeline:
                     if self.stop.is_set():
                         return
                 self.fetcher.need(batch.files)
-                item = (batch, *self.reader.read([t.source for t in read_order(batch)]))
+                item = (batch, *self.reader.read(read_order(batch)))
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
                 if self.stop.is_set() or not self._hand_to_main(item):

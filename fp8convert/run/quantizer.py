@@ -2,18 +2,19 @@
 
 Same-shaped weights (a MoE layer's experts, above all) are quantized as stacks, a few launches for
 hundreds of tensors, instead of one launch chain each. The reader lays out each family of
-same-shaped groups member by member, so a stack is a plain view of the input buffer.
+same-shaped groups member by member, so a stack is a plain view of the input buffer; the experts
+cut from one fused tensor are a strided view of it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import FP8ConvertError
 from ..plan.batches import Batch
-from ..plan.plan import TensorPlan
-from ..safetensors_io import FLOAT_SOURCE_DTYPES, torch_dtype
+from ..plan.plan import TensorPlan, unique_inputs
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
 from .numerics import NonFiniteWeight, quantize_group
 from .reader import ALIGN
 
@@ -23,43 +24,77 @@ STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise
 
 @dataclass
 class Family:
-    """Groups (atoms) whose members have the same dtypes and shapes, e.g. every expert's gate/up."""
+    """Scale groups whose members have the same dtypes and shapes, e.g. every expert's gate/up pair."""
 
-    atoms: list[list[TensorPlan]]
+    groups: list[list[TensorPlan]]
 
     def chunks(self) -> list[list[list[TensorPlan]]]:
-        per_atom = sum(t.source.nbytes for t in self.atoms[0])
-        step = max(1, STACK_BYTES // per_atom)
-        return [self.atoms[i:i + step] for i in range(0, len(self.atoms), step)]
+        per_group = sum(t.in_bytes for t in self.groups[0])
+        step = max(1, STACK_BYTES // per_group)
+        return [self.groups[i:i + step] for i in range(0, len(self.groups), step)]
+
+
+def scale_groups(batch: Batch) -> list[list[TensorPlan]]:
+    """The batch's quantized outputs by scale group: a fused group's members (one scale in the tensor
+    scheme), or one output alone."""
+    groups: dict[str, list[TensorPlan]] = {}
+    for t in batch.tensors:
+        if t.quantize:
+            groups.setdefault(t.group or f"tensor:{t.name}", []).append(t)
+    return list(groups.values())
 
 
 def families(batch: Batch) -> list[Family]:
     by_signature: dict[tuple, Family] = {}
-    for atom in batch.atoms:
-        if atom[0].quantize:
-            signature = tuple((t.source.dtype, t.source.shape) for t in atom)
-            by_signature.setdefault(signature, Family([])).atoms.append(atom)
+    for group in scale_groups(batch):
+        signature = tuple((t.source.dtype, t.shape) for t in group)
+        by_signature.setdefault(signature, Family([])).groups.append(group)
     return list(by_signature.values())
 
 
-def read_order(batch: Batch) -> list[TensorPlan]:
-    """Kept tensors, then each stack chunk member by member, so every stack is contiguous."""
-    order = [t for atom in batch.atoms if not atom[0].quantize for t in atom]
+def read_order(batch: Batch) -> list[TensorInfo]:
+    """The source tensors to read: kept ones, then each stack chunk member by member, so every stack
+    of whole tensors is contiguous in the buffer (a source cut into many outputs is read once)."""
+    order = [t for t in batch.tensors if not t.quantize]
     for family in families(batch):
         for chunk in family.chunks():
             for member in range(len(chunk[0])):
-                order += [atom[member] for atom in chunk]
-    return order
+                order += [group[member] for group in chunk]
+    return unique_inputs(order)
+
+
+def source_view(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) -> torch.Tensor:
+    start = offsets[info.name]
+    return buf[start:start + info.nbytes].view(torch_dtype(info.dtype)).view(info.shape)
 
 
 def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan]) -> torch.Tensor:
-    """[N, out, in] view of same-shaped tensors laid out back to back, or a copy if they are not."""
-    first = tensors[0].source
-    start, size = offsets[first.name], first.nbytes
-    dtype = torch_dtype(first.dtype)
-    if size % ALIGN == 0 and all(offsets[t.name] == start + i * size for i, t in enumerate(tensors)):
-        return buf[start:start + size * len(tensors)].view(dtype).view(len(tensors), *first.shape)
-    return torch.stack([buf[offsets[t.name]:offsets[t.name] + size].view(dtype).view(first.shape) for t in tensors])
+    """[N, out, in] of same-shaped outputs: a view of the read buffer when they lie back to back, or
+    are consecutive experts cut alike from one source; else a copy."""
+    first = tensors[0]
+    if first.cut is None:
+        start, size = offsets[first.source.name], first.source.nbytes
+        if size % ALIGN == 0 and all(t.cut is None and offsets[t.source.name] == start + i * size
+                                     for i, t in enumerate(tensors)):
+            return buf[start:start + size * len(tensors)].view(torch_dtype(first.source.dtype)).view(
+                len(tensors), *first.source.shape)
+    elif all(t.source.name == first.source.name and t.cut == replace(first.cut, expert=first.cut.expert + i)
+             for i, t in enumerate(tensors)):
+        e0 = first.cut.expert
+        return first.cut.across_experts().apply(source_view(buf, offsets, first.source)[e0:e0 + len(tensors)])
+    return torch.stack([output_view(buf, offsets, t) for t in tensors])
+
+
+def output_view(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan) -> torch.Tensor:
+    """One output's values as a view of the read buffer (its cut of the source, or all of it)."""
+    w = source_view(buf, offsets, t.source)
+    return t.cut.apply(w) if t.cut else w
+
+
+def where(t: TensorPlan) -> str:
+    """The source tensor (and expert) an output comes from, for error messages."""
+    expert = f" (expert {t.cut.expert})" if t.cut and t.cut.expert is not None else ""
+    return f"{t.source.file}: tensor {t.source.name}{expert}"
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -76,22 +111,27 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
     piece of a kept tensor where it goes. Kept tensors are views of `buf` (the caller copies them into
     the output runs, or writes them from `buf` itself). `cpu_path`: see numerics.use_cpu_path."""
     outputs = []
-    for atom in batch.atoms:
-        if not atom[0].quantize:
-            t = atom[0]
-            raw = buf[offsets[t.name]:offsets[t.name] + t.source.nbytes]
-            if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
-                    raw.view(torch_dtype(t.source.dtype))):
-                raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
-            outputs.append((t.name, raw, t.at))
+    for t in batch.tensors:
+        if t.quantize:
+            continue
+        if t.cut:  # a cut is a strided view: written as a contiguous copy
+            values = output_view(buf, offsets, t)
+            if t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(values):
+                raise FP8ConvertError(f"{where(t)} contains NaN or Inf; refusing to copy it")
+            outputs.append((t.name, values.contiguous(), t.at))
+            continue
+        raw = buf[offsets[t.source.name]:offsets[t.source.name] + t.source.nbytes]
+        if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
+                raw.view(torch_dtype(t.source.dtype))):
+            raise FP8ConvertError(f"{where(t)} contains NaN or Inf; refusing to copy it")
+        outputs.append((t.name, raw, t.at))
     for family in families(batch):
         for chunk in family.chunks():
-            members = [[atom[m] for atom in chunk] for m in range(len(chunk[0]))]
+            members = [[group[m] for group in chunk] for m in range(len(chunk[0]))]
             try:
                 codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme, cpu_path)
             except NonFiniteWeight as e:
-                bad = members[e.member][e.index].source
-                raise FP8ConvertError(f"{bad.file}: tensor {bad.name} contains NaN or Inf; "
+                raise FP8ConvertError(f"{where(members[e.member][e.index])} contains NaN or Inf; "
                                       "refusing to quantize it") from None
             for tensors, q, s in zip(members, codes, scales):
                 for n, t in enumerate(tensors):
