@@ -3,6 +3,7 @@
     plan = fp8convert.make_plan("./Llama-3.1-8B", scheme="channel")        # headers only
     report = fp8convert.quantize("./Llama-3.1-8B", "./out", scheme="channel")
     report = fp8convert.quantize(src, out, Settings(device="cuda:1"), max_shard_size="2GB")
+    report = fp8convert.dequantize("./DeepSeek-V3", "./DeepSeek-V3-BF16", dtype="bf16")   # FP8 in, BF16 out
 
 Options are fields of `Settings`, given as one object, as keywords, or both (keywords win).
 
@@ -24,7 +25,7 @@ from .errors import FP8ConvertError, PlanMismatchError
 from .options import Options, Settings
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
-from .plan.plan import Plan, Unit, build_plan, unique_inputs
+from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
 from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
@@ -66,6 +67,11 @@ class Report:
     worker: str = "0/1"                   # this process's share: worker K of N
     shards_written: int = 0               # by this call (its workers, with --devices)
     complete: bool = False                # OUT is complete on return (False: other workers still owe shards)
+    source_quantization: str | None = None   # an FP8 source: how it is quantized
+    tensors_dequantized: int = 0          # FP8 source weights written in high precision
+    tensors_requantized: int = 0          # FP8 source weights quantized again in the output's scheme
+    tensors_passed_through: int = 0       # FP8 source weights whose codes and scales are the output's
+    dequantize: bool = False              # the run was a dequantize (no FP8 in the output)
 
 
 @dataclass
@@ -130,6 +136,16 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     return report
 
 
+def dequantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
+               on_plan: Callable[[Plan], None] | None = None, **overrides) -> Report:
+    """Convert an FP8 checkpoint (native fp8 or compressed-tensors, directory or Hub repo id) to high
+    precision in `out`: every FP8 weight becomes float32(q) * scale rounded once to `dtype` (bf16, fp16
+    or fp32; default the model's own dtype), scales and quantization_config disappear, everything else is
+    copied byte for byte. The same pipeline and guarantees as `quantize` (plan first, bounded memory,
+    resumable, workers, devices, streamed Hub sources)."""
+    return quantize(src, out, Settings.of(settings, **{**overrides, "dequantize": True}), on_plan=on_plan)
+
+
 def _device_list(settings: Settings) -> list[str] | None:
     if not settings.devices:
         return None
@@ -169,11 +185,16 @@ def _open_for_run(src, out_dir: Path, settings: Settings, spec: workers.WorkerSp
 def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],
                 complete: bool) -> Report:
     tensors = the_plan.tensors
+    count = {a: sum(t.action is a for t in tensors) for a in Action}
+    quant = the_plan.source.quant
     return Report(str(out_dir), the_plan.source.label, settings.scheme, settings.format, settings.device,
                   len(the_plan.shards), len(done), sum(t.quantize for t in tensors),
-                  sum(not t.quantize for t in tensors), the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None,
+                  count[Action.KEEP], the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None,
                   the_plan.ignore_list, list(the_plan.notes), [w.text for w in compatibility_warnings(the_plan)],
-                  complete, worker=spec.text, complete=complete)
+                  complete, worker=spec.text, complete=complete,
+                  source_quantization=quant.describe() if quant else None,
+                  tensors_dequantized=count[Action.DEQUANTIZE], tensors_requantized=count[Action.REQUANTIZE],
+                  tensors_passed_through=count[Action.PASS], dequantize=settings.dequantize)
 
 
 def _device_worker(src: str, out: str, settings: Settings) -> Report:
@@ -210,11 +231,13 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):
             from .source.hub import fetch_from_hub
-            fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), settings.token)
+            fetch_from_hub(the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}),
+                           settings.token)
     warmup = start_torch(workers.device_for(spec, settings.device))
     copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
-    # kept tensors copied as they are (not cuts of fused experts, which need the device's reshaping)
-    kept = [t for u in units for t in u.tensors if not t.quantize and t.cut is None] if copy_kept else []
+    # kept and passed-through tensors copied as they are (not cuts of fused experts, which need the
+    # device's reshaping)
+    kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
     bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
@@ -360,7 +383,8 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
 def _plan_from_manifest(state: dict, token: str | None) -> Plan:
     """The workers' plan again, from the manifest: same source label (the card names it), same options."""
     options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"],
-                      tuple(state.get("target_tp") or Options().target_tp))
+                      tuple(state.get("target_tp") or Options().target_tp), bool(state.get("dequantize")),
+                      state.get("dtype"))
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
     from .source.hub import fetch_from_hub, remote_source

@@ -15,6 +15,9 @@ SCHEMES = ("tensor", "channel", "block")
 FORMATS = ("compressed-tensors", "fp8")
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
 TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
+# --dtype of dequantized weights: its spellings -> the safetensors dtype written
+DTYPE_NAMES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
+               "fp32": "F32", "float32": "F32", "float": "F32"}
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -42,6 +45,8 @@ class Options:
     ignore: tuple[str, ...] = field(default_factory=tuple)
     max_shard_size: int = 5 * 10**9
     target_tp: tuple[int, ...] = TARGET_TP  # the model card reports vLLM's limits at these sizes
+    dequantize: bool = False        # FP8 source to high precision (scheme and format do not apply)
+    dtype: str | None = None        # dequantized weights' dtype (BF16, F16, F32); None: the model's own
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -54,12 +59,27 @@ class Options:
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.dequantize and self.ignore:
+            raise FP8ConvertError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 try:
                     re.compile(pattern[3:])
                 except re.error as e:
                     raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({e})") from e
+
+
+def parse_dtype(value: str | None) -> str | None:
+    """'bf16', 'fp16', 'fp32' (or their torch names, or the safetensors ones) -> 'BF16', 'F16', 'F32'."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if text.upper() in DTYPE_NAMES.values():
+        return text.upper()
+    if text not in DTYPE_NAMES:
+        raise FP8ConvertError(f"--dtype {value!r}: expected bf16, fp16 or fp32")
+    return DTYPE_NAMES[text]
 
 
 def parse_target_tp(sizes) -> tuple[int, ...]:
@@ -97,6 +117,8 @@ class Settings:
     revision: str | None = None           # Hub sources: branch, tag or commit
     token: str | None = None              # Hub token; None: HF_TOKEN or the saved login
     stream_download: bool = False         # Hub sources: keep only a few source shards on disk
+    dequantize: bool = False              # FP8 in, high precision out (fp8convert dequantize)
+    dtype: str | None = None              # dequantized weights: bf16, fp16 or fp32; None: the model's dtype
     progress: bool = False
     finalize: bool = True                 # False: write this worker's shards only
 
@@ -115,7 +137,8 @@ class Settings:
 
     @property
     def options(self) -> Options:
-        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size, self.target_tp)
+        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size, self.target_tp,
+                       self.dequantize, self.dtype)
 
     @classmethod
     def of(cls, settings: "Settings | None" = None, **overrides) -> "Settings":

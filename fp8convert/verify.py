@@ -27,6 +27,14 @@ not a guessed slack. A tensor whose relative error exceeds its bound is not a ro
 A norm cannot see one corrupted code among millions, so each element is also checked on its own:
 the code must lie within half an e4m3 step of w / scale (computed in float32 exactly as the quantizer
 does). Round-to-nearest always satisfies this; any other code, and a NaN code, does not.
+
+FP8 sources
+-----------
+When the source is itself FP8, its weights' values are float32(q) * scale. A dequantized output
+(`fp8convert dequantize`, or a weight kept with --ignore) must equal that product rounded once to the
+output's dtype, element for element, and its scales must be gone. An FP8 output is checked against
+those float32 values with the bound above; one whose codes and scale values are the source's (passed
+through) is exact. A static activation scale in the output must be the source's, byte for byte.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ from pathlib import Path
 
 from .errors import FP8ConvertError
 from .formats import QuantizedLayout, read_quantization_config
+from .formats.sources import FP8Weight
 from .options import BLOCK
 from .output.card import with_verification
 from .output.files import write_atomic
@@ -82,6 +91,7 @@ class VerifyReport:
     ok: bool = False
     tensors_quantized: int = 0
     tensors_kept: int = 0
+    tensors_dequantized: int = 0      # FP8 source weights in high precision, each equal to its one rounding
     max_rel_error: float = 0.0
     min_snr_db: float = math.inf
     failures: list[str] = field(default_factory=list)   # one line each, naming the tensor or file
@@ -231,7 +241,7 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
         config = json.loads(config_path.read_text())
         if not isinstance(config, dict):
             raise FP8ConvertError(f"{config_path}: not a JSON object")
-        fmt = read_quantization_config(config, str(config_path))
+        fmt = None if is_dequantized_output(source, config) else read_quantization_config(config, str(config_path))
     except FileNotFoundError:
         report.failures.append(f"{config_path}: missing: the output is incomplete")
         return
@@ -241,10 +251,11 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
     except FP8ConvertError as e:
         report.failures.append(str(e))
         return
-    report.format, report.scheme = fmt.format, fmt.scheme
+    report.format, report.scheme = (fmt.format, fmt.scheme) if fmt else ("dequantized", None)
     rest = {k: v for k, v in config.items() if k != "quantization_config"}
-    if rest != source.config:
-        keys = sorted(k for k in set(rest) | set(source.config) if rest.get(k) != source.config.get(k))
+    source_rest = {k: v for k, v in source.config.items() if k not in ("quantization_config", "compression_config")}
+    if rest != source_rest:
+        keys = sorted(k for k in set(rest) | set(source_rest) if rest.get(k) != source_rest.get(k))
         report.failures.append(f"{config_path}: differs from the source's config.json beyond quantization_config "
                                f"(keys: {', '.join(keys)})")
     for name in source.copy_files:
@@ -264,6 +275,12 @@ def _verify(source: Source, out: Path, report: VerifyReport, files: _Files) -> N
             continue
         accounted.add(name)
         path, got = outputs[name]
+        fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
+        if fp8_weight is not None:  # an FP8 source's weight: dequantized, requantized or passed through
+            scale = _check_fp8_source_weight(source, fp8_weight, path, got, outputs, fmt, arch, report, files, accounted)
+            if scale is not None and fmt.scheme == "tensor" and (key := fused_group_key(name, arch.fused)):
+                group_scales.setdefault(key, set()).add(scale.reshape(-1)[0].item())
+            continue
         if got.dtype == FP8:
             scale_name = fmt.scale_name(name)
             accounted.add(scale_name)
@@ -306,7 +323,10 @@ def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: 
     """Every output the source implies. A fused expert tensor the output does not hold as it is must
     be there one 2-D weight per expert, cut as the registry's layout says."""
     expected = []
+    companions = source.quant.companions() if source.quant else set()  # scales: checked with their weights
     for info in source.tensors:
+        if info.name in companions:
+            continue
         fused = arch.expert_tensor(info.name)
         if fused is None or info.name in outputs:
             expected.append(Expected(info.name, info))
@@ -337,8 +357,8 @@ def _check_kept(source: Source, want: Expected, path: Path, got: TensorInfo, fmt
         report.failures.append(f"{name}: kept as {got.dtype} {list(got.shape)} but the source "
                                f"({want.where}) is {info.dtype} {list(want.shape)}")
         return
-    reason = default_keep_reason(info, arch, fmt.format, fmt.scheme) if len(info.shape) == 2 else None
-    if is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
+    reason = default_keep_reason(info, arch, fmt.format, fmt.scheme) if fmt and len(info.shape) == 2 else None
+    if fmt and is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
         report.failures.append(f"{name}: kept in high precision, but {module_of(name)} is not in the ignore list "
                                "(engines would expect FP8 weights for it)")
     import torch
@@ -366,11 +386,12 @@ def _check_kept(source: Source, want: Expected, path: Path, got: TensorInfo, fmt
 
 def _check_quantized(source: Source, want: Expected, path: Path, got: TensorInfo,
                      scale_at: tuple[Path, TensorInfo] | None, scale_name: str, fmt: QuantizedLayout,
-                     report: VerifyReport, files: _Files):
-    """Structure, then numbers, of one quantized tensor. Returns its scales (None when unusable)."""
+                     report: VerifyReport, files: _Files, source_rows=None):
+    """Structure, then numbers, of one quantized tensor. Returns its scales (None when unusable).
+    `source_rows`: the source's values (an FP8 source's dequantized ones); default: source_weight's."""
     name, info, shape = want.name, want.info, want.shape
     problems = []
-    if info.dtype not in FLOAT_SOURCE_DTYPES or len(shape) != 2:
+    if (info.dtype not in FLOAT_SOURCE_DTYPES and source_rows is None) or len(shape) != 2:
         problems.append(f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D "
                         "float weight)")
     elif got.shape != shape:
@@ -390,7 +411,7 @@ def _check_quantized(source: Source, want: Expected, path: Path, got: TensorInfo
     if not bool((torch.isfinite(scale) & (scale > 0)).all()):
         report.failures.append(f"{name}: scale {scale_name} is not finite and positive everywhere")
         return None
-    check = _numbers(name, source_weight(source, want, files), path, got, scale, fmt.scheme, files)
+    check = _numbers(name, source_rows or source_weight(source, want, files), path, got, scale, fmt.scheme, files)
     report.tensors.append(check)
     if not check.ok:
         what = []
@@ -444,9 +465,147 @@ def _numbers(name: str, source_rows, path: Path, got: TensorInfo, scale, scheme:
     return TensorCheck(name, list(got.shape), list(scale.shape), rel, snr, bound, off_grid, ok)
 
 
+# ---------------------------------------------------------------- FP8 sources
+
+def is_dequantized_output(source: Source, config: dict) -> bool:
+    """An FP8 source's output without a quantization_config: written by `dequantize`."""
+    return source.quant is not None and "quantization_config" not in config
+
+
+def fp8_source_rows(source: Source, weight: FP8Weight, files: _Files, dtype=None):
+    """rows(r0, r1) -> an FP8 source weight's rows [r0, r1) dequantized: float32(q) * scale, in float32
+    or rounded once to `dtype`. The scale is read whole (it is small) and must be finite and positive."""
+    import torch
+
+    from .run.numerics import dequantize, scale_as_stored
+    scheme = source.quant.scheme
+    scale = scale_as_stored(files.whole(source.root / weight.scale.file, weight.scale), scheme)
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise FP8ConvertError(f"{weight.scale.name}: the source's scale is not finite and positive everywhere")
+
+    def rows(r0: int, r1: int):
+        q = files.rows(source.root / weight.weight.file, weight.weight, r0, r1)
+        s = scale if scheme == "tensor" else scale[r0:r1] if scheme == "channel" else scale[r0 // BLOCK:-(-r1 // BLOCK)]
+        w = dequantize(q, s, scheme)
+        return w if dtype is None else w.to(dtype)
+    return rows
+
+
+def _check_fp8_source_weight(source: Source, weight: FP8Weight, path: Path, got: TensorInfo, outputs: dict,
+                             fmt: QuantizedLayout | None, arch: Architecture, report: VerifyReport, files: _Files,
+                             accounted: set[str]):
+    """One FP8 source weight's output: dequantized (exact), or FP8 (passed through: exact; requantized:
+    within the e4m3 bound of the dequantized values), with its static activation scale if it has one.
+    Returns the output's scale when it is FP8 and its scale is usable."""
+    name = weight.weight.name
+    if got.dtype != FP8:
+        report.tensors_dequantized += 1
+        _check_dequantized(source, weight, path, got, report, files)
+        if fmt is not None and not fmt.ignores(module_of(name)):
+            report.failures.append(f"{name}: dequantized to {got.dtype}, but {module_of(name)} is not in the ignore "
+                                   "list (engines would expect FP8 weights for it)")
+        return None
+    if fmt is None:
+        report.failures.append(f"{name}: still FP8, but the output has no quantization_config")
+        return None
+    report.tensors_quantized += 1
+    scale_name = fmt.scale_name(name)
+    accounted.add(scale_name)
+    _check_activation_scale(source, weight, outputs, report, files, accounted)
+    scale_at = outputs.get(scale_name)
+    if scale_at is not None and _passed_through(source, weight, path, got, scale_at, fmt, report, files):
+        return files.whole(*scale_at).float()
+    try:
+        rows = fp8_source_rows(source, weight, files)
+    except FP8ConvertError as e:
+        report.failures.append(str(e))
+        return None
+    return _check_quantized(source, Expected(name, weight.weight), path, got, scale_at, scale_name, fmt, report, files,
+                            source_rows=rows)
+
+
+def _check_dequantized(source: Source, weight: FP8Weight, path: Path, got: TensorInfo, report: VerifyReport,
+                       files: _Files) -> None:
+    """Every element equal to (float32(q) * scale) rounded once to the output's dtype."""
+    import torch
+    name = weight.weight.name
+    if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.weight.shape:
+        report.failures.append(f"{name}: dequantized as {got.dtype} {list(got.shape)}, but the source is an FP8 "
+                               f"weight {list(weight.weight.shape)} (expected BF16, F16 or F32 of that shape)")
+        return
+    dtype = torch_dtype(got.dtype)
+    try:
+        rows = fp8_source_rows(source, weight, files, dtype)
+    except FP8ConvertError as e:
+        report.failures.append(str(e))
+        return
+    cols = got.shape[1]
+    step = max(BLOCK, CHUNK_ELEMENTS // max(cols, 1) // BLOCK * BLOCK)
+    wrong = 0
+    for r0 in range(0, got.shape[0], step):
+        r1 = min(got.shape[0], r0 + step)
+        expected, stored = rows(r0, r1).contiguous(), files.rows(path, got, r0, r1).contiguous()
+        wrong += int((expected.view(torch.uint8).view(-1, dtype.itemsize) !=
+                      stored.view(torch.uint8).view(-1, dtype.itemsize)).any(dim=1).sum())
+    if wrong:
+        report.failures.append(f"{name}: {wrong} element(s) differ from float32(q) * scale rounded once to {got.dtype}")
+
+
+def _passed_through(source: Source, weight: FP8Weight, path: Path, got: TensorInfo, scale_at: tuple[Path, TensorInfo],
+                    fmt: QuantizedLayout, report: VerifyReport, files: _Files) -> bool:
+    """Whether the output's codes and scale are the source's (then it is exact, and recorded so); a
+    non-float32 scale that is not the source's is a failure."""
+    import torch
+    scale_path, scale = scale_at
+    same_scale = (scale.dtype == weight.scale.dtype and scale.nbytes == weight.scale.nbytes
+                  and files.pread(scale_path, scale.offset, scale.nbytes)
+                  == files.pread(source.root / weight.scale.file, weight.scale.offset, weight.scale.nbytes))
+    same_codes = same_scale and got.shape == weight.weight.shape and all(
+        files.pread(path, got.offset + start, min(CHUNK_BYTES, got.nbytes - start))
+        == files.pread(source.root / weight.weight.file, weight.weight.offset + start,
+                       min(CHUNK_BYTES, got.nbytes - start))
+        for start in range(0, got.nbytes, CHUNK_BYTES))
+    name = weight.weight.name
+    if not (same_scale and same_codes):
+        if scale.dtype != "F32":
+            report.failures.append(f"{name}: scale {fmt.scale_name(name)} is {scale.dtype}, but its codes and scale are "
+                                   "not the source's (a requantized scale is float32)")
+            return True
+        return False
+    if scale.shape not in fmt.scale_shapes(got.shape):
+        report.failures.append(f"{name}: scale {fmt.scale_name(name)} shaped {list(scale.shape)}, expected "
+                               f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(got.shape))}")
+        return True
+    values = files.whole(scale_path, scale).float()
+    if not bool((torch.isfinite(values) & (values > 0)).all()):
+        report.failures.append(f"{name}: scale {fmt.scale_name(name)} is not finite and positive everywhere")
+        return True
+    report.tensors.append(TensorCheck(name, list(got.shape), list(scale.shape), 0.0, math.inf, 0.0, 0, True))
+    return True
+
+
+def _check_activation_scale(source: Source, weight: FP8Weight, outputs: dict, report: VerifyReport, files: _Files,
+                            accounted: set[str]) -> None:
+    """A static activation scale in the output must be the source's, byte for byte."""
+    name = weight.weight.name[: -len(".weight")] + ".input_scale"
+    if name not in outputs:
+        return
+    accounted.add(name)
+    path, got = outputs[name]
+    source_scale = weight.input_scale
+    if source_scale is None or got.dtype != source_scale.dtype or got.nbytes != source_scale.nbytes or \
+            files.pread(path, got.offset, got.nbytes) != files.pread(source.root / source_scale.file,
+                                                                     source_scale.offset, source_scale.nbytes):
+        report.failures.append(f"{name}: not the source's static activation scale"
+                               + ("" if source_scale else " (the source has none)"))
+
+
 def render(report: VerifyReport, worst: int = 10) -> str:
-    lines = [f"verify {report.src} -> {report.out}: {report.format or '?'} format, {report.scheme or '?'} scheme",
-             f"  {report.tensors_quantized} tensors quantized, {report.tensors_kept} kept"]
+    lines = [f"verify {report.src} -> {report.out}: " + (f"{report.format or '?'} format, {report.scheme or '?'} scheme"
+                                                         if report.format != "dequantized" else "dequantized"),
+             f"  {report.tensors_quantized} tensors quantized, {report.tensors_kept} kept"
+             + (f", {report.tensors_dequantized} dequantized (each equal to its one rounding)"
+                if report.tensors_dequantized else "")]
     if report.tensors:
         lines.append(f"  relative error max {report.max_rel_error:.4g}, SNR min {report.min_snr_db:.1f} dB")
         lines.append("  worst tensors:")
@@ -470,4 +629,9 @@ def record_in_card(report: VerifyReport, out: str | Path) -> None:
         return
     figures = {"tensors quantized": report.tensors_quantized, "tensors kept (byte-identical)": report.tensors_kept,
                "worst relative error": report.max_rel_error, "lowest SNR (dB)": report.min_snr_db}
+    if report.tensors_dequantized:
+        figures["tensors dequantized (every element its one rounding)"] = report.tensors_dequantized
+    if report.format == "dequantized":
+        figures = {k: v for k, v in figures.items() if k not in ("tensors quantized", "worst relative error",
+                                                                  "lowest SNR (dB)")}
     write_atomic(card, with_verification(card.read_text(), figures).encode())

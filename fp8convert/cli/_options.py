@@ -34,6 +34,15 @@ Devices = Annotated[Optional[str], typer.Option(
     "--devices", metavar="LIST|all",
     help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
          "entries are allowed too.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", metavar="bf16|fp16|fp32",
+    help="dtype of dequantized weights (default: the model's own, from config.json; bf16 when it names none).")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace whatever OUT holds.")]
+PushToHub = Annotated[Optional[str], typer.Option(
+    "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")]
+StreamDownload = Annotated[bool, typer.Option(
+    "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
+                              "converted (for models larger than the free disk).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 Private = Annotated[bool, typer.Option("--private", help="Create the Hub repo as private (an existing repo keeps "
                                                          "its visibility).")]

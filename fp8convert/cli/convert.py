@@ -1,4 +1,4 @@
-"""quantize, inspect and demo."""
+"""quantize, dequantize, inspect and demo."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ from .. import api, publish
 from ..errors import FP8ConvertError
 from ..options import Settings
 from ..plan.summary import compatibility_warnings, describe, render
-from ..source.resolve import REPO_ID
 from ..options import TARGET_TP
-from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Private, Quiet,
-                       Revision, Scheme, TargetTp, Worker, token)
+from ..source.resolve import REPO_ID
+from ._options import (Device, Devices, Dtype, Format, Ignore, Json, MaxResident, MaxShardSize, Overwrite, Prefetch,
+                       Private, PushToHub, Quiet, Revision, Scheme, StreamDownload, TargetTp, Worker, token)
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
@@ -26,18 +26,15 @@ Out = Annotated[Path, typer.Argument(help="Output directory (created; must be em
 def quantize(
     src: Src, out: Out, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace whatever OUT holds.")] = False,
-    revision: Revision = None, json_out: Json = False,
-    quiet: Quiet = False,
-    push_to_hub: Annotated[Optional[str], typer.Option(
-        "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")] = None,
-    private: Private = False,
-    stream_download: Annotated[bool, typer.Option(
-        "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
-                                  "converted (for models larger than the free disk).")] = False,
+    overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False, quiet: Quiet = False,
+    push_to_hub: PushToHub = None, private: Private = False, stream_download: StreamDownload = False,
     worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB", target_tp: TargetTp = None,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
+
+    SRC may itself be FP8 (native fp8 such as DeepSeek-V3, or compressed-tensors): each FP8 weight is then
+    passed through as it is when SRC has the scheme you ask for, requantized from its dequantized values
+    when it has another, and dequantized where you --ignore it; no BF16 copy is written in between.
 
     Examples:
 
@@ -46,6 +43,8 @@ def quantize(
       fp8convert quantize ./llama --scheme channel --ignore 're:.*down_proj' ./llama-fp8
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
+
+      fp8convert quantize ./DeepSeek-V3 ./dsv3-channel --scheme channel      # FP8 blocks to per-channel scales
 
       fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --target-tp 4     # say what fails at TP 4
 
@@ -57,6 +56,44 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
+    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
+                        target_tp=tuple(target_tp or TARGET_TP),
+                        max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
+                        revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
+                        worker=worker, devices=devices, prefetch=prefetch)
+    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+
+
+def dequantize(
+    src: Src, out: Out, dtype: Dtype = None, device: Device = "auto", max_shard_size: MaxShardSize = "5GB",
+    max_resident: MaxResident = None, overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False,
+    quiet: Quiet = False, push_to_hub: PushToHub = None, private: Private = False,
+    stream_download: StreamDownload = False, worker: Worker = None, devices: Devices = None,
+    prefetch: Prefetch = "8GiB",
+):
+    """Convert the FP8 checkpoint SRC (native fp8 or compressed-tensors) to high precision in OUT:
+    every FP8 weight becomes float32(codes) x scale rounded once to --dtype, scales and
+    quantization_config are dropped, every other tensor is copied byte for byte. Rerunning the same
+    command resumes an interrupted run.
+
+    Examples:
+
+      fp8convert dequantize deepseek-ai/DeepSeek-V3 ./DeepSeek-V3-BF16 --stream-download
+
+      fp8convert dequantize ./Qwen3-8B-FP8 ./Qwen3-8B-BF16 --dtype bf16 --device cuda
+
+      fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
+    """
+    settings = Settings(dequantize=True, dtype=dtype, device=device, max_shard_size=max_shard_size,
+                        max_resident=max_resident, overwrite=overwrite, revision=revision, token=token(),
+                        progress=not quiet, stream_download=stream_download, worker=worker, devices=devices,
+                        prefetch=prefetch)
+    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+
+
+def _convert(src: str, out: Path, settings: Settings, json_out: bool, quiet: bool, push_to_hub: str | None,
+             private: bool) -> None:
+    """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to_hub:
         raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
     if push_to_hub and not REPO_ID.match(push_to_hub):
@@ -67,11 +104,6 @@ def quantize(
             for line in [w.text for w in compatibility_warnings(the_plan)] + the_plan.notes:
                 print(f"warning: {line}", file=sys.stderr)
 
-    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
-                        target_tp=tuple(target_tp or TARGET_TP),
-                        max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                        revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
-                        worker=worker, devices=devices, prefetch=prefetch)
     report = api.quantize(src, out, settings, on_plan=show_warnings)
     if json_out:
         print(json.dumps(asdict(report), indent=2))
@@ -83,8 +115,8 @@ def quantize(
               f"output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every worker is done")
     else:
         resumed = f", {report.shards_resumed} resumed" if report.shards_resumed else ""
-        print(f"wrote {out}: {report.shards} shard(s){resumed}, {report.tensors_quantized} tensors quantized, "
-              f"{report.tensors_kept} kept, {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
+        print(f"wrote {out}: {report.shards} shard(s){resumed}, {done_text(report)}, "
+              f"{report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
               f"in {report.seconds:.1f}s on {report.device}")
     if push_to_hub and report.complete:
         url = publish.push(out, push_to_hub, private=private, token=token())
@@ -94,14 +126,31 @@ def quantize(
               f"(or run `fp8convert push {out} {push_to_hub}` after finalize)", file=sys.stderr)
 
 
+def done_text(report: api.Report) -> str:
+    """What happened to the tensors, e.g. '120 FP8 weights dequantized, 35 kept'."""
+    if report.dequantize:
+        return f"{report.tensors_dequantized} FP8 weights dequantized, {report.tensors_kept} kept"
+    parts = [f"{report.tensors_quantized} tensors quantized"]
+    if report.source_quantization:
+        quantized_here = report.tensors_quantized - report.tensors_requantized - report.tensors_passed_through
+        parts = [f"{report.tensors_passed_through} FP8 weights passed through",
+                 f"{report.tensors_requantized} requantized"] + ([f"{quantized_here} quantized"] if quantized_here else [])
+        parts.append(f"{report.tensors_dequantized} dequantized")
+    return ", ".join(parts + [f"{report.tensors_kept} kept"])
+
+
 def inspect(
     src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
     revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and what becomes of it.")] = False,
+    dequantize: Annotated[bool, typer.Option("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC "
+                                                                  "instead of a quantize.")] = False,
+    dtype: Dtype = None,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
-    groups, output size, shard count, and estimated peak memory.
+    groups, output size, shard count, and estimated peak memory. For an FP8 SRC: its format, and which
+    weights pass through, are requantized or dequantized.
 
     Examples:
 
@@ -110,9 +159,11 @@ def inspect(
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
 
       fp8convert inspect ./Llama-4-Scout --tensors --target-tp 8
+
+      fp8convert inspect ./DeepSeek-V3 --dequantize --dtype bf16
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
-                        target_tp=tuple(target_tp or TARGET_TP),
+                        target_tp=tuple(target_tp or TARGET_TP), dequantize=dequantize, dtype=dtype,
                         device=device, max_resident=max_resident, revision=revision, token=token())
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
@@ -121,8 +172,8 @@ def inspect(
     info = describe(the_plan, budget, dev.type)
     if tensors:
         info["tensor_plan"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.source.dtype,
-                                "quantize": t.quantize, "reason": t.reason, "group": t.group,
-                                "from": t.cut.describe(t.source.name) if t.cut else None}
+                                "quantize": t.quantize, "action": t.action.value, "reason": t.reason,
+                                "group": t.group, "from": t.cut.describe(t.source.name) if t.cut else None}
                                for t in the_plan.tensors]
     if json_out:
         print(json.dumps(info, indent=2))
@@ -130,7 +181,8 @@ def inspect(
     print(render(info))
     if tensors:
         for t in info["tensor_plan"]:
-            what = "fp8" if t["quantize"] else f"keep ({t['reason']})"
+            what = {"quantize": "fp8", "pass": "fp8 (passed through)", "requantize": "fp8 (requantized)",
+                    "dequantize": f"dequantize ({t['reason']})"}.get(t["action"], f"keep ({t['reason']})")
             origin = f"  <- {t['from']}" if t["from"] else ""
             print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
@@ -154,5 +206,6 @@ def demo(
 
 def register(app: typer.Typer) -> None:
     app.command()(quantize)
+    app.command()(dequantize)
     app.command()(inspect)
     app.command()(demo)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..errors import FP8ConvertError
 from ..options import BLOCK
+from .source_config import SourceConfig
 
 QUANT_METHOD = "fp8"
 
@@ -27,8 +28,10 @@ def scale_shape(shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
     return scale_shapes(shape, scheme)[0]
 
 
-def quantization_config(scheme: str, ignore: list[str]) -> dict:
-    config = {"quant_method": QUANT_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic"}
+def quantization_config(scheme: str, ignore: list[str], static_activations: bool = False) -> dict:
+    """`static_activations`: every FP8 linear has an `input_scale` (carried from an FP8 source)."""
+    config = {"quant_method": QUANT_METHOD, "fmt": "e4m3",
+              "activation_scheme": "static" if static_activations else "dynamic"}
     if scheme == "block":
         config["weight_block_size"] = [BLOCK, BLOCK]
     # vLLM reads ignored_layers; transformers reads modules_to_not_convert.
@@ -46,3 +49,35 @@ def read_config(qc: dict, where: str) -> tuple[str, tuple[str, ...]]:
         raise FP8ConvertError(f"{where}: fmt {qc.get('fmt')!r} is not e4m3")
     ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
     return "block" if block else "tensor", tuple(dict.fromkeys(ignore))
+
+
+# `fmt` spellings of e4m3 weights: DeepSeek writes "e4m3", MiniMax "float8_e4m3fn".
+E4M3_FMTS = (None, "e4m3", "float8_e4m3fn")
+
+
+def read_source_config(qc: dict, where: str) -> SourceConfig:
+    """A native fp8 source's config, as vLLM and transformers read it: block iff `weight_block_size`
+    is given, `activation_scheme` dynamic or static, the skip list under `ignored_layers` or else
+    `modules_to_not_convert`. Block scales are `weight_scale_inv`; per-tensor scales `weight_scale`
+    (vLLM, AutoFP8) or `weight_scale_inv` (transformers, Mistral); static activation scales `input_scale`
+    (vLLM) or `activation_scale` (transformers)."""
+    if qc.get("fmt") not in E4M3_FMTS:
+        raise FP8ConvertError(f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
+                              "float8_e4m3fn weights only)")
+    block = qc.get("weight_block_size")
+    if block not in (None, [BLOCK, BLOCK]):
+        raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}] (the only block size "
+                              "fp8convert reads)")
+    activations = qc.get("activation_scheme") or "dynamic"
+    if activations not in ("dynamic", "static"):
+        raise FP8ConvertError(f"{where}: activation_scheme {activations!r} is neither dynamic nor static")
+    if qc.get("expert_dtype") not in (None, "fp8"):
+        raise FP8ConvertError(f"{where}: expert_dtype {qc.get('expert_dtype')!r}: experts in another format than "
+                              "FP8 are not supported")
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt not in (None, "float", "ue8m0"):
+        raise FP8ConvertError(f"{where}: scale_fmt {scale_fmt!r} is neither float nor ue8m0")
+    ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
+    return SourceConfig("fp8", "block" if block else "tensor", activations == "static", tuple(ignore),
+                        ("weight_scale_inv",) if block else ("weight_scale", "weight_scale_inv"),
+                        ("input_scale", "activation_scale"), scale_fmt)

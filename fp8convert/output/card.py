@@ -68,13 +68,21 @@ def _plan_info(plan) -> tuple[dict, dict]:
     info = describe(plan, 1 << 30, "cpu")
     source = plan.source
     extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
-             "revision": source.revision if looks_like_repo_id(str(source.label)) else None}
+             "revision": source.revision if looks_like_repo_id(str(source.label)) else None,
+             "dtype": plan.options.dtype}
     return info, extra
 
 
+DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
 def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_patterns=(),
-                      max_shard_size: int | None = None, revision: str | None = None) -> str:
-    args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
+                      max_shard_size: int | None = None, revision: str | None = None, dequantize: bool = False,
+                      dtype: str | None = None) -> str:
+    if dequantize:
+        args = ["fp8convert", "dequantize", source, target] + (["--dtype", DTYPE_TEXT[dtype]] if dtype else [])
+    else:
+        args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
     for pattern in ignore_patterns:
         args += ["--ignore", pattern]
     if max_shard_size and max_shard_size != DEFAULT_MAX_SHARD:
@@ -118,16 +126,21 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
         info, extra = _plan_info(plan_or_info)
     source = str(info["source"])
     base_model = source if looks_like_repo_id(source) else None
+    dequantized = bool(info.get("dequantize"))
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
-        name = f"{name}-FP8"
+        name = f"{name}-{info.get('dequantized_dtype') if dequantized else 'FP8'}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(source, where, info["scheme"], info["format"],
                                        extra.get("ignore_patterns") or (), extra.get("max_shard_size"),
-                                       extra.get("revision"))
-    lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "",
-             introduction(source, base_model, extra.get("revision")), "",
-             *quantization_section(info), "", *kept_section(info)]
+                                       extra.get("revision"), dequantized, extra.get("dtype"))
+    if dequantized:
+        body = [dequantized_introduction(info, source, base_model, extra.get("revision")), "",
+                *dequantization_section(info)]
+    else:
+        body = [introduction(source, base_model, extra.get("revision"), info.get("static_activations")), "",
+                *quantization_section(info), "", *kept_section(info)]
+    lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
     if verify:
         lines += ["", *verification_section(verify)]
     lines += ["", "## Reproduce", "", "```bash", cmd, "```", "", *use_section(info, where)]
@@ -139,22 +152,27 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
     """The YAML header: the Hub links the repo to its base model and shows the source's license."""
     source_meta, _ = split_front_matter(source_card_text)
     meta: dict = {}
+    dequantized = bool(info.get("dequantize"))
     if base_model:
         meta["base_model"] = base_model
-        meta["base_model_relation"] = "quantized"
+        if not dequantized:  # the Hub has no relation for "dequantized from"
+            meta["base_model_relation"] = "quantized"
     for key in COPIED_FIELDS:
         if source_meta.get(key) not in (None, "", []):
             meta[key] = source_meta[key]
-    meta["tags"] = list(dict.fromkeys(["fp8", info["format"], "fp8convert"]))
+    tags = [DTYPE_TEXT.get(info.get("dequantized_dtype"), "bf16"), "dequantized"] if dequantized else \
+        ["fp8", info["format"]]
+    meta["tags"] = list(dict.fromkeys(tags + ["fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
     return f"---\n{header}---"
 
 
-def introduction(source: str, base_model: str | None, revision: str | None) -> str:
+def introduction(source: str, base_model: str | None, revision: str | None, static: bool = False) -> str:
     from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
     return (f"FP8 (e4m3) weights of {from_text}" + (f" at commit `{revision[:12]}`" if revision else "")
             + f", converted offline with fp8convert {__version__}. "
-            "Activations are quantized dynamically at run time, so no calibration data was used.")
+            + ("Activations use the static per-tensor scales the source was calibrated with." if static else
+               "Activations are quantized dynamically at run time, so no calibration data was used."))
 
 
 def quantization_section(info: dict) -> list[str]:
@@ -162,14 +180,43 @@ def quantization_section(info: dict) -> list[str]:
     lines = ["## Quantization", "",
              f"- Format: `{fmt}` (`quantization_config` in config.json)",
              f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}",
-             f"- Activations: {ACTIVATIONS_TEXT.get((fmt, scheme), 'dynamic FP8')}"]
+             f"- Activations: " + ("static per-tensor FP8 (the source's calibrated input_scale)"
+                                   if info.get("static_activations") else
+                                   ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8"))]
     q = info.get("quantized")
     if q:
         lines.append(f"- Quantized: {q['tensors']} linear weights, {human(q['bytes_in'])} -> "
                      f"{human(q['bytes_out'])} with scales")
+    if info.get("source_quantization"):
+        actions = info["actions"]
+        lines.append(f"- Source: FP8 ({info['source_quantization']}): {actions['pass']} weights passed through with "
+                     f"their codes and scales unchanged, {actions['requantize']} requantized from their dequantized "
+                     f"values (float32(q) * scale), {actions['dequantize']} dequantized")
     if info.get("bytes_in") and info.get("bytes_out"):
         lines.append(f"- Checkpoint: {human(info['bytes_in'])} -> {human(info['bytes_out'])} "
                      f"({info['bytes_out'] / info['bytes_in']:.0%})")
+    return lines
+
+
+def dequantized_introduction(info: dict, source: str, base_model: str | None, revision: str | None) -> str:
+    from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
+    return (f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}"
+            + (f" at commit `{revision[:12]}`" if revision else "")
+            + f" ({info.get('source_quantization')}), converted offline with fp8convert {__version__}.")
+
+
+def dequantization_section(info: dict) -> list[str]:
+    dtype = info.get("dequantized_dtype")
+    kept = info.get("kept") or {}
+    dequantized = kept.get("dequantized", {"tensors": 0, "bytes": 0})
+    lines = ["## Dequantization", "",
+             f"- {dequantized['tensors']} FP8 weights: w = float32(q) * scale (block scales over their 128x128 tiles, "
+             f"edge tiles included), rounded once to {dtype}: {human(dequantized['bytes'])}",
+             "- Scale tensors, static activation scales and `quantization_config` removed",
+             "- Every other tensor copied byte for byte:"]
+    lines += [f"  {k['tensors']} {reason} ({human(k['bytes'])})" for reason, k in kept.items() if reason != "dequantized"]
+    if info.get("bytes_in") and info.get("bytes_out"):
+        lines.append(f"- Checkpoint: {human(info['bytes_in'])} -> {human(info['bytes_out'])}")
     return lines
 
 
@@ -189,6 +236,10 @@ def kept_section(info: dict) -> list[str]:
 
 def use_section(info: dict, where: str) -> list[str]:
     """How to serve or load it: vLLM, SGLang, and transformers where it can."""
+    if info.get("dequantize"):
+        return ["## Use", "", "A plain high-precision checkpoint:", "", "```bash", f"vllm serve {shlex.quote(where)}",
+                "```", "", "```python", "from transformers import AutoModelForCausalLM", "",
+                f'model = AutoModelForCausalLM.from_pretrained({json.dumps(where)}, device_map="auto")', "```"]
     lines = ["## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
              "```bash", f"vllm serve {shlex.quote(where)}", "```",
              "", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]

@@ -116,6 +116,7 @@ def new_manifest(plan: Plan) -> dict:
             "revision": source.revision, "source_files": source_identity(source).get("files"),
             "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
             "max_shard_size": plan.options.max_shard_size, "target_tp": list(plan.options.target_tp),
+            "dequantize": plan.options.dequantize, "dtype": plan.options.dtype,
             "shards": len(plan.shards), "complete": False}
 
 
@@ -123,7 +124,8 @@ def plan_change(state: dict, plan: Plan) -> str:
     """What differs between the recorded run and this one, as far as the manifest can tell."""
     now = new_manifest(plan)
     names = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
-             "max_shard_size": "--max-shard-size", "target_tp": "--target-tp", "version": "fp8convert version"}
+             "max_shard_size": "--max-shard-size", "target_tp": "--target-tp", "dequantize": "dequantize",
+             "dtype": "--dtype", "version": "fp8convert version"}
     diffs = [f"{names[key]} was {state.get(key)!r}, now {now[key]!r}" for key in names
              if key in state and state.get(key) != now[key]]
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"

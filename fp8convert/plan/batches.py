@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .plan import TensorPlan, Unit, unique_inputs
+from .plan import Action, TensorPlan, Unit, unique_inputs
 
 
 @dataclass
@@ -22,11 +22,17 @@ class Batch:
 
     @property
     def files(self) -> list[str]:
-        """The source files this batch reads, sorted."""
-        return sorted({t.source.file for t in self.tensors})
+        """The source files this batch reads, sorted (an FP8 weight's scale may lie in another one)."""
+        return sorted({info.file for t in self.tensors for info in t.inputs})
 
 
 KEPT_PIECE_BYTES = 256 << 20
+
+
+def resident_bytes(tensors: list[TensorPlan]) -> int:
+    """What a batch of `tensors` holds at its peak: its input, or its outputs when they are larger
+    (dequantized weights are 2 or 4 times their FP8 codes)."""
+    return max(sum(info.nbytes for info in unique_inputs(tensors)), sum(t.out_bytes for t in tensors if t.computed))
 
 
 def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
@@ -46,13 +52,13 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
                 atoms += [(piece, True) for piece in pieces]
             else:
                 atoms.append((atom, False))
-        if unit.in_bytes <= max_resident and not any(split for _, split in atoms):
+        if resident_bytes(unit.tensors) <= max_resident and not any(split for _, split in atoms):
             batches.append(Batch(unit, unit.atoms(), unit.label))
             continue
         parts: list[list[list[TensorPlan]]] = [[]]
         used, alone = 0, False
         for atom, split in atoms:
-            size = sum(info.nbytes for info in unique_inputs(atom))
+            size = resident_bytes(atom)
             if parts[-1] and (split or alone or used + size > max_resident):
                 parts.append([])
                 used = 0
@@ -67,7 +73,7 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
     Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
     does not grow with the vocabulary (an embedding can be several GB)."""
     info = t.source
-    if t.quantize or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
+    if t.action is not Action.KEEP or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
         return [t]
     row = info.nbytes // info.shape[0]
     step = max(1, max_bytes // row)

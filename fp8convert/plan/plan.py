@@ -14,13 +14,15 @@ import re
 from dataclasses import dataclass, field
 
 from .._version import __version__
+from ..errors import FP8ConvertError
 from ..formats import get_format
+from ..formats.sources import SourceQuantization
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
 from .architectures import GENERIC, Architecture, architecture_of, mtp_layers
 from .cuts import Cut
-from .rules import decide, experts_of, is_linear_weight, module_of
+from .rules import Decision, decide, experts_of, is_linear_weight, module_of
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 SCALE_DTYPE = "F32"
@@ -30,8 +32,16 @@ class Action(enum.Enum):
     """What is done to the source to make an output tensor. New kinds of source (an FP8 weight with
     its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
 
-    KEEP = "keep"            # the source bytes (or a cut of them) unchanged
-    QUANTIZE = "quantize"    # FP8 codes and a float32 scale from a high-precision weight
+    KEEP = "keep"                # the source bytes (or a cut of them) unchanged
+    QUANTIZE = "quantize"        # FP8 codes and a float32 scale from a high-precision weight
+    DEQUANTIZE = "dequantize"    # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
+    REQUANTIZE = "requantize"    # FP8 codes and a float32 scale in the output's scheme, from an FP8 weight's
+                                 # dequantized (float32) values
+    PASS = "pass"                # an FP8 weight's codes and scale as they are: the output's scheme is the source's
+
+
+FP8_OUT = (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
+COMPUTED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)
 
 
 @dataclass(frozen=True)
@@ -39,7 +49,8 @@ class TensorPlan:
     """One output tensor (and its scale, when quantized) and how it is made from the source."""
 
     name: str                             # the output tensor's name
-    inputs: tuple[TensorInfo, ...]        # source tensors it is made from (the weight first)
+    inputs: tuple[TensorInfo, ...]        # source tensors it is made from: the weight, then (FP8 sources) its
+                                          # scale, then the static activation scale carried to the output
     action: Action
     reason: str | None                    # why it stays in high precision (None when quantized)
     group: str | None                     # fused group: members share one scale in the tensor scheme
@@ -47,14 +58,39 @@ class TensorPlan:
     scale_shape: tuple[int, ...] | None = None
     cut: Cut | None = None                # the part of the source it is (fused experts); None: all of it
     at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
+    out_dtype: str | None = None          # DEQUANTIZE: the high-precision dtype written
+    input_scale_name: str | None = None   # a static activation scale (the last input) copied to this name
 
     @property
     def source(self) -> TensorInfo:
         return self.inputs[0]
 
     @property
+    def source_scale(self) -> TensorInfo | None:
+        """An FP8 source weight's scale."""
+        return self.inputs[1] if self.source.dtype == FP8 else None
+
+    @property
     def quantize(self) -> bool:
-        return self.action is Action.QUANTIZE
+        """The output is FP8: quantized here, requantized, or passed through from an FP8 source."""
+        return self.action in FP8_OUT
+
+    @property
+    def computed(self) -> bool:
+        """The output is computed on the device (not a plain copy of source bytes)."""
+        return self.action in COMPUTED or self.cut is not None
+
+    @property
+    def copies(self) -> list[tuple[TensorInfo, str]]:
+        """(source tensor, output name) of a plain byte copy: a kept tensor, or a passed-through weight's
+        codes, scale and static activation scale."""
+        if self.action is Action.KEEP and self.cut is None:
+            return [(self.source, self.name)]
+        if self.action is Action.PASS:
+            return list(zip(self.inputs, [self.name, self.scale_name, self.input_scale_name]))
+        if self.input_scale_name:  # a requantized weight's static activation scale
+            return [(self.inputs[-1], self.input_scale_name)]
+        return []
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -64,14 +100,25 @@ class TensorPlan:
     def in_bytes(self) -> int:
         """Bytes of the source this output is made from (all of them unless it is a cut)."""
         if not self.cut:
-            return self.source.nbytes
+            return sum(info.nbytes for info in self.inputs)
         return math.prod(self.shape) * DTYPE_SIZES[self.source.dtype]
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the main output."""
+        if self.action is Action.KEEP:
+            return self.source.dtype
+        return self.out_dtype if self.action is Action.DEQUANTIZE else FP8
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every output tensor this plan produces."""
         if not self.quantize:
-            return [(self.name, self.source.dtype, self.shape)]
-        return [(self.name, FP8, self.shape), (self.scale_name, SCALE_DTYPE, self.scale_shape)]
+            return [(self.name, self.dtype, self.shape)]
+        scale_dtype = self.inputs[1].dtype if self.action is Action.PASS else SCALE_DTYPE  # passed as it is
+        outputs = [(self.name, FP8, self.shape), (self.scale_name, scale_dtype, self.scale_shape)]
+        if self.input_scale_name:
+            outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.inputs[-1].shape))
+        return outputs
 
     @property
     def out_bytes(self) -> int:
@@ -103,7 +150,8 @@ class Unit:
         once), a quantized fused group (one scale), or a single tensor."""
         atoms: dict[str, list[TensorPlan]] = {}
         for t in self.tensors:
-            key = (f"cut:{t.source.name}" if t.cut else f"group:{t.group}" if t.group and t.quantize
+            shares_scale = t.action in (Action.QUANTIZE, Action.REQUANTIZE)
+            key = (f"cut:{t.source.name}" if t.cut else f"group:{t.group}" if t.group and shares_scale
                    else f"tensor:{t.name}")
             atoms.setdefault(key, []).append(t)
         return list(atoms.values())
@@ -142,8 +190,22 @@ class Plan:
     def out_bytes(self) -> int:
         return sum(s.size for s in self.shards)
 
-    def quantization_config(self) -> dict:
-        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list)
+    @property
+    def source_scheme(self) -> str:
+        """An FP8 source's scheme (how its scales are laid out); "" for a high-precision source."""
+        return self.source.quant.scheme if self.source.quant else ""
+
+    @property
+    def static_activations(self) -> bool:
+        """Static activation scales are carried (FP8 source with them, tensor scheme out)."""
+        return any(t.input_scale_name for t in self.tensors)
+
+    def quantization_config(self) -> dict | None:
+        """The output's quantization_config; None for a dequantized output (it has none)."""
+        if self.options.dequantize:
+            return None
+        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list,
+                                                                    static_activations=self.static_activations)
 
 
 def natural_key(text: str) -> list:
@@ -179,30 +241,81 @@ def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int
 
 def fingerprint(source: Source, options: Options) -> str:
     """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
+    chosen = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
+    if options.dequantize or options.dtype:  # (only then, so earlier outputs keep their fingerprints)
+        chosen += [options.dequantize, options.dtype]
     blob = json.dumps({
         "tool": __version__,
-        "options": [options.scheme, options.format, list(options.ignore), options.max_shard_size,
-                    list(options.target_tp)],
+        "options": chosen,
         "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
         "config": source.config,
     }, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def build_plan(source: Source, options: Options) -> Plan:
+# config.json's dtype names -> the safetensors dtype of a dequantized weight
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def high_precision_dtype(options: Options, config: dict) -> str:
+    """What a dequantized weight is written as: --dtype, else the model's dtype (config.json), else BF16."""
+    return options.dtype or MODEL_DTYPES.get(str(config.get("torch_dtype", config.get("dtype"))), "BF16")
+
+
+def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
+    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that
+    stays FP8 passes through when its scheme is the output's (its codes and scales are the output's:
+    re-deriving scales would change codes wherever the source's scales are not amax / 448), and is
+    requantized from its dequantized values otherwise. Its static activation scale goes with it when
+    the output's activations are per tensor."""
     fmt = get_format(options.format)
+    fp8_weight = quant.weights.get(d.source.name) if quant else None
+    if fp8_weight is None:
+        if not d.quantize:
+            return TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut)
+        shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
+        return TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group, fmt.scale_name(d.name, options.scheme),
+                          fmt.scale_shape(shape, options.scheme), d.cut)
+    inputs = (fp8_weight.weight, fp8_weight.scale)
+    if not d.quantize:
+        return TensorPlan(d.name, inputs, Action.DEQUANTIZE, d.reason, d.group, out_dtype=high_precision)
+    carried = None
+    if fp8_weight.input_scale is not None and options.scheme == "tensor":
+        inputs += (fp8_weight.input_scale,)
+        carried = module_of(d.name) + ".input_scale"
+    action = Action.PASS if quant.scheme == options.scheme else Action.REQUANTIZE
+    return TensorPlan(d.name, inputs, action, None, d.group, fmt.scale_name(d.name, options.scheme),
+                      fmt.scale_shape(d.source.shape, options.scheme), input_scale_name=carried)
+
+
+def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
+    """What becomes of an FP8 source's extras that the output cannot say the same way."""
+    if quant is None:
+        return []
+    notes = []
+    dropped = [t.name for t in plans if t.quantize and quant.weights.get(t.source.name)
+               and quant.weights[t.source.name].input_scale is not None and not t.input_scale_name]
+    if dropped:
+        notes.append(f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
+                     f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
+                     "takes static per-tensor activation scales)")
+    if quant.config.scale_fmt == "ue8m0" and not options.dequantize:
+        notes.append("the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
+                     "they are (transformers would round scales that are not powers of two under it)")
+    return notes
+
+
+def build_plan(source: Source, options: Options) -> Plan:
+    quant = source.quant
+    if options.dequantize and quant is None:
+        raise FP8ConvertError(f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); "
+                              "nothing to dequantize")
     arch = architecture_of(source.config)
-    decisions, notes = decide(source.tensors, source.config, options, arch or GENERIC)
-    plans = []
-    for d in decisions:
-        if d.quantize:
-            shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
-            plans.append(TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group,
-                                    fmt.scale_name(d.name, options.scheme), fmt.scale_shape(shape, options.scheme),
-                                    d.cut))
-        else:
-            plans.append(TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut))
-    if not any(t.quantize for t in plans):
+    decisions, notes = decide(source.tensors, source.config, options, arch or GENERIC, quant)
+    high_precision = high_precision_dtype(options, source.config)
+    plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
+    notes += source_notes(quant, plans, options)
+    if not any(t.quantize for t in plans) and not options.dequantize:
         notes.append("no tensor is quantized: every weight is kept in high precision")
     units = group_into_units(plans)
 
@@ -217,6 +330,8 @@ def build_plan(source: Source, options: Options) -> Plan:
         shard_of.update({n: index for n in placed})
 
     notes += architecture_notes(arch, source)
+    if options.dequantize:  # no FP8 left: nothing for engines to skip
+        return Plan(source, options, units, shards, shard_of, [], notes, fingerprint(source, options), arch)
     if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
         notes.append("the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
                      "activations; consider serving with --dtype bfloat16")
@@ -233,7 +348,7 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
     covers every naming, and one expert's module is not always a real module)."""
     entries: set[str] = set()
     for t in plans:
-        if not t.quantize and is_linear_weight(t.name, t.shape, t.source.dtype, t.reason):
+        if not t.quantize and is_linear_weight(t.name, t.shape, t.dtype, t.reason):
             entries.update(arch.names(module_of(t.name), config))
     for experts in kept_expert_blocks(plans, arch):
         names = arch.names(experts, config)

@@ -12,8 +12,9 @@ import re
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
+from ..formats.sources import SourceQuantization
 from ..options import Options
-from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
 from .architectures import FUSED_SIBLINGS, GENERIC, TOWER, Architecture, ExpertTensor, config_value
 from .cuts import Cut
 
@@ -28,6 +29,8 @@ TOWER_PARTS = {"vision_tower", "vision_model", "visual", "vision_encoder", "visi
                "image_newline", "audio_projector", "vision_embed_tokens"}
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
+SOURCE_KEPT = "high precision in the FP8 source"
+DEQUANTIZED = "dequantized"
 
 
 def module_of(name: str) -> str:
@@ -49,9 +52,9 @@ class UnsupportedLayout(FP8ConvertError):
 
 
 def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str = "", scheme: str = "") -> str | None:
-    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8.
-    Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
-    if info.dtype not in FLOAT_SOURCE_DTYPES:
+    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8 (an FP8
+    source's weights are judged alike). Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
+    if info.dtype not in FLOAT_SOURCE_DTYPES and info.dtype != FP8:
         return f"not floating point ({info.dtype})"
     if len(info.shape) < 2:
         return "1-D (norm or bias)"
@@ -154,15 +157,32 @@ def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch
 
 # ---------------------------------------------------------------- all tensors
 
-def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture = GENERIC
-           ) -> tuple[list[Decision], list[str]]:
-    """Decide every output tensor. Returns (decisions in source order, notes for the user)."""
+def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture = GENERIC,
+           quant: SourceQuantization | None = None) -> tuple[list[Decision], list[str]]:
+    """Decide every output tensor. Returns (decisions in source order, notes for the user).
+
+    An FP8 source (`quant`): its scales are inputs of their weights, never outputs of their own; its
+    FP8 weights are decided like high-precision ones (a weight the rules or --ignore keep is
+    dequantized); the tensors it kept in high precision stay as they are."""
+    if options.dequantize:
+        return decide_dequantize(tensors, quant), []
     notes: list[str] = []
     decisions: list[Decision] = []
     used_patterns: set[str] = set()
     unsupported: list[str] = []
+    companions = quant.companions() if quant else set()
     for info in tensors:
+        if info.name in companions:
+            continue
         module = module_of(info.name)
+        if quant and info.name not in quant.weights:
+            try:
+                reason = default_keep_reason(info, arch, options.format, options.scheme)
+            except UnsupportedLayout:
+                reason = None
+            group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
+            decisions.append(Decision(info.name, info, False, reason or SOURCE_KEPT, group))
+            continue
         fused_experts = arch.expert_tensor(info.name)
         if fused_experts:
             layout, experts = fused_experts
@@ -198,6 +218,13 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
     # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
     return _keep_together(decisions, lambda d: experts_of(d.name),
                           "kept every expert of {key} because {kept} is kept ({reason})", notes), notes
+
+
+def decide_dequantize(tensors: list[TensorInfo], quant: SourceQuantization) -> list[Decision]:
+    """Dequantize: every FP8 weight becomes high precision, every other tensor (scales aside) is kept."""
+    companions = quant.companions()
+    return [Decision(t.name, t, False, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT, None)
+            for t in tensors if t.name not in companions]
 
 
 def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str]) -> list[Decision]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import Plan, TensorPlan
+from .plan import Action, Plan, TensorPlan
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True) -> li
         for name, _, _ in t.outputs():
             shard = plan.shards[plan.shard_of[name]]
             placed = shard.tensors[name]
-            plain_copy = not t.quantize and t.cut is None  # a kept tensor, or a piece of one
-            at, nbytes = (t.at, t.source.nbytes) if plain_copy else (0, placed.nbytes)
+            piece = t.action is Action.KEEP and t.cut is None  # a kept tensor, or a piece of one
+            at, nbytes = (t.at, t.source.nbytes) if piece else (0, placed.nbytes)
             spans.append((shard.index, len(shard.header) + placed.offset + at, name, at, nbytes))
     spans.sort()
     open_runs: list[list] = []  # [shard, start, nbytes, pieces], the last one still growing

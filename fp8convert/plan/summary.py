@@ -10,7 +10,7 @@ from .batches import make_batches
 from .caveats import Caveat, PlanWarning
 from .parallel import tp_warnings
 from .architectures import mtp_layers
-from .plan import Plan
+from .plan import COMPUTED, Action, Plan
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
@@ -23,7 +23,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
     largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
     largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
-    largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.quantize), default=0)
+    largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.action in COMPUTED), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
     if device_type == "cuda":
         host = CUDA_CONTEXT_HOST_BYTES + (read_threads + 1) * chunk_bytes
@@ -35,6 +35,8 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
 
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
+    if plan.options.dequantize:  # no FP8 left
+        return []
     scheme, fmt = plan.options.scheme, plan.options.format
     quantized = [t for t in plan.tensors if t.quantize]
     has_experts = any(EXPERT.search(t.name) for t in quantized)
@@ -116,13 +118,20 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = t.reason.split(" [")[0] if t.reason else "?"
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
             kept_reasons[reason] += 1
-            kept_bytes[reason] += t.in_bytes
+            kept_bytes[reason] += t.out_bytes
     groups = Counter()
     for key in {t.group for t in tensors if t.group and t.quantize}:
         groups[key.rsplit(".", 1)[-1]] += 1
     arch = plan.architecture
+    quant = plan.source.quant
+    dequantized = [t for t in tensors if t.action is Action.DEQUANTIZE]
     return {
         "source": plan.source.label,
+        "source_quantization": quant.describe() if quant else None,
+        "dequantize": plan.options.dequantize,
+        "actions": {a.value: sum(t.action is a for t in tensors) for a in Action},
+        "dequantized_dtype": dequantized[0].out_dtype if dequantized else None,
+        "static_activations": plan.static_activations,
         "architecture": (f"{arch.name} (model_type {plan.source.config.get('model_type')!r})" if arch else
                          f"not in the registry (model_type {plan.source.config.get('model_type')!r}): generic rules"),
         "scheme": plan.options.scheme,
@@ -188,14 +197,23 @@ def human(n: int) -> str:
 
 
 def render(info: dict) -> str:
-    q = info["quantized"]
-    lines = [
-        f"source      {info['source']}",
-        f"family      {info['architecture']}",
-        f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
-        f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
-        f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales",
-    ]
+    q, actions = info["quantized"], info["actions"]
+    lines = [f"source      {info['source']}"]
+    if info["source_quantization"]:
+        lines.append(f"source is   {info['source_quantization']}")
+    lines.append(f"family      {info['architecture']}")
+    if info["dequantize"]:
+        lines += [f"dequantize  to {info['dequantized_dtype']}: w = float32(q) * scale, rounded once; scales and "
+                  f"quantization_config dropped   plan {info['fingerprint']}",
+                  f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)"]
+    else:
+        lines += [f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
+                  f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
+                  f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales"]
+    if info["source_quantization"] and not info["dequantize"]:
+        lines.append(f"from FP8    {actions['pass']} passed through (codes and scales as they are), "
+                     f"{actions['requantize']} requantized from their dequantized values, "
+                     f"{actions['dequantize']} dequantized to {info['dequantized_dtype'] or 'high precision'}")
     for reason, k in info["kept"].items():
         lines.append(f"kept        {k['tensors']:>5} tensors {human(k['bytes']):>10}  {reason}")
     if info["fused_groups"]:
@@ -213,9 +231,10 @@ def render(info: dict) -> str:
         f"{info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
         f"memory      peak device ~{human(mem['device_bytes'])}, peak host ~{human(mem['host_bytes'])} "
         f"({mem['batches']} batches, largest {human(mem['largest_batch_bytes'])})",
-        f"ignore list {len(info['ignore'])} modules: {', '.join(info['ignore'][:6])}"
-        + (" ..." if len(info["ignore"]) > 6 else ""),
     ]
+    if not info["dequantize"]:
+        lines.append(f"ignore list {len(info['ignore'])} modules: {', '.join(info['ignore'][:6])}"
+                     + (" ..." if len(info["ignore"]) > 6 else ""))
     lines += [f"warning     {w}" for w in info["warnings"]]
     lines += [f"note        {n}" for n in info["notes"]]
     return "\n".join(lines)

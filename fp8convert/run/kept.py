@@ -2,6 +2,7 @@
 
 Tensors that stay in high precision (embeddings, heads, norms, routers...) need no device: a thread
 reads them, checks their bit patterns for NaN/Inf with numpy, and writes them to their planned place.
+So are an FP8 source's weights that pass through (codes without NaN, scales finite and positive).
 It starts with the run, so the disk writes while torch and CUDA load (seconds), and the device never
 holds them (an embedding can be gigabytes). Streamed sources, whose shards arrive only as the pipeline
 asks for them, leave kept tensors to the pipeline.
@@ -16,9 +17,9 @@ from typing import Callable
 import numpy as np
 
 from ..errors import FP8ConvertError
-from ..plan.plan import Plan, TensorPlan
+from ..plan.plan import Action, Plan, TensorPlan
 from ..plan.runs import Run, output_runs
-from ..safetensors_io import FLOAT_SOURCE_DTYPES, pread_into
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo, pread_into
 from .writer import ShardWriter
 
 CHUNK_BYTES = 16 << 20
@@ -32,6 +33,27 @@ def has_non_finite(raw: np.ndarray, dtype: str) -> bool:
     return bool(np.any(np.bitwise_and(raw.view(kind), kind(mask)) == mask))
 
 
+def finite_positive(raw: np.ndarray, dtype: str) -> bool:
+    """Whether every float in `raw` (uint8, whole elements) is finite and > 0: no exponent of all ones,
+    no sign bit, no zero."""
+    kind, mask = EXPONENT_BITS[dtype]
+    bits = raw.view(kind)
+    sign = kind(1 << (8 * bits.itemsize - 1))
+    return not (np.any(np.bitwise_and(bits, kind(mask)) == mask) or np.any(np.bitwise_and(bits, sign)) or
+                np.any(bits == 0))
+
+
+def problem(t: TensorPlan, info: TensorInfo, raw: np.ndarray) -> str | None:
+    """What is wrong with these bytes of `info`, copied for `t`, or None."""
+    if info.dtype == FP8:
+        return "holds NaN codes" if np.any(np.bitwise_and(raw, 0x7F) == 0x7F) else None  # e4m3fn NaN: S.1111.111
+    if t.action is Action.PASS:  # its scale, or its static activation scale
+        return None if finite_positive(raw, info.dtype) else "is a scale that is not finite and positive"
+    if must_be_finite(t) and has_non_finite(raw, info.dtype):
+        return "contains NaN or Inf"
+    return None
+
+
 def must_be_finite(t: TensorPlan) -> bool:
     """Kept float weights are checked (a NaN norm is as broken as a NaN linear); buffers and integer
     tensors are copied as they are."""
@@ -39,7 +61,7 @@ def must_be_finite(t: TensorPlan) -> bool:
 
 
 class KeptCopier:
-    """Copies `tensors` (kept ones) into their shards on a thread of its own. A context manager: leaving
+    """Copies `tensors` (kept or passed-through ones) into their shards on a thread of its own. A context manager: leaving
     it stops the thread after the chunk in hand. `check()` raises the copier's error, if it had one;
     `finish()` waits for the copy and raises it too."""
 
@@ -73,32 +95,33 @@ class KeptCopier:
             self.after.join()
         try:
             for t in self.tensors:
-                if self.stop.is_set():
-                    return
-                if t.source.file not in fds:
-                    path = Path(self.plan.source.root) / t.source.file
-                    try:
-                        fds[t.source.file] = os.open(path, os.O_RDONLY)
-                    except OSError as e:
-                        raise FP8ConvertError(f"{t.source.file}: cannot open ({e.strerror})") from e
-                self._copy(t, fds[t.source.file])
+                runs = {run.pieces[0].name: run for run in output_runs(self.plan, [t], merge=False)}
+                for info, name in t.copies:
+                    if self.stop.is_set():
+                        return
+                    if info.file not in fds:
+                        try:
+                            fds[info.file] = os.open(Path(self.plan.source.root) / info.file, os.O_RDONLY)
+                        except OSError as e:
+                            raise FP8ConvertError(f"{info.file}: cannot open ({e.strerror})") from e
+                    self._copy(t, info, runs[name], fds[info.file])
         except BaseException as e:  # raised in the main thread by check() or finish()
             self.error = e
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _copy(self, t: TensorPlan, fd: int) -> None:
-        (run,) = output_runs(self.plan, [t])
-        buf = np.empty(min(CHUNK_BYTES, max(t.source.nbytes, 1)), dtype=np.uint8)
-        for start in range(0, t.source.nbytes, CHUNK_BYTES):
+    def _copy(self, t: TensorPlan, info: TensorInfo, run: Run, fd: int) -> None:
+        buf = np.empty(min(CHUNK_BYTES, max(info.nbytes, 1)), dtype=np.uint8)
+        for start in range(0, info.nbytes, CHUNK_BYTES):
             if self.stop.is_set():
                 return
-            n = min(CHUNK_BYTES, t.source.nbytes - start)
-            pread_into(fd, memoryview(buf[:n]), t.source.offset + start, t.source.file)
-            if must_be_finite(t) and has_non_finite(buf[:n], t.source.dtype):
-                raise FP8ConvertError(f"{t.source.file}: tensor {t.name} contains NaN or Inf; refusing to copy it")
+            n = min(CHUNK_BYTES, info.nbytes - start)
+            pread_into(fd, memoryview(buf[:n]), info.offset + start, info.file)
+            wrong = problem(t, info, buf[:n])
+            if wrong:
+                raise FP8ConvertError(f"{info.file}: tensor {info.name} {wrong}; refusing to copy it")
             self.writer.write(Run(run.shard, run.start + start, n, ()), buf[:n], in_this_thread=True)
             self.on_copied(n)
-        if not t.source.nbytes:
+        if not info.nbytes:
             self.writer.write(run, buf[:0], in_this_thread=True)

@@ -114,6 +114,46 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tenso
     return q.float() * expand_scale(scale.float(), tuple(q.shape), scheme)
 
 
+def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """An FP8 source's scale (float32, bfloat16 or float16: all exact in float32) as float32 shaped to
+    broadcast against its weight: [1, 1] per tensor (stored [] or [1]), [out, 1] per row, the block grid."""
+    s = scale.to(torch.float32)
+    return s.reshape(1, 1) if scheme == "tensor" else s
+
+
+def dequantize_to(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype,
+                  cpu_path: bool | None = None) -> torch.Tensor:
+    """(float32(q) * float32(scale)).to(dtype) for one 2-D FP8 weight: one float32 product, rounded once
+    to `dtype` (nearest even), as DeepSeek's, transformers' and compressed-tensors' own dequantizers
+    compute it. Block scales are expanded over their 128x128 tiles, the edge tiles cut to the weight.
+    `scale` is scale_as_stored's."""
+    if not use_cpu_path(q, cpu_path):
+        return (q.to(torch.float32) * expand_scale(scale, tuple(q.shape), scheme)).to(dtype)
+    return _dequantize_rows(q, scale, scheme, dtype)
+
+
+def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
+    """The same arithmetic a few rows at a time through one float32 tile that stays in cache (as
+    _quantize_rows): the same bytes, about twice as fast on a CPU as whole-tensor temporaries."""
+    out_rows, inp = q.shape
+    rows = max(1, cpu_tile_bytes() // (4 * max(inp, 1)))
+    if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
+        rows = 1 << min(7, rows.bit_length() - 1)
+    result = torch.empty(q.shape, dtype=dtype, device=q.device)
+    tile = torch.empty(min(rows, out_rows), inp, dtype=torch.float32, device=q.device)
+    for r in range(0, out_rows, rows):
+        part = tile[:min(rows, out_rows - r)]
+        if scheme == "tensor":
+            s = scale
+        elif scheme == "channel":
+            s = scale[r:r + rows]
+        else:
+            s = scale[r // BLOCK].repeat_interleave(BLOCK)[:inp]
+        part.copy_(q[r:r + rows]).mul_(s)
+        result[r:r + rows].copy_(part)
+    return result
+
+
 def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize the members of a fused group together. Each member is a stack [N, out, in]; index n

@@ -4,18 +4,23 @@ Same-shaped weights (a MoE layer's experts, above all) are quantized as stacks, 
 hundreds of tensors, instead of one launch chain each. The reader lays out each family of
 same-shaped groups member by member, so a stack is a plain view of the input buffer; the experts
 cut from one fused tensor are a strided view of it.
+
+An FP8 source's weights are dequantized (float32(q) * scale, then one rounding), requantized from
+those float32 values, or passed through as they are: codes and scales copied, after the checks every
+read FP8 weight passes (no NaN code, every scale finite and positive).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import FP8ConvertError
 from ..plan.batches import Batch
-from ..plan.plan import TensorPlan, unique_inputs
+from ..plan.plan import Action, TensorPlan, unique_inputs
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
-from .numerics import NonFiniteWeight, quantize_group
+from .numerics import NonFiniteWeight, dequantize_to, quantize_group, scale_as_stored
 from .reader import ALIGN
 
 STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise launches, small
@@ -29,17 +34,18 @@ class Family:
     groups: list[list[TensorPlan]]
 
     def chunks(self) -> list[list[list[TensorPlan]]]:
-        per_group = sum(t.in_bytes for t in self.groups[0])
+        # a requantized weight is stacked as float32 values, four bytes each
+        per_group = sum(t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape) for t in self.groups[0])
         step = max(1, STACK_BYTES // per_group)
         return [self.groups[i:i + step] for i in range(0, len(self.groups), step)]
 
 
 def scale_groups(batch: Batch) -> list[list[TensorPlan]]:
-    """The batch's quantized outputs by scale group: a fused group's members (one scale in the tensor
-    scheme), or one output alone."""
+    """The batch's outputs quantized here (from a high-precision weight, or requantized) by scale group:
+    a fused group's members (one scale in the tensor scheme), or one output alone."""
     groups: dict[str, list[TensorPlan]] = {}
     for t in batch.tensors:
-        if t.quantize:
+        if t.action in (Action.QUANTIZE, Action.REQUANTIZE):
             groups.setdefault(t.group or f"tensor:{t.name}", []).append(t)
     return list(groups.values())
 
@@ -47,7 +53,7 @@ def scale_groups(batch: Batch) -> list[list[TensorPlan]]:
 def families(batch: Batch) -> list[Family]:
     by_signature: dict[tuple, Family] = {}
     for group in scale_groups(batch):
-        signature = tuple((t.source.dtype, t.shape) for t in group)
+        signature = tuple((t.action, t.source.dtype, t.shape) for t in group)
         by_signature.setdefault(signature, Family([])).groups.append(group)
     return list(by_signature.values())
 
@@ -55,7 +61,7 @@ def families(batch: Batch) -> list[Family]:
 def read_order(batch: Batch) -> list[TensorInfo]:
     """The source tensors to read: kept ones, then each stack chunk member by member, so every stack
     of whole tensors is contiguous in the buffer (a source cut into many outputs is read once)."""
-    order = [t for t in batch.tensors if not t.quantize]
+    order = [t for t in batch.tensors if t.action not in (Action.QUANTIZE, Action.REQUANTIZE)]
     for family in families(batch):
         for chunk in family.chunks():
             for member in range(len(chunk[0])):
@@ -68,10 +74,14 @@ def source_view(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) ->
     return buf[start:start + info.nbytes].view(torch_dtype(info.dtype)).view(info.shape)
 
 
-def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan]) -> torch.Tensor:
+def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan], source_scheme: str = "",
+               cpu_path: bool | None = None) -> torch.Tensor:
     """[N, out, in] of same-shaped outputs: a view of the read buffer when they lie back to back, or
-    are consecutive experts cut alike from one source; else a copy."""
+    are consecutive experts cut alike from one source; else a copy. Requantized weights are stacked as
+    their float32 dequantized values (`source_scheme`: the FP8 source's)."""
     first = tensors[0]
+    if first.action is Action.REQUANTIZE:
+        return torch.stack([dequantized(buf, offsets, t, source_scheme, torch.float32, cpu_path) for t in tensors])
     if first.cut is None:
         start, size = offsets[first.source.name], first.source.nbytes
         if size % ALIGN == 0 and all(t.cut is None and offsets[t.source.name] == start + i * size
@@ -91,6 +101,52 @@ def output_view(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan) -> to
     return t.cut.apply(w) if t.cut else w
 
 
+def dequantized(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, source_scheme: str, dtype: torch.dtype,
+                cpu_path: bool | None = None) -> torch.Tensor:
+    """An FP8 source weight's values, (float32(q) * scale).to(dtype), its scale checked first. A NaN
+    code, or a value `dtype` cannot hold (float16 tops out at 65504), is refused."""
+    scale = source_view(buf, offsets, t.source_scale)
+    check_scale(scale, t)
+    w = dequantize_to(source_view(buf, offsets, t.source), scale_as_stored(scale, source_scheme), source_scheme, dtype,
+                      cpu_path)
+    if not all_finite(w):
+        raise FP8ConvertError(f"{where(t)} dequantizes to NaN or Inf in {str(dtype).removeprefix('torch.')} "
+                              f"(a NaN code, or values beyond the dtype's range); refusing it")
+    return w
+
+
+def finite_positive(values: torch.Tensor) -> bool:
+    return bool((torch.isfinite(values) & (values > 0)).all())
+
+
+def check_scale(scale: torch.Tensor, t: TensorPlan) -> None:
+    if not finite_positive(scale):
+        raise FP8ConvertError(f"{t.source_scale.file}: scale {t.source_scale.name} of FP8 weight {t.source.name} is not "
+                              "finite and positive everywhere; refusing it")
+
+
+def passed_through(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan) -> list[tuple[str, torch.Tensor, int]]:
+    """A passed-through weight's outputs: its codes, scale (and activation scale) as they are, checked."""
+    check_scale(source_view(buf, offsets, t.source_scale), t)
+    if bool(raw_source(buf, offsets, t.source).bitwise_and(0x7F).eq(0x7F).any()):  # e4m3fn's NaN: S.1111.111
+        raise FP8ConvertError(f"{where(t)} holds NaN codes; refusing it")
+    return [(name, raw_source(buf, offsets, info), 0) for info, name in t.copies]
+
+
+def carried_scale(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan) -> list[tuple[str, torch.Tensor, int]]:
+    """A static activation scale copied as it is (checked finite and positive)."""
+    if not t.input_scale_name:
+        return []
+    info = t.inputs[-1]
+    if not finite_positive(source_view(buf, offsets, info)):
+        raise FP8ConvertError(f"{info.file}: activation scale {info.name} is not finite and positive; refusing it")
+    return [(t.input_scale_name, raw_source(buf, offsets, info), 0)]
+
+
+def raw_source(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) -> torch.Tensor:
+    return buf[offsets[info.name]:offsets[info.name] + info.nbytes]
+
+
 def where(t: TensorPlan) -> str:
     """The source tensor (and expert) an output comes from, for error messages."""
     expert = f" (expert {t.cut.expert})" if t.cut and t.cut.expert is not None else ""
@@ -106,12 +162,20 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
-                   cpu_path: bool | None = None) -> list[tuple[str, torch.Tensor, int]]:
+                   cpu_path: bool | None = None, source_scheme: str = "") -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
-    piece of a kept tensor where it goes. Kept tensors are views of `buf` (the caller copies them into
-    the output runs, or writes them from `buf` itself). `cpu_path`: see numerics.use_cpu_path."""
+    piece of a kept tensor where it goes. Kept and passed-through tensors are views of `buf` (the caller
+    copies them into the output runs, or writes them from `buf` itself). `cpu_path`: see
+    numerics.use_cpu_path. `source_scheme`: an FP8 source's scheme."""
     outputs = []
     for t in batch.tensors:
+        if t.action is Action.PASS:
+            outputs += passed_through(buf, offsets, t)
+            continue
+        if t.action is Action.DEQUANTIZE:
+            w = dequantized(buf, offsets, t, source_scheme, torch_dtype(t.out_dtype), cpu_path)
+            outputs.append((t.name, w, 0))
+            continue
         if t.quantize:
             continue
         if t.cut:  # a cut is a strided view: written as a contiguous copy
@@ -129,11 +193,12 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         for chunk in family.chunks():
             members = [[group[m] for group in chunk] for m in range(len(chunk[0]))]
             try:
-                codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme, cpu_path)
+                codes, scales = quantize_group([stack_view(buf, offsets, ts, source_scheme, cpu_path) for ts in members],
+                                               scheme, cpu_path)
             except NonFiniteWeight as e:
                 raise FP8ConvertError(f"{where(members[e.member][e.index])} contains NaN or Inf; "
                                       "refusing to quantize it") from None
             for tensors, q, s in zip(members, codes, scales):
                 for n, t in enumerate(tensors):
-                    outputs += [(t.name, q[n], 0), (t.scale_name, s[n], 0)]
+                    outputs += [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + carried_scale(buf, offsets, t)
     return outputs
