@@ -599,7 +599,6 @@ def _mtp_tensors(arch: str, dtype, seed: int, config_overrides: dict | None) -> 
     def norm(h):
         return (1.0 + 0.1 * torch.randn(h, generator=g)).to(dtype)
 
-    H, V = text.hidden_size, text.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         if text is cfg:
             overrides.update(extra_layer)
@@ -611,6 +610,8 @@ def _mtp_tensors(arch: str, dtype, seed: int, config_overrides: dict | None) -> 
         state = {}
         for f in sorted(Path(tmp).glob("*.safetensors")):
             state.update(load_file(str(f)))
+    text = bigger.config.get_text_config()  # sizes after config_overrides
+    H, V = text.hidden_size, text.vocab_size
     out: dict[str, torch.Tensor] = {}
     if spec.mtp == "deepseek":
         prefix = f"model.layers.{n}."

@@ -182,6 +182,10 @@ def match_scales(declared: SourceConfig, tensors: list[TensorInfo]) -> dict[str,
     for t in tensors:
         if t.name.endswith(suffixes) and t.name not in used:
             weight = t.name.rsplit(".", 1)[0] + ".weight"
+            if weight in weights:
+                raise FP8ConvertError(f"{t.file}: tensor {t.name} is not a scale name of {declared.format} "
+                                      f"{declared.scheme} (the FP8 weight {weight} has its scale "
+                                      f"{weights[weight].scale.name}); one scale per weight is expected")
             has = f"is {by_name[weight].dtype}" if weight in by_name else "does not exist"
             raise FP8ConvertError(f"{t.file}: tensor {t.name} is a scale, but its weight {weight} {has}: not an FP8 "
                                   f"weight with this scale (the config says {declared.format} {declared.scheme})")

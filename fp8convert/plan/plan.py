@@ -116,8 +116,8 @@ class TensorPlan:
             return [(self.name, self.dtype, self.shape)]
         scale_dtype = self.inputs[1].dtype if self.action is Action.PASS else SCALE_DTYPE  # passed as it is
         outputs = [(self.name, FP8, self.shape), (self.scale_name, scale_dtype, self.scale_shape)]
-        if self.input_scale_name:
-            outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.inputs[-1].shape))
+        if self.input_scale_name:  # per tensor, shaped as the format shapes a per-tensor scale ([] or [1])
+            outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.scale_shape))
         return outputs
 
     @property
