@@ -11,6 +11,9 @@ One command for the GPU box (see scripts/README.md). For each checkpoint asked f
      tool), peak RSS of the process tree, peak GPU memory (self-reported and from NVML);
   4. optionally reads it cold with other loaders (--loaders), and checks that fp8convert's CPU and CUDA
      outputs are byte-identical (--check-identical).
+With --dequantize, each checkpoint is first converted to native fp8 with 128x128 blocks (DeepSeek-V3's
+layout, by fp8convert itself; kept beside it) and the contenders are `fp8convert dequantize` and the
+naive whole-shard dequantizer written after DeepSeek's fp8_cast_bf16.py (anchor/naive_dequant.py).
 Prints Markdown tables; writes OUT/bench.log (every child's output tail) and OUT/results.json (rewritten
 after every step, so a run cut short still leaves its results).
 
@@ -333,7 +336,8 @@ def safetensors_header(path: Path) -> dict:
 
 def describe_checkpoint(path: Path) -> dict:
     """Files, bytes and tensors, and the output size a per-tensor FP8 conversion will write (estimate:
-    2D *_proj.weight tensors become 1 byte a value plus a float32 scale; everything else is copied)."""
+    2D *_proj.weight tensors become 1 byte a value plus a float32 scale; everything else is copied), or
+    for an FP8 checkpoint the size of its BF16 dequantization (2 bytes a code, no scales)."""
     files = sorted(path.glob("*.safetensors"))
     tensors, out_bytes = 0, 0
     for f in files:
@@ -345,10 +349,38 @@ def describe_checkpoint(path: Path) -> dict:
             numel = 1
             for d in info["shape"]:
                 numel *= d
-            quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
-            out_bytes += numel + 4 if quantized else nbytes
+            if info["dtype"] == "F8_E4M3":
+                out_bytes += 2 * numel
+            elif name.endswith("_scale_inv"):
+                continue
+            else:
+                quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
+                out_bytes += numel + 4 if quantized else nbytes
     return {"files": [f.name for f in files], "bytes_in": sum(f.stat().st_size for f in files),
             "tensors": tensors, "bytes_out_estimate": out_bytes}
+
+
+def fp8_dir(path: Path) -> Path:
+    return path.with_name(path.name + "-fp8block")
+
+
+def build_fp8_copy(src: Path, device: str, log: Log, gpu: GpuMemory | None, work: Path) -> Path:
+    """The native fp8 block copy of `src` (the DeepSeek-V3 layout) that --dequantize reads, made once."""
+    path = fp8_dir(src)
+    marker = path / ".bench-spec.json"
+    spec = {"from": src.name, "format": "fp8", "scheme": "block"}
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        log.say(f"reusing {path}")
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    log.say(f"building {path.name} (fp8convert quantize --format fp8 --scheme block) ...")
+    cmd = fp8convert_cmd() + ["quantize", str(src), str(path), "--format", "fp8", "--scheme", "block", "--device",
+                              "cuda" if device in ("cuda", "both") else "cpu", "--max-shard-size", "2GB", "-q"]
+    r = run_measured(f"make-{path.name}", cmd, child_env([REPO]), work / "logs", log, gpu, timeout=900)
+    if r["rc"] != 0:
+        raise SystemExit(f"building {path.name} failed:\n{r['stderr_tail']}")
+    marker.write_text(json.dumps(spec))
+    return path
 
 
 def prune_checkpoints(work: Path, keep: set[Path], log: Log) -> None:
@@ -479,6 +511,18 @@ def contenders(args) -> list[dict]:
     """label, command (SRC and OUT filled in later), environment, how it reports itself."""
     plan = []
     devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
+    if args.dequantize:
+        for dev in devices:
+            plan.append({"label": f"fp8convert-dequantize-{dev}", "kind": "fp8convert", "durable": True,
+                         "cmd": fp8convert_cmd() + ["dequantize", "{src}", "{out}", "--dtype", "bf16", "--device", dev,
+                                                    "--max-shard-size", args.max_shard_size, "--overwrite", "--json",
+                                                    "-q"] + (["--max-resident", args.max_resident]
+                                                             if args.max_resident else []),
+                         "env": child_env([REPO])})
+        if not args.skip_naive:
+            plan.append({"label": "naive-dequant", "kind": "script", "durable": False,
+                         "cmd": [PY, str(BENCH / "naive_dequant.py"), "{src}", "{out}"], "env": child_env()})
+        return plan
     for dev in devices:
         plan.append({"label": f"fp8convert-{dev}", "kind": "fp8convert", "durable": True,
                      "cmd": fp8convert_cmd() + ["quantize", "{src}", "{out}", "--scheme", "tensor", "--format",
@@ -936,6 +980,9 @@ def parse_args(argv=None):
     p.add_argument("--max-shard-size", default="5GB", help="fp8convert's output shard size")
     p.add_argument("--max-resident", help="fp8convert's --max-resident (default: its own)")
     p.add_argument("--skip-llmc", action="store_true", help="do not run llm-compressor")
+    p.add_argument("--dequantize", action="store_true",
+                   help="benchmark `fp8convert dequantize` on a native fp8 block copy of each checkpoint against the "
+                        "naive whole-shard dequantizer (anchor/naive_dequant.py); llm-compressor is not run")
     p.add_argument("--warm-libs", action="store_true",
                    help="also run fp8convert with torch's files warm in the page cache (checkpoint still cold)")
     p.add_argument("--llmc-workers", type=int, action="append", help="model_free_ptq max_workers, repeatable (default 1)")
@@ -999,18 +1046,19 @@ def main(argv=None) -> int:
     if args.drop_caches and drop_caches(True) is False:
         log.say("WARNING: cannot drop the page cache here (not root, or not supported): reads may be warm; "
                 "pass --no-drop-caches to silence")
-    for f in ("make_ckpt.py", "naive_convert.py", "lc_convert.py"):
+    for f in ("make_ckpt.py", "naive_convert.py", "lc_convert.py", "naive_dequant.py"):
         if not (BENCH / f).exists():
             raise SystemExit(f"{BENCH / f} is missing")
     gpu = GpuMemory()
     results["env"]["gpu_memory_sampling"] = "nvml" if gpu.nvml else ("nvidia-smi" if gpu.available else "none")
-    llmc_ok = args.skip_llmc or args.skip_convert or install_wheels(args.wheels, args.llmc_site, log)
+    llmc_ok = args.skip_llmc or args.skip_convert or args.dequantize or install_wheels(args.wheels, args.llmc_site, log)
     loaders_ok = args.loaders and install_wheels(args.loader_wheels, args.loader_site, log)
     if not llmc_ok:
         log.say("llm-compressor wheels missing: its runs will fail")
 
     wanted = [(name, shard) for name in args.ckpt for shard in (args.shard_gb if name != "tiny" else [0])]
     keep = {ckpt_dir(args.work, n, s) for n, s in wanted}
+    keep |= {fp8_dir(k) for k in keep} if args.dequantize else set()
     if args.check_identical:
         keep.add(ckpt_dir(args.work, args.identical_ckpt, args.shard_gb[0]))
     if not args.keep_ckpts:
@@ -1022,6 +1070,9 @@ def main(argv=None) -> int:
         if out_of_time(log, f"{name} ({shard:g} GB shards)"):
             break
         src, build_s = build_checkpoint(name, shard, args.work, log, gpu)
+        bf16_src = src
+        if args.dequantize:
+            src = build_fp8_copy(src, args.device, log, gpu, args.work)
         info = describe_checkpoint(src)
         entry = results["checkpoints"][src.name] = {"name": name, "shard_gb": shard, "path": str(src),
                                                      "build_s": build_s, **info}
@@ -1046,9 +1097,10 @@ def main(argv=None) -> int:
             entry["loaders"] = run_loaders(src, info, args, log, gpu, loaders_ok)
             save_json(results_path, results)
             tables.append(loader_table(src.name, info, entry["loaders"]))
-        if not args.keep_ckpts and not (args.check_identical and src == ckpt_dir(args.work, args.identical_ckpt,
-                                                                                  args.shard_gb[0])):
+        if not args.keep_ckpts and not (args.check_identical and bf16_src == ckpt_dir(args.work, args.identical_ckpt,
+                                                                                       args.shard_gb[0])):
             shutil.rmtree(src, ignore_errors=True)  # room for the next one (64 GiB disk); --keep-ckpts keeps it
+            shutil.rmtree(bf16_src, ignore_errors=True)
     if args.check_identical and not out_of_time(log, "the CPU/CUDA check"):
         src, _ = build_checkpoint(args.identical_ckpt, args.shard_gb[0], args.work, log, gpu)
         log.say(f"== fp8convert outputs, {' vs '.join(args.identical_devices)}, on {src.name}")

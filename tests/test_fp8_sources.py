@@ -21,7 +21,6 @@ import fp8_reference as F
 import reference as R
 from checks import as_bytes, same_bytes
 from conftest import model_logits, read_json, read_safetensors_dir, run_quantize
-from tiny_models import make_model
 
 import fp8convert
 from fp8convert.verify import verify

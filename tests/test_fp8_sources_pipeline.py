@@ -126,3 +126,27 @@ def test_push_of_a_dequantized_output(fake_hub, fp8_src, tmp_path):
     repo = fake_hub.repo("fake-user/deq")
     assert any(c.title.startswith("checkpoint dequantized from FP8") for c in repo.commits.values())
     assert api.verify(src, out).ok
+
+
+def test_batch_jobs_dequantize_and_requantize(fp8_src, tmp_path, capsys):
+    src, refs = fp8_src
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f"""
+[defaults]
+device = "cpu"
+max_shard_size = "20KB"
+max_resident = "8KB"
+
+[[job]]
+source = "{src}"
+out = "{tmp_path / 'deq'}"
+dequantize = true
+
+[[job]]
+source = "{src}"
+out = "{tmp_path / 'rq'}"
+scheme = "channel"
+""")
+    assert main(["batch", str(jobs), "-q"]) == 0, capsys.readouterr().err
+    assert tree_bytes(tmp_path / "deq") == refs["dequantize"]
+    assert tree_bytes(tmp_path / "rq") == refs["requantize"]

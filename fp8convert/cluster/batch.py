@@ -2,7 +2,7 @@
 
 A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one
 job object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may
-set the quantize options below. The whole file is validated before any job starts; then jobs run in
+set the quantize options below (`dequantize = true`, with an optional `dtype`, makes it a dequantize). The whole file is validated before any job starts; then jobs run in
 order, a finished output is skipped (quantize recognises it at once), a failed job does not stop the
 others, and the summary says what happened to each.
 """
@@ -23,8 +23,9 @@ from ..source.resolve import REPO_ID
 from .devices import parse_devices
 from .workers import log
 
-STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident")
-KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", "private", "stream_download")
+STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident",
+               "dtype")
+KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", "private", "stream_download", "dequantize")
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
 
@@ -122,7 +123,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     for key in STRING_KEYS:
         if key in merged and not isinstance(merged[key], str):
             raise FP8ConvertError(f"{label}: {key!r} must be a string, got {merged[key]!r}")
-    for key in ("private", "stream_download"):
+    for key in ("private", "stream_download", "dequantize"):
         if key in merged and not isinstance(merged[key], bool):
             raise FP8ConvertError(f"{label}: {key!r} must be true or false, got {merged[key]!r}")
     ignore = merged.get("ignore", [])
@@ -137,7 +138,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
     options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
-                                       "revision", "stream_download") if k in merged}
+                                       "revision", "stream_download", "dequantize", "dtype") if k in merged}
     try:
         settings = Settings(**options, ignore=tuple(ignore))
         if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs

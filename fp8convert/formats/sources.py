@@ -60,10 +60,6 @@ class SourceQuantization:
     weights: dict[str, FP8Weight]           # by the weight's name
 
     @property
-    def format(self) -> str:
-        return self.config.format
-
-    @property
     def scheme(self) -> str:
         return self.config.scheme
 

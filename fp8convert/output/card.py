@@ -180,7 +180,7 @@ def quantization_section(info: dict) -> list[str]:
     lines = ["## Quantization", "",
              f"- Format: `{fmt}` (`quantization_config` in config.json)",
              f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}",
-             f"- Activations: " + ("static per-tensor FP8 (the source's calibrated input_scale)"
+             "- Activations: " + ("static per-tensor FP8 (the source's calibrated input_scale)"
                                    if info.get("static_activations") else
                                    ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8"))]
     q = info.get("quantized")

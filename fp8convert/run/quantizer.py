@@ -18,7 +18,7 @@ import torch
 
 from ..errors import FP8ConvertError
 from ..plan.batches import Batch
-from ..plan.plan import Action, TensorPlan, unique_inputs
+from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
 from .numerics import NonFiniteWeight, dequantize_to, quantize_group, scale_as_stored
 from .reader import ALIGN
@@ -27,26 +27,31 @@ STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise
                         # enough that float32 temporaries stay a sliver of device memory
 
 
+STACKED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)  # computed a stack of same-shaped weights at a time
+
+
 @dataclass
 class Family:
-    """Scale groups whose members have the same dtypes and shapes, e.g. every expert's gate/up pair."""
+    """Groups whose members have the same action, dtypes and shapes, e.g. every expert's gate/up pair:
+    computed a stack at a time."""
 
     groups: list[list[TensorPlan]]
 
     def chunks(self) -> list[list[list[TensorPlan]]]:
-        # a requantized weight is stacked as float32 values, four bytes each
+        # FP8 codes are worked on as four-byte values (float32 or int32 indices)
         per_group = sum(t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape) for t in self.groups[0])
         step = max(1, STACK_BYTES // per_group)
         return [self.groups[i:i + step] for i in range(0, len(self.groups), step)]
 
 
 def scale_groups(batch: Batch) -> list[list[TensorPlan]]:
-    """The batch's outputs quantized here (from a high-precision weight, or requantized) by scale group:
-    a fused group's members (one scale in the tensor scheme), or one output alone."""
+    """The batch's computed outputs by scale group: a fused group's members quantized or requantized
+    here (one scale in the tensor scheme), or one output alone (dequantized weights among them)."""
     groups: dict[str, list[TensorPlan]] = {}
     for t in batch.tensors:
-        if t.action in (Action.QUANTIZE, Action.REQUANTIZE):
-            groups.setdefault(t.group or f"tensor:{t.name}", []).append(t)
+        if t.action in STACKED:
+            shares = t.group and t.action is not Action.DEQUANTIZE
+            groups.setdefault(t.group if shares else f"tensor:{t.name}", []).append(t)
     return list(groups.values())
 
 
@@ -59,14 +64,16 @@ def families(batch: Batch) -> list[Family]:
 
 
 def read_order(batch: Batch) -> list[TensorInfo]:
-    """The source tensors to read: kept ones, then each stack chunk member by member, so every stack
-    of whole tensors is contiguous in the buffer (a source cut into many outputs is read once)."""
-    order = [t for t in batch.tensors if t.action not in (Action.QUANTIZE, Action.REQUANTIZE)]
+    """The source tensors to read: kept ones, then each stack chunk member by member, its weights
+    before their scales, so every stack of whole tensors is contiguous in the buffer (a source cut into
+    many outputs is read once)."""
+    order = [info for t in batch.tensors if t.action not in STACKED for info in t.inputs]
     for family in families(batch):
         for chunk in family.chunks():
             for member in range(len(chunk[0])):
-                order += [group[member] for group in chunk]
-    return unique_inputs(order)
+                stack = [group[member] for group in chunk]
+                order += [t.source for t in stack] + [info for t in stack for info in t.inputs[1:]]
+    return list({info.name: info for info in order}.values())  # each once: outputs cut from one source share it
 
 
 def source_view(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) -> torch.Tensor:
@@ -74,14 +81,10 @@ def source_view(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) ->
     return buf[start:start + info.nbytes].view(torch_dtype(info.dtype)).view(info.shape)
 
 
-def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan], source_scheme: str = "",
-               cpu_path: bool | None = None) -> torch.Tensor:
+def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan]) -> torch.Tensor:
     """[N, out, in] of same-shaped outputs: a view of the read buffer when they lie back to back, or
-    are consecutive experts cut alike from one source; else a copy. Requantized weights are stacked as
-    their float32 dequantized values (`source_scheme`: the FP8 source's)."""
+    are consecutive experts cut alike from one source; else a copy."""
     first = tensors[0]
-    if first.action is Action.REQUANTIZE:
-        return torch.stack([dequantized(buf, offsets, t, source_scheme, torch.float32, cpu_path) for t in tensors])
     if first.cut is None:
         start, size = offsets[first.source.name], first.source.nbytes
         if size % ALIGN == 0 and all(t.cut is None and offsets[t.source.name] == start + i * size
@@ -95,24 +98,26 @@ def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorP
     return torch.stack([output_view(buf, offsets, t) for t in tensors])
 
 
+def dequantized(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan], source_scheme: str,
+                dtype: torch.dtype, cpu_path: bool | None = None) -> torch.Tensor:
+    """FP8 source weights' values [N, out, in], (float32(q) * scale).to(dtype), their scales checked
+    first. A NaN code, or a value `dtype` cannot hold (float16 tops out at 65504), is refused."""
+    scales = [source_view(buf, offsets, t.source_scale) for t in tensors]
+    for t, scale in zip(tensors, scales):
+        check_scale(scale, t)
+    stacked = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
+    w = dequantize_to(stack_view(buf, offsets, tensors), stacked, source_scheme, dtype, cpu_path)
+    if not all_finite(w):
+        t = next(t for t, values in zip(tensors, w) if not all_finite(values))
+        raise FP8ConvertError(f"{where(t)} dequantizes to NaN or Inf in {str(dtype).removeprefix('torch.')} "
+                              f"(a NaN code, or values beyond the dtype's range); refusing it")
+    return w
+
+
 def output_view(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan) -> torch.Tensor:
     """One output's values as a view of the read buffer (its cut of the source, or all of it)."""
     w = source_view(buf, offsets, t.source)
     return t.cut.apply(w) if t.cut else w
-
-
-def dequantized(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, source_scheme: str, dtype: torch.dtype,
-                cpu_path: bool | None = None) -> torch.Tensor:
-    """An FP8 source weight's values, (float32(q) * scale).to(dtype), its scale checked first. A NaN
-    code, or a value `dtype` cannot hold (float16 tops out at 65504), is refused."""
-    scale = source_view(buf, offsets, t.source_scale)
-    check_scale(scale, t)
-    w = dequantize_to(source_view(buf, offsets, t.source), scale_as_stored(scale, source_scheme), source_scheme, dtype,
-                      cpu_path)
-    if not all_finite(w):
-        raise FP8ConvertError(f"{where(t)} dequantizes to NaN or Inf in {str(dtype).removeprefix('torch.')} "
-                              f"(a NaN code, or values beyond the dtype's range); refusing it")
-    return w
 
 
 def finite_positive(values: torch.Tensor) -> bool:
@@ -172,11 +177,7 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         if t.action is Action.PASS:
             outputs += passed_through(buf, offsets, t)
             continue
-        if t.action is Action.DEQUANTIZE:
-            w = dequantized(buf, offsets, t, source_scheme, torch_dtype(t.out_dtype), cpu_path)
-            outputs.append((t.name, w, 0))
-            continue
-        if t.quantize:
+        if t.action in STACKED:
             continue
         if t.cut:  # a cut is a strided view: written as a contiguous copy
             values = output_view(buf, offsets, t)
@@ -190,11 +191,20 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
             raise FP8ConvertError(f"{where(t)} contains NaN or Inf; refusing to copy it")
         outputs.append((t.name, raw, t.at))
     for family in families(batch):
+        action = family.groups[0][0].action
         for chunk in family.chunks():
             members = [[group[m] for group in chunk] for m in range(len(chunk[0]))]
+            if action is Action.DEQUANTIZE:
+                (tensors,) = members
+                w = dequantized(buf, offsets, tensors, source_scheme, torch_dtype(tensors[0].out_dtype), cpu_path)
+                outputs += [(t.name, w[n], 0) for n, t in enumerate(tensors)]
+                continue
+            if action is Action.REQUANTIZE:
+                stacks = [dequantized(buf, offsets, ts, source_scheme, torch.float32, cpu_path) for ts in members]
+            else:
+                stacks = [stack_view(buf, offsets, ts) for ts in members]
             try:
-                codes, scales = quantize_group([stack_view(buf, offsets, ts, source_scheme, cpu_path) for ts in members],
-                                               scheme, cpu_path)
+                codes, scales = quantize_group(stacks, scheme, cpu_path)
             except NonFiniteWeight as e:
                 raise FP8ConvertError(f"{where(members[e.member][e.index])} contains NaN or Inf; "
                                       "refusing to quantize it") from None
