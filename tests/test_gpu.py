@@ -72,3 +72,21 @@ def test_cuda_cuts_fused_experts_like_cpu(zoo_source, tmp_path, arch, scheme, fm
     fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu")
     fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda")
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+@pytest.mark.parametrize("layout", ["deepseek-native-block-ue8m0", "qwen-native-block-fp16", "ct-channel-bf16",
+                                    "autofp8-native-tensor-static"])
+def test_cuda_dequantizes_and_requantizes_fp8_sources_like_cpu(tmp_path, layout):
+    """FP8 sources: the CPU's table lookup and CUDA's float32 product give the same bytes, in every
+    dtype, and so do requantizations (dims of 192 and 320: partial 128x128 blocks)."""
+    import fp8_reference as F
+    from tiny_ckpt import llama_tensors, write_checkpoint
+    bf16 = write_checkpoint(tmp_path / "bf16", llama_tensors(layers=3, hidden=192, inter=320))
+    src = F.write_fp8(bf16, tmp_path / "src", F.LAYOUTS[layout])
+    runs = [("dequantize", {"dtype": d}) for d in ("bf16", "fp16", "fp32")]
+    runs += [("quantize", {"scheme": s, "format": "compressed-tensors"}) for s in ("tensor", "channel", "block")]
+    for n, (command, options) in enumerate(runs):
+        convert = getattr(fp8convert, command)
+        convert(src, tmp_path / f"cpu{n}", device="cpu", max_shard_size="150KB", **options)
+        convert(src, tmp_path / f"cuda{n}", device="cuda", max_shard_size="150KB", **options)
+        assert output_bytes(tmp_path / f"cuda{n}") == output_bytes(tmp_path / f"cpu{n}"), (command, options)
