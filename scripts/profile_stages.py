@@ -44,6 +44,9 @@ def main() -> int:
     ap.add_argument("--format", default="compressed-tensors")
     ap.add_argument("--max-resident", default=None)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--dequantize", action="store_true", help="profile `dequantize` of an FP8 checkpoint")
+    ap.add_argument("--dtype", help="with --dequantize: bf16, fp16 or fp32")
+    ap.add_argument("--no-pipeline", action="store_true", help="only the read and +quantize stages")
     ap.add_argument("--tile-mb", type=float, help="CPU path: float32 tile size (numerics.CPU_TILE_BYTES)")
     ap.add_argument("--readers", type=int, help="reader threads (default: the device's)")
     ap.add_argument("--writers", type=int, help="writer threads (default: the device's)")
@@ -71,7 +74,8 @@ def main() -> int:
     default_io = device_module.io_threads
     device_module.io_threads = pipeline_module.io_threads = \
         lambda kind: (args.readers or default_io(kind)[0], args.writers or default_io(kind)[1])
-    settings = Settings(scheme=args.scheme, format=args.format, device=args.device, max_resident=args.max_resident)
+    settings = Settings(scheme=args.scheme, format=args.format, device=args.device, max_resident=args.max_resident,
+                        dequantize=args.dequantize, dtype=args.dtype)
     dev = resolve_device(args.device)
     torch.empty(1, device=dev)
     gb = warm(args.ckpt)
@@ -93,20 +97,22 @@ def main() -> int:
         with BatchReader(plan.source.root, dev, threads=readers) as reader:
             t0 = time.perf_counter()
             for b in batches:
-                buf, _ = reader.read([t.source for t in read_order(b)])
+                buf, _ = reader.read(read_order(b))
                 reader.recycle(buf)
                 del buf
             sync()
             line("read", time.perf_counter() - t0)
             t0 = time.perf_counter()
             for b in batches:
-                buf, offsets = reader.read([t.source for t in read_order(b)])
+                buf, offsets = reader.read(read_order(b))
                 outputs = quantize_batch(b, buf, offsets, plan.options.scheme, source_scheme=plan.source_scheme)
                 sync()
                 del outputs
                 reader.recycle(buf)
                 del buf
             line("+quantize", time.perf_counter() - t0)
+        if args.no_pipeline:
+            continue
         shutil.rmtree(args.out, ignore_errors=True)
         (args.out / ".fp8convert").mkdir(parents=True)
         t0 = time.perf_counter()

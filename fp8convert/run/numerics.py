@@ -143,21 +143,27 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
     """The same bytes by lookup. One scale covers a weight, a row or a 128x128 block, so each output is
     table[code] of that scale's table: the 256 products float32(code) * scale rounded to `dtype`. Every
     element is still that one float32 product and rounding, but no code is converted to float32 (torch's
-    float8 conversion is the slowest step on a CPU, about 10x a plain cast), and a whole stack takes four
-    operations: codes to int32, add each one's table offset, one gather."""
+    float8 conversion is the slowest step on a CPU, about 10x a plain cast). Weight by weight, three
+    passes: codes into an int32 index buffer, plus each element's table offset, one gather."""
     out, inp = q.shape[-2:]
-    count = q.numel() // max(out * inp, 1)
-    tables = (scale.unsqueeze(-1) * code_values(q.device)).to(dtype)   # [..., a, b, 256], one table per scale
-    index = q.view(torch.uint8).to(torch.int32)
+    codes = q.view(torch.uint8).reshape(-1, out, inp)
+    count = codes.shape[0]
+    tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values(q.device)).to(dtype)
+    tables = tables.reshape(count, -1)               # weight n's tables in row n, 256 entries each
     arange = functools.partial(torch.arange, dtype=torch.int32, device=q.device)
+    offsets = None
     if scheme == "channel":      # row r's table starts at r * 256
-        index += (arange(out) * 256).unsqueeze(1)
+        offsets = (arange(out) * 256).unsqueeze(1).expand(out, inp).contiguous()
     elif scheme == "block":      # block (i, j)'s at (i * C + j) * 256
-        blocks = -(-inp // BLOCK)
-        index += (arange(out) // BLOCK * (blocks * 256)).unsqueeze(1) + arange(inp) // BLOCK * 256
-    if count > 1:                # member n's tables after the n before it
-        index += (arange(count) * (tables.numel() // count)).view(-1, *([1] * (q.dim() - 1)))
-    return tables.reshape(-1).index_select(0, index.reshape(-1)).view(q.shape)
+        offsets = (arange(out) // BLOCK * (-(-inp // BLOCK) * 256)).unsqueeze(1) + arange(inp) // BLOCK * 256
+    index = torch.empty(out, inp, dtype=torch.int32, device=q.device)
+    result = torch.empty(codes.shape, dtype=dtype, device=q.device)
+    for n in range(count):       # (in-place int32 ops over a stack broadcast slowly on a CPU; per weight they do not)
+        index.copy_(codes[n])
+        if offsets is not None:
+            index += offsets
+        torch.index_select(tables[n], 0, index.view(-1), out=result[n].view(-1))
+    return result.view(q.shape)
 
 
 def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None

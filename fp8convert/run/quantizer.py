@@ -38,10 +38,14 @@ class Family:
     groups: list[list[TensorPlan]]
 
     def chunks(self) -> list[list[list[TensorPlan]]]:
-        # FP8 codes are worked on as four-byte values (float32 or int32 indices)
-        per_group = sum(t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape) for t in self.groups[0])
-        step = max(1, STACK_BYTES // per_group)
+        step = max(1, STACK_BYTES // sum(work_bytes(t) for t in self.groups[0]))
         return [self.groups[i:i + step] for i in range(0, len(self.groups), step)]
+
+
+def work_bytes(t: TensorPlan) -> int:
+    """What one output weighs in a stack: its input, or for an FP8 source's weight its codes as four-byte
+    values (float32 to requantize; bfloat16 outputs and int32 table indices to dequantize)."""
+    return t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape)
 
 
 def scale_groups(batch: Batch) -> list[list[TensorPlan]]:
