@@ -215,6 +215,15 @@ def ct_mxfp8(src):
     return "config.json", "MXFP8"
 
 
+def ct_asymmetric_static_activations(src):
+    fp8 = {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+           "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                 "symmetric": False}}
+    edit_config(src, lambda c: c.update(quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": fp8}}))
+    return "config.json", "static input activations"
+
+
 def fbgemm(src):
     edit_config(src, lambda c: c.update(quantization_config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200}))
     return "config.json", "'fbgemm_fp8'"
@@ -227,7 +236,8 @@ def gptq_tensors_without_config(src):
 
 
 OTHER_METHODS = [gptq, awq, bitsandbytes_4bit, gpt_oss_mxfp4, modelopt_nvfp4, ct_int4_packed, ct_nvfp4,
-                 ct_fp8_and_int4_groups, ct_mxfp8, fbgemm, gptq_tensors_without_config]
+                 ct_fp8_and_int4_groups, ct_mxfp8, ct_asymmetric_static_activations, fbgemm,
+                 gptq_tensors_without_config]
 
 
 @pytest.mark.parametrize("breaker", OTHER_METHODS, ids=lambda f: f.__name__)

@@ -121,9 +121,12 @@ def read_source_config(qc: dict, where: str) -> SourceConfig:
             raise FP8ConvertError(f"{where}: config group {name}: block_structure {w.get('block_structure')} is not "
                                   f"[{BLOCK}, {BLOCK}] (the only block size fp8convert reads)")
         strategies.add(w["strategy"])
+        if group.get("output_activations"):
+            raise _not_fp8(where, f"config group {name}: quantized output activations")
         a = group.get("input_activations")
         if a and not a.get("dynamic"):
-            if a.get("strategy") != "tensor" or a.get("type") != "float" or a.get("num_bits") != 8:
+            if a.get("strategy") != "tensor" or a.get("type") != "float" or a.get("num_bits") != 8 or \
+                    a.get("symmetric") is False:
                 raise _not_fp8(where, f"config group {name}: static input activations of strategy "
                                       f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)")
             static.add(True)

@@ -30,13 +30,14 @@ OTHER_METHODS = {
     "modelopt": "NVIDIA ModelOpt quantization", "fbgemm_fp8": "FBGEMM FP8 (per-channel, not read here)",
     "gguf": "GGUF", "hqq": "HQQ", "eetq": "EETQ int8", "aqlm": "AQLM", "quanto": "optimum-quanto",
     "torchao": "torchao", "auto-round": "AutoRound", "quark": "AMD Quark", "higgs": "HIGGS", "vptq": "VPTQ",
-    "spqr": "SpQR", "bitnet": "BitNet", "fp_quant": "FP-Quant", "compressed_tensors": "compressed-tensors",
+    "spqr": "SpQR", "bitnet": "BitNet", "fp_quant": "FP-Quant",
 }
 # Tensor names that only other quantization layouts have (packed integers, 4-bit float blocks, KV-cache
 # scales, scales fp8convert does not read): found in a checkpoint, they name what it is.
 FOREIGN_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".scales", ".weight_packed", ".weight_shape",
                     ".weight_zero_point", ".weight_scale_2", ".weight_global_scale", ".input_global_scale",
-                    ".absmax", ".SCB", "_blocks", ".k_scale", ".v_scale", ".qscale_weight", ".qscale_act")
+                    ".input_zero_point", ".absmax", ".SCB", "_blocks", ".k_scale", ".v_scale", ".qscale_weight",
+                    ".qscale_act")
 # Scale names of other tools that fp8convert does not read: an FP8 weight with one of these and none of
 # its format's own names is refused with the name it has.
 OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", ".weight_scale_inv", ".weight_scale", ".scale_inv",
