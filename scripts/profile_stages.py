@@ -101,7 +101,7 @@ def main() -> int:
             t0 = time.perf_counter()
             for b in batches:
                 buf, offsets = reader.read([t.source for t in read_order(b)])
-                outputs = quantize_batch(b, buf, offsets, plan.options.scheme)
+                outputs = quantize_batch(b, buf, offsets, plan.options.scheme, scale_format=plan.options.scale_format)
                 sync()
                 del outputs
                 reader.recycle(buf)

@@ -16,7 +16,7 @@ from ..plan.summary import compatibility_warnings, describe, render
 from ..source.resolve import REPO_ID
 from ..options import TARGET_TP
 from ._options import (Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch, Private, Quiet,
-                       Revision, Scheme, TargetTp, Worker, token)
+                       Revision, ScaleFormat, Scheme, TargetTp, Worker, token)
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
@@ -36,6 +36,7 @@ def quantize(
         "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                                   "converted (for models larger than the free disk).")] = False,
     worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB", target_tp: TargetTp = None,
+    scale_format: ScaleFormat = "float",
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -46,6 +47,10 @@ def quantize(
       fp8convert quantize ./llama --scheme channel --ignore 're:.*down_proj' ./llama-fp8
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
+
+      fp8convert quantize ./Qwen3-8B ./Qwen3-8B-MXFP8 --scheme mxfp8                # Blackwell MXFP8
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --scale-format ue8m0
 
       fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --target-tp 4     # say what fails at TP 4
 
@@ -68,7 +73,7 @@ def quantize(
                 print(f"warning: {line}", file=sys.stderr)
 
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
-                        target_tp=tuple(target_tp or TARGET_TP),
+                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
                         max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
                         revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
                         worker=worker, devices=devices, prefetch=prefetch)
@@ -97,11 +102,11 @@ def quantize(
 def inspect(
     src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None,
+    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None, scale_format: ScaleFormat = "float",
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and what becomes of it.")] = False,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
-    groups, output size, shard count, and estimated peak memory.
+    groups, output size, shard count, estimated peak memory, and which engines (and GPUs) load it.
 
     Examples:
 
@@ -109,10 +114,12 @@ def inspect(
 
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
 
+      fp8convert inspect ./Qwen3-30B-A3B --scheme mxfp8         # what stays BF16, who loads it where
+
       fp8convert inspect ./Llama-4-Scout --tensors --target-tp 8
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
-                        target_tp=tuple(target_tp or TARGET_TP),
+                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
                         device=device, max_resident=max_resident, revision=revision, token=token())
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device

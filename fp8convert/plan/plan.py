@@ -23,7 +23,6 @@ from .cuts import Cut
 from .rules import decide, experts_of, is_linear_weight, module_of
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
-SCALE_DTYPE = "F32"
 
 
 class Action(enum.Enum):
@@ -31,7 +30,7 @@ class Action(enum.Enum):
     its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
 
     KEEP = "keep"            # the source bytes (or a cut of them) unchanged
-    QUANTIZE = "quantize"    # FP8 codes and a float32 scale from a high-precision weight
+    QUANTIZE = "quantize"    # FP8 codes and their scales (float32, or MXFP8's E8M0 bytes) from a high-precision weight
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ class TensorPlan:
     scale_shape: tuple[int, ...] | None = None
     cut: Cut | None = None                # the part of the source it is (fused experts); None: all of it
     at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
+    scale_dtype: str = "F32"              # U8 for MXFP8's E8M0 bytes
 
     @property
     def source(self) -> TensorInfo:
@@ -71,7 +71,7 @@ class TensorPlan:
         """(name, dtype, shape) of every output tensor this plan produces."""
         if not self.quantize:
             return [(self.name, self.source.dtype, self.shape)]
-        return [(self.name, FP8, self.shape), (self.scale_name, SCALE_DTYPE, self.scale_shape)]
+        return [(self.name, FP8, self.shape), (self.scale_name, self.scale_dtype, self.scale_shape)]
 
     @property
     def out_bytes(self) -> int:
@@ -143,7 +143,8 @@ class Plan:
         return sum(s.size for s in self.shards)
 
     def quantization_config(self) -> dict:
-        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list)
+        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list,
+                                                                   self.options.scale_format)
 
 
 def natural_key(text: str) -> list:
@@ -179,10 +180,12 @@ def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int
 
 def fingerprint(source: Source, options: Options) -> str:
     """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
+    listed = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
+    if options.scale_format != "float":  # only when set, so the default keeps earlier fingerprints
+        listed.append(options.scale_format)
     blob = json.dumps({
         "tool": __version__,
-        "options": [options.scheme, options.format, list(options.ignore), options.max_shard_size,
-                    list(options.target_tp)],
+        "options": listed,
         "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
         "config": source.config,
     }, sort_keys=True).encode()
@@ -199,7 +202,7 @@ def build_plan(source: Source, options: Options) -> Plan:
             shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
             plans.append(TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group,
                                     fmt.scale_name(d.name, options.scheme), fmt.scale_shape(shape, options.scheme),
-                                    d.cut))
+                                    d.cut, scale_dtype=fmt.scale_dtype(options.scheme)))
         else:
             plans.append(TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut))
     if not any(t.quantize for t in plans):
@@ -234,7 +237,12 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
     entries: set[str] = set()
     for t in plans:
         if not t.quantize and is_linear_weight(t.name, t.shape, t.source.dtype, t.reason):
-            entries.update(arch.names(module_of(t.name), config))
+            module = module_of(t.name)
+            if experts_of(t.name):  # transformers holds these experts fused (no per-expert module to name),
+                # or, where it splits them (Llama-4), under the checkpoint's own names
+                entries.update((module, arch.vllm_name(module, config)))
+            else:
+                entries.update(arch.names(module, config))
     for experts in kept_expert_blocks(plans, arch):
         names = arch.names(experts, config)
         if fmt == "compressed-tensors":

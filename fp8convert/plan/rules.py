@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
-from ..options import Options
+from ..options import MX_GROUP, Options
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo
 from .architectures import FUSED_SIBLINGS, GENERIC, TOWER, Architecture, ExpertTensor, config_value
 from .cuts import Cut
@@ -27,6 +27,7 @@ TOWER_PARTS = {"vision_tower", "vision_model", "visual", "vision_encoder", "visi
                "audio_model", "audio_encoder", "multi_modal_projector", "mm_projector", "vision_projector",
                "image_newline", "audio_projector", "vision_embed_tokens"}
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
+MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
 
 
@@ -78,8 +79,15 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
         if "conv" in leaf:
             return "convolution"
         raise UnsupportedLayout(f"{info.name} {list(info.shape)}")
-    if info.shape[0] % KERNEL_MULTIPLE or info.shape[1] % KERNEL_MULTIPLE:
-        return f"shape {list(info.shape)} not divisible by {KERNEL_MULTIPLE}"
+    return shape_keep_reason(tuple(info.shape), scheme)
+
+
+def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
+    """Why a 2-D weight of this shape cannot be FP8 in `scheme`, or None."""
+    if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE:
+        return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
+    if scheme == "mxfp8" and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
+        return f"{MX_INPUT_DIM} ({shape[1]}) not divisible by {MX_GROUP}"
     return None
 
 
@@ -145,9 +153,7 @@ def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch
         return [Decision(info.name, info, False, reason, None)]
     decisions = []
     for name, cut in expert_cuts(info, layout, experts, arch, config):
-        shape = cut.shape(info.shape)
-        why = reason or (f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
-                         if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE else None)
+        why = reason or shape_keep_reason(cut.shape(info.shape), options.scheme)
         decisions.append(Decision(name, info, why is None, why, fused_group_key(name, arch.fused), cut))
     return decisions
 

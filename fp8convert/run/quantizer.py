@@ -106,10 +106,11 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
-                   cpu_path: bool | None = None) -> list[tuple[str, torch.Tensor, int]]:
+                   cpu_path: bool | None = None, scale_format: str = "float") -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
     piece of a kept tensor where it goes. Kept tensors are views of `buf` (the caller copies them into
-    the output runs, or writes them from `buf` itself). `cpu_path`: see numerics.use_cpu_path."""
+    the output runs, or writes them from `buf` itself). `cpu_path`: see numerics.use_cpu_path;
+    `scale_format`: see numerics.quantize_group."""
     outputs = []
     for t in batch.tensors:
         if t.quantize:
@@ -129,7 +130,8 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         for chunk in family.chunks():
             members = [[group[m] for group in chunk] for m in range(len(chunk[0]))]
             try:
-                codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme, cpu_path)
+                codes, scales = quantize_group([stack_view(buf, offsets, ts) for ts in members], scheme, cpu_path,
+                                               scale_format)
             except NonFiniteWeight as e:
                 raise FP8ConvertError(f"{where(members[e.member][e.index])} contains NaN or Inf; "
                                       "refusing to quantize it") from None
