@@ -354,11 +354,20 @@ def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=froz
                      config: dict | None = None, scale_format: str = "float"):
     """{output name: expected tensor} computed from the source tensors with this module's math.
     `arch` (a tests/zoo.py name) with its `config`: fused expert tensors become one nn.Linear weight
-    per expert first (split_experts), and the architecture's own keeps apply (arch_keep)."""
+    per expert first (split_experts), and the architecture's own keeps apply (arch_keep). A fused expert
+    tensor none of whose experts is quantized stays as released (the layout transformers reads), except
+    Llama-4's under compressed-tensors (transformers splits those experts itself)."""
+    original = src_tensors
+    pieces = {n: split_experts(arch, {n: t}, config) for n, t in src_tensors.items()} if arch else {}
     if arch:
-        src_tensors = split_experts(arch, src_tensors, config)
+        src_tensors = {k: v for split in pieces.values() for k, v in split.items()}
     shapes = {n: tuple(t.shape) for n, t in src_tensors.items()}
     quant = expected_quantized(shapes, scheme, user_ignored, arch_keep(arch, fmt, scheme) if arch else None)
+    if not (arch in ("llama4", "llama4_text") and fmt == "compressed-tensors"):
+        for name, split in pieces.items():
+            if list(split) != [name] and not set(split) & quant:
+                src_tensors = {k: v for k, v in src_tensors.items() if k not in split}
+                src_tensors[name] = original[name]
     shared = {}
     if scheme == "tensor":
         for members in fused_groups({module_of(n) for n in quant}).values():
@@ -405,10 +414,10 @@ ARCH_KEEPS = {
 
 def arch_keep(arch: str, fmt: str, scheme: str) -> str | None:
     keep = ARCH_KEEPS.get(arch)
-    if arch == "llama4" and fmt == "compressed-tensors" and scheme == "block":
+    if arch in ("llama4", "llama4_text") and fmt == "compressed-tensors" and scheme == "block":
         # llama4.py permute_qk_weight_for_rotary permutes q/k weight_scale rows per head; 128x128 block
         # scales cannot be permuted that way, so the language model's q/k/v stay BF16.
-        keep = rf"({keep}|^language_model\.model\.layers\.\d+\.self_attn\.[qkv]_proj$)"
+        keep = rf"({keep}|^(language_model\.)?model\.layers\.\d+\.self_attn\.[qkv]_proj$)"
     return keep
 
 

@@ -72,3 +72,55 @@ def test_cuda_cuts_fused_experts_like_cpu(zoo_source, tmp_path, arch, scheme, fm
     fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu")
     fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda")
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+# MXFP8 and power-of-two block scales: the exponents come from integer bit arithmetic and every division is
+# by a power of two, so CUDA must give the CPU's bytes here too.
+BLACKWELL = [("mxfp8", "compressed-tensors", "float"), ("block", "compressed-tensors", "ue8m0"),
+             ("block", "fp8", "ue8m0")]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("scheme,fmt,scale_format", BLACKWELL)
+def test_cuda_mxfp8_and_ue8m0_bytes_equal_cpu(source_model, tmp_path, kind, scheme, fmt, scale_format):
+    src = source_model(kind)
+    for device in ("cpu", "cuda"):
+        fp8convert.quantize(src, tmp_path / device, scheme=scheme, format=fmt, scale_format=scale_format,
+                            device=device, max_shard_size="150KB")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scheme,fmt,scale_format", BLACKWELL)
+def test_cuda_mxfp8_and_ue8m0_from_fp16_and_fp32_sources(source_model, tmp_path, dtype, scheme, fmt, scale_format):
+    src = source_model("qwen3_moe", dtype)
+    for device in ("cpu", "cuda"):
+        fp8convert.quantize(src, tmp_path / device, scheme=scheme, format=fmt, scale_format=scale_format,
+                            device=device, max_shard_size="150KB")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+def test_cuda_mxfp8_edge_groups_equal_cpu():
+    """amax exactly 1.75 * 2^k, subnormal, huge and zero groups (test_mxfp8_ue8m0.edge_groups), fp32 just
+    above 448 * 2^k: the CUDA path's exponents and codes are the CPU path's."""
+    from fp8convert.run.numerics import quantize_group
+    from test_mxfp8_ue8m0 import edge_groups
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = edge_groups(dtype)
+        cpu_codes, cpu_scales = quantize_group([w], "mxfp8")
+        gpu_codes, gpu_scales = quantize_group([w.cuda()], "mxfp8")
+        assert torch.equal(gpu_scales[0].cpu(), cpu_scales[0])
+        assert torch.equal(gpu_codes[0].cpu().view(torch.uint8), cpu_codes[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("arch", ["llama4", "granitemoe", "qwen3_vl_moe", "gemma4"])
+def test_cuda_mxfp8_experts_cut_from_fused_tensors_like_cpu(tmp_path, arch):
+    """MXFP8 experts cut from fused 3-D tensors (96 wide, so they are quantized) give the CPU's bytes."""
+    import zoo
+    from test_mxfp8_ue8m0 import wide_experts
+
+    src = zoo.make(arch, tmp_path / "src", config_overrides=wide_experts(arch))
+    fp8convert.quantize(src, tmp_path / "cpu", scheme="mxfp8", device="cpu")
+    fp8convert.quantize(src, tmp_path / "cuda", scheme="mxfp8", device="cuda")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")

@@ -202,8 +202,36 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
     decisions = _keep_together(decisions, lambda d: d.group if d.name.endswith(".weight") else None,
                                "kept all of {key} because {kept} is kept ({reason})", notes)
     # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
-    return _keep_together(decisions, lambda d: experts_of(d.name),
-                          "kept every expert of {key} because {kept} is kept ({reason})", notes), notes
+    decisions = _keep_together(decisions, lambda d: experts_of(d.name),
+                               "kept every expert of {key} because {kept} is kept ({reason})", notes)
+    return _unsplit_kept(decisions, arch, options), notes
+
+
+def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Options) -> list[Decision]:
+    """A fused expert tensor none of whose cuts is quantized (e.g. experts whose width does not divide
+    into MXFP8 groups) stays whole, as released, like experts kept with --ignore: split BF16 experts
+    would only cost transformers the layout it reads."""
+    if arch.experts is None or options.format in arch.experts.split_when_kept:
+        return decisions
+    cuts: dict[str, list[Decision]] = {}
+    for d in decisions:
+        if d.cut:
+            cuts.setdefault(d.source.name, []).append(d)
+    whole = {name for name, ds in cuts.items() if not any(d.quantize for d in ds)}
+    # the reason the layer is kept, not "fused with ..." (those name cuts that are no longer written)
+    root = {}
+    for d in decisions:
+        if d.cut and d.source.name in whole and not d.reason.startswith("fused with"):
+            root.setdefault(experts_of(d.name), d.reason)
+    out, done = [], set()
+    for d in decisions:
+        if d.cut and d.source.name in whole:
+            if d.source.name not in done:
+                done.add(d.source.name)
+                out.append(Decision(d.source.name, d.source, False, root.get(experts_of(d.name), d.reason), None))
+            continue
+        out.append(d)
+    return out
 
 
 def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str]) -> list[Decision]:
