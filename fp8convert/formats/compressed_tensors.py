@@ -16,6 +16,9 @@ X.weight_scale float32 shaped [1] (tensor), [out, 1] (channel) or [ceil(out/128)
   knows. Its dense layer allocates weight_scale [out, in // 32] (so in % 32 == 0, and per TP rank for
   row-parallel layers); its MoE loads per-expert 2-D weights into w13_weight_scale [E, 2I, H // 32] and
   w2_weight_scale [E, H, I // 32]. The args models forbid unknown keys: write only these.
+  transformers 5.24 reads dense layers through compressed-tensors' MXFP8QuantizationCompressor, which
+  gives bfloat16 weights (bf16(code * 2^(byte - 127)), exact); its MoE expert path does not decode the
+  exponents and fails (summary.compatibility_warnings says so).
 
 Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it
 (`QuantizationArgs.scale_dtype` means E8M0 bytes only for MX groups, and vLLM's block scheme always
