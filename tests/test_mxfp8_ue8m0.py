@@ -17,7 +17,6 @@ loader contract, transformers) run with the other schemes: it is in conftest.FOR
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -233,10 +232,11 @@ def test_every_zoo_architecture_bit_exact_on_both_paths(arch, scheme, scale_form
         assert any(".experts.3." in n for n in quant), "the wide experts were not quantized"
 
 
-@pytest.mark.parametrize("arch", WIDE)
+@pytest.mark.parametrize("arch", ["llama4", "granitemoe"])  # [E, in, out] transposed, and [E, out, in]
 def test_mxfp8_experts_cut_from_fused_tensors_end_to_end(arch, wide_zoo, tmp_path):
     """Per-expert MXFP8 weights from fused 3-D tensors: bytes as the reference, verify passes, every
-    expert has its own [out, in/32] exponents, and the fused tensors are gone."""
+    expert has its own [out, in/32] exponents, and the fused tensors are gone. (All four fused layouts'
+    numerics: test_every_zoo_architecture_bit_exact_on_both_paths.)"""
     src = wide_zoo(arch)
     out = tmp_path / "out"
     run_quantize(src, out, scheme="mxfp8")
@@ -296,6 +296,41 @@ def test_ue8m0_converts_exactly_and_says_so(kind, fmt, converted, source_tensors
     if fmt == CT:  # compressed-tensors' schema has no field for it, and ignores the top-level key
         from compressed_tensors import QuantizationConfig
         QuantizationConfig.model_validate({**qc, "scale_fmt": "ue8m0"})
+
+
+def vllm_ue8m0_requant(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What vLLM 0.33 does to float32 block scales when DeepGEMM's UE8M0 mode is on, restated from
+    `requant_weight_ue8m0_inplace` (model_executor/layers/quantization/utils/fp8_utils.py) and
+    `per_block_cast_to_fp8(use_ue8m0=True)` (utils/deep_gemm.py): dequantize with the stored scales,
+    then per 128x128 block amax clamped at 1e-4, sf = 2^ceil(log2(amax / 448)), codes (w * (1 / sf))."""
+    m, k = q.shape
+    w = q.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:m, :k]
+    padded = torch.zeros(-(-m // 128) * 128, -(-k // 128) * 128)
+    padded[:m, :k] = w
+    view = padded.view(-1, 128, padded.size(1) // 128, 128)
+    sf = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / 448.0
+    sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
+    codes = (view * (1.0 / sf)).to(FP8).view_as(padded)[:m, :k]
+    return codes, sf.view(view.size(0), view.size(2))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek_v3"])
+def test_vllms_ue8m0_rerounding_changes_no_value_of_ours(kind, converted):
+    """Power-of-two scales leave DeepGEMM's load-time re-rounding nothing to change in value; float
+    amax / 448 scales of the same weights do change (the extra error this option avoids)."""
+    ours = read_safetensors_dir(converted(kind, "fp8", "block", scale_format="ue8m0"))
+    plain = read_safetensors_dir(converted(kind, "fp8", "block"))
+    moved = []
+    for name, q in ours.items():
+        if q.dtype != FP8:
+            continue
+        s = ours[name + "_scale_inv"]
+        codes, sf = vllm_ue8m0_requant(q, s)
+        assert torch.equal(R.dequant(codes, sf, "block"), R.dequant(q, s, "block")), name
+        p, ps = plain[name], plain[name + "_scale_inv"]
+        before = R.dequant(p, ps, "block")
+        moved.append(((R.dequant(*vllm_ue8m0_requant(p, ps), "block") - before).norm() / before.norm()).item())
+    assert len(moved) >= 8 and max(moved) > 0.01  # about 2.5-3.5 % per tensor here
 
 
 @pytest.mark.parametrize("kind,fmt", UE8M0_CASES)
