@@ -349,9 +349,9 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
 
 def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeReport:
     """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
-    records (source, revision, scheme, format, ignore patterns, shard size, target TP sizes; headers only, a Hub repo
-    id is planned from remote headers), refuse if it is not the plan the workers used or the source
-    changed, check that every shard is present and complete (size and header bytes), then write side
+    records (source, revision, scheme, format, ignore patterns, shard size, target TP sizes, scale format;
+    headers only, a Hub repo id is planned from remote headers), refuse if it is not the plan the workers
+    used or the source changed, check that every shard is present and complete (size and header bytes), then write side
     files, card, index and config.json. Idempotent: finalizing a complete output rewrites the same bytes."""
     started = time.monotonic()
     out_dir = Path(out)
@@ -383,8 +383,9 @@ def finalize_output(out: str | Path, *, token: str | None = None) -> FinalizeRep
 def _plan_from_manifest(state: dict, token: str | None) -> Plan:
     """The workers' plan again, from the manifest: same source label (the card names it), same options."""
     options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"],
-                      tuple(state.get("target_tp") or Options().target_tp), bool(state.get("dequantize")),
-                      state.get("dtype"))
+                      tuple(state.get("target_tp") or Options().target_tp),
+                      scale_format=state.get("scale_format") or "float", dequantize=bool(state.get("dequantize")),
+                      dtype=state.get("dtype"))
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
     from .source.hub import fetch_from_hub, remote_source

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, fields
 
 from .errors import FP8ConvertError
 
-SCHEMES = ("tensor", "channel", "block")
+SCHEMES = ("tensor", "channel", "block", "mxfp8")
 FORMATS = ("compressed-tensors", "fp8")
+SCALE_FORMATS = ("float", "ue8m0")  # block scales: amax / 448 as is, or rounded up to a power of two
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
+MX_GROUP = 32  # mxfp8: one power-of-two scale per 32 consecutive input elements of a row (OCP MX)
 TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
 # --dtype of dequantized weights: its spellings -> the safetensors dtype written
 DTYPE_NAMES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
@@ -45,6 +47,7 @@ class Options:
     ignore: tuple[str, ...] = field(default_factory=tuple)
     max_shard_size: int = 5 * 10**9
     target_tp: tuple[int, ...] = TARGET_TP  # the model card reports vLLM's limits at these sizes
+    scale_format: str = "float"
     dequantize: bool = False        # FP8 source to high precision (scheme and format do not apply)
     dtype: str | None = None        # dequantized weights' dtype (BF16, F16, F32); None: the model's own
 
@@ -53,9 +56,20 @@ class Options:
             raise FP8ConvertError(f"--scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.format not in FORMATS:
             raise FP8ConvertError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise FP8ConvertError(f"--scale-format must be one of {', '.join(SCALE_FORMATS)}, "
+                                  f"got {self.scale_format!r}")
+        if self.dequantize and self.scale_format != "float":
+            raise FP8ConvertError("--scale-format does not apply to dequantize: it writes no FP8 scales")
         if self.format == "fp8" and self.scheme == "channel":
             raise FP8ConvertError("--format fp8 has no per-channel scheme; use --scheme tensor or block, "
                                   "or --format compressed-tensors --scheme channel")
+        if self.format == "fp8" and self.scheme == "mxfp8":
+            raise FP8ConvertError("--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
+                                  "checkpoints); use --format compressed-tensors --scheme mxfp8")
+        if self.scale_format == "ue8m0" and self.scheme != "block":
+            raise FP8ConvertError(f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
+                                  + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else ""))
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
@@ -106,6 +120,7 @@ class Settings:
     ignore: tuple[str, ...] = ()
     max_shard_size: int | str = "5GB"
     target_tp: tuple[int, ...] = TARGET_TP
+    scale_format: str = "float"           # block scales: "ue8m0" rounds each up to a power of two
     device: str = "auto"                  # auto, cpu, cuda, cuda:N
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
     worker: object = None                 # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
@@ -138,7 +153,7 @@ class Settings:
     @property
     def options(self) -> Options:
         return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size, self.target_tp,
-                       self.dequantize, self.dtype)
+                       scale_format=self.scale_format, dequantize=self.dequantize, dtype=self.dtype)
 
     @classmethod
     def of(cls, settings: "Settings | None" = None, **overrides) -> "Settings":

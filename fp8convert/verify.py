@@ -7,7 +7,13 @@ stays at a few slabs whatever the model. Works for both output formats:
 - compressed-tensors: `X.weight` F8_E4M3 + `X.weight_scale` F32 shaped [1] (tensor), [out, 1] (channel)
   or [ceil(out/128), ceil(in/128)] (block);
 - fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
-  [ceil(out/128), ceil(in/128)] (block).
+  [ceil(out/128), ceil(in/128)] (block);
+- compressed-tensors MXFP8: `X.weight_scale` U8 [out, in/32], E8M0 exponent bytes (value 2^(byte-127)).
+
+Power-of-two scales are checked exactly (see `power_of_two_checks`): an MXFP8 exponent, or a block
+scale under `scale_fmt: ue8m0`, must be the smallest power of two 2^e with amax <= 448 * 2^e (amax of
+its group of 32, or of its 128x128 block floored at 1e-4), and since w / 2^e is exact, every code must
+equal the round-to-nearest-even e4m3 value of w / 2^e, ties included.
 
 A fused expert tensor (all experts of a layer in one tensor) that the output holds as one weight per
 expert is checked output by output against the slice of the source it must come from, as the
@@ -33,8 +39,10 @@ FP8 sources
 When the source is itself FP8, its weights' values are float32(q) * scale. A dequantized output
 (`fp8convert dequantize`, or a weight kept with --ignore) must equal that product rounded once to the
 output's dtype, element for element, and its scales must be gone. An FP8 output is checked against
-those float32 values with the bound above; one whose codes and scale values are the source's (passed
-through) is exact. A static activation scale in the output must be the source's, byte for byte.
+those float32 values with the bound above (and, requantized to MXFP8 or UE8M0 blocks, with the exact
+power-of-two checks); one whose codes and scale values are the source's (passed through) is exact, its
+scales powers of two where the config says scale_fmt ue8m0. A static activation scale in the output must
+be the source's, byte for byte.
 """
 from __future__ import annotations
 
@@ -80,6 +88,8 @@ class TensorCheck:
     bound: float              # largest rel_error e4m3 rounding allows with these scales (module docstring)
     off_grid: int             # elements whose code is not within half a step of w / scale (must be 0)
     ok: bool
+    off_rule_scales: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax (must be 0)
+    inexact_codes: int = 0    # with power-of-two scales: codes that are not RNE(w / scale) exactly (must be 0)
 
 
 @dataclass
@@ -400,21 +410,31 @@ def _check_quantized(source: Source, want: Expected, path: Path, got: TensorInfo
         problems.append(f"quantized, but the ignore list names {module_of(name)}")
     if scale_at is None:
         problems.append(f"its scale {scale_name} is missing")
-    elif scale_at[1].dtype != "F32" or (not problems and scale_at[1].shape not in fmt.scale_shapes(shape)):
-        problems.append(f"scale {scale_name} is {scale_at[1].dtype} {list(scale_at[1].shape)}, expected F32 "
-                        f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(shape))}")
+    elif scale_at[1].dtype != fmt.scale_dtype() or (not problems and scale_at[1].shape not in fmt.scale_shapes(shape)):
+        problems.append(f"scale {scale_name} is {scale_at[1].dtype} {list(scale_at[1].shape)}, expected "
+                        f"{fmt.scale_dtype()} {' or '.join(str(list(s)) for s in fmt.scale_shapes(shape))}")
     if problems:
         report.failures.append(f"{name}: {'; '.join(problems)}")
         return None
     import torch
+
+    from .run.numerics import e8m0_to_float
     scale = files.whole(*scale_at)
+    if scale.dtype == torch.uint8:  # MXFP8: E8M0 bytes; 255 (E8M0's NaN) decodes to NaN and fails below
+        scale = e8m0_to_float(scale)
     if not bool((torch.isfinite(scale) & (scale > 0)).all()):
         report.failures.append(f"{name}: scale {scale_name} is not finite and positive everywhere")
         return None
-    check = _numbers(name, source_rows or source_weight(source, want, files), path, got, scale, fmt.scheme, files)
+    check = _numbers(name, source_rows or source_weight(source, want, files), path, got, scale, fmt.scheme, files,
+                     fmt.scale_format)
     report.tensors.append(check)
     if not check.ok:
         what = []
+        if check.off_rule_scales:
+            what.append(f"{check.off_rule_scales} scale(s) are not the smallest power of two that fits their "
+                        + ("group" if fmt.scheme == "mxfp8" else "block"))
+        if check.inexact_codes:
+            what.append(f"{check.inexact_codes} code(s) are not the round-to-nearest-even e4m3 value of weight/scale")
         if check.off_grid:
             what.append(f"{check.off_grid} code(s) are not the nearest e4m3 value of weight/scale")
         if not check.rel_error <= check.bound * (1 + FLOAT_SLACK):
@@ -423,8 +443,10 @@ def _check_quantized(source: Source, want: Expected, path: Path, got: TensorInfo
     return scale
 
 
-def _numbers(name: str, source_rows, path: Path, got: TensorInfo, scale, scheme: str, files: _Files) -> TensorCheck:
-    """`source_rows(r0, r1)`: float32 rows of the source weight (source_weight)."""
+def _numbers(name: str, source_rows, path: Path, got: TensorInfo, scale, scheme: str, files: _Files,
+             scale_format: str = "float") -> TensorCheck:
+    """`source_rows(r0, r1)`: float32 rows of the source weight (source_weight); `scale`: float32 values
+    (MXFP8 bytes decoded)."""
     import torch
 
     from .run.numerics import FP8_MAX, dequantize, expand_scale
@@ -434,14 +456,14 @@ def _numbers(name: str, source_rows, path: Path, got: TensorInfo, scale, scheme:
     if scheme == "block":  # slabs start on block rows, so each slab's scale rows expand on their own
         step = max(BLOCK, step // BLOCK * BLOCK)
     w2 = e2 = bound2 = 0.0
-    off_grid = 0
+    off_grid = off_rule = inexact = 0
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         w = source_rows(r0, r1)
         q = files.rows(path, got, r0, r1)
         if scheme == "tensor":
             s = scale.reshape(1, 1)
-        elif scheme == "channel":
+        elif scheme in ("channel", "mxfp8"):
             s = scale[r0:r1]
         else:
             s = scale[r0 // BLOCK: -(-r1 // BLOCK)]
@@ -457,12 +479,41 @@ def _numbers(name: str, source_rows, path: Path, got: TensorInfo, scale, scheme:
         binade = torch.where(x == 0, torch.full_like(exponent, -6), (exponent - 1).clamp(min=-6))
         half_step = torch.ldexp(torch.ones_like(x), binade - 4)
         off_grid += int((~((x - q.float()).abs() <= half_step)).sum())
+        if scheme == "mxfp8" or scale_format == "ue8m0":
+            bad_scales, bad_codes = power_of_two_checks(w, q, s, scheme)
+            off_rule += bad_scales
+            inexact += bad_codes
     err, norm = math.sqrt(e2), math.sqrt(w2)
     rel = err / norm if norm else (0.0 if err == 0 else math.inf)
     snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm else -math.inf)
     bound = math.sqrt(bound2) / norm if norm else math.inf
-    ok = off_grid == 0 and e2 <= bound2 * (1 + FLOAT_SLACK) ** 2
-    return TensorCheck(name, list(got.shape), list(scale.shape), rel, snr, bound, off_grid, ok)
+    ok = off_grid == 0 and off_rule == 0 and inexact == 0 and e2 <= bound2 * (1 + FLOAT_SLACK) ** 2
+    return TensorCheck(name, list(got.shape), list(scale.shape), rel, snr, bound, off_grid, ok, off_rule, inexact)
+
+
+def power_of_two_checks(w, q, s, scheme: str) -> tuple[int, int]:
+    """(scales off the rule, codes off RNE) for one slab of rows with power-of-two scales: MXFP8 exponents
+    ([rows, in/32]) or UE8M0 block scales (block rows of the slab). `w`: float32 source rows; `q`: their
+    codes; `s`: float32 scale values.
+
+    The rule is written as a property, independently of how the quantizer computes it: s = 2^e must
+    satisfy A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), where A is the
+    group's amax, or the block's amax floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its
+    lowest byte (2^-127) only needs the first. Both products are exact in float32."""
+    import torch
+
+    from .run.numerics import FP8_MAX, FP8_DTYPE, UE8M0_MIN_AMAX, amax, expand_scale, powers_of_two
+    a = amax(w, scheme)
+    if scheme != "mxfp8":
+        a = torch.maximum(a, torch.full_like(a, UE8M0_MIN_AMAX))
+    fits = powers_of_two(s) & (a <= FP8_MAX * s)
+    smallest = a > (FP8_MAX / 2) * s
+    if scheme == "mxfp8":
+        smallest |= s == 2.0**-127
+    off_rule = int((~(fits & smallest)).sum())
+    x = (w / expand_scale(s, tuple(w.shape), scheme)).clamp(-FP8_MAX, FP8_MAX)
+    inexact = int((x.to(FP8_DTYPE).float() != q.float()).sum())  # compared as values: -0 == +0
+    return off_rule, inexact
 
 
 # ---------------------------------------------------------------- FP8 sources
@@ -554,8 +605,11 @@ def _check_dequantized(source: Source, weight: FP8Weight, path: Path, got: Tenso
 def _passed_through(source: Source, weight: FP8Weight, path: Path, got: TensorInfo, scale_at: tuple[Path, TensorInfo],
                     fmt: QuantizedLayout, report: VerifyReport, files: _Files) -> bool:
     """Whether the output's codes and scale are the source's (then it is exact, and recorded so); a
-    non-float32 scale that is not the source's is a failure."""
+    scale that is not the source's and not of the format's scale dtype is a failure, and so is a passed
+    scale that is not a power of two under scale_fmt ue8m0."""
     import torch
+
+    from .run.numerics import powers_of_two
     scale_path, scale = scale_at
     same_scale = (scale.dtype == weight.scale.dtype and scale.nbytes == weight.scale.nbytes
                   and files.pread(scale_path, scale.offset, scale.nbytes)
@@ -567,9 +621,9 @@ def _passed_through(source: Source, weight: FP8Weight, path: Path, got: TensorIn
         for start in range(0, got.nbytes, CHUNK_BYTES))
     name = weight.weight.name
     if not (same_scale and same_codes):
-        if scale.dtype != "F32":
+        if scale.dtype != fmt.scale_dtype():
             report.failures.append(f"{name}: scale {fmt.scale_name(name)} is {scale.dtype}, but its codes and scale are "
-                                   "not the source's (a requantized scale is float32)")
+                                   f"not the source's (a requantized scale is {fmt.scale_dtype()})")
             return True
         return False
     if scale.shape not in fmt.scale_shapes(got.shape):
@@ -579,6 +633,10 @@ def _passed_through(source: Source, weight: FP8Weight, path: Path, got: TensorIn
     values = files.whole(scale_path, scale).float()
     if not bool((torch.isfinite(values) & (values > 0)).all()):
         report.failures.append(f"{name}: scale {fmt.scale_name(name)} is not finite and positive everywhere")
+        return True
+    if fmt.scale_format == "ue8m0" and not bool(powers_of_two(values).all()):
+        report.failures.append(f"{name}: scale {fmt.scale_name(name)} passed through from the source is not a power "
+                               "of two everywhere, but the config says scale_fmt ue8m0")
         return True
     report.tensors.append(TensorCheck(name, list(got.shape), list(scale.shape), 0.0, math.inf, 0.0, 0, True))
     return True

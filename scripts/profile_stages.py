@@ -105,7 +105,8 @@ def main() -> int:
             t0 = time.perf_counter()
             for b in batches:
                 buf, offsets = reader.read(read_order(b))
-                outputs = quantize_batch(b, buf, offsets, plan.options.scheme, source_scheme=plan.source_scheme)
+                outputs = quantize_batch(b, buf, offsets, plan.options.scheme, scale_format=plan.options.scale_format,
+                                         source_scheme=plan.source_scheme)
                 sync()
                 del outputs
                 reader.recycle(buf)

@@ -34,8 +34,9 @@ FORMAT_SCHEMES = [
     ("compressed-tensors", "block"),
     ("fp8", "tensor"),
     ("fp8", "block"),
+    ("compressed-tensors", "mxfp8"),
 ]
-FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block"]
+FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block", "ct-mxfp8"]
 ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
 
 # A fixed prompt of token ids (no tokenizer involved).

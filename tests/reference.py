@@ -9,6 +9,13 @@ Rules (DESIGN.md, "Numerics"):
 - codes = clamp(float32(w) / scale, -448, 448).to(float8_e4m3fn) (true division, RNE cast).
 - amax == 0 -> scale 1.0 (finite and positive; the codes are then all 0).
 - fused groups (per-tensor scheme only) share one scale: the one computed from max(amax of members).
+- mxfp8 (README, "Schemes and formats"): each row is cut into groups of 32 consecutive inputs; a
+  group's scale is 2^e with e the smallest integer such that amax <= 448 * 2^e (ceil(log2(amax/448))
+  taken exactly), e kept in [-127, 127]; it is stored as the byte e + 127 (uint8 [out, in/32]); codes
+  are w / 2^e rounded as above. amax == 0 -> byte 0. Weights whose input dim is not a multiple of 32
+  stay in high precision.
+- block scales with scale format ue8m0: 2^e with e the smallest integer such that
+  max(amax, 1e-4) <= 448 * 2^e (1e-4 taken as a float32), stored as float32.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import torch
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128
+MX_GROUP = 32
+UE8M0_MIN_AMAX = torch.tensor(1e-4, dtype=torch.float32).item()  # as float32, then exactly as a Python float
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -109,31 +118,97 @@ def quantize_block(w: torch.Tensor):
     return codes, s
 
 
+# ---------------------------------------------------------------- powers of two (MXFP8, UE8M0)
+
+
+def smallest_exponent(amax: float) -> int:
+    """The smallest integer e with amax <= 448 * 2**e, kept in [-127, 127]. Python floats hold every
+    float32 amax and every 448 * 2**e here exactly, so the comparisons are exact; no log2 is trusted."""
+    if amax == 0.0:
+        return -127
+    e = math.frexp(amax / FP8_MAX)[1]  # a guess within one of the answer
+    while amax > FP8_MAX * 2.0**e:
+        e += 1
+    while amax <= FP8_MAX * 2.0 ** (e - 1):
+        e -= 1
+    return max(-127, min(127, e))
+
+
+def pow2(e: int) -> torch.Tensor:
+    """2**e as a float32 scalar tensor (2**-127 is a float32 subnormal, still exact)."""
+    return torch.tensor(2.0**e, dtype=torch.float32)
+
+
+def quantize_mx(w: torch.Tensor):
+    """(codes, uint8 E8M0 bytes [out, in/32]), group by group."""
+    rows, cols = w.shape
+    assert cols % MX_GROUP == 0, w.shape
+    codes = torch.empty(w.shape, dtype=FP8_DTYPE)
+    exponents = torch.empty(rows, cols // MX_GROUP, dtype=torch.uint8)
+    for r in range(rows):
+        for g in range(cols // MX_GROUP):
+            group = w[r, g * MX_GROUP : (g + 1) * MX_GROUP]
+            e = smallest_exponent(amax_of(group).item())
+            exponents[r, g] = e + 127
+            codes[r, g * MX_GROUP : (g + 1) * MX_GROUP] = codes_with_scale(group, pow2(e))
+    return codes, exponents
+
+
+def ue8m0_block_scales(w: torch.Tensor) -> torch.Tensor:
+    """[ceil(out/128), ceil(in/128)] float32 powers of two, block by block."""
+    gr, gc = block_grid(w.shape)
+    s = torch.empty(gr, gc, dtype=torch.float32)
+    for i in range(gr):
+        for j in range(gc):
+            blk = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
+            s[i, j] = pow2(smallest_exponent(max(amax_of(blk).item(), UE8M0_MIN_AMAX)))
+    return s
+
+
 # ---------------------------------------------------------------- dequant
 
 
 def dequant(codes: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """float32 w' = float32(q) * scale, expanding block scales to the weight shape."""
+    """float32 w' = float32(q) * scale, expanding block scales to the weight shape; MXFP8 scale bytes b
+    mean 2**(b - 127)."""
     q = codes.to(torch.float32)
     if scheme == "tensor":
         return q * scale.reshape(())
     if scheme == "channel":
         return q * scale.reshape(-1, 1)
+    if scheme == "mxfp8":
+        out = torch.empty(q.shape, dtype=torch.float32)
+        for r in range(q.shape[0]):
+            for g in range(q.shape[1] // MX_GROUP):
+                cols = slice(g * MX_GROUP, (g + 1) * MX_GROUP)
+                out[r, cols] = q[r, cols] * pow2(int(scale[r, g]) - 127)
+        return out
     rows, cols = q.shape
     full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
     return q * full
 
 
-def quantize(w: torch.Tensor, scheme: str, shared_scale: torch.Tensor | None = None):
-    """(codes, scale) for one 2D weight; scale is 0-d (tensor), [out,1] (channel) or the block grid."""
+def quantize(w: torch.Tensor, scheme: str, shared_scale: torch.Tensor | None = None, scale_format: str = "float"):
+    """(codes, scale) for one 2D weight; scale is 0-d (tensor), [out,1] (channel), the block grid
+    (float32, powers of two with scale_format "ue8m0") or uint8 E8M0 bytes [out, in/32] (mxfp8)."""
     assert w.dim() == 2, w.shape
     if scheme == "tensor":
         return quantize_tensor(w, shared_scale)
     assert shared_scale is None, "only the per-tensor scheme shares scales"
     if scheme == "channel":
         return quantize_channel(w)
+    if scheme == "block" and scale_format == "ue8m0":
+        s = ue8m0_block_scales(w)
+        codes = torch.empty(w.shape, dtype=FP8_DTYPE)
+        for i in range(s.shape[0]):
+            for j in range(s.shape[1]):
+                rs, cs = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+                codes[rs, cs] = codes_with_scale(w[rs, cs], s[i, j])
+        return codes, s
     if scheme == "block":
         return quantize_block(w)
+    if scheme == "mxfp8":
+        return quantize_mx(w)
     raise ValueError(scheme)
 
 
@@ -192,6 +267,8 @@ def default_keep_reason(tensor_name: str, shape, scheme: str, extra_keep: str | 
         return "router"
     if shape[0] % 16 or shape[1] % 16:  # the README: the FP8 kernels cannot take them (any scheme)
         return "shape not divisible by 16"
+    if scheme == "mxfp8" and shape[1] % MX_GROUP:  # rows must split into groups of 32
+        return "input dim not divisible by 32"
     return None
 
 
@@ -222,6 +299,15 @@ def expected_quantized(shapes: dict, scheme: str, user_ignored=frozenset(), extr
     for members in fused_groups(modules).values():
         if not all(m + ".weight" in quant for m in members):
             quant -= {m + ".weight" for m in members}
+    # vLLM builds one FusedMoE per layer: its experts' weights are all FP8 or all kept.
+    experts: dict[str, set[str]] = {}
+    for n, s in shapes.items():
+        hit = re.match(r"^(.+\.experts)\.\d+\.[^.]+\.weight$", n)
+        if hit and len(s) == 2:
+            experts.setdefault(hit.group(1), set()).add(n)
+    for members in experts.values():
+        if not members <= quant:
+            quant -= members
     return quant
 
 
@@ -253,7 +339,8 @@ def scale_name_and_shape(fmt: str, scheme: str, weight_shape) -> tuple[str, tupl
     """(suffix replacing `.weight`, shape) of the scale tensor DESIGN specifies for each format."""
     rows, cols = weight_shape
     if fmt == "compressed-tensors":
-        shape = {"tensor": (1,), "channel": (rows, 1), "block": block_grid(weight_shape)}[scheme]
+        shape = {"tensor": (1,), "channel": (rows, 1), "block": block_grid(weight_shape),
+                 "mxfp8": (rows, cols // MX_GROUP)}[scheme]
         return ".weight_scale", tuple(shape)
     if fmt == "fp8":
         if scheme == "tensor":
@@ -264,14 +351,23 @@ def scale_name_and_shape(fmt: str, scheme: str, weight_shape) -> tuple[str, tupl
 
 
 def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=frozenset(), arch: str | None = None,
-                     config: dict | None = None):
+                     config: dict | None = None, scale_format: str = "float"):
     """{output name: expected tensor} computed from the source tensors with this module's math.
     `arch` (a tests/zoo.py name) with its `config`: fused expert tensors become one nn.Linear weight
-    per expert first (split_experts), and the architecture's own keeps apply (arch_keep)."""
+    per expert first (split_experts), and the architecture's own keeps apply (arch_keep). A fused expert
+    tensor none of whose experts is quantized stays as released (the layout transformers reads), except
+    Llama-4's under compressed-tensors (transformers splits those experts itself)."""
+    original = src_tensors
+    pieces = {n: split_experts(arch, {n: t}, config) for n, t in src_tensors.items()} if arch else {}
     if arch:
-        src_tensors = split_experts(arch, src_tensors, config)
+        src_tensors = {k: v for split in pieces.values() for k, v in split.items()}
     shapes = {n: tuple(t.shape) for n, t in src_tensors.items()}
     quant = expected_quantized(shapes, scheme, user_ignored, arch_keep(arch, fmt, scheme) if arch else None)
+    if not (arch in ("llama4", "llama4_text") and fmt == "compressed-tensors"):
+        for name, split in pieces.items():
+            if list(split) != [name] and not set(split) & quant:
+                src_tensors = {k: v for k, v in src_tensors.items() if k not in split}
+                src_tensors[name] = original[name]
     shared = {}
     if scheme == "tensor":
         for members in fused_groups({module_of(n) for n in quant}).values():
@@ -283,10 +379,10 @@ def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=froz
         if n not in quant:
             out[n] = t
             continue
-        codes, scale = quantize(t, scheme, shared.get(n))
+        codes, scale = quantize(t, scheme, shared.get(n), scale_format)
         suffix, sshape = scale_name_and_shape(fmt, scheme, t.shape)
         out[n] = codes
-        out[module_of(n) + suffix] = scale.reshape(sshape).to(torch.float32)
+        out[module_of(n) + suffix] = scale.reshape(sshape)
     return out, quant
 
 
@@ -318,10 +414,10 @@ ARCH_KEEPS = {
 
 def arch_keep(arch: str, fmt: str, scheme: str) -> str | None:
     keep = ARCH_KEEPS.get(arch)
-    if arch == "llama4" and fmt == "compressed-tensors" and scheme == "block":
+    if arch in ("llama4", "llama4_text") and fmt == "compressed-tensors" and scheme == "block":
         # llama4.py permute_qk_weight_for_rotary permutes q/k weight_scale rows per head; 128x128 block
         # scales cannot be permuted that way, so the language model's q/k/v stay BF16.
-        keep = rf"({keep}|^language_model\.model\.layers\.\d+\.self_attn\.[qkv]_proj$)"
+        keep = rf"({keep}|^(language_model\.)?model\.layers\.\d+\.self_attn\.[qkv]_proj$)"
     return keep
 
 

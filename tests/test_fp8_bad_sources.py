@@ -14,6 +14,11 @@ import fp8_reference as F
 from test_bad_inputs import assert_refused, run_cli
 from tiny_ckpt import llama_tensors, rewrite_index, write_checkpoint
 
+try:
+    from fakehub import fake_hub  # noqa: F401  (a fixture)
+except ImportError:  # tests/ imported as a package
+    from tests.fakehub import fake_hub  # noqa: F401
+
 SHARD2 = "model-00002-of-00003.safetensors"  # layer 1
 W = "model.layers.1.mlp.up_proj"             # an FP8 weight in SHARD2: [128, 64]
 
@@ -248,6 +253,56 @@ def test_other_quantization_methods_are_refused_naming_the_method(tmp_path, caps
         out = tmp_path / f"out-{command[0]}"
         rc, err = run_cli(capsys, command[0], src, out, "-q", "--device", "cpu")
         assert_refused(rc, err, out, *names)
+
+
+def test_mxfp8_checkpoints_are_refused_as_sources(tmp_path, capsys):
+    """fp8convert writes MXFP8 but does not read it: its own --scheme mxfp8 output is refused, format named."""
+    bf16 = write_checkpoint(tmp_path / "bf16", llama_tensors())
+    mxfp8 = tmp_path / "mxfp8"
+    assert run_cli(capsys, "quantize", bf16, mxfp8, "--scheme", "mxfp8", "-q", "--device", "cpu")[0] == 0
+    for command in (["quantize"], ["dequantize"]):
+        out = tmp_path / f"out-{command[0]}"
+        rc, err = run_cli(capsys, command[0], mxfp8, out, "-q", "--device", "cpu")
+        assert_refused(rc, err, out, "config.json", "'mxfp8-quantized'", "does not read as a source")
+
+
+def test_dequantize_takes_no_scale_format():
+    from fp8convert import Settings
+    from fp8convert.errors import FP8ConvertError
+    with pytest.raises(FP8ConvertError, match="--scale-format does not apply to dequantize"):
+        Settings(dequantize=True, scheme="block", scale_format="ue8m0")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["copier", "pipeline"])
+def test_ue8m0_source_scales_that_are_not_powers_of_two(tmp_path, capsys, monkeypatch, fake_hub, streamed):
+    """A source declaring scale_fmt ue8m0 passes into a --scale-format ue8m0 output only if every scale
+    is a power of two: one that is not is refused while reading, naming it, by the copier of passed
+    tensors or (a streamed Hub source) by the pipeline. Into a float block output it passes (any positive
+    scale is a float scale), and verify fails that output if its config claims ue8m0."""
+    src = fp8_checkpoint(tmp_path / "src", F.LAYOUTS["deepseek-native-block-ue8m0"])
+    tensors = load_file(str(src / SHARD2))
+    tensors[W + ".weight_scale_inv"] = tensors[W + ".weight_scale_inv"] * 1.5
+    save_file(tensors, str(src / SHARD2), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    where = [src]
+    if streamed:
+        fake_hub.add_repo("acme/ue8m0", from_dir=src)
+        monkeypatch.setenv("HF_TOKEN", fake_hub.token)
+        where = ["acme/ue8m0", "--stream-download"]
+    rc, err = run_cli(capsys, "quantize", where[0], out, *where[1:], "--format", "fp8", "--scheme", "block",
+                      "--scale-format", "ue8m0", "-q", "--device", "cpu")
+    line = assert_refused(rc, err, out, W + ".weight_scale_inv", SHARD2, preflight=False)
+    assert "not a power of two" in line and "scale_fmt ue8m0" in line
+    if streamed:
+        return
+    plain = tmp_path / "plain"
+    rc, err = run_cli(capsys, "quantize", src, plain, "--format", "fp8", "--scheme", "block", "-q", "--device", "cpu")
+    assert rc == 0, err
+    from fp8convert.verify import verify
+    assert verify(src, plain).ok
+    edit_config(plain, lambda c: c["quantization_config"].update(scale_fmt="ue8m0"))
+    report = verify(src, plain)
+    assert not report.ok and any(W + ".weight" in f and "not a power of two" in f for f in report.failures)
 
 
 def test_dequantize_of_a_bf16_source_and_a_bad_dtype_are_refused(tmp_path, capsys):

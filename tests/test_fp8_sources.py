@@ -173,16 +173,21 @@ def test_dequantized_model_loads_in_transformers_close_to_the_bf16_model(name, b
 # ------------------------------------------------------------------ requantize
 
 
-def expected_requantized(tensors: dict, scheme_in: str, fmt: str, scheme: str, kind: str, config: dict):
-    """(expected outputs, FP8 output names) of requantizing an FP8 checkpoint: a source already in
-    `scheme` keeps its codes and scale values (its scale named and shaped as `fmt` writes them, dtype as
-    stored); otherwise tests/reference.py quantizes the dequantized float32 values."""
+def expected_requantized(tensors: dict, scheme_in: str, fmt: str, scheme: str, kind: str, config: dict,
+                         passes: bool | None = None, scale_format: str = "float"):
+    """(expected outputs, FP8 output names) of requantizing an FP8 checkpoint: a source that `passes`
+    (by default: one already in `scheme`) keeps its codes and scale values (its scale named and shaped as
+    `fmt` writes them, dtype as stored); otherwise tests/reference.py quantizes the dequantized float32
+    values in `scheme` and `scale_format`."""
     weights = F.fp8_weights(tensors, scheme_in)
     plain = {n: t for n, t in tensors.items() if not n.endswith((".weight_scale", ".weight_scale_inv",
                                                                    ".input_scale"))}
-    if scheme_in != scheme:
+    if not (scheme_in == scheme if passes is None else passes):
         values = {**plain, **F.dequantized(tensors, scheme_in)}
-        return R.expected_outputs(values, fmt, scheme, arch=kind, config=config)
+        out, quantized = R.expected_outputs(values, fmt, scheme, arch=kind, config=config, scale_format=scale_format)
+        # FP8 weights the output cannot hold as FP8 (an MXFP8 input dim not divisible by 32) are dequantized
+        out.update({n: out[n].to(torch.bfloat16) for n in weights if n not in quantized})
+        return out, quantized
     out = dict(plain)
     for n, (q, s) in weights.items():
         suffix, shape = R.scale_name_and_shape(fmt, scheme, q.shape)
@@ -237,6 +242,44 @@ def test_requantizing_fp8convert_output_to_its_own_scheme_gives_its_bytes(fmt, s
     assert files == sorted(p.name for p in out.glob("model*"))
     assert all((src / f).read_bytes() == (out / f).read_bytes() for f in files)
     assert read_json(out / "config.json") == read_json(src / "config.json")
+
+
+BLACKWELL = [("compressed-tensors", "mxfp8", "float"), ("compressed-tensors", "block", "ue8m0"),
+             ("fp8", "block", "ue8m0")]
+
+
+@pytest.mark.parametrize("fmt,scheme,scale_format", BLACKWELL, ids=["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"])
+@pytest.mark.parametrize("name", REFERENCE_SOURCES)
+def test_requantize_to_mxfp8_and_ue8m0_blocks(name, fmt, scheme, scale_format, fp8_source, tmp_path):
+    """FP8 sources to the Blackwell layouts: requantized from their dequantized float32 values with the
+    power-of-two rules, as tests/reference.py computes them, except a block source that declares
+    scale_fmt ue8m0 asked for ue8m0 blocks: its codes and scales pass through. verify then checks every
+    exponent and code exactly."""
+    src = fp8_source(name)
+    tensors, config = read_safetensors_dir(src), read_json(src / "config.json")
+    passes = source_scheme(name) == scheme and config["quantization_config"].get("scale_fmt") == "ue8m0"
+    out = tmp_path / "out"
+    report = run_quantize(src, out, format=fmt, scheme=scheme, scale_format=scale_format)
+    got = read_safetensors_dir(out)
+    expected, fp8_names = expected_requantized(tensors, source_scheme(name), fmt, scheme, SOURCES[name][0], config,
+                                               passes, scale_format)
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))[:6]  # static activation scales dropped
+    wrong = [n for n in expected if not same_bytes(got[n], expected[n])]
+    assert not wrong, f"differ from the reference: {wrong[:6]}"
+    assert report.tensors_passed_through == (len(fp8_names) if passes else 0)
+    assert report.tensors_requantized == (0 if passes else len(fp8_names))
+    assert report.tensors_dequantized == len(F.fp8_weights(tensors, source_scheme(name))) - len(fp8_names)
+    qc = read_json(out / "config.json")["quantization_config"]
+    assert qc.get("scale_fmt") == ("ue8m0" if scale_format == "ue8m0" else None)
+    if scheme == "mxfp8":
+        assert qc["format"] == "mxfp8-quantized"
+        assert all(got[R.module_of(n) + ".weight_scale"].dtype == torch.uint8 for n in fp8_names)
+    dropped_fmt = config["quantization_config"].get("scale_fmt") == "ue8m0" and scale_format != "ue8m0"
+    assert any("scale_fmt 'ue8m0' is not written" in n for n in report.notes) == dropped_fmt
+    assert any("static activation scales" in n for n in report.notes) == any(n.endswith(".input_scale")
+                                                                              for n in tensors)
+    check = verify(src, out)
+    assert check.ok, check.failures[:3]
 
 
 def test_ignored_fp8_weights_are_dequantized_and_listed(fp8_source, tmp_path):

@@ -206,7 +206,7 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
         # compressed-tensors 0.20.1 in transformers 5.24: without quantization_status "compressed"
         # the model loads silently and returns NaN logits; block needs block_structure.
         assert qc["quant_method"] == "compressed-tensors"
-        assert qc["format"] == "float-quantized"
+        assert qc["format"] == ("mxfp8-quantized" if scheme == "mxfp8" else "float-quantized")
         assert qc["quantization_status"] == "compressed"
         assert qc.get("kv_cache_scheme") is None
         assert list(qc["config_groups"]) == ["group_0"]
@@ -214,6 +214,22 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
         assert g["targets"] == ["Linear"]
         w, a = g["weights"], g["input_activations"]
         assert (w["num_bits"], w["type"], w["symmetric"], w["dynamic"]) == (8, "float", True, False)
+        from compressed_tensors import QuantizationConfig
+
+        parsed = QuantizationConfig.model_validate(qc)  # the library itself accepts it
+        if scheme == "mxfp8":
+            # compressed-tensors' own MXFP8 preset, as its model_dump writes it; vLLM's _is_mxfp8 keys on
+            # the weights' scale_dtype uint8 (with strategy group, group_size 32, symmetric, float, 8 bits)
+            for args, dynamic in ((w, False), (a, True)):
+                assert args == {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 32,
+                                "strategy": "group", "dynamic": dynamic, "scale_dtype": "torch.uint8"}
+            from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+            preset = preset_name_to_scheme("MXFP8", ["Linear"]).model_dump(mode="json")
+            assert {k: v for k, v in parsed.config_groups["group_0"].model_dump(mode="json").items() if k != "targets"} \
+                == {k: v for k, v in preset.items() if k != "targets"}
+            assert parsed.config_groups["group_0"].weights.scale_dtype == torch.uint8
+            return
         assert w["strategy"] == scheme
         assert w.get("group_size") is None
         assert w.get("block_structure") == ([128, 128] if scheme == "block" else None)
@@ -221,9 +237,7 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
         assert a["strategy"] == {"tensor": "tensor", "channel": "token", "block": "group"}[scheme]
         if scheme == "block":
             assert a["group_size"] == 128
-        from compressed_tensors import QuantizationConfig
-
-        QuantizationConfig.model_validate(qc)  # the library itself accepts it
+        assert "scale_fmt" not in qc
     else:
         assert qc["quant_method"] == "fp8"
         assert qc["fmt"] == "e4m3"
@@ -232,6 +246,7 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
             assert qc["weight_block_size"] == [128, 128]
         else:
             assert "weight_block_size" not in qc
+        assert "scale_fmt" not in qc
         assert set(qc["ignored_layers"]) == set(qc["modules_to_not_convert"])
 
 

@@ -9,7 +9,9 @@ vLLM is not installed here; these checks restate its loading rules against the f
 - Fp8MoEMethod keeps per-expert `w13_weight_scale [E, 2]` and `w2_weight_scale [E]` in the tensor
   scheme (`w13_weight_scale.max(dim=1)` then requantizes); channel scales stack to [E, 2I, 1];
 - per-tensor/channel FP8 GEMMs want both weight dims divisible by 16;
-- block scales are a ceil-div grid of 128x128 blocks, `weight_scale_inv` in the fp8 format.
+- block scales are a ceil-div grid of 128x128 blocks, `weight_scale_inv` in the fp8 format;
+- MXFP8 (compressed-tensors, weights' scale_dtype uint8): `weight_scale` uint8 [out, in // 32], so every
+  quantized input dim divides by 32 (the MoE method stacks them to w13 [E, 2I, H // 32], w2 [E, H, I // 32]).
 """
 
 from __future__ import annotations
@@ -598,7 +600,11 @@ def test_zoo_meets_vllm_loader_contract(arch, fmt, scheme, zoo_converted, zoo_so
         fp8 = t.dtype == FP8
         if fp8:
             scale = tensors.get(module + scale_suffix)
-            assert scale is not None and scale.dtype == torch.float32, f"{name}: no {scale_suffix} for vLLM"
+            want = torch.uint8 if scheme == "mxfp8" else torch.float32
+            assert scale is not None and scale.dtype == want, f"{name}: no {want} {scale_suffix} for vLLM"
+            if scheme == "mxfp8":  # CompressedTensorsW8A8Mxfp8.create_weights: uint8 [out, in // 32]
+                assert t.shape[1] % 32 == 0 and tuple(scale.shape) == (t.shape[0], t.shape[1] // 32), \
+                    (name, tuple(t.shape), tuple(scale.shape))
         if re.search(contract.unquantized, vname) or R.is_embedding(module) or "norm" in module.rsplit(".", 1)[-1]:
             assert not fp8, f"{name}: FP8, but vLLM builds {vname} without the quant config"
             continue

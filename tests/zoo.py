@@ -639,10 +639,15 @@ def _mtp_tensors(arch: str, dtype, seed: int, config_overrides: dict | None) -> 
 
 
 def build_from_config(spec: Spec, cfg, dtype, seed: int, overrides: dict | None = None):
-    """Like `build`, from an explicit config object."""
+    """Like `build`, from an explicit config object. An override key may be dotted
+    ("text_config.moe_intermediate_size") to reach a nested config."""
     tf = _tf()
     for key, value in (overrides or {}).items():
-        setattr(cfg, key, value)
+        *path, leaf = key.split(".")
+        target = cfg
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
     torch.manual_seed(seed)
     cls = getattr(tf, spec.model_class)
     model = cls.from_config(cfg, dtype=dtype) if spec.model_class.startswith("Auto") else cls._from_config(cfg, dtype=dtype)

@@ -6,7 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-Scheme = Annotated[str, typer.Option("--scheme", help="Scale granularity: tensor, channel (per output row) or block (128x128).")]
+Scheme = Annotated[str, typer.Option(
+    "--scheme", help="Scale granularity: tensor, channel (per output row), block (128x128) or mxfp8 (a power-of-two "
+                     "scale per 32 inputs of each row; compressed-tensors only).")]
+ScaleFormat = Annotated[str, typer.Option(
+    "--scale-format", help="Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as "
+                           "DeepGEMM on Blackwell wants; the config says scale_fmt ue8m0).")]
 Format = Annotated[str, typer.Option("--format", help="Output format: compressed-tensors or fp8 (vLLM/DeepSeek native).")]
 Ignore = Annotated[Optional[list[str]], typer.Option(
     "--ignore", help="Keep matching modules in high precision, on top of the defaults: exact module name, "

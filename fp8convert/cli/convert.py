@@ -16,7 +16,8 @@ from ..plan.summary import compatibility_warnings, describe, render
 from ..options import TARGET_TP
 from ..source.resolve import REPO_ID
 from ._options import (Device, Devices, Dtype, Format, Ignore, Json, MaxResident, MaxShardSize, Overwrite, Prefetch,
-                       Private, PushToHub, Quiet, Revision, Scheme, StreamDownload, TargetTp, Worker, token)
+                       Private, PushToHub, Quiet, Revision, ScaleFormat, Scheme, StreamDownload, TargetTp, Worker,
+                       token)
 
 Src = Annotated[str, typer.Argument(help="Local checkpoint directory or Hub repo id (owner/name).", show_default=False)]
 Out = Annotated[Path, typer.Argument(help="Output directory (created; must be empty, or a partial run of the same plan).",
@@ -29,6 +30,7 @@ def quantize(
     overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False, quiet: Quiet = False,
     push_to_hub: PushToHub = None, private: Private = False, stream_download: StreamDownload = False,
     worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB", target_tp: TargetTp = None,
+    scale_format: ScaleFormat = "float",
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -46,6 +48,10 @@ def quantize(
 
       fp8convert quantize ./DeepSeek-V3 ./dsv3-channel --scheme channel      # FP8 blocks to per-channel scales
 
+      fp8convert quantize ./Qwen3-8B ./Qwen3-8B-MXFP8 --scheme mxfp8                # Blackwell MXFP8
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --scale-format ue8m0
+
       fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --target-tp 4     # say what fails at TP 4
 
       fp8convert quantize Qwen/Qwen3-8B ./Qwen3-8B-FP8 --push-to-hub me/Qwen3-8B-FP8 --stream-download
@@ -57,7 +63,7 @@ def quantize(
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
-                        target_tp=tuple(target_tp or TARGET_TP),
+                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
                         max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
                         revision=revision, token=token(), progress=not quiet, stream_download=stream_download,
                         worker=worker, devices=devices, prefetch=prefetch)
@@ -142,15 +148,15 @@ def done_text(report: api.Report) -> str:
 def inspect(
     src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None,
+    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None, scale_format: ScaleFormat = "float",
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every tensor and what becomes of it.")] = False,
     dequantize: Annotated[bool, typer.Option("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC "
                                                                   "instead of a quantize.")] = False,
     dtype: Dtype = None,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
-    groups, output size, shard count, and estimated peak memory. For an FP8 SRC: its format, and which
-    weights pass through, are requantized or dequantized.
+    groups, output size, shard count, estimated peak memory, and which engines (and GPUs) load it. For
+    an FP8 SRC: its format, and which weights pass through, are requantized or dequantized.
 
     Examples:
 
@@ -158,12 +164,15 @@ def inspect(
 
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
 
+      fp8convert inspect ./Qwen3-30B-A3B --scheme mxfp8         # what stays BF16, who loads it where
+
       fp8convert inspect ./Llama-4-Scout --tensors --target-tp 8
 
       fp8convert inspect ./DeepSeek-V3 --dequantize --dtype bf16
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
-                        target_tp=tuple(target_tp or TARGET_TP), dequantize=dequantize, dtype=dtype,
+                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
+                        dequantize=dequantize, dtype=dtype,
                         device=device, max_resident=max_resident, revision=revision, token=token())
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device

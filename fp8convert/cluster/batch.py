@@ -23,8 +23,8 @@ from ..source.resolve import REPO_ID
 from .devices import parse_devices
 from .workers import log
 
-STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident",
-               "dtype")
+STRING_KEYS = ("name", "source", "out", "scheme", "format", "scale_format", "device", "revision", "push_to_hub",
+               "max_resident", "dtype")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", "private", "stream_download", "dequantize")
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
@@ -137,8 +137,9 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
-    options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
-                                       "revision", "stream_download", "dequantize", "dtype") if k in merged}
+    options = {k: merged[k] for k in ("scheme", "format", "scale_format", "device", "devices", "max_shard_size",
+                                       "max_resident", "revision", "stream_download", "dequantize", "dtype")
+               if k in merged}
     try:
         settings = Settings(**options, ignore=tuple(ignore))
         if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs

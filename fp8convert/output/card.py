@@ -27,11 +27,16 @@ SCHEME_TEXT = {
               "scale, so engines that fuse them need no re-quantization)",
     "channel": "per-channel: one float32 scale per output row",
     "block": "block: one float32 scale per 128x128 weight block",
+    "mxfp8": "MXFP8: one power-of-two scale per 32 consecutive inputs of each row, stored as its E8M0 exponent "
+             "byte (uint8)",
 }
+UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
     ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
     ("compressed-tensors", "channel"): "dynamic per-token FP8",
     ("compressed-tensors", "block"): "dynamic per-group (128) FP8",
+    ("compressed-tensors", "mxfp8"): "dynamic MXFP8 (groups of 32) on GPUs with MXFP8 GEMMs (Blackwell); BF16 "
+                                     "with weight-only kernels on earlier GPUs",
     ("fp8", "tensor"): "dynamic FP8",
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
@@ -77,12 +82,14 @@ DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_patterns=(),
-                      max_shard_size: int | None = None, revision: str | None = None, dequantize: bool = False,
-                      dtype: str | None = None) -> str:
+                      max_shard_size: int | None = None, revision: str | None = None,
+                      scale_format: str = "float", dequantize: bool = False, dtype: str | None = None) -> str:
     if dequantize:
         args = ["fp8convert", "dequantize", source, target] + (["--dtype", DTYPE_TEXT[dtype]] if dtype else [])
     else:
         args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
+        if scale_format != "float":
+            args += ["--scale-format", scale_format]
     for pattern in ignore_patterns:
         args += ["--ignore", pattern]
     if max_shard_size and max_shard_size != DEFAULT_MAX_SHARD:
@@ -133,7 +140,8 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(source, where, info["scheme"], info["format"],
                                        extra.get("ignore_patterns") or (), extra.get("max_shard_size"),
-                                       extra.get("revision"), dequantized, extra.get("dtype"))
+                                       extra.get("revision"), info.get("scale_format", "float"), dequantized,
+                                       extra.get("dtype"))
     if dequantized:
         body = [dequantized_introduction(info, source, base_model, extra.get("revision")), "",
                 *dequantization_section(info)]
@@ -179,7 +187,7 @@ def quantization_section(info: dict) -> list[str]:
     scheme, fmt = info["scheme"], info["format"]
     lines = ["## Quantization", "",
              f"- Format: `{fmt}` (`quantization_config` in config.json)",
-             f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}",
+             f"- Weights: {UE8M0_TEXT if info.get('scale_format') == 'ue8m0' else SCHEME_TEXT.get(scheme, scheme)}",
              "- Activations: " + ("static per-tensor FP8 (the source's calibrated input_scale)"
                                    if info.get("static_activations") else
                                    ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8"))]
@@ -306,10 +314,11 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
             scheme = "block" if qc.get("weight_block_size") else "tensor"
         else:
             weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {})
-            scheme = weights.get("strategy", "tensor")
+            scheme = {"group": "mxfp8"}.get(weights.get("strategy"), weights.get("strategy", "tensor"))
     source = manifest.get("source") or "unknown"
     source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
+            "scale_format": manifest.get("scale_format") or ("ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float"),
             "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
             "warnings": [], "transformers_cannot_load": None}
     return make_card(info, source_card, repo_id=repo_id)

@@ -2,9 +2,10 @@
 worker can join it and `finalize` can rebuild its plan. This module is its one reader and writer.
 
 It records the plan's fingerprint (same fingerprint, same bytes), what `finalize_output` needs to rebuild
-the plan (source, scheme, format, ignore patterns, shard size, target TP sizes), the identity of the source's bytes (a Hub
-commit, or each local shard's size and modification time: the fingerprint covers names, shapes and
-offsets, not values) and whether the output is complete.
+the plan (source, scheme, format, ignore patterns, shard size, target TP sizes, scale format, dequantize
+and its dtype), the identity of the source's bytes (a Hub commit, or each local shard's size and
+modification time: the fingerprint covers names, shapes and offsets, not values) and whether the output
+is complete.
 """
 from __future__ import annotations
 
@@ -116,16 +117,16 @@ def new_manifest(plan: Plan) -> dict:
             "revision": source.revision, "source_files": source_identity(source).get("files"),
             "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
             "max_shard_size": plan.options.max_shard_size, "target_tp": list(plan.options.target_tp),
-            "dequantize": plan.options.dequantize, "dtype": plan.options.dtype,
-            "shards": len(plan.shards), "complete": False}
+            "scale_format": plan.options.scale_format, "dequantize": plan.options.dequantize,
+            "dtype": plan.options.dtype, "shards": len(plan.shards), "complete": False}
 
 
 def plan_change(state: dict, plan: Plan) -> str:
     """What differs between the recorded run and this one, as far as the manifest can tell."""
     now = new_manifest(plan)
     names = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
-             "max_shard_size": "--max-shard-size", "target_tp": "--target-tp", "dequantize": "dequantize",
-             "dtype": "--dtype", "version": "fp8convert version"}
+             "max_shard_size": "--max-shard-size", "target_tp": "--target-tp", "scale_format": "--scale-format",
+             "dequantize": "dequantize", "dtype": "--dtype", "version": "fp8convert version"}
     diffs = [f"{names[key]} was {state.get(key)!r}, now {now[key]!r}" for key in names
              if key in state and state.get(key) != now[key]]
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"

@@ -8,7 +8,10 @@ k/v projections with fewer heads than ranks are replicated one head per rank. Wi
 compressed-tensors' block MoE (`validate_fp8_block_shape_moe`) wants the per-rank size to be a
 multiple of 128 even at TP 1, while the fp8 format's MoE (fused_moe/oracle/fp8.py
 `refine_fp8_moe_block_shape`) falls back to gcd(128, per-rank size, hidden) blocks, if that is at
-least 32, on its Triton kernels, and fails only below that.
+least 32, on its Triton kernels, and fails only below that. MXFP8 (compressed-tensors) keeps one scale
+per 32 inputs of each row: a row-parallel layer's per-rank input size must be a multiple of 32
+(`CompressedTensorsW8A8Mxfp8.create_weights`: weight_scale [out, in_per_rank // 32]), and so must the
+experts' per-rank intermediate size (w2_weight_scale [E, H, I_per_rank // 32]).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..options import BLOCK
+from ..options import BLOCK, MX_GROUP
 from .architectures import config_value
 from .caveats import Caveat, PlanWarning
 from .rules import experts_of, module_of
@@ -65,6 +68,7 @@ def per_rank(split: Split, tp: int) -> int | None:
 DOES_NOT_DIVIDE = "does not divide evenly"
 NOT_BLOCKS = f"per-rank size not a multiple of {BLOCK}"
 NOT_REFINED = f"per-rank size has no common block of {MIN_REFINED_BLOCK} or more with 128 and the hidden size"
+NOT_MX_GROUPS = f"per-rank size not a multiple of {MX_GROUP} (MXFP8 groups)"
 
 
 def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | None:
@@ -72,6 +76,8 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
     size = per_rank(split, tp)
     if size is None:
         return DOES_NOT_DIVIDE
+    if scheme == "mxfp8":  # the split input dim of row-parallel layers and of the experts' down_proj
+        return NOT_MX_GROUPS if split.axis != "output" and size % MX_GROUP else None
     if scheme != "block" or size % BLOCK == 0:
         return None
     if split.axis == "expert intermediate":
@@ -117,7 +123,7 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
                         if refined else ""))
         if axis == "expert intermediate" and DOES_NOT_DIVIDE in failing.values():
             text += "; or use expert parallelism (vLLM's --enable-expert-parallel does not split experts)"
-        elif scheme == "block" and failing:
+        elif scheme in ("block", "mxfp8") and failing:
             text += "; or use --scheme " + ("channel" if fmt == "compressed-tensors" else "tensor") + \
                     ", which vLLM splits at any size that divides"
         warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS if ok else Caveat.VLLM_CANNOT_LOAD, text))

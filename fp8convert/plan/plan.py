@@ -25,7 +25,6 @@ from .cuts import Cut
 from .rules import Decision, decide, experts_of, is_linear_weight, module_of
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
-SCALE_DTYPE = "F32"
 
 
 class Action(enum.Enum):
@@ -33,10 +32,11 @@ class Action(enum.Enum):
     its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
 
     KEEP = "keep"                # the source bytes (or a cut of them) unchanged
-    QUANTIZE = "quantize"        # FP8 codes and a float32 scale from a high-precision weight
+    QUANTIZE = "quantize"        # FP8 codes and their scales (float32, or MXFP8's E8M0 bytes) from a high-precision
+                                 # weight
     DEQUANTIZE = "dequantize"    # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
-    REQUANTIZE = "requantize"    # FP8 codes and a float32 scale in the output's scheme, from an FP8 weight's
-                                 # dequantized (float32) values
+    REQUANTIZE = "requantize"    # FP8 codes and scales in the output's scheme, as QUANTIZE makes them, from an FP8
+                                 # weight's dequantized (float32) values
     PASS = "pass"                # an FP8 weight's codes and scale as they are: the output's scheme is the source's
 
 
@@ -60,6 +60,7 @@ class TensorPlan:
     at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
     out_dtype: str | None = None          # DEQUANTIZE: the high-precision dtype written
     input_scale_name: str | None = None   # a static activation scale (the last input) copied to this name
+    scale_dtype: str = "F32"              # U8 for MXFP8's E8M0 bytes; PASS: the source scale's own dtype
 
     @property
     def source(self) -> TensorInfo:
@@ -114,8 +115,7 @@ class TensorPlan:
         """(name, dtype, shape) of every output tensor this plan produces."""
         if not self.quantize:
             return [(self.name, self.dtype, self.shape)]
-        scale_dtype = self.inputs[1].dtype if self.action is Action.PASS else SCALE_DTYPE  # passed as it is
-        outputs = [(self.name, FP8, self.shape), (self.scale_name, scale_dtype, self.scale_shape)]
+        outputs = [(self.name, FP8, self.shape), (self.scale_name, self.scale_dtype, self.scale_shape)]
         if self.input_scale_name:  # per tensor, shaped as the format shapes a per-tensor scale ([] or [1])
             outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.scale_shape))
         return outputs
@@ -205,6 +205,7 @@ class Plan:
         if self.options.dequantize:
             return None
         return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list,
+                                                                    self.options.scale_format,
                                                                     static_activations=self.static_activations)
 
 
@@ -241,12 +242,15 @@ def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int
 
 def fingerprint(source: Source, options: Options) -> str:
     """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
-    chosen = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
-    if options.dequantize or options.dtype:  # (only then, so earlier outputs keep their fingerprints)
-        chosen += [options.dequantize, options.dtype]
+    listed = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
+    # Each addition only when set, so the defaults keep earlier fingerprints.
+    if options.scale_format != "float":
+        listed.append(options.scale_format)
+    if options.dequantize or options.dtype:
+        listed += [options.dequantize, options.dtype]
     blob = json.dumps({
         "tool": __version__,
-        "options": chosen,
+        "options": listed,
         "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
         "config": source.config,
     }, sort_keys=True).encode()
@@ -264,8 +268,7 @@ def high_precision_dtype(options: Options, config: dict) -> str:
 
 def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
     """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that
-    stays FP8 passes through when its scheme is the output's (its codes and scales are the output's:
-    re-deriving scales would change codes wherever the source's scales are not amax / 448), and is
+    stays FP8 passes through when its scales are already the output's (passes_through), and is
     requantized from its dequantized values otherwise. Its static activation scale goes with it when
     the output's activations are per tensor."""
     fmt = get_format(options.format)
@@ -275,7 +278,7 @@ def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options,
             return TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut)
         shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
         return TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group, fmt.scale_name(d.name, options.scheme),
-                          fmt.scale_shape(shape, options.scheme), d.cut)
+                          fmt.scale_shape(shape, options.scheme), d.cut, scale_dtype=fmt.scale_dtype(options.scheme))
     inputs = (fp8_weight.weight, fp8_weight.scale)
     if not d.quantize:
         return TensorPlan(d.name, inputs, Action.DEQUANTIZE, d.reason, d.group, out_dtype=high_precision)
@@ -283,9 +286,22 @@ def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options,
     if fp8_weight.input_scale is not None and options.scheme == "tensor":
         inputs += (fp8_weight.input_scale,)
         carried = module_of(d.name) + ".input_scale"
-    action = Action.PASS if quant.scheme == options.scheme else Action.REQUANTIZE
+    if passes_through(quant, options):  # the scale keeps its dtype
+        action, scale_dtype = Action.PASS, fp8_weight.scale.dtype
+    else:
+        action, scale_dtype = Action.REQUANTIZE, fmt.scale_dtype(options.scheme)
     return TensorPlan(d.name, inputs, action, None, d.group, fmt.scale_name(d.name, options.scheme),
-                      fmt.scale_shape(d.source.shape, options.scheme), input_scale_name=carried)
+                      fmt.scale_shape(d.source.shape, options.scheme), input_scale_name=carried,
+                      scale_dtype=scale_dtype)
+
+
+def passes_through(quant: SourceQuantization, options: Options) -> bool:
+    """Whether an FP8 source's codes and scales are already what the output asks for: same scheme (the
+    format only names the scale), and, for --scale-format ue8m0, block scales the source declares
+    powers of two (the pipeline checks each value). Re-deriving scales would change codes wherever the
+    source's are not amax / 448, so a source that fits passes as it is; power-of-two scales are
+    float scales too, so a ue8m0 source passes into a float output."""
+    return quant.scheme == options.scheme and (options.scale_format == "float" or quant.config.scale_fmt == "ue8m0")
 
 
 def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
@@ -299,9 +315,10 @@ def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], opti
         notes.append(f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
                      f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
                      "takes static per-tensor activation scales)")
-    if quant.config.scale_fmt == "ue8m0" and not options.dequantize:
+    if quant.config.scale_fmt == "ue8m0" and not options.dequantize and options.scale_format != "ue8m0":
         notes.append("the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
-                     "they are (transformers would round scales that are not powers of two under it)")
+                     "they are (transformers would round scales that are not powers of two under it; "
+                     "--scheme block --scale-format ue8m0 keeps it)")
     return notes
 
 
@@ -349,7 +366,12 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
     entries: set[str] = set()
     for t in plans:
         if not t.quantize and is_linear_weight(t.name, t.shape, t.dtype, t.reason):
-            entries.update(arch.names(module_of(t.name), config))
+            module = module_of(t.name)
+            if experts_of(t.name):  # transformers holds these experts fused (no per-expert module to name),
+                # or, where it splits them (Llama-4), under the checkpoint's own names
+                entries.update((module, arch.vllm_name(module, config)))
+            else:
+                entries.update(arch.names(module, config))
     for experts in kept_expert_blocks(plans, arch):
         names = arch.names(experts, config)
         if fmt == "compressed-tensors":

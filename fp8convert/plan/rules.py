@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
 from ..formats.sources import SourceQuantization
-from ..options import Options
+from ..options import MX_GROUP, Options
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
 from .architectures import FUSED_SIBLINGS, GENERIC, TOWER, Architecture, ExpertTensor, config_value
 from .cuts import Cut
@@ -28,6 +28,7 @@ TOWER_PARTS = {"vision_tower", "vision_model", "visual", "vision_encoder", "visi
                "audio_model", "audio_encoder", "multi_modal_projector", "mm_projector", "vision_projector",
                "image_newline", "audio_projector", "vision_embed_tokens"}
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
+MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
 SOURCE_KEPT = "high precision in the FP8 source"
 DEQUANTIZED = "dequantized"
@@ -81,8 +82,15 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
         if "conv" in leaf:
             return "convolution"
         raise UnsupportedLayout(f"{info.name} {list(info.shape)}")
-    if info.shape[0] % KERNEL_MULTIPLE or info.shape[1] % KERNEL_MULTIPLE:
-        return f"shape {list(info.shape)} not divisible by {KERNEL_MULTIPLE}"
+    return shape_keep_reason(tuple(info.shape), scheme)
+
+
+def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
+    """Why a 2-D weight of this shape cannot be FP8 in `scheme`, or None."""
+    if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE:
+        return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
+    if scheme == "mxfp8" and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
+        return f"{MX_INPUT_DIM} ({shape[1]}) not divisible by {MX_GROUP}"
     return None
 
 
@@ -148,9 +156,7 @@ def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch
         return [Decision(info.name, info, False, reason, None)]
     decisions = []
     for name, cut in expert_cuts(info, layout, experts, arch, config):
-        shape = cut.shape(info.shape)
-        why = reason or (f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
-                         if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE else None)
+        why = reason or shape_keep_reason(cut.shape(info.shape), options.scheme)
         decisions.append(Decision(name, info, why is None, why, fused_group_key(name, arch.fused), cut))
     return decisions
 
@@ -216,8 +222,36 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
     decisions = _keep_together(decisions, lambda d: d.group if d.name.endswith(".weight") else None,
                                "kept all of {key} because {kept} is kept ({reason})", notes)
     # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
-    return _keep_together(decisions, lambda d: experts_of(d.name),
-                          "kept every expert of {key} because {kept} is kept ({reason})", notes), notes
+    decisions = _keep_together(decisions, lambda d: experts_of(d.name),
+                               "kept every expert of {key} because {kept} is kept ({reason})", notes)
+    return _unsplit_kept(decisions, arch, options), notes
+
+
+def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Options) -> list[Decision]:
+    """A fused expert tensor none of whose cuts is quantized (e.g. experts whose width does not divide
+    into MXFP8 groups) stays whole, as released, like experts kept with --ignore: split BF16 experts
+    would only cost transformers the layout it reads."""
+    if arch.experts is None or options.format in arch.experts.split_when_kept:
+        return decisions
+    cuts: dict[str, list[Decision]] = {}
+    for d in decisions:
+        if d.cut:
+            cuts.setdefault(d.source.name, []).append(d)
+    whole = {name for name, ds in cuts.items() if not any(d.quantize for d in ds)}
+    # the reason the layer is kept, not "fused with ..." (those name cuts that are no longer written)
+    root = {}
+    for d in decisions:
+        if d.cut and d.source.name in whole and not d.reason.startswith("fused with"):
+            root.setdefault(experts_of(d.name), d.reason)
+    out, done = [], set()
+    for d in decisions:
+        if d.cut and d.source.name in whole:
+            if d.source.name not in done:
+                done.add(d.source.name)
+                out.append(Decision(d.source.name, d.source, False, root.get(experts_of(d.name), d.reason), None))
+            continue
+        out.append(d)
+    return out
 
 
 def decide_dequantize(tensors: list[TensorInfo], quant: SourceQuantization) -> list[Decision]:

@@ -11,6 +11,7 @@ from .caveats import Caveat, PlanWarning
 from .parallel import tp_warnings
 from .architectures import mtp_layers
 from .plan import COMPUTED, Action, Plan
+from .rules import MX_INPUT_DIM
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
@@ -50,6 +51,15 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
         warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
                                     "transformers cannot load compressed-tensors block scales for MoE experts (vLLM "
                                     "can); use --format fp8 --scheme block, or --scheme channel, to load it in "
+                                    "transformers"))
+    if scheme == "mxfp8" and has_experts:
+        # transformers 5.24 (integrations/compressed_tensors.py, CompressedTensorsDequantize) decodes E8M0
+        # scales only through the compressor of dense layers; its expert merge multiplies codes by the raw
+        # [out, in/32] bytes and fails on the shapes.
+        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
+                                    "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path "
+                                    "does not decode per-group E8M0 scales; dense MXFP8 layers load); vLLM can; "
+                                    "use --scheme channel, or keep the experts with --ignore, to load it in "
                                     "transformers"))
     if scheme == "block":
         warnings += block_warnings(fmt, quantized)
@@ -108,6 +118,43 @@ def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
     return next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
 
 
+# Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
+# format's GEMMs need SM89, with weight-only Marlin kernels from SM75; MXFP8 GEMMs (FlashInfer) need SM100,
+# Marlin serves MXFP8 weight-only from SM75; DeepGEMM runs on SM90, SM100 and SM120).
+VLLM_GPUS = {
+    "e4m3": "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
+    "mxfp8": "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
+             "to SM90, Hopper included",
+    "ue8m0": "FP8 GEMMs on SM89 and later, weight-only Marlin kernels from SM75; DeepGEMM (SM90, SM100, SM120) "
+             "takes the power-of-two block scales as written (its load-time rounding to powers of two changes "
+             "no value)",
+}
+
+
+def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
+    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer."""
+    options = plan.options
+    if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
+        return {}
+    caveats = {w.caveat for w in warnings}
+    layout = "mxfp8" if options.scheme == "mxfp8" else options.scale_format if options.scale_format != "float" \
+        else "e4m3"
+    if Caveat.VLLM_CANNOT_LOAD in caveats:
+        vllm = "no (see the warnings)"
+    else:
+        vllm = "yes: " + VLLM_GPUS[layout] + (
+            "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else "")
+    cannot = transformers_verdict(warnings)
+    if cannot:
+        transformers = "no: " + cannot
+    elif Caveat.TRANSFORMERS_MISREADS in caveats:
+        transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
+    else:
+        transformers = "yes (dequantizes on load)" + (
+            "; needs the compressed-tensors package" if options.format == "compressed-tensors" else "")
+    return {"vLLM": vllm, "transformers": transformers}
+
+
 def describe(plan: Plan, budget: int, device_type: str) -> dict:
     tensors = plan.tensors
     warnings = compatibility_warnings(plan)
@@ -117,6 +164,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         if not t.quantize:
             reason = t.reason.split(" [")[0] if t.reason else "?"
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
+            reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
     groups = Counter()
@@ -136,6 +184,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
                          f"not in the registry (model_type {plan.source.config.get('model_type')!r}): generic rules"),
         "scheme": plan.options.scheme,
         "format": plan.options.format,
+        "scale_format": plan.options.scale_format,
         "fingerprint": plan.fingerprint,
         "tensors": len(tensors),
         "units": len(plan.units),
@@ -155,6 +204,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "memory": memory_estimate(plan, budget, device_type),
         "warnings": [w.text for w in warnings],
         "transformers_cannot_load": transformers_verdict(warnings),
+        "loads": load_table(plan, warnings),
         "notes": plan.notes,
     }
 
@@ -207,7 +257,9 @@ def render(info: dict) -> str:
                   f"quantization_config dropped   plan {info['fingerprint']}",
                   f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)"]
     else:
-        lines += [f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
+        lines += [f"scheme      {info['scheme']}   format {info['format']}"
+                  + (f"   scales {info['scale_format']}" if info.get("scale_format", "float") != "float" else "")
+                  + f"   plan {info['fingerprint']}",
                   f"tensors     {info['tensors']} in {info['units']} units (at most one decoder layer each)",
                   f"quantized   {q['tensors']} tensors, {human(q['bytes_in'])} -> {human(q['bytes_out'])} with scales"]
     if info["source_quantization"] and not info["dequantize"]:
@@ -217,7 +269,7 @@ def render(info: dict) -> str:
     for reason, k in info["kept"].items():
         lines.append(f"kept        {k['tensors']:>5} tensors {human(k['bytes']):>10}  {reason}")
     if info["fused_groups"]:
-        share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
+        share = "share one scale" if info["scale_sharing"] else "scales per row, block or group, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
     if info["split_experts"]:
@@ -235,6 +287,7 @@ def render(info: dict) -> str:
     if not info["dequantize"]:
         lines.append(f"ignore list {len(info['ignore'])} modules: {', '.join(info['ignore'][:6])}"
                      + (" ..." if len(info["ignore"]) > 6 else ""))
+    lines += [f"loads       {engine}: {verdict}" for engine, verdict in (info.get("loads") or {}).items()]
     lines += [f"warning     {w}" for w in info["warnings"]]
     lines += [f"note        {n}" for n in info["notes"]]
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 Tensors that stay in high precision (embeddings, heads, norms, routers...) need no device: a thread
 reads them, checks their bit patterns for NaN/Inf with numpy, and writes them to their planned place.
-So are an FP8 source's weights that pass through (codes without NaN, scales finite and positive).
+So are an FP8 source's weights that pass through (codes without NaN, scales finite and positive, and
+powers of two into a --scale-format ue8m0 output).
 It starts with the run, so the disk writes while torch and CUDA load (seconds), and the device never
 holds them (an embedding can be gigabytes). Streamed sources, whose shards arrive only as the pipeline
 asks for them, leave kept tensors to the pipeline.
@@ -43,12 +44,30 @@ def finite_positive(raw: np.ndarray, dtype: str) -> bool:
                 np.any(bits == 0))
 
 
-def problem(t: TensorPlan, info: TensorInfo, raw: np.ndarray) -> str | None:
-    """What is wrong with these bytes of `info`, copied for `t`, or None."""
+def powers_of_two(raw: np.ndarray, dtype: str) -> bool:
+    """Whether every float in `raw` (uint8, whole elements) is 2^e: a frexp significand of exactly 1/2
+    (float32 holds every F16 and BF16 value exactly, subnormal ones included)."""
+    if dtype == "F32":
+        values = raw.view(np.float32)
+    elif dtype == "F16":
+        values = raw.view(np.float16).astype(np.float32)
+    else:  # BF16: the top half of a float32
+        values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return bool(np.all(np.frexp(values)[0] == 0.5))
+
+
+def problem(t: TensorPlan, info: TensorInfo, raw: np.ndarray, scale_format: str = "float") -> str | None:
+    """What is wrong with these bytes of `info`, copied for `t`, or None. `scale_format` "ue8m0": a
+    passed weight scale must be a power of two (quantizer.passed_through checks the same)."""
     if info.dtype == FP8:
         return "holds NaN codes" if np.any(np.bitwise_and(raw, 0x7F) == 0x7F) else None  # e4m3fn NaN: S.1111.111
     if t.action is Action.PASS:  # its scale, or its static activation scale
-        return None if finite_positive(raw, info.dtype) else "is a scale that is not finite and positive"
+        if not finite_positive(raw, info.dtype):
+            return "is a scale that is not finite and positive"
+        if scale_format == "ue8m0" and info is t.source_scale and not powers_of_two(raw, info.dtype):
+            return ("is a scale that is not a power of two everywhere, though the source's config declares scale_fmt "
+                    "ue8m0 (it cannot pass into a --scale-format ue8m0 output)")
+        return None
     if must_be_finite(t) and has_non_finite(raw, info.dtype):
         return "contains NaN or Inf"
     return None
@@ -118,7 +137,7 @@ class KeptCopier:
                 return
             n = min(CHUNK_BYTES, info.nbytes - start)
             pread_into(fd, memoryview(buf[:n]), info.offset + start, info.file)
-            wrong = problem(t, info, buf[:n])
+            wrong = problem(t, info, buf[:n], self.plan.options.scale_format)
             if wrong:
                 raise FP8ConvertError(f"{info.file}: tensor {info.name} {wrong}; refusing to copy it")
             self.writer.write(Run(run.shard, run.start + start, n, ()), buf[:n], in_this_thread=True)

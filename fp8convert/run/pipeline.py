@@ -155,7 +155,8 @@ class Pipeline:
         # (assembling them would only add a copy).
         runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
         assembled = BatchOutput(runs, self.device)
-        for name, tensor, at in quantize_batch(batch, buf, offsets, self.plan.options.scheme,
+        options = self.plan.options
+        for name, tensor, at in quantize_batch(batch, buf, offsets, options.scheme, scale_format=options.scale_format,
                                                source_scheme=self.plan.source_scheme):
             assembled.put(name, tensor, at)
         if self.device.type == "cuda":

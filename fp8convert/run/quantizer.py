@@ -20,7 +20,7 @@ from ..errors import FP8ConvertError
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
-from .numerics import NonFiniteWeight, dequantize_to, quantize_group, scale_as_stored
+from .numerics import NonFiniteWeight, dequantize_to, powers_of_two, quantize_group, scale_as_stored
 from .reader import ALIGN
 
 STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise launches, small
@@ -134,9 +134,18 @@ def check_scale(scale: torch.Tensor, t: TensorPlan) -> None:
                               "finite and positive everywhere; refusing it")
 
 
-def passed_through(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan) -> list[tuple[str, torch.Tensor, int]]:
-    """A passed-through weight's outputs: its codes, scale (and activation scale) as they are, checked."""
-    check_scale(source_view(buf, offsets, t.source_scale), t)
+def passed_through(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, scale_format: str = "float"
+                   ) -> list[tuple[str, torch.Tensor, int]]:
+    """A passed-through weight's outputs: its codes, scale (and activation scale) as they are, checked
+    as kept.problem checks them where the copier copies them. Into a ue8m0 output (the source declares
+    scale_fmt ue8m0) every scale must be a power of two: the output's config says so, and engines would
+    not round them again."""
+    scale = source_view(buf, offsets, t.source_scale)
+    check_scale(scale, t)
+    if scale_format == "ue8m0" and not bool(powers_of_two(scale).all()):
+        raise FP8ConvertError(f"{t.source_scale.file}: scale {t.source_scale.name} of FP8 weight {t.source.name} is "
+                              "not a power of two everywhere, though the source's config declares scale_fmt ue8m0 (it "
+                              "cannot pass into a --scale-format ue8m0 output); refusing it")
     if bool(raw_source(buf, offsets, t.source).bitwise_and(0x7F).eq(0x7F).any()):  # e4m3fn's NaN: S.1111.111
         raise FP8ConvertError(f"{where(t)} holds NaN codes; refusing it")
     return [(name, raw_source(buf, offsets, info), 0) for info, name in t.copies]
@@ -171,15 +180,17 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
-                   cpu_path: bool | None = None, source_scheme: str = "") -> list[tuple[str, torch.Tensor, int]]:
+                   cpu_path: bool | None = None, source_scheme: str = "", scale_format: str = "float"
+                   ) -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
     piece of a kept tensor where it goes. Kept and passed-through tensors are views of `buf` (the caller
     copies them into the output runs, or writes them from `buf` itself). `cpu_path`: see
-    numerics.use_cpu_path. `source_scheme`: an FP8 source's scheme."""
+    numerics.use_cpu_path. `source_scheme`: an FP8 source's scheme. `scale_format`: see
+    numerics.quantize_group."""
     outputs = []
     for t in batch.tensors:
         if t.action is Action.PASS:
-            outputs += passed_through(buf, offsets, t)
+            outputs += passed_through(buf, offsets, t, scale_format)
             continue
         if t.action in STACKED:
             continue
@@ -208,7 +219,7 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
             else:
                 stacks = [stack_view(buf, offsets, ts) for ts in members]
             try:
-                codes, scales = quantize_group(stacks, scheme, cpu_path)
+                codes, scales = quantize_group(stacks, scheme, cpu_path, scale_format)
             except NonFiniteWeight as e:
                 raise FP8ConvertError(f"{where(members[e.member][e.index])} contains NaN or Inf; "
                                       "refusing to quantize it") from None
