@@ -6,9 +6,9 @@ formats/ for the output formats, cluster/ for several processes, and api.py, the
 is a thin layer over.
 """
 from ._version import __version__
-from .api import FinalizeReport, Report, finalize_output, make_plan, quantize
+from .api import FinalizeReport, Report, dequantize, finalize_output, make_plan, quantize
 from .errors import FP8ConvertError
 from .options import Settings
 
-__all__ = ["FP8ConvertError", "FinalizeReport", "Report", "Settings", "finalize_output", "make_plan", "quantize",
-           "__version__"]
+__all__ = ["FP8ConvertError", "FinalizeReport", "Report", "Settings", "dequantize", "finalize_output", "make_plan",
+           "quantize", "__version__"]

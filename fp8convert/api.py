@@ -3,6 +3,7 @@
     plan = fp8convert.make_plan("./Llama-3.1-8B", scheme="channel")        # headers only
     report = fp8convert.quantize("./Llama-3.1-8B", "./out", scheme="channel")
     report = fp8convert.quantize(src, out, Settings(device="cuda:1"), max_shard_size="2GB")
+    report = fp8convert.dequantize("./DeepSeek-V3", "./DeepSeek-V3-BF16", dtype="bf16")   # FP8 in, BF16 out
 
 Options are fields of `Settings`, given as one object, as keywords, or both (keywords win).
 
@@ -25,13 +26,21 @@ from .options import Options, Settings
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
-from .plan.plan import Plan, Unit, build_plan
+from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
+from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
+from .run.progress import Progress
+from .run.warmup import start_torch
+from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
 from .source.resolve import looks_like_repo_id, open_source, plan_source
 from .source.streaming import NoFetcher, need_order
+
+
+# Kept tensors are copied while torch loads (the disk has work from the first second) rather than after.
+COPY_KEPT_DURING_IMPORT = True
 
 
 @dataclass
@@ -59,6 +68,11 @@ class Report:
     worker: str = "0/1"                   # this process's share: worker K of N
     shards_written: int = 0               # by this call (its workers, with --devices)
     complete: bool = False                # OUT is complete on return (False: other workers still owe shards)
+    source_quantization: str | None = None   # an FP8 source: how it is quantized
+    tensors_dequantized: int = 0          # FP8 source weights written in high precision
+    tensors_requantized: int = 0          # FP8 source weights quantized again in the output's scheme
+    tensors_passed_through: int = 0       # FP8 source weights whose codes and scales are the output's
+    dequantize: bool = False              # the run was a dequantize (no FP8 in the output)
 
 
 @dataclass
@@ -124,6 +138,16 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     return report
 
 
+def dequantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
+               on_plan: Callable[[Plan], None] | None = None, **overrides) -> Report:
+    """Convert an FP8 checkpoint (native fp8 or compressed-tensors, directory or Hub repo id) to high
+    precision in `out`: every FP8 weight becomes float32(q) * scale rounded once to `dtype` (bf16, fp16
+    or fp32; default the model's own dtype), scales and quantization_config disappear, everything else is
+    copied byte for byte. The same pipeline and guarantees as `quantize` (plan first, bounded memory,
+    resumable, workers, devices, streamed Hub sources)."""
+    return quantize(src, out, Settings.of(settings, **{**overrides, "dequantize": True}), on_plan=on_plan)
+
+
 def _device_list(settings: Settings) -> list[str] | None:
     if not settings.devices:
         return None
@@ -163,11 +187,16 @@ def _open_for_run(src, out_dir: Path, settings: Settings, spec: workers.WorkerSp
 def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],
                 complete: bool) -> Report:
     tensors = the_plan.tensors
+    count = {a: sum(t.action is a for t in tensors) for a in Action}
+    quant = the_plan.source.quant
     return Report(str(out_dir), the_plan.source.label, settings.scheme, settings.format, settings.device,
                   len(the_plan.shards), len(done), sum(t.quantize for t in tensors),
-                  sum(not t.quantize for t in tensors), the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None,
+                  count[Action.KEEP], the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None,
                   the_plan.ignore_list, list(the_plan.notes), [w.text for w in compatibility_warnings(the_plan)],
-                  complete, worker=spec.text, complete=complete)
+                  complete, worker=spec.text, complete=complete,
+                  source_quantization=quant.describe() if quant else None,
+                  tensors_dequantized=count[Action.DEQUANTIZE], tensors_requantized=count[Action.REQUANTIZE],
+                  tensors_passed_through=count[Action.PASS], dequantize=settings.dequantize)
 
 
 def _device_worker(src: str, out: str, settings: Settings) -> Report:
@@ -204,20 +233,50 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):
             from .source.hub import fetch_from_hub
-            fetch_from_hub(the_plan.source, sorted({t.source.file for u in units for t in u.tensors}), settings.token,
-                           settings.cache_dir)
-    with fetcher, _prefetcher(the_plan, units, settings) as prefetcher:
+            fetch_from_hub(the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}),
+                           settings.token, settings.cache_dir)
+    warmup = start_torch(workers.device_for(spec, settings.device))
+    copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
+    # kept and passed-through tensors copied as they are (not cuts of fused experts, which need the
+    # device's reshaping)
+    kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
+    bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
+                   enabled=settings.progress, plain=spec.count > 1)
+    with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
+            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
+                       after=None if COPY_KEPT_DURING_IMPORT else warmup) as copier:
         fetcher.start(need_order(units))
-        from .run.pipeline import convert  # imports torch: the prefetcher is reading meanwhile
-        result = convert(the_plan, units, out_dir, out_dir / WORK_DIR, skip, workers.device_for(spec, settings.device),
-                         settings.max_resident, fetcher, progress=settings.progress,
-                         read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
-                         started=started, tag=f" [worker {spec.text}]" if spec.count > 1 else "")
+        from .run.pipeline import convert  # waits for torch (warmup); kept tensors are being copied meanwhile
+        warmup.join()
+        result = convert(the_plan, without(units, kept), writer, workers.device_for(spec, settings.device),
+                         settings.max_resident, fetcher, bar, read_threads=settings.read_threads,
+                         on_read=prefetcher.advance if prefetcher else _ignore, started=started, check=copier.check)
+        copier.finish()
         report.stage_seconds, report.device, report.peak_device_bytes = (
             result.stage_seconds, result.device, result.peak_device_bytes)
         report.shards_written = len(todo)
         if settings.finalize:
             report.complete = _finish(the_plan, out_dir, spec, settings.progress)
+
+
+def _tag(spec: workers.WorkerSpec) -> str:
+    return f" [worker {spec.text}]" if spec.count > 1 else ""
+
+
+def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:
+    def copied(nbytes: int) -> None:
+        bar.advance(nbytes)
+        if prefetcher:
+            prefetcher.advance(nbytes)
+    return copied
+
+
+def without(units: list[Unit], tensors: list) -> list[Unit]:
+    """`units` without `tensors` (and without the units that had nothing else)."""
+    names = {t.name for t in tensors}
+    left = [Unit(u.label, [t for t in u.tensors if t.name not in names]) for u in units]
+    return [u for u in left if u.tensors]
 
 
 def _ignore(nbytes: int) -> None:
@@ -228,7 +287,7 @@ def _prefetcher(the_plan: Plan, units: list[Unit], settings: Settings):
     """The page-cache read-ahead (nothing to read ahead of a streamed source: its shards arrive as needed)."""
     if not settings.prefetch or settings.stream_download:
         return contextlib.nullcontext()
-    return Prefetcher(the_plan.source.root, [t.source for u in units for a in u.atoms() for t in a],
+    return Prefetcher(the_plan.source.root, unique_inputs([t for u in units for a in u.atoms() for t in a]),
                       settings.prefetch, threads=settings.prefetch_threads or default_threads())
 
 
@@ -292,9 +351,9 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
 
 def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str | None = None) -> FinalizeReport:
     """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
-    records (source, revision, scheme, format, ignore patterns, shard size; headers only, a Hub repo
-    id is planned from remote headers), refuse if it is not the plan the workers used or the source
-    changed, check that every shard is present and complete (size and header bytes), then write side
+    records (source, revision, scheme, format, ignore patterns, shard size, target TP sizes, scale format;
+    headers only, a Hub repo id is planned from remote headers), refuse if it is not the plan the workers
+    used or the source changed, check that every shard is present and complete (size and header bytes), then write side
     files, card, index and config.json. Idempotent: finalizing a complete output rewrites the same bytes."""
     started = time.monotonic()
     out_dir = Path(out)
@@ -326,7 +385,10 @@ def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str
 
 def _plan_from_manifest(state: dict, token: str | None, cache_dir: str | None) -> Plan:
     """The workers' plan again, from the manifest: same source label (the card names it), same options."""
-    options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"])
+    options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"],
+                      tuple(state.get("target_tp") or Options().target_tp),
+                      scale_format=state.get("scale_format") or "float", dequantize=bool(state.get("dequantize")),
+                      dtype=state.get("dtype"))
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
     from .source.hub import fetch_from_hub, remote_source

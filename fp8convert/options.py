@@ -11,9 +11,15 @@ from dataclasses import dataclass, field, fields
 
 from .errors import FP8ConvertError
 
-SCHEMES = ("tensor", "channel", "block")
+SCHEMES = ("tensor", "channel", "block", "mxfp8")
 FORMATS = ("compressed-tensors", "fp8")
+SCALE_FORMATS = ("float", "ue8m0")  # block scales: amax / 448 as is, or rounded up to a power of two
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
+MX_GROUP = 32  # mxfp8: one power-of-two scale per 32 consecutive input elements of a row (OCP MX)
+TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
+# --dtype of dequantized weights: its spellings -> the safetensors dtype written
+DTYPE_NAMES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
+               "fp32": "F32", "float32": "F32", "float": "F32"}
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 
@@ -41,23 +47,65 @@ class Options:
     format: str = "compressed-tensors"
     ignore: tuple[str, ...] = field(default_factory=tuple)
     max_shard_size: int = 5 * 10**9
+    target_tp: tuple[int, ...] = TARGET_TP  # the model card reports vLLM's limits at these sizes
+    scale_format: str = "float"
+    dequantize: bool = False        # FP8 source to high precision (scheme and format do not apply)
+    dtype: str | None = None        # dequantized weights' dtype (BF16, F16, F32); None: the model's own
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise FP8ConvertError(f"--scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.format not in FORMATS:
             raise FP8ConvertError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise FP8ConvertError(f"--scale-format must be one of {', '.join(SCALE_FORMATS)}, "
+                                  f"got {self.scale_format!r}")
+        if self.dequantize and self.scale_format != "float":
+            raise FP8ConvertError("--scale-format does not apply to dequantize: it writes no FP8 scales")
         if self.format == "fp8" and self.scheme == "channel":
             raise FP8ConvertError("--format fp8 has no per-channel scheme; use --scheme tensor or block, "
                                   "or --format compressed-tensors --scheme channel")
+        if self.format == "fp8" and self.scheme == "mxfp8":
+            raise FP8ConvertError("--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
+                                  "checkpoints); use --format compressed-tensors --scheme mxfp8")
+        if self.scale_format == "ue8m0" and self.scheme != "block":
+            raise FP8ConvertError(f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
+                                  + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else ""))
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
+        object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.dequantize and self.ignore:
+            raise FP8ConvertError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 try:
                     re.compile(pattern[3:])
                 except re.error as e:
                     raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({e})") from e
+
+
+def parse_dtype(value: str | None) -> str | None:
+    """'bf16', 'fp16', 'fp32' (or their torch names, or the safetensors ones) -> 'BF16', 'F16', 'F32'."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if text.upper() in DTYPE_NAMES.values():
+        return text.upper()
+    if text not in DTYPE_NAMES:
+        raise FP8ConvertError(f"--dtype {value!r}: expected bf16, fp16 or fp32")
+    return DTYPE_NAMES[text]
+
+
+def parse_target_tp(sizes) -> tuple[int, ...]:
+    """Sorted distinct tensor-parallel sizes; each a positive integer (text is accepted: the CLI)."""
+    try:
+        values = sorted({int(v) for v in sizes})
+    except (TypeError, ValueError):
+        raise FP8ConvertError(f"--target-tp: expected whole numbers, got {list(sizes)!r}") from None
+    if not values or values[0] < 1:
+        raise FP8ConvertError(f"--target-tp: sizes must be 1 or more, got {list(sizes)!r}")
+    return tuple(values)
 
 
 DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
@@ -72,6 +120,8 @@ class Settings:
     format: str = "compressed-tensors"
     ignore: tuple[str, ...] = ()
     max_shard_size: int | str = "5GB"
+    target_tp: tuple[int, ...] = TARGET_TP
+    scale_format: str = "float"           # block scales: "ue8m0" rounds each up to a power of two
     device: str = "auto"                  # auto, cpu, cuda, cuda:N
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
     worker: object = None                 # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
@@ -85,6 +135,8 @@ class Settings:
     cache_dir: str | None = None          # Hub download cache; None: huggingface_hub's (HF_HUB_CACHE, HF_HOME)
     base_model: str | None = None         # the model card's base_model; None: a Hub source's repo id
     stream_download: bool = False         # Hub sources: keep only a few source shards on disk
+    dequantize: bool = False              # FP8 in, high precision out (fp8convert dequantize)
+    dtype: str | None = None              # dequantized weights: bf16, fp16 or fp32; None: the model's dtype
     progress: bool = False
     finalize: bool = True                 # False: write this worker's shards only
 
@@ -105,7 +157,8 @@ class Settings:
 
     @property
     def options(self) -> Options:
-        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size)
+        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size, self.target_tp,
+                       scale_format=self.scale_format, dequantize=self.dequantize, dtype=self.dtype)
 
     @classmethod
     def of(cls, settings: "Settings | None" = None, **overrides) -> "Settings":

@@ -39,7 +39,8 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
             card_path.write_text(retarget_card(text, repo_id), encoding="utf-8")
     else:
         card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
-    qc = config.get("quantization_config") or {}
+    qc = config.get("quantization_config")
+    what = f"FP8 checkpoint ({qc.get('quant_method', 'fp8')})" if qc else "checkpoint dequantized from FP8"
     api = HfApi(token=token)
     try:
         with_retries(api.create_repo, repo_id, private=private, exist_ok=True, repo_type="model")
@@ -50,7 +51,7 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
                  if "/" not in f and f.endswith(".safetensors") and not (out / f).is_file()]
         info = with_retries(
             api.upload_folder, repo_id=repo_id, folder_path=str(out), revision=revision, create_pr=create_pr,
-            commit_message=commit_message or f"FP8 checkpoint ({qc.get('quant_method', 'fp8')}) made with fp8convert",
+            commit_message=commit_message or f"{what} made with fp8convert",
             ignore_patterns=list(UPLOAD_IGNORE), delete_patterns=stale or None)
     except Exception as e:
         raise hub_error(repo_id, e, revision, then=RESUME_PUSH) from e

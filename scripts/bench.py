@@ -11,6 +11,9 @@ One command for the GPU box (see scripts/README.md). For each checkpoint asked f
      tool), peak RSS of the process tree, peak GPU memory (self-reported and from NVML);
   4. optionally reads it cold with other loaders (--loaders), and checks that fp8convert's CPU and CUDA
      outputs are byte-identical (--check-identical).
+With --dequantize, each checkpoint is first converted to native fp8 with 128x128 blocks (DeepSeek-V3's
+layout, by fp8convert itself; kept beside it) and the contenders are `fp8convert dequantize` and the
+naive whole-shard dequantizer written after DeepSeek's fp8_cast_bf16.py (anchor/naive_dequant.py).
 Prints Markdown tables; writes OUT/bench.log (every child's output tail) and OUT/results.json (rewritten
 after every step, so a run cut short still leaves its results).
 
@@ -333,7 +336,8 @@ def safetensors_header(path: Path) -> dict:
 
 def describe_checkpoint(path: Path) -> dict:
     """Files, bytes and tensors, and the output size a per-tensor FP8 conversion will write (estimate:
-    2D *_proj.weight tensors become 1 byte a value plus a float32 scale; everything else is copied)."""
+    2D *_proj.weight tensors become 1 byte a value plus a float32 scale; everything else is copied), or
+    for an FP8 checkpoint the size of its BF16 dequantization (2 bytes a code, no scales)."""
     files = sorted(path.glob("*.safetensors"))
     tensors, out_bytes = 0, 0
     for f in files:
@@ -345,10 +349,38 @@ def describe_checkpoint(path: Path) -> dict:
             numel = 1
             for d in info["shape"]:
                 numel *= d
-            quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
-            out_bytes += numel + 4 if quantized else nbytes
+            if info["dtype"] == "F8_E4M3":
+                out_bytes += 2 * numel
+            elif name.endswith("_scale_inv"):
+                continue
+            else:
+                quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
+                out_bytes += numel + 4 if quantized else nbytes
     return {"files": [f.name for f in files], "bytes_in": sum(f.stat().st_size for f in files),
             "tensors": tensors, "bytes_out_estimate": out_bytes}
+
+
+def fp8_dir(path: Path) -> Path:
+    return path.with_name(path.name + "-fp8block")
+
+
+def build_fp8_copy(src: Path, device: str, log: Log, gpu: GpuMemory | None, work: Path) -> Path:
+    """The native fp8 block copy of `src` (the DeepSeek-V3 layout) that --dequantize reads, made once."""
+    path = fp8_dir(src)
+    marker = path / ".bench-spec.json"
+    spec = {"from": src.name, "format": "fp8", "scheme": "block"}
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        log.say(f"reusing {path}")
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    log.say(f"building {path.name} (fp8convert quantize --format fp8 --scheme block) ...")
+    cmd = fp8convert_cmd() + ["quantize", str(src), str(path), "--format", "fp8", "--scheme", "block", "--device",
+                              "cuda" if device in ("cuda", "both") else "cpu", "--max-shard-size", "2GB", "-q"]
+    r = run_measured(f"make-{path.name}", cmd, child_env([REPO]), work / "logs", log, gpu, timeout=900)
+    if r["rc"] != 0:
+        raise SystemExit(f"building {path.name} failed:\n{r['stderr_tail']}")
+    marker.write_text(json.dumps(spec))
+    return path
 
 
 def prune_checkpoints(work: Path, keep: set[Path], log: Log) -> None:
@@ -479,6 +511,18 @@ def contenders(args) -> list[dict]:
     """label, command (SRC and OUT filled in later), environment, how it reports itself."""
     plan = []
     devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
+    if args.dequantize:
+        for dev in devices:
+            plan.append({"label": f"fp8convert-dequantize-{dev}", "kind": "fp8convert", "durable": True,
+                         "cmd": fp8convert_cmd() + ["dequantize", "{src}", "{out}", "--dtype", "bf16", "--device", dev,
+                                                    "--max-shard-size", args.max_shard_size, "--overwrite", "--json",
+                                                    "-q"] + (["--max-resident", args.max_resident]
+                                                             if args.max_resident else []),
+                         "env": child_env([REPO])})
+        if not args.skip_naive:
+            plan.append({"label": "naive-dequant", "kind": "script", "durable": False,
+                         "cmd": [PY, str(BENCH / "naive_dequant.py"), "{src}", "{out}"], "env": child_env()})
+        return plan
     for dev in devices:
         plan.append({"label": f"fp8convert-{dev}", "kind": "fp8convert", "durable": True,
                      "cmd": fp8convert_cmd() + ["quantize", "{src}", "{out}", "--scheme", "tensor", "--format",
@@ -538,6 +582,61 @@ def run_contender(c: dict, src: Path, info: dict, floor: dict | None, args, log:
     if r["rc"] != 0:
         log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
     return r
+
+
+def warm_page_cache(src: Path) -> float:
+    """Read every file of `src` once, so the run after it reads from memory; returns seconds."""
+    start = time.monotonic()
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.read(CHUNK * 4):
+                    pass
+    return time.monotonic() - start
+
+
+def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
+    """fp8convert with no disk in the way: the input in the page cache, the output on tmpfs. What is left
+    is the pipeline itself (and start-up): its GB/s is what the tool could do on a disk of any speed."""
+    rows = []
+    devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
+    warm_page_cache(src)
+    for dev in devices:
+        for rep in range(args.ceiling_repeat):
+            if out_of_time(log, f"ceiling {dev} #{rep + 1}"):
+                return rows
+            out = args.ceiling_out / f"out-{dev}"
+            shutil.rmtree(out, ignore_errors=True)
+            warm_page_cache(src)
+            cmd = fp8convert_cmd() + ["quantize", str(src), str(out), "--device", dev, "--max-shard-size",
+                                      args.max_shard_size, "--overwrite", "--json", "-q"]
+            r = run_measured(f"{src.name}-ceiling-{dev}-{rep}", cmd, child_env([REPO]), args.work / "logs", log,
+                             gpu, args.timeout)
+            report = parse_json_report(r["stdout"]) or {}
+            stages = report.get("stage_seconds") or {}
+            row = {"device": dev, "rep": rep + 1, "rc": r["rc"], "wall_s": r["wall_s"], "rss_gib": r["rss_peak_gib"],
+                   "gpu_gib": (report.get("peak_device_bytes") or 0) / GiB or None, "stages": stages,
+                   "torch_ready_s": stages.get("torch_ready_at"), "pipeline_s": stages.get("pipeline")}
+            row["gbps_pipeline"] = info["bytes_in"] / row["pipeline_s"] / 1e9 if row["pipeline_s"] else None
+            row["gbps_whole"] = info["bytes_in"] / r["wall_s"] / 1e9 if r["rc"] == 0 else None
+            rows.append(row)
+            shutil.rmtree(out, ignore_errors=True)
+            log.say(f"  ceiling {dev} #{rep + 1}: rc {r['rc']}, wall {r['wall_s']:.2f} s, torch ready "
+                    f"{fmt(row['torch_ready_s'], 2)} s, pipeline {fmt(row['pipeline_s'], 2)} s = "
+                    f"{fmt(row['gbps_pipeline'], 2)} GB/s, whole {fmt(row['gbps_whole'], 2)} GB/s, stages {stages}")
+            if r["rc"] != 0:
+                log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
+    return rows
+
+
+def ceiling_table(name: str, info: dict, rows: list[dict]) -> str:
+    lines = [f"### {name}: pipeline ceiling ({info['bytes_in'] / 1e9:.2f} GB in the page cache, output on tmpfs)", "",
+             "| device | run | wall s | torch ready at s | pipeline s | GB/s pipeline | GB/s whole run | peak RSS GiB "
+             "| peak GPU GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['device']} | {r['rep']} | {r['wall_s']:.2f} | {fmt(r['torch_ready_s'], 2)} | "
+              f"{fmt(r['pipeline_s'], 2)} | {fmt(r['gbps_pipeline'], 2)} | {fmt(r['gbps_whole'], 2)} | "
+              f"{fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} |" for r in rows]
+    return "\n".join(lines)
 
 
 def contender_table(name: str, info: dict, floor: dict | None, runs: list[dict]) -> str:
@@ -881,6 +980,9 @@ def parse_args(argv=None):
     p.add_argument("--max-shard-size", default="5GB", help="fp8convert's output shard size")
     p.add_argument("--max-resident", help="fp8convert's --max-resident (default: its own)")
     p.add_argument("--skip-llmc", action="store_true", help="do not run llm-compressor")
+    p.add_argument("--dequantize", action="store_true",
+                   help="benchmark `fp8convert dequantize` on a native fp8 block copy of each checkpoint against the "
+                        "naive whole-shard dequantizer (anchor/naive_dequant.py); llm-compressor is not run")
     p.add_argument("--warm-libs", action="store_true",
                    help="also run fp8convert with torch's files warm in the page cache (checkpoint still cold)")
     p.add_argument("--llmc-workers", type=int, action="append", help="model_free_ptq max_workers, repeatable (default 1)")
@@ -898,6 +1000,10 @@ def parse_args(argv=None):
                    help="scheme/format pairs to compare (default tensor, channel, block with compressed-tensors, block/fp8)")
     p.add_argument("--identical-devices", type=lambda v: v.split(","), default=["cpu", "cuda"],
                    help="the two devices compared (default cpu,cuda; cpu,cpu tries the check without a GPU)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="fp8convert with the input in the page cache and the output on tmpfs (the pipeline's own speed)")
+    p.add_argument("--ceiling-out", type=Path, default=Path("/dev/shm/fp8bench"), help="tmpfs for --ceiling outputs")
+    p.add_argument("--ceiling-repeat", type=int, default=2, help="runs per device for --ceiling (default 2)")
     p.add_argument("--keep-ckpts", action="store_true", help="do not remove checkpoints this call does not use")
     p.add_argument("--keep-outputs", action="store_true", help="keep the contenders' outputs")
     p.add_argument("--timeout", type=float, default=480, help="seconds before a contender is killed")
@@ -909,7 +1015,7 @@ def parse_args(argv=None):
     p.add_argument("--loader-wheels", type=Path, default=REPO / ".whl-loaders")
     p.add_argument("--loader-site", type=Path, default=Path("/tmp/site-loaders"))
     a = p.parse_args(argv)
-    if not a.ckpt and not a.double and not (a.skip_convert and not a.loaders):
+    if not a.ckpt and not a.double and not (a.skip_convert and not a.loaders and not a.ceiling):
         a.ckpt = ["moe8", "dense16"]
     a.ckpt = list(dict.fromkeys((a.ckpt or []) + (["moe16", "dense32"] if a.double else [])))
     a.shard_gb = a.shard_gb or [2.0]
@@ -940,18 +1046,19 @@ def main(argv=None) -> int:
     if args.drop_caches and drop_caches(True) is False:
         log.say("WARNING: cannot drop the page cache here (not root, or not supported): reads may be warm; "
                 "pass --no-drop-caches to silence")
-    for f in ("make_ckpt.py", "naive_convert.py", "lc_convert.py"):
+    for f in ("make_ckpt.py", "naive_convert.py", "lc_convert.py", "naive_dequant.py"):
         if not (BENCH / f).exists():
             raise SystemExit(f"{BENCH / f} is missing")
     gpu = GpuMemory()
     results["env"]["gpu_memory_sampling"] = "nvml" if gpu.nvml else ("nvidia-smi" if gpu.available else "none")
-    llmc_ok = args.skip_llmc or args.skip_convert or install_wheels(args.wheels, args.llmc_site, log)
+    llmc_ok = args.skip_llmc or args.skip_convert or args.dequantize or install_wheels(args.wheels, args.llmc_site, log)
     loaders_ok = args.loaders and install_wheels(args.loader_wheels, args.loader_site, log)
     if not llmc_ok:
         log.say("llm-compressor wheels missing: its runs will fail")
 
     wanted = [(name, shard) for name in args.ckpt for shard in (args.shard_gb if name != "tiny" else [0])]
     keep = {ckpt_dir(args.work, n, s) for n, s in wanted}
+    keep |= {fp8_dir(k) for k in keep} if args.dequantize else set()
     if args.check_identical:
         keep.add(ckpt_dir(args.work, args.identical_ckpt, args.shard_gb[0]))
     if not args.keep_ckpts:
@@ -963,6 +1070,9 @@ def main(argv=None) -> int:
         if out_of_time(log, f"{name} ({shard:g} GB shards)"):
             break
         src, build_s = build_checkpoint(name, shard, args.work, log, gpu)
+        bf16_src = src
+        if args.dequantize:
+            src = build_fp8_copy(src, args.device, log, gpu, args.work)
         info = describe_checkpoint(src)
         entry = results["checkpoints"][src.name] = {"name": name, "shard_gb": shard, "path": str(src),
                                                      "build_s": build_s, **info}
@@ -979,13 +1089,18 @@ def main(argv=None) -> int:
                 entry["runs"].append(run_contender(c, src, info, floor, args, log, gpu))
                 save_json(results_path, results)
             tables.append(contender_table(src.name, info, floor, entry["runs"]))
+        if args.ceiling and not out_of_time(log, "the ceiling runs"):
+            entry["ceiling"] = run_ceiling(src, info, args, log, gpu)
+            save_json(results_path, results)
+            tables.append(ceiling_table(src.name, info, entry["ceiling"]))
         if args.loaders:
             entry["loaders"] = run_loaders(src, info, args, log, gpu, loaders_ok)
             save_json(results_path, results)
             tables.append(loader_table(src.name, info, entry["loaders"]))
-        if not args.keep_ckpts and not (args.check_identical and src == ckpt_dir(args.work, args.identical_ckpt,
-                                                                                  args.shard_gb[0])):
+        if not args.keep_ckpts and not (args.check_identical and bf16_src == ckpt_dir(args.work, args.identical_ckpt,
+                                                                                       args.shard_gb[0])):
             shutil.rmtree(src, ignore_errors=True)  # room for the next one (64 GiB disk); --keep-ckpts keeps it
+            shutil.rmtree(bf16_src, ignore_errors=True)
     if args.check_identical and not out_of_time(log, "the CPU/CUDA check"):
         src, _ = build_checkpoint(args.identical_ckpt, args.shard_gb[0], args.work, log, gpu)
         log.say(f"== fp8convert outputs, {' vs '.join(args.identical_devices)}, on {src.name}")
@@ -1005,6 +1120,8 @@ def main(argv=None) -> int:
     results["tables"] = tables
     save_json(results_path, results)
     failed = [r["label"] for c in results["checkpoints"].values() for r in c.get("runs", []) if r["rc"] != 0]
+    failed += [f"ceiling {r['device']}" for c in results["checkpoints"].values() for r in c.get("ceiling", [])
+               if r["rc"] != 0]
     failed += [f"identical {r['scheme']}/{r['format']}" for r in results["identical"] if not r["identical"]]
     log.say(f"\nresults: {results_path}, log: {args.out / 'bench.log'}" + (f"; FAILED/DIFFERENT: {failed}" if failed else ""))
     return 1 if failed else 0

@@ -37,8 +37,9 @@ FORMAT_SCHEMES = [
     ("compressed-tensors", "block"),
     ("fp8", "tensor"),
     ("fp8", "block"),
+    ("compressed-tensors", "mxfp8"),
 ]
-FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block"]
+FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block", "ct-mxfp8"]
 ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
 
 # A fixed prompt of token ids (no tokenizer involved).
@@ -159,8 +160,45 @@ def converted(tmp_path_factory, source_model):
 
 
 @pytest.fixture(scope="session")
-def gpt_oss_like(tmp_path_factory) -> Path:
-    return make_gpt_oss_like(tmp_path_factory.mktemp("gpt-oss") / "model")
+def zoo_source(tmp_path_factory):
+    """zoo_source(arch) -> Path of the tiny tests/zoo.py checkpoint of `arch`, built once per session."""
+    import zoo
+
+    cache: dict = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = zoo.make(arch, tmp_path_factory.mktemp(f"zoo-{arch}") / "model")
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zoo_converted(tmp_path_factory, zoo_source):
+    """zoo_converted(arch, fmt, scheme) -> (output dir, report); each combination converts once. A
+    refusal is re-raised for every test that asks for it."""
+    cache: dict = {}
+
+    def get(arch: str, fmt: str, scheme: str):
+        key = (arch, fmt, scheme)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"zoo-out-{arch}-{fmt}-{scheme}") / "out"
+            try:
+                cache[key] = (out, run_quantize(zoo_source(arch), out, scheme=scheme, format=fmt))
+            except Exception as e:
+                cache[key] = e
+        if isinstance(cache[key], Exception):
+            raise cache[key]
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def unknown_fused_experts(tmp_path_factory) -> Path:
+    """gpt-oss's fused 3-D experts under a model_type the registry does not know."""
+    return make_gpt_oss_like(tmp_path_factory.mktemp("mystery") / "model", model_type="mystery_moe")
 
 
 @pytest.fixture(scope="session")

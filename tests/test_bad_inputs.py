@@ -177,11 +177,11 @@ def config_not_json(src):
     return "config.json"
 
 
-def already_quantized_config(src):
+def fp8_config_without_fp8_tensors(src):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8"}
     (src / "config.json").write_text(json.dumps(config))
-    return "config.json", "already quantized"
+    return "config.json", "no tensor is F8_E4M3"
 
 
 def already_quantized_tensors(src):
@@ -233,7 +233,7 @@ BROKEN = [truncated_shard, trailing_bytes, corrupt_header_json, oversized_header
           shape_disagrees_with_bytes, overlapping_tensors, non_integer_shape, unsupported_dtype,
           named_twice_in_one_header, named_twice_in_two_shards, index_names_missing_file, index_dotdot,
           index_dotdot_inside, index_absolute, index_names_absent_tensor, index_wrong_file, index_omits_tensor,
-          index_not_json, index_without_weight_map, config_missing, config_not_json, already_quantized_config,
+          index_not_json, index_without_weight_map, config_missing, config_not_json, fp8_config_without_fp8_tensors,
           already_quantized_tensors, scale_tensor_in_source, three_d_linear, empty_shard, no_weights_at_all,
           pickle_only]
 

@@ -23,8 +23,8 @@ from fp8convert.demo import make_demo_model
 from fp8convert.units import format_size, plural, size_option, size_text
 from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes, write_checkpoint
 
-COMMANDS = ["quantize", "inspect", "demo", "verify", "push", "finalize", "batch"]
-HUB_COMMANDS = ["quantize", "inspect", "verify", "push", "finalize", "batch"]
+COMMANDS = ["quantize", "dequantize", "inspect", "demo", "verify", "push", "finalize", "batch"]
+HUB_COMMANDS = ["quantize", "dequantize", "inspect", "verify", "push", "finalize", "batch"]
 
 
 def run(capsys, *args, env: dict | None = None, monkeypatch=None) -> tuple[int, str, str]:

@@ -102,3 +102,86 @@ def test_cuda_verify_finds_one_corrupted_code(source_model, tmp_path):
     shard.write_bytes(bytes(data))
     report = verify_mod.verify(src, out, device="cuda")
     assert not report.ok and any(f.startswith(name) and "nearest e4m3" in f for f in report.failures)
+
+
+@pytest.mark.parametrize("arch", ["llama4", "granitemoe", "qwen3_vl_moe", "gemma4"])
+@pytest.mark.parametrize("scheme,fmt", COMBOS)
+def test_cuda_cuts_fused_experts_like_cpu(zoo_source, tmp_path, arch, scheme, fmt):
+    """Experts cut from fused 3-D tensors (strided views: transposed, halves) give the CPU's bytes."""
+    src = zoo_source(arch)
+    fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu")
+    fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+@pytest.mark.parametrize("layout", ["deepseek-native-block-ue8m0", "qwen-native-block-fp16", "ct-channel-bf16",
+                                    "autofp8-native-tensor-static"])
+def test_cuda_dequantizes_and_requantizes_fp8_sources_like_cpu(tmp_path, layout):
+    """FP8 sources: the CPU's table lookup and CUDA's float32 product give the same bytes, in every
+    dtype, and so do requantizations, to MXFP8 and UE8M0 blocks too (dims of 192 and 320: partial
+    128x128 blocks)."""
+    import fp8_reference as F
+    from tiny_ckpt import llama_tensors, write_checkpoint
+    bf16 = write_checkpoint(tmp_path / "bf16", llama_tensors(layers=3, hidden=192, inter=320))
+    src = F.write_fp8(bf16, tmp_path / "src", F.LAYOUTS[layout])
+    runs = [("dequantize", {"dtype": d}) for d in ("bf16", "fp16", "fp32")]
+    runs += [("quantize", {"scheme": s, "format": "compressed-tensors"})
+             for s in ("tensor", "channel", "block", "mxfp8")]
+    runs += [("quantize", {"scheme": "block", "format": "fp8", "scale_format": "ue8m0"})]
+    for n, (command, options) in enumerate(runs):
+        convert = getattr(fp8convert, command)
+        convert(src, tmp_path / f"cpu{n}", device="cpu", max_shard_size="150KB", **options)
+        convert(src, tmp_path / f"cuda{n}", device="cuda", max_shard_size="150KB", **options)
+        assert output_bytes(tmp_path / f"cuda{n}") == output_bytes(tmp_path / f"cpu{n}"), (command, options)
+
+
+# MXFP8 and power-of-two block scales: the exponents come from integer bit arithmetic and every division is
+# by a power of two, so CUDA must give the CPU's bytes here too.
+BLACKWELL = [("mxfp8", "compressed-tensors", "float"), ("block", "compressed-tensors", "ue8m0"),
+             ("block", "fp8", "ue8m0")]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("scheme,fmt,scale_format", BLACKWELL)
+def test_cuda_mxfp8_and_ue8m0_bytes_equal_cpu(source_model, tmp_path, kind, scheme, fmt, scale_format):
+    src = source_model(kind)
+    for device in ("cpu", "cuda"):
+        fp8convert.quantize(src, tmp_path / device, scheme=scheme, format=fmt, scale_format=scale_format,
+                            device=device, max_shard_size="150KB")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scheme,fmt,scale_format", BLACKWELL)
+def test_cuda_mxfp8_and_ue8m0_from_fp16_and_fp32_sources(source_model, tmp_path, dtype, scheme, fmt, scale_format):
+    src = source_model("qwen3_moe", dtype)
+    for device in ("cpu", "cuda"):
+        fp8convert.quantize(src, tmp_path / device, scheme=scheme, format=fmt, scale_format=scale_format,
+                            device=device, max_shard_size="150KB")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+
+
+def test_cuda_mxfp8_edge_groups_equal_cpu():
+    """amax exactly 1.75 * 2^k, subnormal, huge and zero groups (test_mxfp8_ue8m0.edge_groups), fp32 just
+    above 448 * 2^k: the CUDA path's exponents and codes are the CPU path's."""
+    from fp8convert.run.numerics import quantize_group
+    from test_mxfp8_ue8m0 import edge_groups
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = edge_groups(dtype)
+        cpu_codes, cpu_scales = quantize_group([w], "mxfp8")
+        gpu_codes, gpu_scales = quantize_group([w.cuda()], "mxfp8")
+        assert torch.equal(gpu_scales[0].cpu(), cpu_scales[0])
+        assert torch.equal(gpu_codes[0].cpu().view(torch.uint8), cpu_codes[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("arch", ["llama4", "granitemoe", "qwen3_vl_moe", "gemma4"])
+def test_cuda_mxfp8_experts_cut_from_fused_tensors_like_cpu(tmp_path, arch):
+    """MXFP8 experts cut from fused 3-D tensors (96 wide, so they are quantized) give the CPU's bytes."""
+    import zoo
+    from test_mxfp8_ue8m0 import wide_experts
+
+    src = zoo.make(arch, tmp_path / "src", config_overrides=wide_experts(arch))
+    fp8convert.quantize(src, tmp_path / "cpu", scheme="mxfp8", device="cpu")
+    fp8convert.quantize(src, tmp_path / "cuda", scheme="mxfp8", device="cuda")
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")

@@ -29,6 +29,8 @@ from conftest import (
     run_quantize,
     shard_headers,
 )
+from checks import (assert_codes_and_scales, assert_kept_identical, assert_names_shapes_dtypes, ignore_lists,
+                    same_bytes)
 from tiny_models import DENSE_KINDS, EXTRA_FILES, GPT_OSS_FUSED_TENSOR, KINDS, MOE_KINDS
 from fp8convert.run import numerics
 
@@ -48,21 +50,6 @@ LOAD_CASES = (
 )
 
 MIN_COSINE = 0.99
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(as_bytes(a), as_bytes(b))
-
-
-def ignore_lists(fmt: str, cfg: dict) -> list[list[str]]:
-    qc = cfg["quantization_config"]
-    if fmt == "compressed-tensors":
-        return [qc["ignore"]]
-    return [qc["ignored_layers"], qc["modules_to_not_convert"]]
 
 
 @pytest.fixture(scope="session")
@@ -92,46 +79,8 @@ def output_tensors(converted):
     return get
 
 
-# ------------------------------------------------------------------ shared assertion helpers
-
-
-def assert_names_shapes_dtypes(got: dict, exp: dict):
-    missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-    assert not missing and not extra, f"missing tensors {missing[:8]}, unexpected tensors {extra[:8]}"
-    bad = [
-        (n, tuple(got[n].shape), got[n].dtype, tuple(e.shape), e.dtype)
-        for n, e in exp.items()
-        if tuple(got[n].shape) != tuple(e.shape) or got[n].dtype != e.dtype
-    ]
-    assert not bad, f"(name, got shape, got dtype, want shape, want dtype): {bad[:8]}"
-
-
-def assert_codes_and_scales(got: dict, exp: dict, quantized: set):
-    assert quantized, "nothing was expected to be quantized: the fixture is broken"
-    wrong_codes, wrong_scales = [], []
-    for n in quantized:
-        g, e = got[n], exp[n]
-        assert g.dtype == FP8, f"{n}: {g.dtype}"
-        if not torch.equal(as_bytes(g), as_bytes(e)):
-            diff = (as_bytes(g) != as_bytes(e)).sum().item()
-            wrong_codes.append(f"{n} ({diff}/{e.numel()} codes differ)")
-    for n, e in exp.items():
-        if n.endswith((".weight_scale", ".weight_scale_inv")):
-            g = got[n]
-            if not same_bytes(g, e):
-                wrong_scales.append(f"{n}: got {g.flatten()[:4].tolist()} want {e.flatten()[:4].tolist()}")
-    assert not wrong_codes, f"FP8 codes differ from the reference: {wrong_codes[:6]}"
-    assert not wrong_scales, f"scales differ from the reference: {wrong_scales[:6]}"
-
-
-def assert_kept_identical(got: dict, src: dict, quantized: set):
-    kept = [n for n in src if n not in quantized]
-    bad = [n for n in kept if not same_bytes(got[n], src[n])]
-    assert not bad, f"kept tensors not byte-identical to the source: {bad[:8]}"
-
-
-def assert_ignore_list(fmt: str, cfg: dict, src: dict, quantized: set):
-    want = R.expected_ignore_list({n: tuple(t.shape) for n, t in src.items()}, quantized)
+def assert_ignore_list(fmt: str, cfg: dict, src: dict, quantized: set, kind: str | None = None):
+    want = R.expected_ignore_list({n: tuple(t.shape) for n, t in src.items()}, quantized, kind)
     for lst in ignore_lists(fmt, cfg):
         assert isinstance(lst, list)
         assert len(lst) == len(set(lst)), f"duplicates in ignore list: {lst}"
@@ -232,7 +181,7 @@ def test_zero_weights_get_scale_one_and_zero_codes(kind, scheme, module, output_
 def test_ignore_list_names_exactly_the_unquantized_linears(kind, fmt, scheme, converted, source_tensors, expected):
     cfg = read_json(converted(kind, fmt, scheme) / "config.json")
     _, quant = expected(kind, fmt, scheme)
-    assert_ignore_list(fmt, cfg, source_tensors(kind), quant)
+    assert_ignore_list(fmt, cfg, source_tensors(kind), quant, kind)
     for lst in ignore_lists(fmt, cfg):
         assert "lm_head" in lst
         assert not {R.module_of(n) for n in quant} & set(lst), "a quantized module is in the ignore list"
@@ -257,7 +206,7 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
         # compressed-tensors 0.20.1 in transformers 5.24: without quantization_status "compressed"
         # the model loads silently and returns NaN logits; block needs block_structure.
         assert qc["quant_method"] == "compressed-tensors"
-        assert qc["format"] == "float-quantized"
+        assert qc["format"] == ("mxfp8-quantized" if scheme == "mxfp8" else "float-quantized")
         assert qc["quantization_status"] == "compressed"
         assert qc.get("kv_cache_scheme") is None
         assert list(qc["config_groups"]) == ["group_0"]
@@ -265,6 +214,22 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
         assert g["targets"] == ["Linear"]
         w, a = g["weights"], g["input_activations"]
         assert (w["num_bits"], w["type"], w["symmetric"], w["dynamic"]) == (8, "float", True, False)
+        from compressed_tensors import QuantizationConfig
+
+        parsed = QuantizationConfig.model_validate(qc)  # the library itself accepts it
+        if scheme == "mxfp8":
+            # compressed-tensors' own MXFP8 preset, as its model_dump writes it; vLLM's _is_mxfp8 keys on
+            # the weights' scale_dtype uint8 (with strategy group, group_size 32, symmetric, float, 8 bits)
+            for args, dynamic in ((w, False), (a, True)):
+                assert args == {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 32,
+                                "strategy": "group", "dynamic": dynamic, "scale_dtype": "torch.uint8"}
+            from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+            preset = preset_name_to_scheme("MXFP8", ["Linear"]).model_dump(mode="json")
+            assert {k: v for k, v in parsed.config_groups["group_0"].model_dump(mode="json").items() if k != "targets"} \
+                == {k: v for k, v in preset.items() if k != "targets"}
+            assert parsed.config_groups["group_0"].weights.scale_dtype == torch.uint8
+            return
         assert w["strategy"] == scheme
         assert w.get("group_size") is None
         assert w.get("block_structure") == ([128, 128] if scheme == "block" else None)
@@ -272,9 +237,7 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
         assert a["strategy"] == {"tensor": "tensor", "channel": "token", "block": "group"}[scheme]
         if scheme == "block":
             assert a["group_size"] == 128
-        from compressed_tensors import QuantizationConfig
-
-        QuantizationConfig.model_validate(qc)  # the library itself accepts it
+        assert "scale_fmt" not in qc
     else:
         assert qc["quant_method"] == "fp8"
         assert qc["fmt"] == "e4m3"
@@ -283,6 +246,7 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
             assert qc["weight_block_size"] == [128, 128]
         else:
             assert "weight_block_size" not in qc
+        assert "scale_fmt" not in qc
         assert set(qc["ignored_layers"]) == set(qc["modules_to_not_convert"])
 
 
@@ -534,7 +498,7 @@ def test_user_ignore_exact_glob_and_regex(source_model, source_tensors, tmp_path
     assert_codes_and_scales(got, exp, quant)
     assert_kept_identical(got, src, quant)
     cfg = read_json(out / "config.json")
-    assert_ignore_list("compressed-tensors", cfg, src, quant)
+    assert_ignore_list("compressed-tensors", cfg, src, quant, kind)
     assert ignored <= set(cfg["quantization_config"]["ignore"])
 
 
@@ -564,16 +528,22 @@ def _assert_one_line_error(exc_info, must_contain: str):
     assert "\n" not in msg.strip(), f"not a one-line message: {msg!r}"
 
 
-def test_gpt_oss_fused_3d_experts_are_refused(gpt_oss_like, tmp_path):
+def test_fused_3d_experts_of_an_unknown_architecture_are_refused(unknown_fused_experts, tmp_path):
+    """No layout is guessed from shapes: 3-D experts of a model_type the registry does not list are
+    refused, naming the tensor and why, before anything is written; --ignore keeps them."""
     fp8convert = fp8convert_module()
     out = tmp_path / "out"
     with pytest.raises(fp8convert.FP8ConvertError) as ei:
-        run_quantize(gpt_oss_like, out, scheme="tensor", format="compressed-tensors")
+        run_quantize(unknown_fused_experts, out, scheme="tensor", format="compressed-tensors")
     _assert_one_line_error(ei, GPT_OSS_FUSED_TENSOR)
+    assert "'mystery_moe', not in the registry" in str(ei.value)
     assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     with pytest.raises(fp8convert.FP8ConvertError) as ei:
-        fp8convert.make_plan(str(gpt_oss_like), scheme="tensor", format="compressed-tensors")
+        fp8convert.make_plan(str(unknown_fused_experts), scheme="tensor", format="compressed-tensors")
     _assert_one_line_error(ei, GPT_OSS_FUSED_TENSOR)
+    plan = fp8convert.make_plan(str(unknown_fused_experts), ignore=("re:.*experts",))
+    assert not any(t.quantize for t in plan.tensors if ".experts." in t.name)
+    assert any("not in fp8convert's architecture registry" in n for n in plan.notes)
 
 
 def _copy_model(src: Path, dst: Path) -> Path:
@@ -669,7 +639,7 @@ def test_both_quantize_paths_match_reference(scheme, dtype, path, tile_rows, mon
     made for CUDA (whole-tensor reductions and division), run here on the CPU. Both must give the
     reference's bytes. Real layers are far larger than these, so the tile is shrunk to get many tiles."""
     if tile_rows:
-        monkeypatch.setattr(numerics, "CPU_TILE_BYTES", 4 * 200 * tile_rows)
+        monkeypatch.setattr(numerics, "cpu_tile_bytes", lambda: 4 * 200 * tile_rows)
     gen = torch.Generator().manual_seed(tile_rows or 0)
     stack = (torch.randn(3, 300, 200, generator=gen) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)).to(dtype)
     stack[1, 5, 7] = 0.0

@@ -12,7 +12,8 @@ blocks / whole experts to exercise the amax == 0 rule. With the default max_shar
 model is saved in at least 3 shards.
 
 `make_gpt_oss_like(path)` hand-writes a checkpoint with gpt-oss's fused 3D expert tensors
-(`mlp.experts.gate_up_proj [E, H, 2I]`), which the converter must refuse.
+(`mlp.experts.gate_up_proj [E, H, 2I]`); under another model_type the converter has no layout for
+them and must refuse them.
 """
 
 from __future__ import annotations
@@ -204,12 +205,12 @@ def _write_fake_tokenizer(path: Path) -> None:
     )
 
 
-# ------------------------------------------------------------------ gpt-oss-like (refused)
+# ------------------------------------------------------------------ gpt-oss-like
 
 GPT_OSS_FUSED_TENSOR = "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def make_gpt_oss_like(path, n_experts: int = 4, hidden: int = 64, inter: int = 64) -> Path:
+def make_gpt_oss_like(path, n_experts: int = 4, hidden: int = 64, inter: int = 64, model_type: str = "gpt_oss") -> Path:
     """A gpt-oss-shaped checkpoint: fused 3D experts, gate/up interleaved on the last dim.
 
     Not loadable by transformers (and need not be): it only has to reach the converter's planner.
@@ -246,7 +247,7 @@ def make_gpt_oss_like(path, n_experts: int = 4, hidden: int = 64, inter: int = 6
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = {
         "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
+        "model_type": model_type,
         "hidden_size": H,
         "intermediate_size": I,
         "num_hidden_layers": 1,

@@ -135,6 +135,7 @@ def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
 # What a rerun does, by command: said when the command is interrupted or terminated.
 RERUN = {
     "quantize": "rerun the same command to resume",
+    "dequantize": "rerun the same command to resume",
     "batch": "rerun the same command to resume (finished jobs are skipped)",
     "finalize": "rerun the same command to finish",
     "demo": "rerun the same command to resume",

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..options import FORMATS, SCHEMES
+from ..options import FORMATS, SCALE_FORMATS, SCHEMES
 
 
 class _PlainHelp:
@@ -47,15 +47,24 @@ def flag(*names: str, help: str) -> typer.models.OptionInfo:
     return typer.Option(*names, help=help, metavar="")
 
 
-Scheme = Annotated[str, typer.Option("--scheme", metavar="|".join(SCHEMES),
-                                     help="Scale granularity: tensor (one per weight), channel (one per output "
-                                          "row) or block (one per 128x128 block).")]
+Scheme = Annotated[str, typer.Option(
+    "--scheme", metavar="|".join(SCHEMES),
+    help="Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
+         "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only).")]
+ScaleFormat = Annotated[str, typer.Option(
+    "--scale-format", metavar="|".join(SCALE_FORMATS),
+    help="Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as DeepGEMM on "
+         "Blackwell wants; the config says scale_fmt ue8m0).")]
 Format = Annotated[str, typer.Option("--format", metavar="|".join(FORMATS),
                                      help="Output format: compressed-tensors, or fp8 (vLLM/DeepSeek native).")]
 Ignore = Annotated[Optional[list[str]], typer.Option(
     "--ignore", metavar="PATTERN",
     help="Keep matching modules in high precision, on top of the defaults: exact module name, "
          "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.")]
+TargetTp = Annotated[Optional[list[int]], typer.Option(
+    "--target-tp", metavar="N",
+    help="Tensor-parallel size to check against vLLM's splitting rules (block scales per rank, MoE "
+         "intermediate size per rank); repeatable. Default: 1, 2, 4 and 8.")]
 Device = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda|cuda:N",
                                      help="Where to compute: auto (CUDA when present), cpu, cuda or cuda:N.")]
 MaxShardSize = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE",
@@ -81,6 +90,16 @@ Devices = Annotated[Optional[str], typer.Option(
     "--devices", metavar="LIST|all",
     help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
          "entries are allowed too.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", metavar="bf16|fp16|fp32",
+    help="dtype of dequantized weights (default: the model's own, from config.json; bf16 when it names none).")]
+Overwrite = Annotated[bool, flag("--overwrite", help="Replace an earlier fp8convert output in OUT (a folder "
+                                                     "holding other files is refused).")]
+PushToHub = Annotated[Optional[str], typer.Option(
+    "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")]
+StreamDownload = Annotated[bool, flag(
+    "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
+                              "converted (for models larger than the free disk).")]
 Quiet = Annotated[bool, flag("--quiet", "-q", help="No progress output.")]
 Private = Annotated[bool, flag("--private", help="Create the Hub repo as private (an existing repo keeps "
                                                  "its visibility).")]

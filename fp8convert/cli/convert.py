@@ -1,4 +1,4 @@
-"""quantize, inspect and demo."""
+"""quantize, dequantize, inspect and demo."""
 from __future__ import annotations
 
 import sys
@@ -10,11 +10,12 @@ import typer
 
 from .. import api, publish
 from ..errors import FP8ConvertError
-from ..options import REPO_ID, Settings
+from ..options import REPO_ID, TARGET_TP, Settings
 from ..plan.summary import compatibility_warnings, describe, render
 from ..units import format_size, plural
-from ._options import (CacheDir, Command, Device, Devices, Format, Ignore, Json, MaxResident, MaxShardSize, Prefetch,
-                       Private, Quiet, Revision, Scheme, Token, Worker, flag, token)
+from ._options import (CacheDir, Command, Device, Devices, Dtype, Format, Ignore, Json, MaxResident, MaxShardSize,
+                       Overwrite, Prefetch, Private, PushToHub, Quiet, Revision, ScaleFormat, Scheme, StreamDownload,
+                       TargetTp, Token, Worker, flag, token)
 from ._output import print_json
 
 Src = Annotated[str, typer.Argument(metavar="SRC", show_default=False,
@@ -22,29 +23,26 @@ Src = Annotated[str, typer.Argument(metavar="SRC", show_default=False,
 Out = Annotated[Path, typer.Argument(metavar="OUT", show_default=False,
                                      help="Output directory (created; must be empty, or a partial run of the same "
                                           "plan).")]
+BaseModel = Annotated[Optional[str], typer.Option(
+    "--base-model", metavar="REPO_ID",
+    help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
+         "local source).")]
 
 
 def quantize(
     src: Src, out: Out, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    overwrite: Annotated[bool, flag("--overwrite", help="Replace an earlier fp8convert output in OUT (a folder "
-                                                        "holding other files is refused).")] = False,
-    revision: Revision = None, json_out: Json = False,
-    quiet: Quiet = False,
-    push_to_hub: Annotated[Optional[str], typer.Option(
-        "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")] = None,
-    private: Private = False,
-    stream_download: Annotated[bool, flag(
-        "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
-                                  "converted (for models larger than the free disk).")] = False,
-    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB",
-    hub_token: Token = None, cache_dir: CacheDir = None,
-    base_model: Annotated[Optional[str], typer.Option(
-        "--base-model", metavar="REPO_ID",
-        help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
-             "local source).")] = None,
+    overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False, quiet: Quiet = False,
+    push_to_hub: PushToHub = None, private: Private = False, stream_download: StreamDownload = False,
+    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB", target_tp: TargetTp = None,
+    scale_format: ScaleFormat = "float", hub_token: Token = None, cache_dir: CacheDir = None,
+    base_model: BaseModel = None,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
+
+    SRC may itself be FP8 (native fp8 such as DeepSeek-V3, or compressed-tensors): each FP8 weight is then
+    passed through as it is when SRC has the scheme you ask for, requantized from its dequantized values
+    when it has another, and dequantized where you --ignore it; no BF16 copy is written in between.
 
     Examples:
 
@@ -54,6 +52,14 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --device cuda:1
 
+      fp8convert quantize ./DeepSeek-V3 ./dsv3-channel --scheme channel      # FP8 blocks to per-channel scales
+
+      fp8convert quantize ./Qwen3-8B ./Qwen3-8B-MXFP8 --scheme mxfp8                # Blackwell MXFP8
+
+      fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --scale-format ue8m0
+
+      fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --target-tp 4     # say what fails at TP 4
+
       fp8convert quantize Qwen/Qwen3-8B ./Qwen3-8B-FP8 --push-to-hub me/Qwen3-8B-FP8 --stream-download
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --devices all                # one process per GPU
@@ -62,6 +68,45 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
+    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
+                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
+                        max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
+                        revision=revision, token=token(hub_token), cache_dir=cache_dir, progress=not quiet,
+                        stream_download=stream_download, worker=worker, devices=devices, prefetch=prefetch,
+                        base_model=base_model)
+    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+
+
+def dequantize(
+    src: Src, out: Out, dtype: Dtype = None, device: Device = "auto", max_shard_size: MaxShardSize = "5GB",
+    max_resident: MaxResident = None, overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False,
+    quiet: Quiet = False, push_to_hub: PushToHub = None, private: Private = False,
+    stream_download: StreamDownload = False, worker: Worker = None, devices: Devices = None,
+    prefetch: Prefetch = "8GiB", hub_token: Token = None, cache_dir: CacheDir = None, base_model: BaseModel = None,
+):
+    """Convert the FP8 checkpoint SRC (native fp8 or compressed-tensors) to high precision in OUT:
+    every FP8 weight becomes float32(codes) x scale rounded once to --dtype, scales and
+    quantization_config are dropped, every other tensor is copied byte for byte. Rerunning the same
+    command resumes an interrupted run.
+
+    Examples:
+
+      fp8convert dequantize deepseek-ai/DeepSeek-V3 ./DeepSeek-V3-BF16 --stream-download
+
+      fp8convert dequantize ./Qwen3-8B-FP8 ./Qwen3-8B-BF16 --dtype bf16 --device cuda
+
+      fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
+    """
+    settings = Settings(dequantize=True, dtype=dtype, device=device, max_shard_size=max_shard_size,
+                        max_resident=max_resident, overwrite=overwrite, revision=revision, token=token(hub_token),
+                        cache_dir=cache_dir, progress=not quiet, stream_download=stream_download, worker=worker,
+                        devices=devices, prefetch=prefetch, base_model=base_model)
+    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+
+
+def _convert(src: str, out: Path, settings: Settings, json_out: bool, quiet: bool, push_to_hub: str | None,
+             private: bool) -> None:
+    """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to_hub:
         raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
     if push_to_hub and not REPO_ID.match(push_to_hub):
@@ -72,11 +117,6 @@ def quantize(
             for line in [w.text for w in compatibility_warnings(the_plan)] + the_plan.notes:
                 print(f"warning: {line}", file=sys.stderr)
 
-    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
-                        max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                        revision=revision, token=token(hub_token), cache_dir=cache_dir, progress=not quiet,
-                        stream_download=stream_download, worker=worker, devices=devices, prefetch=prefetch,
-                        base_model=base_model)
     report = api.quantize(src, out, settings, on_plan=show_warnings)
     if json_out:
         print_json(asdict(report))
@@ -89,7 +129,7 @@ def quantize(
     else:
         print(summary_line(report))
     if push_to_hub and report.complete:
-        url = publish.push(out, push_to_hub, private=private, token=token(hub_token))
+        url = publish.push(out, push_to_hub, private=private, token=settings.token)
         print(f"pushed {out} to {push_to_hub}: {url}", file=sys.stderr if json_out else sys.stdout)
     elif push_to_hub:
         print(f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
@@ -99,39 +139,63 @@ def quantize(
 def summary_line(report: api.Report) -> str:
     """'wrote OUT: 1 shard, 28 tensors quantized, 11 kept, 6.32 MB -> 3.86 MB in 0.9s on cpu'."""
     resumed = f", {report.shards_resumed} resumed" if report.shards_resumed else ""
-    return (f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{resumed}, "
-            f"{plural(report.tensors_quantized, 'tensor')} quantized, {report.tensors_kept} kept, "
+    return (f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{resumed}, {done_text(report)}, "
             f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} in {report.seconds:.1f}s on "
             f"{report.device}")
+
+
+def done_text(report: api.Report) -> str:
+    """What happened to the tensors, e.g. '120 FP8 weights dequantized, 35 kept'."""
+    if report.dequantize:
+        return f"{plural(report.tensors_dequantized, 'FP8 weight')} dequantized, {report.tensors_kept} kept"
+    parts = [f"{plural(report.tensors_quantized, 'tensor')} quantized"]
+    if report.source_quantization:
+        quantized_here = report.tensors_quantized - report.tensors_requantized - report.tensors_passed_through
+        parts = [f"{plural(report.tensors_passed_through, 'FP8 weight')} passed through",
+                 f"{report.tensors_requantized} requantized"]
+        parts += [f"{quantized_here} quantized"] if quantized_here else []
+        parts.append(f"{report.tensors_dequantized} dequantized")
+    return ", ".join(parts + [f"{report.tensors_kept} kept"])
 
 
 def inspect(
     src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    revision: Revision = None, json_out: Json = False,
+    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None, scale_format: ScaleFormat = "float",
     tensors: Annotated[bool, flag("--tensors", help="Also list every tensor and what becomes of it.")] = False,
-    hub_token: Token = None, cache_dir: CacheDir = None,
+    dequantize: Annotated[bool, flag("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC "
+                                                          "instead of a quantize.")] = False,
+    dtype: Dtype = None, hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
-    groups, output size, shard count, and estimated peak memory.
+    groups, output size, shard count, estimated peak memory, and which engines (and GPUs) load it. For
+    an FP8 SRC: its format, and which weights pass through, are requantized or dequantized.
 
     Examples:
 
       fp8convert inspect meta-llama/Llama-3.1-8B-Instruct
 
       fp8convert inspect ./Qwen3-30B-A3B --scheme block --json
+
+      fp8convert inspect ./Qwen3-30B-A3B --scheme mxfp8         # what stays BF16, who loads it where
+
+      fp8convert inspect ./Llama-4-Scout --tensors --target-tp 8
+
+      fp8convert inspect ./DeepSeek-V3 --dequantize --dtype bf16
     """
     settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
-                        device=device, max_resident=max_resident, revision=revision, token=token(hub_token),
-                        cache_dir=cache_dir)
+                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
+                        dequantize=dequantize, dtype=dtype, device=device, max_resident=max_resident,
+                        revision=revision, token=token(hub_token), cache_dir=cache_dir)
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
     dev = resolve_device(device)
     budget = budget_for(dev, settings.max_resident)
     info = describe(the_plan, budget, dev.type)
     if tensors:
-        info["tensor_plan"] = [{"name": t.name, "shape": list(t.source.shape), "dtype": t.source.dtype,
-                                "quantize": t.quantize, "reason": t.reason, "group": t.group}
+        info["tensor_plan"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.source.dtype,
+                                "quantize": t.quantize, "action": t.action.value, "reason": t.reason,
+                                "group": t.group, "from": t.cut.describe(t.source.name) if t.cut else None}
                                for t in the_plan.tensors]
     if json_out:
         print_json(info)
@@ -139,8 +203,10 @@ def inspect(
     print(render(info))
     if tensors:
         for t in info["tensor_plan"]:
-            what = "fp8" if t["quantize"] else f"keep ({t['reason']})"
-            print(f"  {t['name']:<70} {str(t['shape']):<16} {what}")
+            what = {"quantize": "fp8", "pass": "fp8 (passed through)", "requantize": "fp8 (requantized)",
+                    "dequantize": f"dequantize ({t['reason']})"}.get(t["action"], f"keep ({t['reason']})")
+            origin = f"  <- {t['from']}" if t["from"] else ""
+            print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
 
 def demo(
@@ -163,5 +229,6 @@ def demo(
 
 def register(app: typer.Typer) -> None:
     app.command(cls=Command)(quantize)
+    app.command(cls=Command)(dequantize)
     app.command(cls=Command)(inspect)
     app.command(cls=Command)(demo)

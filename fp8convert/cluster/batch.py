@@ -2,7 +2,7 @@
 
 A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one
 job object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may
-set the quantize options below. The whole file is validated before any job starts; then jobs run in
+set the quantize options below (`dequantize = true`, with an optional `dtype`, makes it a dequantize). The whole file is validated before any job starts; then jobs run in
 order, a finished output is skipped (quantize recognises it at once), a failed job does not stop the
 others, and the summary says what happened to each.
 """
@@ -23,8 +23,9 @@ from ..units import plural
 from .devices import parse_devices
 from .workers import log
 
-STRING_KEYS = ("name", "source", "out", "scheme", "format", "device", "revision", "push_to_hub", "max_resident")
-BOOL_KEYS = ("private", "stream_download", "overwrite")
+STRING_KEYS = ("name", "source", "out", "scheme", "format", "scale_format", "device", "revision", "push_to_hub",
+               "max_resident", "dtype")
+BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
@@ -137,8 +138,9 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
-    options = {k: merged[k] for k in ("scheme", "format", "device", "devices", "max_shard_size", "max_resident",
-                                       "revision", "stream_download", "overwrite") if k in merged}
+    options = {k: merged[k] for k in ("scheme", "format", "scale_format", "device", "devices", "max_shard_size",
+                                       "max_resident", "revision", "stream_download", "overwrite", "dequantize",
+                                       "dtype") if k in merged}
     try:
         settings = Settings(**options, ignore=tuple(ignore))
         if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs

@@ -21,11 +21,15 @@ class QuantizedLayout:
     """What an FP8 checkpoint's config says it is."""
 
     format: str                 # compressed-tensors | fp8
-    scheme: str                 # tensor | channel | block
+    scheme: str                 # tensor | channel | block | mxfp8
     ignore: tuple[str, ...]     # modules left unquantized, as engines match them
+    scale_format: str = "float"  # "ue8m0": block scales are powers of two (scale_fmt)
 
     def scale_name(self, weight: str) -> str:
         return get_format(self.format).scale_name(weight, self.scheme)
+
+    def scale_dtype(self) -> str:
+        return get_format(self.format).scale_dtype(self.scheme)
 
     def scale_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         return get_format(self.format).scale_shapes(shape, self.scheme)
@@ -44,5 +48,8 @@ def read_quantization_config(config: dict, where: str) -> QuantizedLayout:
     for name, module in FORMATS.items():
         if method == module.QUANT_METHOD:
             scheme, ignore = module.read_config(qc, where)
-            return QuantizedLayout(name, scheme, ignore)
+            scale_format = module.read_scale_format(qc)
+            if scale_format == "ue8m0" and scheme != "block":
+                raise FP8ConvertError(f"{where}: scale_fmt ue8m0 with {scheme} scales (it describes block scales)")
+            return QuantizedLayout(name, scheme, ignore, scale_format)
     raise FP8ConvertError(f"{where}: quant_method {method!r} is neither compressed-tensors nor fp8")

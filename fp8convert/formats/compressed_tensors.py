@@ -1,16 +1,53 @@
-"""compressed-tensors "float-quantized": read by vLLM, SGLang and (via the compressed-tensors package)
-transformers. Per quantized linear X: X.weight float8_e4m3fn and X.weight_scale float32 shaped [1]
-(tensor), [out, 1] (channel) or [ceil(out/128), ceil(in/128)] (block)."""
+"""compressed-tensors: read by vLLM, SGLang and (via the compressed-tensors package) transformers.
+
+"float-quantized" (tensor, channel, block): per quantized linear X, X.weight float8_e4m3fn [out, in] and
+X.weight_scale float32 shaped [1] (tensor), [out, 1] (channel) or [ceil(out/128), ceil(in/128)] (block).
+
+"mxfp8-quantized" (scheme mxfp8), as compressed-tensors 0.20.1 writes it (its `MXFP8` preset and
+`MXFP8QuantizationCompressor`) and vLLM 0.33 and transformers 5.24 read it:
+- X.weight F8_E4M3 [out, in]; X.weight_scale U8 [out, in / 32]: the E8M0 byte (biased exponent) of the
+  scale 2^(byte - 127) of each run of 32 input elements of each row. No zero point, no input scale.
+  The scales must be U8, never F8_E8M0: vLLM's parameter is uint8 and copies by value.
+- config group weights {"num_bits": 8, "type": "float", "symmetric": true, "group_size": 32,
+  "strategy": "group", "dynamic": false, "scale_dtype": "torch.uint8"}; input_activations the same with
+  "dynamic": true; top-level "format": "mxfp8-quantized". vLLM takes its MXFP8 path
+  (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone: strategy group, symmetric,
+  group_size 32, type float, 8 bits and scale_dtype uint8; without scale_dtype it is no FP8 scheme it
+  knows. Its dense layer allocates weight_scale [out, in // 32] (so in % 32 == 0, and per TP rank for
+  row-parallel layers); its MoE loads per-expert 2-D weights into w13_weight_scale [E, 2I, H // 32] and
+  w2_weight_scale [E, H, I // 32]. The args models forbid unknown keys: write only these.
+  transformers 5.24 reads dense layers through compressed-tensors' MXFP8QuantizationCompressor, which
+  gives bfloat16 weights (bf16(code * 2^(byte - 127)), exact); its MoE expert path does not decode the
+  exponents and fails (summary.compatibility_warnings says so).
+
+Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it
+(`QuantizationArgs.scale_dtype` means E8M0 bytes only for MX groups, and vLLM's block scheme always
+allocates float32 scales). vLLM reads `quantization_config.scale_fmt` whatever the quant_method
+(`transformers_utils/config.py` get_config: "ue8m0" turns on DeepGEMM's UE8M0 mode), and
+compressed-tensors and transformers ignore unknown top-level keys, so it is written there, as in the
+fp8 format. The scales stay float32 values that are powers of two.
+
+As a source (read_source_config), only FP8 weights stored as they are (float-quantized, naive-quantized)
+are read, with the top-level scale_fmt if any; MXFP8 is written here but refused as a source.
+"""
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK
+from ..options import BLOCK, MX_GROUP
+from .source_config import SourceConfig, declared_scale_fmt
 
 QUANT_METHOD = "compressed-tensors"
+FORMAT = {"tensor": "float-quantized", "channel": "float-quantized", "block": "float-quantized",
+          "mxfp8": "mxfp8-quantized"}
 
 
 def scale_name(weight_name: str, scheme: str) -> str:
     return weight_name + "_scale"
+
+
+def scale_dtype(scheme: str) -> str:
+    """The safetensors dtype of the scales: E8M0 bytes for MXFP8, else float32."""
+    return "U8" if scheme == "mxfp8" else "F32"
 
 
 def scale_shapes(shape: tuple[int, int], scheme: str) -> list[tuple[int, ...]]:
@@ -20,6 +57,8 @@ def scale_shapes(shape: tuple[int, int], scheme: str) -> list[tuple[int, ...]]:
         return [(1,)]
     if scheme == "channel":
         return [(out, 1)]
+    if scheme == "mxfp8":
+        return [(out, inp // MX_GROUP)]
     return [(-(-out // BLOCK), -(-inp // BLOCK))]
 
 
@@ -27,36 +66,137 @@ def scale_shape(shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
     return scale_shapes(shape, scheme)[0]
 
 
-def quantization_config(scheme: str, ignore: list[str]) -> dict:
-    weights = {"num_bits": 8, "type": "float", "strategy": scheme, "symmetric": True, "dynamic": False,
-               "group_size": None, "block_structure": [BLOCK, BLOCK] if scheme == "block" else None}
-    # Activations are quantized on the fly by the engine: per token with per-channel weights, per
-    # 128-wide group with block weights, per tensor with per-tensor weights (what vLLM's MoE accepts).
-    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
-                   "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[scheme],
-                   "group_size": BLOCK if scheme == "block" else None}
-    return {
+def _mx_args(dynamic: bool) -> dict:
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": MX_GROUP, "strategy": "group",
+            "dynamic": dynamic, "scale_dtype": "torch.uint8"}
+
+
+def quantization_config(scheme: str, ignore: list[str], scale_format: str = "float",
+                        static_activations: bool = False) -> dict:
+    if scheme == "mxfp8":
+        weights, activations = _mx_args(False), _mx_args(True)
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": scheme, "symmetric": True, "dynamic": False,
+                   "group_size": None, "block_structure": [BLOCK, BLOCK] if scheme == "block" else None}
+        # Activations are quantized on the fly by the engine: per token with per-channel weights, per
+        # 128-wide group with block weights, per tensor with per-tensor weights (what vLLM's MoE accepts).
+        # Static ones (an FP8 source's calibrated input_scale, carried in the tensor scheme) are per tensor.
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_activations,
+                       "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[scheme],
+                       "group_size": BLOCK if scheme == "block" else None}
+    config = {
         "quant_method": QUANT_METHOD,
-        "format": "float-quantized",
+        "format": FORMAT[scheme],
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                       "input_activations": activations}},
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
+    if scale_format == "ue8m0":
+        config["scale_fmt"] = "ue8m0"
+    return config
 
 
 def read_config(qc: dict, where: str) -> tuple[str, tuple[str, ...]]:
-    """(scheme, ignore list) of a float-quantized config with one FP8 weight scheme."""
+    """(scheme, ignore list) of a config with one FP8 weight scheme (float-quantized, or MXFP8)."""
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
     weights = [(g.get("weights") or {}) for g in groups]
     strategies = {w.get("strategy") for w in weights}
-    if qc.get("format") != "float-quantized" or len(strategies) != 1 or \
+    if qc.get("format") not in ("float-quantized", "mxfp8-quantized") or len(strategies) != 1 or \
             any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
-        raise FP8ConvertError(f"{where}: quantization_config is not one FP8 float-quantized group")
-    scheme = strategies.pop()
-    if scheme not in ("tensor", "channel", "block"):
-        raise FP8ConvertError(f"{where}: unsupported weight strategy {scheme!r}")
-    if scheme == "block" and any(w.get("block_structure") != [BLOCK, BLOCK] for w in weights):
+        raise FP8ConvertError(f"{where}: quantization_config is not one FP8 float-quantized or mxfp8-quantized "
+                              "group")
+    strategy = strategies.pop()
+    if qc.get("format") == "mxfp8-quantized" or strategy == "group":
+        if strategy != "group" or any(w.get("group_size") != MX_GROUP or w.get("symmetric") is not True or
+                                      str(w.get("scale_dtype")).removeprefix("torch.") != "uint8" for w in weights):
+            raise FP8ConvertError(f"{where}: an MXFP8 config needs weights with strategy group, group_size "
+                                  f"{MX_GROUP}, symmetric and scale_dtype uint8 (what vLLM's MXFP8 path keys on)")
+        return "mxfp8", tuple(qc.get("ignore") or ())
+    if strategy not in ("tensor", "channel", "block"):
+        raise FP8ConvertError(f"{where}: unsupported weight strategy {strategy!r}")
+    if strategy == "block" and any(w.get("block_structure") != [BLOCK, BLOCK] for w in weights):
         raise FP8ConvertError(f"{where}: block_structure is not [{BLOCK}, {BLOCK}]")
-    return scheme, tuple(qc.get("ignore") or ())
+    return strategy, tuple(qc.get("ignore") or ())
+
+
+def read_scale_format(qc: dict) -> str:
+    """"ue8m0" when the config says its block scales are powers of two (top-level scale_fmt), else "float"."""
+    return "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float"
+
+
+# compressed-tensors formats that store FP8 weights as they are (float8_e4m3fn codes and a scale); the
+# others pack integers or 4-bit floats, named here so a refusal says what the checkpoint holds.
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+OTHER_FORMATS = {
+    "pack-quantized": "integer weights packed into int32 (e.g. W4A16)",
+    "int-quantized": "int8 weights",
+    "nvfp4-pack-quantized": "NVFP4 (4-bit float) weights",
+    "mxfp4-pack-quantized": "MXFP4 (4-bit float) weights",
+    "mxfp8-quantized": "MXFP8 (FP8 with power-of-two scales per 32 values), which fp8convert writes but does not "
+                       "read as a source",
+    "marlin-24": "2:4 sparse int4 weights (Marlin)",
+    "sparse-24-bitmask": "2:4 sparse weights",
+    "sparse-bitmask": "sparse weights (bitmask)",
+    "dense": "no quantization",
+}
+
+
+def _not_fp8(where: str, what: str) -> FP8ConvertError:
+    return FP8ConvertError(f"{where}: compressed-tensors checkpoint with {what}; fp8convert reads FP8 (float8_e4m3fn "
+                           "weights with tensor, channel or block scales) only")
+
+
+def read_source_config(qc: dict, where: str) -> SourceConfig:
+    """A compressed-tensors source whose every config group holds symmetric 8-bit float weights with one
+    strategy (tensor, channel or 128x128 block) and dynamic, absent (weight-only) or static per-tensor
+    input activations. Anything else is refused with what it is."""
+    formats = [qc.get("format")] + [g.get("format") for g in (qc.get("config_groups") or {}).values()
+                                    if isinstance(g, dict) and g.get("format")]
+    for fmt in formats:
+        if fmt not in (*FP8_FORMATS, "mixed-precision", None):
+            raise _not_fp8(where, f"format {fmt!r} ({OTHER_FORMATS.get(fmt, 'not an FP8 format')})")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise _not_fp8(where, f"a {key} (sparse or transformed weights)")
+    if qc.get("kv_cache_scheme"):
+        raise FP8ConvertError(f"{where}: kv_cache_scheme is set: FP8 KV-cache scales (k_scale, v_scale) are not "
+                              "supported in a source")
+    if qc.get("quantization_status") not in (None, "compressed"):
+        raise FP8ConvertError(f"{where}: quantization_status {qc.get('quantization_status')!r}: the weights are not "
+                              "stored compressed (FP8)")
+    groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
+    if not groups:
+        raise FP8ConvertError(f"{where}: compressed-tensors quantization_config has no config_groups")
+    strategies, static = set(), set()
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise _not_fp8(where, f"config group {name}: {w.get('type')} {w.get('num_bits')}-bit weights")
+        if w.get("strategy") == "group" and w.get("group_size") == 32:
+            raise _not_fp8(where, f"config group {name}: MXFP8-style weights (one scale per 32 values)")
+        if w.get("strategy") not in ("tensor", "channel", "block"):
+            raise _not_fp8(where, f"config group {name}: weight strategy {w.get('strategy')!r}")
+        if w.get("symmetric") is False or w.get("dynamic"):
+            raise _not_fp8(where, f"config group {name}: asymmetric or dynamic weights")
+        if w.get("strategy") == "block" and w.get("block_structure") != [BLOCK, BLOCK]:
+            raise FP8ConvertError(f"{where}: config group {name}: block_structure {w.get('block_structure')} is not "
+                                  f"[{BLOCK}, {BLOCK}] (the only block size fp8convert reads)")
+        strategies.add(w["strategy"])
+        if group.get("output_activations"):
+            raise _not_fp8(where, f"config group {name}: quantized output activations")
+        a = group.get("input_activations")
+        if a and not a.get("dynamic"):
+            if a.get("strategy") != "tensor" or a.get("type") != "float" or a.get("num_bits") != 8 or \
+                    a.get("symmetric") is False:
+                raise _not_fp8(where, f"config group {name}: static input activations of strategy "
+                                      f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)")
+            static.add(True)
+        else:
+            static.add(False)
+    if len(strategies) > 1 or len(static) > 1:
+        raise FP8ConvertError(f"{where}: config groups mix weight strategies or activation schemes "
+                              f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint")
+    return SourceConfig("compressed-tensors", strategies.pop(), static.pop(), tuple(qc.get("ignore") or ()),
+                        ("weight_scale",), ("input_scale",), declared_scale_fmt(qc, where))

@@ -27,11 +27,16 @@ SCHEME_TEXT = {
               "scale, so engines that fuse them need no re-quantization)",
     "channel": "per-channel: one float32 scale per output row",
     "block": "block: one float32 scale per 128x128 weight block",
+    "mxfp8": "MXFP8: one power-of-two scale per 32 consecutive inputs of each row, stored as its E8M0 exponent "
+             "byte (uint8)",
 }
+UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
     ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
     ("compressed-tensors", "channel"): "dynamic per-token FP8",
     ("compressed-tensors", "block"): "dynamic per-group (128) FP8",
+    ("compressed-tensors", "mxfp8"): "dynamic MXFP8 (groups of 32) on GPUs with MXFP8 GEMMs (Blackwell); BF16 "
+                                     "with weight-only kernels on earlier GPUs",
     ("fp8", "tensor"): "dynamic FP8",
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
@@ -72,7 +77,7 @@ def _plan_info(plan) -> tuple[dict, dict]:
     info = describe(plan, 1 << 30, "cpu")
     source = plan.source
     extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
-             "revision": source.revision, "root": str(source.root)}
+             "revision": source.revision, "root": str(source.root), "dtype": plan.options.dtype}
     return info, extra
 
 
@@ -92,11 +97,20 @@ def base_model_of(source: str, revision: str | None, root: str | None, given: st
     return f"{m.group(1)}/{m.group(2)}" if m else None
 
 
+DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
 def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_patterns=(),
                       max_shard_size: int | None = None, revision: str | None = None,
-                      base_model: str | None = None) -> str:
-    """The quantize command line, sizes written as a user types them ('2GB', not 2000000000)."""
-    args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
+                      base_model: str | None = None, scale_format: str = "float", dequantize: bool = False,
+                      dtype: str | None = None) -> str:
+    """The quantize (or dequantize) command line, sizes written as a user types them ('2GB', not 2000000000)."""
+    if dequantize:
+        args = ["fp8convert", "dequantize", source, target] + (["--dtype", DTYPE_TEXT[dtype]] if dtype else [])
+    else:
+        args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
+        if scale_format != "float":
+            args += ["--scale-format", scale_format]
     for pattern in ignore_patterns:
         args += ["--ignore", pattern]
     if max_shard_size and max_shard_size != DEFAULT_MAX_SHARD:
@@ -146,16 +160,22 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     source = str(info["source"])
     given = base_model
     base_model = base_model_of(source, extra.get("revision"), extra.get("root"), given)
+    dequantized = bool(info.get("dequantize"))
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
-        name = f"{name}-FP8"
+        name = f"{name}-{info.get('dequantized_dtype') if dequantized else 'FP8'}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(source, where, info["scheme"], info["format"],
                                        extra.get("ignore_patterns") or (), extra.get("max_shard_size"),
-                                       extra.get("revision"), given)
-    lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "",
-             introduction(source, base_model, extra.get("revision")), "",
-             *quantization_section(info), "", *kept_section(info)]
+                                       extra.get("revision"), given, info.get("scale_format", "float"), dequantized,
+                                       extra.get("dtype"))
+    if dequantized:
+        body = [dequantized_introduction(info, source, base_model, extra.get("revision")), "",
+                *dequantization_section(info)]
+    else:
+        body = [introduction(source, base_model, extra.get("revision"), info.get("static_activations")), "",
+                *quantization_section(info), "", *kept_section(info)]
+    lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
     if verify:
         lines += ["", *verification_section(verify)]
     lines += ["", "## Reproduce", "", "```bash", cmd, "```", "", *use_section(info, where)]
@@ -167,37 +187,72 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
     """The YAML header: the Hub links the repo to its base model and shows the source's license."""
     source_meta, _ = split_front_matter(source_card_text)
     meta: dict = {}
+    dequantized = bool(info.get("dequantize"))
     if base_model:
         meta["base_model"] = base_model
-        meta["base_model_relation"] = "quantized"
+        if not dequantized:  # the Hub has no relation for "dequantized from"
+            meta["base_model_relation"] = "quantized"
     for key in COPIED_FIELDS:
         if source_meta.get(key) not in (None, "", []):
             meta[key] = source_meta[key]
-    meta["tags"] = list(dict.fromkeys(["fp8", info["format"], "fp8convert"]))
+    tags = [DTYPE_TEXT.get(info.get("dequantized_dtype"), "bf16"), "dequantized"] if dequantized else \
+        ["fp8", info["format"]]
+    meta["tags"] = list(dict.fromkeys(tags + ["fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
     return f"---\n{header}---"
 
 
-def introduction(source: str, base_model: str | None, revision: str | None) -> str:
+def introduction(source: str, base_model: str | None, revision: str | None, static: bool = False) -> str:
     from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
     return (f"FP8 (e4m3) weights of {from_text}" + (f" at commit `{revision[:12]}`" if revision else "")
             + f", converted offline with fp8convert {__version__}. "
-            "Activations are quantized dynamically at run time, so no calibration data was used.")
+            + ("Activations use the static per-tensor scales the source was calibrated with." if static else
+               "Activations are quantized dynamically at run time, so no calibration data was used."))
 
 
 def quantization_section(info: dict) -> list[str]:
     scheme, fmt = info["scheme"], info["format"]
     lines = ["## Quantization", "",
              f"- Format: `{fmt}` (`quantization_config` in config.json)",
-             f"- Weights: {SCHEME_TEXT.get(scheme, scheme)}",
-             f"- Activations: {ACTIVATIONS_TEXT.get((fmt, scheme), 'dynamic FP8')}"]
+             f"- Weights: {UE8M0_TEXT if info.get('scale_format') == 'ue8m0' else SCHEME_TEXT.get(scheme, scheme)}",
+             "- Activations: " + ("static per-tensor FP8 (the source's calibrated input_scale)"
+                                   if info.get("static_activations") else
+                                   ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8"))]
     q = info.get("quantized")
     if q:
         lines.append(f"- Quantized: {q['tensors']} linear weights, {format_size(q['bytes_in'])} -> "
                      f"{format_size(q['bytes_out'])} with scales")
+    if info.get("source_quantization"):
+        actions = info["actions"]
+        lines.append(f"- Source: FP8 ({info['source_quantization']}): {actions['pass']} weights passed through with "
+                     f"their codes and scales unchanged, {actions['requantize']} requantized from their dequantized "
+                     f"values (float32(q) * scale), {actions['dequantize']} dequantized")
     if info.get("bytes_in") and info.get("bytes_out"):
         lines.append(f"- Checkpoint: {format_size(info['bytes_in'])} -> {format_size(info['bytes_out'])} "
                      f"({info['bytes_out'] / info['bytes_in']:.0%})")
+    return lines
+
+
+def dequantized_introduction(info: dict, source: str, base_model: str | None, revision: str | None) -> str:
+    from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
+    return (f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}"
+            + (f" at commit `{revision[:12]}`" if revision else "")
+            + f" ({info.get('source_quantization')}), converted offline with fp8convert {__version__}.")
+
+
+def dequantization_section(info: dict) -> list[str]:
+    dtype = info.get("dequantized_dtype")
+    kept = info.get("kept") or {}
+    dequantized = kept.get("dequantized", {"tensors": 0, "bytes": 0})
+    lines = ["## Dequantization", "",
+             f"- {dequantized['tensors']} FP8 weights: w = float32(q) * scale (block scales over their 128x128 tiles, "
+             f"edge tiles included), rounded once to {dtype}: {format_size(dequantized['bytes'])}",
+             "- Scale tensors, static activation scales and `quantization_config` removed",
+             "- Every other tensor copied byte for byte:"]
+    lines += [f"  {k['tensors']} {reason} ({format_size(k['bytes'])})" for reason, k in kept.items()
+              if reason != "dequantized"]
+    if info.get("bytes_in") and info.get("bytes_out"):
+        lines.append(f"- Checkpoint: {format_size(info['bytes_in'])} -> {format_size(info['bytes_out'])}")
     return lines
 
 
@@ -217,6 +272,11 @@ def kept_section(info: dict) -> list[str]:
 
 def use_section(info: dict, where: str) -> list[str]:
     """How to serve or load it: vLLM, SGLang, and transformers where it can."""
+    if info.get("dequantize"):
+        return ["## Use", "", "A plain high-precision checkpoint:", "", "```bash", f"vllm serve {shlex.quote(where)}",
+                "```", "", "transformers:", "", "```bash", "pip install transformers", "```", "", "```python",
+                "from transformers import AutoModelForCausalLM", "",
+                f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})", "```"]
     lines = ["## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
              "```bash", f"vllm serve {shlex.quote(where)}", "```",
              "", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
@@ -283,10 +343,11 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
             scheme = "block" if qc.get("weight_block_size") else "tensor"
         else:
             weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {})
-            scheme = weights.get("strategy", "tensor")
+            scheme = {"group": "mxfp8"}.get(weights.get("strategy"), weights.get("strategy", "tensor"))
     source = manifest.get("source") or "unknown"
     source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
+            "scale_format": manifest.get("scale_format") or ("ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float"),
             "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
             "warnings": [], "transformers_cannot_load": None, "revision": manifest.get("revision"),
             "root": manifest.get("source_path")}

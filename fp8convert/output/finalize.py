@@ -103,11 +103,23 @@ def finalize(plan: Plan, out_dir: Path) -> None:
                      base_model=(Manifest(out_dir).read() or {}).get("base_model"))
     write_atomic(out_dir / "README.md", card.encode())
     write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
-    config = dict(plan.source.config)
-    config["quantization_config"] = plan.quantization_config()
-    write_atomic(out_dir / "config.json", json_bytes(config))
+    write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
     Manifest(out_dir).mark_complete(plan)
     fsync_dir(out_dir)
+
+
+def output_config(plan: Plan) -> dict:
+    """The source's config.json (key order kept) with the output's quantization_config, or without
+    any (dequantized). An FP8 source's own one is replaced (or removed), as is the old name
+    compression_config."""
+    config = dict(plan.source.config)
+    config.pop("compression_config", None)
+    quantization = plan.quantization_config()
+    if quantization is None:
+        config.pop("quantization_config", None)
+    else:
+        config["quantization_config"] = quantization
+    return config
 
 
 def index_of(plan: Plan) -> dict:
@@ -138,7 +150,7 @@ def check_shards(the_plan: Plan, out_dir: Path) -> None:
 
 def check_output_complete(out: str | Path, action: str = "push") -> dict:
     """Refuse anything but a finished conversion: manifest complete (when present), config.json with a
-    quantization_config, the index, and every shard it names present with the size its header implies.
+    quantization_config (unless the manifest records a dequantize), the index, and every shard it names present with the size its header implies.
     Returns the output's config.json. `action` names what is refused ("push")."""
     out = Path(out)
     if not out.is_dir():
@@ -159,7 +171,8 @@ def check_output_complete(out: str | Path, action: str = "push") -> dict:
         shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))
     except ValueError as e:
         raise FP8ConvertError(f"{out}/config.json: unreadable ({e}); refusing to {action}") from e
-    if not isinstance(config, dict) or "quantization_config" not in config:
+    dequantized = bool((state or {}).get("dequantize"))
+    if not isinstance(config, dict) or ("quantization_config" not in config and not dequantized):
         raise FP8ConvertError(f"{out}/config.json: has no quantization_config; not an FP8 output")
     for name in shards:
         if not (out / name).is_file():

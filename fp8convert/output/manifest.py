@@ -2,11 +2,12 @@
 worker can join it and `finalize` can rebuild its plan. This module is its one reader and writer.
 
 It records the plan's fingerprint (same fingerprint, same bytes), what `finalize_output` needs to rebuild
-the plan (source, scheme, format, ignore patterns, shard size), the identity of the source's bytes (a Hub
-commit, or each local shard's size and modification time: the fingerprint covers names, shapes and
-offsets, not values), what the fingerprint was made of (the source's config.json and a digest of each
-shard's tensor list), so a refusal can say what changed, the names the conversion writes in OUT (see
-ownership.py) and whether the output is complete.
+the plan (source, scheme, format, ignore patterns, shard size, target TP sizes, scale format, dequantize
+and its dtype), the identity of the source's bytes (a Hub commit, or each local shard's size and
+modification time: the fingerprint covers names, shapes and offsets, not values), what the fingerprint
+was made of (the source's config.json and a digest of each shard's tensor list), so a refusal can say
+what changed, the names the conversion writes in OUT (see ownership.py) and whether the output is
+complete.
 """
 from __future__ import annotations
 
@@ -133,13 +134,16 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
             "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
             "revision": source.revision, "source_files": source_identity(source).get("files"),
             "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
-            "max_shard_size": plan.options.max_shard_size, "shards": len(plan.shards),
+            "max_shard_size": plan.options.max_shard_size, "target_tp": list(plan.options.target_tp),
+            "scale_format": plan.options.scale_format, "dequantize": plan.options.dequantize,
+            "dtype": plan.options.dtype, "shards": len(plan.shards),
             "config": source.config, "tensor_layout": tensor_layout(source), "outputs": output_names(plan),
             "base_model": base_model, "complete": False}
 
 
 OPTION_NAMES = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
-                "max_shard_size": "--max-shard-size", "version": "fp8convert version"}
+                "max_shard_size": "--max-shard-size", "target_tp": "--target-tp", "scale_format": "--scale-format",
+                "dequantize": "dequantize", "dtype": "--dtype", "version": "fp8convert version"}
 
 
 def plan_change(state: dict, plan: Plan) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .plan import TensorPlan, Unit
+from .plan import Action, TensorPlan, Unit, unique_inputs
 
 
 @dataclass
@@ -18,37 +18,47 @@ class Batch:
 
     @property
     def in_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
+        return sum(info.nbytes for info in unique_inputs(self.tensors))
 
     @property
     def files(self) -> list[str]:
-        """The source files this batch reads, sorted."""
-        return sorted({t.source.file for t in self.tensors})
+        """The source files this batch reads, sorted (an FP8 weight's scale may lie in another one)."""
+        return sorted({info.file for t in self.tensors for info in t.inputs})
 
 
 KEPT_PIECE_BYTES = 256 << 20
 
 
+def resident_bytes(tensors: list[TensorPlan]) -> int:
+    """What a batch of `tensors` holds at its peak: its input, or its outputs when they are larger
+    (dequantized weights are 2 or 4 times their FP8 codes)."""
+    return max(sum(info.nbytes for info in unique_inputs(tensors)), sum(t.out_bytes for t in tensors if t.computed))
+
+
 def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
     """Split units over the memory budget between atoms (a fused group is never split). A kept tensor
-    larger than a piece is copied piece by piece, each piece a batch of its own."""
+    larger than a piece is copied piece by piece, and a fused expert tensor over the budget is read a
+    range of whole experts at a time, each piece a batch of its own."""
     piece_bytes = min(max_resident, KEPT_PIECE_BYTES)
     batches = []
     for unit in units:
         atoms: list[tuple[list[TensorPlan], bool]] = []  # (atom, whether it is a piece)
         for atom in unit.atoms():
-            pieces = kept_pieces(atom[0], piece_bytes) if len(atom) == 1 else []
+            if atom[0].cut:
+                pieces = expert_pieces(atom, max_resident)
+            else:
+                pieces = [[piece] for piece in kept_pieces(atom[0], piece_bytes)] if len(atom) == 1 else []
             if len(pieces) > 1:
-                atoms += [([piece], True) for piece in pieces]
+                atoms += [(piece, True) for piece in pieces]
             else:
                 atoms.append((atom, False))
-        if unit.in_bytes <= max_resident and not any(split for _, split in atoms):
+        if resident_bytes(unit.tensors) <= max_resident and not any(split for _, split in atoms):
             batches.append(Batch(unit, unit.atoms(), unit.label))
             continue
         parts: list[list[list[TensorPlan]]] = [[]]
         used, alone = 0, False
         for atom, split in atoms:
-            size = sum(t.source.nbytes for t in atom)
+            size = resident_bytes(atom)
             if parts[-1] and (split or alone or used + size > max_resident):
                 parts.append([])
                 used = 0
@@ -63,12 +73,31 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
     Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
     does not grow with the vocabulary (an embedding can be several GB)."""
     info = t.source
-    if t.quantize or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
+    if t.action is not Action.KEEP or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
         return [t]
     row = info.nbytes // info.shape[0]
     step = max(1, max_bytes // row)
-    return [replace(t, at=r * row, source=replace(info, offset=info.offset + r * row, nbytes=n * row,
-                                                    shape=(n, *info.shape[1:])))
+    return [replace(t, at=r * row, inputs=(replace(info, offset=info.offset + r * row, nbytes=n * row,
+                                                     shape=(n, *info.shape[1:])),))
             for r in range(0, info.shape[0], step) for n in [min(step, info.shape[0] - r)]]
 
 
+
+
+def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:
+    """The outputs cut from one fused expert tensor, by ranges of whole experts whose slice of the source
+    (contiguous: experts are its first axis) is at most `max_bytes` (at least one expert). A layer's
+    fused experts can be tens of GB (Llama-4 Maverick: 21 GB per tensor); one expert's are not."""
+    info = atom[0].source
+    per_expert = info.nbytes // info.shape[0]
+    if info.nbytes <= max_bytes or any(t.cut.expert is None for t in atom):
+        return [atom]
+    step = max(1, max_bytes // per_expert)
+    pieces = []
+    for first in range(0, info.shape[0], step):
+        count = min(step, info.shape[0] - first)
+        piece = replace(info, offset=info.offset + first * per_expert, nbytes=count * per_expert,
+                        shape=(count, *info.shape[1:]))
+        pieces.append([replace(t, inputs=(piece,), cut=replace(t.cut, expert=t.cut.expert - first))
+                       for t in atom if first <= t.cut.expert < first + count])
+    return pieces

@@ -6,6 +6,7 @@ rerun can tell whether an existing partial output came from the same plan (its f
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
@@ -13,41 +14,120 @@ import re
 from dataclasses import dataclass, field
 
 from .._version import __version__
+from ..errors import FP8ConvertError
 from ..formats import get_format
+from ..formats.sources import SourceQuantization
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
-from .rules import decide, is_linear_weight, module_of
+from .architectures import GENERIC, Architecture, architecture_of, mtp_layers
+from .cuts import Cut
+from .rules import Decision, decide, experts_of, is_linear_weight, module_of
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
-SCALE_DTYPE = "F32"
+
+
+class Action(enum.Enum):
+    """What is done to the source to make an output tensor. New kinds of source (an FP8 weight with
+    its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
+
+    KEEP = "keep"                # the source bytes (or a cut of them) unchanged
+    QUANTIZE = "quantize"        # FP8 codes and their scales (float32, or MXFP8's E8M0 bytes) from a high-precision
+                                 # weight
+    DEQUANTIZE = "dequantize"    # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
+    REQUANTIZE = "requantize"    # FP8 codes and scales in the output's scheme, as QUANTIZE makes them, from an FP8
+                                 # weight's dequantized (float32) values
+    PASS = "pass"                # an FP8 weight's codes and scale as they are: the output's scheme is the source's
+
+
+FP8_OUT = (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
+COMPUTED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)
 
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One source tensor and what becomes of it."""
+    """One output tensor (and its scale, when quantized) and how it is made from the source."""
 
-    source: TensorInfo
-    quantize: bool
+    name: str                             # the output tensor's name
+    inputs: tuple[TensorInfo, ...]        # source tensors it is made from: the weight, then (FP8 sources) its
+                                          # scale, then the static activation scale carried to the output
+    action: Action
     reason: str | None                    # why it stays in high precision (None when quantized)
     group: str | None                     # fused group: members share one scale in the tensor scheme
     scale_name: str | None = None
     scale_shape: tuple[int, ...] | None = None
+    cut: Cut | None = None                # the part of the source it is (fused experts); None: all of it
     at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
+    out_dtype: str | None = None          # DEQUANTIZE: the high-precision dtype written
+    input_scale_name: str | None = None   # a static activation scale (the last input) copied to this name
+    scale_dtype: str = "F32"              # U8 for MXFP8's E8M0 bytes; PASS: the source scale's own dtype
 
     @property
-    def name(self) -> str:
-        return self.source.name
+    def source(self) -> TensorInfo:
+        return self.inputs[0]
+
+    @property
+    def source_scale(self) -> TensorInfo | None:
+        """An FP8 source weight's scale."""
+        return self.inputs[1] if self.source.dtype == FP8 else None
+
+    @property
+    def quantize(self) -> bool:
+        """The output is FP8: quantized here, requantized, or passed through from an FP8 source."""
+        return self.action in FP8_OUT
+
+    @property
+    def computed(self) -> bool:
+        """The output is computed on the device (not a plain copy of source bytes)."""
+        return self.action in COMPUTED or self.cut is not None
+
+    @property
+    def copies(self) -> list[tuple[TensorInfo, str]]:
+        """(source tensor, output name) of a plain byte copy: a kept tensor, or a passed-through weight's
+        codes, scale and static activation scale."""
+        if self.action is Action.KEEP and self.cut is None:
+            return [(self.source, self.name)]
+        if self.action is Action.PASS:
+            return list(zip(self.inputs, [self.name, self.scale_name, self.input_scale_name]))
+        if self.input_scale_name:  # a requantized weight's static activation scale
+            return [(self.inputs[-1], self.input_scale_name)]
+        return []
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.cut.shape(self.source.shape) if self.cut else self.source.shape
+
+    @property
+    def in_bytes(self) -> int:
+        """Bytes of the source this output is made from (all of them unless it is a cut)."""
+        if not self.cut:
+            return sum(info.nbytes for info in self.inputs)
+        return math.prod(self.shape) * DTYPE_SIZES[self.source.dtype]
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the main output."""
+        if self.action is Action.KEEP:
+            return self.source.dtype
+        return self.out_dtype if self.action is Action.DEQUANTIZE else FP8
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every output tensor this source tensor produces."""
+        """(name, dtype, shape) of every output tensor this plan produces."""
         if not self.quantize:
-            return [(self.name, self.source.dtype, self.source.shape)]
-        return [(self.name, FP8, self.source.shape), (self.scale_name, SCALE_DTYPE, self.scale_shape)]
+            return [(self.name, self.dtype, self.shape)]
+        outputs = [(self.name, FP8, self.shape), (self.scale_name, self.scale_dtype, self.scale_shape)]
+        if self.input_scale_name:  # per tensor, shaped as the format shapes a per-tensor scale ([] or [1])
+            outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.scale_shape))
+        return outputs
 
     @property
     def out_bytes(self) -> int:
         return sum(math.prod(shape) * DTYPE_SIZES[dtype] for _, dtype, shape in self.outputs())
+
+
+def unique_inputs(tensors: list[TensorPlan]) -> list[TensorInfo]:
+    """The source tensors `tensors` read, each once, in order (outputs cut from one source share it)."""
+    return list({info.name: info for t in tensors for info in t.inputs}.values())
 
 
 @dataclass
@@ -59,25 +139,22 @@ class Unit:
 
     @property
     def in_bytes(self) -> int:
-        return sum(t.source.nbytes for t in self.tensors)
+        return sum(info.nbytes for info in unique_inputs(self.tensors))
 
     @property
     def out_bytes(self) -> int:
         return sum(t.out_bytes for t in self.tensors)
 
     def atoms(self) -> list[list[TensorPlan]]:
-        """Pieces that must never be split: a fused group, or a single tensor."""
-        groups: dict[str, list[TensorPlan]] = {}
-        atoms: list[list[TensorPlan]] = []
+        """Pieces that must never be split: every output cut from one source tensor (so it is read
+        once), a quantized fused group (one scale), or a single tensor."""
+        atoms: dict[str, list[TensorPlan]] = {}
         for t in self.tensors:
-            if t.group and t.quantize:
-                if t.group not in groups:
-                    groups[t.group] = []
-                    atoms.append(groups[t.group])
-                groups[t.group].append(t)
-            else:
-                atoms.append([t])
-        return atoms
+            shares_scale = t.action in (Action.QUANTIZE, Action.REQUANTIZE)
+            key = (f"cut:{t.source.name}" if t.cut else f"group:{t.group}" if t.group and shares_scale
+                   else f"tensor:{t.name}")
+            atoms.setdefault(key, []).append(t)
+        return list(atoms.values())
 
 
 @dataclass
@@ -103,6 +180,7 @@ class Plan:
     ignore_list: list[str]                # linear modules left unquantized, as engines match them
     notes: list[str] = field(default_factory=list)
     fingerprint: str = ""
+    architecture: Architecture | None = None   # the registry's family; None: generic rules only
 
     @property
     def tensors(self) -> list[TensorPlan]:
@@ -112,8 +190,23 @@ class Plan:
     def out_bytes(self) -> int:
         return sum(s.size for s in self.shards)
 
-    def quantization_config(self) -> dict:
-        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list)
+    @property
+    def source_scheme(self) -> str:
+        """An FP8 source's scheme (how its scales are laid out); "" for a high-precision source."""
+        return self.source.quant.scheme if self.source.quant else ""
+
+    @property
+    def static_activations(self) -> bool:
+        """Static activation scales are carried (FP8 source with them, tensor scheme out)."""
+        return any(t.input_scale_name for t in self.tensors)
+
+    def quantization_config(self) -> dict | None:
+        """The output's quantization_config; None for a dequantized output (it has none)."""
+        if self.options.dequantize:
+            return None
+        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list,
+                                                                    self.options.scale_format,
+                                                                    static_activations=self.static_activations)
 
 
 def natural_key(text: str) -> list:
@@ -149,27 +242,97 @@ def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int
 
 def fingerprint(source: Source, options: Options) -> str:
     """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
+    listed = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
+    # Each addition only when set, so the defaults keep earlier fingerprints.
+    if options.scale_format != "float":
+        listed.append(options.scale_format)
+    if options.dequantize or options.dtype:
+        listed += [options.dequantize, options.dtype]
     blob = json.dumps({
         "tool": __version__,
-        "options": [options.scheme, options.format, list(options.ignore), options.max_shard_size],
+        "options": listed,
         "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
         "config": source.config,
     }, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def build_plan(source: Source, options: Options) -> Plan:
+# config.json's dtype names -> the safetensors dtype of a dequantized weight
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def high_precision_dtype(options: Options, config: dict) -> str:
+    """What a dequantized weight is written as: --dtype, else the model's dtype (config.json), else BF16."""
+    return options.dtype or MODEL_DTYPES.get(str(config.get("torch_dtype", config.get("dtype"))), "BF16")
+
+
+def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
+    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that
+    stays FP8 passes through when its scales are already the output's (passes_through), and is
+    requantized from its dequantized values otherwise. Its static activation scale goes with it when
+    the output's activations are per tensor."""
     fmt = get_format(options.format)
-    decisions, notes = decide(source.tensors, options.ignore)
-    plans = []
-    for info in source.tensors:
-        d = decisions[info.name]
-        if d.quantize:
-            plans.append(TensorPlan(info, True, None, d.group, fmt.scale_name(info.name, options.scheme),
-                                    fmt.scale_shape(info.shape, options.scheme)))
-        else:
-            plans.append(TensorPlan(info, False, d.reason, d.group))
-    if not any(t.quantize for t in plans):
+    fp8_weight = quant.weights.get(d.source.name) if quant else None
+    if fp8_weight is None:
+        if not d.quantize:
+            return TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut)
+        shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
+        return TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group, fmt.scale_name(d.name, options.scheme),
+                          fmt.scale_shape(shape, options.scheme), d.cut, scale_dtype=fmt.scale_dtype(options.scheme))
+    inputs = (fp8_weight.weight, fp8_weight.scale)
+    if not d.quantize:
+        return TensorPlan(d.name, inputs, Action.DEQUANTIZE, d.reason, d.group, out_dtype=high_precision)
+    carried = None
+    if fp8_weight.input_scale is not None and options.scheme == "tensor":
+        inputs += (fp8_weight.input_scale,)
+        carried = module_of(d.name) + ".input_scale"
+    if passes_through(quant, options):  # the scale keeps its dtype
+        action, scale_dtype = Action.PASS, fp8_weight.scale.dtype
+    else:
+        action, scale_dtype = Action.REQUANTIZE, fmt.scale_dtype(options.scheme)
+    return TensorPlan(d.name, inputs, action, None, d.group, fmt.scale_name(d.name, options.scheme),
+                      fmt.scale_shape(d.source.shape, options.scheme), input_scale_name=carried,
+                      scale_dtype=scale_dtype)
+
+
+def passes_through(quant: SourceQuantization, options: Options) -> bool:
+    """Whether an FP8 source's codes and scales are already what the output asks for: same scheme (the
+    format only names the scale), and, for --scale-format ue8m0, block scales the source declares
+    powers of two (the pipeline checks each value). Re-deriving scales would change codes wherever the
+    source's are not amax / 448, so a source that fits passes as it is; power-of-two scales are
+    float scales too, so a ue8m0 source passes into a float output."""
+    return quant.scheme == options.scheme and (options.scale_format == "float" or quant.config.scale_fmt == "ue8m0")
+
+
+def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
+    """What becomes of an FP8 source's extras that the output cannot say the same way."""
+    if quant is None:
+        return []
+    notes = []
+    dropped = [t.name for t in plans if t.quantize and quant.weights.get(t.source.name)
+               and quant.weights[t.source.name].input_scale is not None and not t.input_scale_name]
+    if dropped:
+        notes.append(f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
+                     f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
+                     "takes static per-tensor activation scales)")
+    if quant.config.scale_fmt == "ue8m0" and not options.dequantize and options.scale_format != "ue8m0":
+        notes.append("the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
+                     "they are (transformers would round scales that are not powers of two under it; "
+                     "--scheme block --scale-format ue8m0 keeps it)")
+    return notes
+
+
+def build_plan(source: Source, options: Options) -> Plan:
+    quant = source.quant
+    if options.dequantize and quant is None:
+        raise FP8ConvertError(f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); "
+                              "nothing to dequantize")
+    arch = architecture_of(source.config)
+    decisions, notes = decide(source.tensors, source.config, options, arch or GENERIC, quant)
+    high_precision = high_precision_dtype(options, source.config)
+    plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
+    notes += source_notes(quant, plans, options)
+    if not any(t.quantize for t in plans) and not options.dequantize:
         notes.append("no tensor is quantized: every weight is kept in high precision")
     units = group_into_units(plans)
 
@@ -183,11 +346,65 @@ def build_plan(source: Source, options: Options) -> Plan:
         shards.append(Shard(index, name, sorted({ui for ui, _ in pieces}), header, placed))
         shard_of.update({n: index for n in placed})
 
-    ignore = sorted({module_of(t.name) for t in plans if not t.quantize and is_linear_weight(t.source, t.reason)},
-                    key=natural_key)
-    if "lm_head" not in ignore:  # tied heads have no tensor; transformers only skips what the list names
-        ignore.insert(0, "lm_head")
+    notes += architecture_notes(arch, source)
+    if options.dequantize:  # no FP8 left: nothing for engines to skip
+        return Plan(source, options, units, shards, shard_of, [], notes, fingerprint(source, options), arch)
     if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
         notes.append("the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
                      "activations; consider serving with --dtype bfloat16")
-    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options))
+    ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
+    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch)
+
+
+def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: str) -> list[str]:
+    """Every linear module left unquantized, by its full name as the checkpoint, transformers (in
+    memory) and vLLM (after its mapper) each name it: vLLM and transformers match exact names (and
+    `re:` regexes in compressed-tensors), and each renames differently. A MoE layer whose experts are
+    all kept is also named as a whole, the way each consumer's experts module is matched: vLLM's fp8
+    path by a substring of the experts prefix, compressed-tensors by per-expert names (only a regex
+    covers every naming, and one expert's module is not always a real module)."""
+    entries: set[str] = set()
+    for t in plans:
+        if not t.quantize and is_linear_weight(t.name, t.shape, t.dtype, t.reason):
+            module = module_of(t.name)
+            if experts_of(t.name):  # transformers holds these experts fused (no per-expert module to name),
+                # or, where it splits them (Llama-4), under the checkpoint's own names
+                entries.update((module, arch.vllm_name(module, config)))
+            else:
+                entries.update(arch.names(module, config))
+    for experts in kept_expert_blocks(plans, arch):
+        names = arch.names(experts, config)
+        if fmt == "compressed-tensors":
+            entries.add("re:^(" + "|".join(re.escape(n) for n in names) + r")(\.|$)")
+        else:
+            entries.update(names)
+    ignore = sorted(entries, key=natural_key)
+    if "lm_head" not in ignore:  # tied heads have no tensor; transformers only skips what the list names
+        ignore.insert(0, "lm_head")
+    return ignore
+
+
+def kept_expert_blocks(plans: list[TensorPlan], arch: Architecture) -> list[str]:
+    """Experts modules (e.g. `model.layers.1.mlp.experts`) none of whose outputs is quantized."""
+    quantized: dict[str, bool] = {}
+    for t in plans:
+        fused = arch.expert_tensor(t.name)
+        experts = fused[1] if fused else experts_of(t.name)
+        if experts:
+            quantized[experts] = quantized.get(experts, False) or t.quantize
+    return sorted((e for e, q in quantized.items() if not q), key=natural_key)
+
+
+def architecture_notes(arch: Architecture | None, source: Source) -> list[str]:
+    """What the registry knows (or not) about this model, for the user."""
+    config = source.config
+    if arch is None:
+        return [f"model_type {config.get('model_type')!r} is not in fp8convert's architecture registry: the "
+                "generic rules apply (see the README's supported architectures); check the ignore list against "
+                "your engine and run fp8convert verify"]
+    names = {t.name for t in source.tensors}
+    missing = [layer for layer in mtp_layers(arch, config) if not any(n.startswith(layer + ".") for n in names)]
+    if missing:
+        return [f"config.json declares MTP layer(s) {', '.join(missing)} (num_nextn_predict_layers), but the "
+                "checkpoint has none: the output cannot serve MTP speculative decoding either"]
+    return []

@@ -1,7 +1,9 @@
 """Which tensors become FP8, which stay in high precision (and why), and which share a scale.
 
-Pure functions of tensor names, shapes and the options: no I/O. Names are Hugging Face checkpoint
-names; a "module" is a tensor name without its trailing ".weight".
+Pure functions of tensor names, shapes, config.json and the options: no I/O. Names are Hugging Face
+checkpoint names; a "module" is a tensor name without its trailing ".weight". The architecture
+registry (architectures.py) adds each family's own rules to the generic ones here; a family it does
+not know gets the generic rules alone.
 """
 from __future__ import annotations
 
@@ -10,18 +12,11 @@ import re
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
-from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo
-
-# vLLM fuses these sibling modules into one linear and, with per-tensor scales, re-quantizes every
-# member to the largest scale; giving members one shared scale makes that a no-op. vLLM also refuses
-# a fused layer whose members are partly ignored, so members are kept or quantized together.
-FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),          # qkv_proj
-    ("gate_proj", "up_proj"),                # gate_up_proj, also per expert and for shared experts
-    ("w1", "w3"),                            # Mixtral experts' gate/up
-    ("q_a_proj", "kv_a_proj_with_mqa"),      # DeepSeek MLA fused_qkv_a_proj
-)
-_SIBLING_GROUP = {leaf: group for group in FUSED_SIBLINGS for leaf in group}
+from ..formats.sources import SourceQuantization
+from ..options import MX_GROUP, Options
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
+from .architectures import FUSED_SIBLINGS, GENERIC, TOWER, Architecture, ExpertTensor, config_value
+from .cuts import Cut
 
 EMBEDDING_LEAVES = {"embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
                     "token_type_embeddings", "embeddings", "embed_positions", "tok_embeddings"}
@@ -33,6 +28,10 @@ TOWER_PARTS = {"vision_tower", "vision_model", "visual", "vision_encoder", "visi
                "audio_model", "audio_encoder", "multi_modal_projector", "mm_projector", "vision_projector",
                "image_newline", "audio_projector", "vision_embed_tokens"}
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
+MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
+PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
+SOURCE_KEPT = "high precision in the FP8 source"
+DEQUANTIZED = "dequantized"
 
 
 def module_of(name: str) -> str:
@@ -50,25 +49,29 @@ def matches_pattern(module: str, pattern: str) -> bool:
 
 
 class UnsupportedLayout(FP8ConvertError):
-    """A weight that looks like a linear layer but is not 2-D (e.g. fused 3-D experts)."""
+    """A weight that looks like a linear layer but has a layout fp8convert cannot convert exactly."""
 
 
-def default_keep_reason(info: TensorInfo) -> str | None:
-    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8.
-    Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
-    if info.dtype not in FLOAT_SOURCE_DTYPES:
+def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str = "", scheme: str = "") -> str | None:
+    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8 (an FP8
+    source's weights are judged alike). Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
+    if info.dtype not in FLOAT_SOURCE_DTYPES and info.dtype != FP8:
         return f"not floating point ({info.dtype})"
     if len(info.shape) < 2:
         return "1-D (norm or bias)"
     if info.numel == 0:
         return "empty"
-    parts = module_of(info.name).split(".")
+    module = module_of(info.name)
+    parts = module.split(".")
     # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
     if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):
         return "not a weight (bias or buffer)"
+    reason = arch.keep_reason(module, fmt, scheme)
+    if reason:
+        return reason
     leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
     if TOWER_PARTS.intersection(parts):
-        return "vision/audio tower or projector"
+        return TOWER
     if leaf in EMBEDDING_LEAVES or "embed" in leaf:
         return "embedding"
     if leaf in HEAD_LEAVES and "layers" not in parts:
@@ -79,36 +82,124 @@ def default_keep_reason(info: TensorInfo) -> str | None:
         if "conv" in leaf:
             return "convolution"
         raise UnsupportedLayout(f"{info.name} {list(info.shape)}")
-    if info.shape[0] % KERNEL_MULTIPLE or info.shape[1] % KERNEL_MULTIPLE:
-        return f"shape {list(info.shape)} not divisible by {KERNEL_MULTIPLE}"
+    return shape_keep_reason(tuple(info.shape), scheme)
+
+
+def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
+    """Why a 2-D weight of this shape cannot be FP8 in `scheme`, or None."""
+    if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE:
+        return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
+    if scheme == "mxfp8" and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
+        return f"{MX_INPUT_DIM} ({shape[1]}) not divisible by {MX_GROUP}"
     return None
 
 
-def fused_group_key(name: str) -> str | None:
+def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS) -> str | None:
     """The vLLM fused layer a weight belongs to, e.g. 'model.layers.0.self_attn.q_proj/k_proj/v_proj'."""
     module = module_of(name)
     parent, _, leaf = module.rpartition(".")
-    group = _SIBLING_GROUP.get(leaf)
+    group = next((g for g in fused if leaf in g), None)
     return f"{parent}.{'/'.join(group)}" if group else None
+
+
+def experts_of(name: str) -> str | None:
+    """The experts module (e.g. `model.layers.1.mlp.experts`) a per-expert weight belongs to, or None."""
+    m = PER_EXPERT.match(module_of(name))
+    return m.group("experts") if m else None
 
 
 @dataclass(frozen=True)
 class Decision:
+    """One output tensor: its name, the source tensor it is made from (a cut of it, or all of it),
+    and whether it is quantized."""
+
+    name: str
+    source: TensorInfo
     quantize: bool
     reason: str | None  # why kept; None when quantized
     group: str | None   # fused group key (scale shared in the tensor scheme)
+    cut: Cut | None = None
 
 
-def decide(tensors: list[TensorInfo], ignore: tuple[str, ...]) -> tuple[dict[str, Decision], list[str]]:
-    """Decide every tensor. Returns (decisions by name, notes for the user)."""
+# ---------------------------------------------------------------- fused expert tensors
+
+def expert_cuts(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
+                ) -> list[tuple[str, Cut]]:
+    """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear
+    orientation. The orientation comes from the registry and the config's sizes, never the shape
+    alone; a tensor that fits no declared orientation, or more than one, is refused."""
+    count = config_value(config, *arch.experts.count)
+    width = config_value(config, *arch.experts.width)
+    hidden = config_value(config, "hidden_size", "d_model")
+    if not all(isinstance(v, int) and v > 0 for v in (count, width, hidden)):
+        raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts, but config.json does not "
+                                "give their number, width and the hidden size, which fix the layout")
+    out, inp = (hidden, width) if "down_proj" in layout.members else (width * len(layout.members), hidden)
+    expected = {"out_in": (count, out, inp), "in_out": (count, inp, out)}
+    fits = [o for o in layout.stored if expected[o] == tuple(info.shape)]
+    if len(fits) != 1:
+        want = " or ".join(f"{list(expected[o])} ({o.replace('_', ', ')})" for o in layout.stored)
+        problem = "fits both orientations (hidden size == expert width x members)" if fits else f"expected {want}"
+        raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
+                                f"from config.json: {problem}; keep them with --ignore {module_of(info.name)}")
+    transpose = fits[0] == "in_out"
+    parts = len(layout.members)
+    return [(f"{experts}.{e}.{member}.weight",
+             Cut(expert=e, transpose=transpose, part=j, parts=parts, interleaved=layout.interleaved))
+            for e in range(count) for j, member in enumerate(layout.members)]
+
+
+def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict,
+                      options: Options, hit: str | None) -> list[Decision]:
+    reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
+    if reason and options.format not in arch.experts.split_when_kept:
+        return [Decision(info.name, info, False, reason, None)]
+    decisions = []
+    for name, cut in expert_cuts(info, layout, experts, arch, config):
+        why = reason or shape_keep_reason(cut.shape(info.shape), options.scheme)
+        decisions.append(Decision(name, info, why is None, why, fused_group_key(name, arch.fused), cut))
+    return decisions
+
+
+# ---------------------------------------------------------------- all tensors
+
+def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture = GENERIC,
+           quant: SourceQuantization | None = None) -> tuple[list[Decision], list[str]]:
+    """Decide every output tensor. Returns (decisions in source order, notes for the user).
+
+    An FP8 source (`quant`): its scales are inputs of their weights, never outputs of their own; its
+    FP8 weights are decided like high-precision ones (a weight the rules or --ignore keep is
+    dequantized); the tensors it kept in high precision stay as they are."""
+    if options.dequantize:
+        return decide_dequantize(tensors, quant), []
     notes: list[str] = []
-    reasons: dict[str, str | None] = {}
+    decisions: list[Decision] = []
     used_patterns: set[str] = set()
     unsupported: list[str] = []
+    companions = quant.companions() if quant else set()
     for info in tensors:
-        hit = next((p for p in ignore if matches_pattern(module_of(info.name), p)), None)
+        if info.name in companions:
+            continue
+        module = module_of(info.name)
+        if quant and info.name not in quant.weights:
+            try:
+                reason = default_keep_reason(info, arch, options.format, options.scheme)
+            except UnsupportedLayout:
+                reason = None
+            group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
+            decisions.append(Decision(info.name, info, False, reason or SOURCE_KEPT, group))
+            continue
+        fused_experts = arch.expert_tensor(info.name)
+        if fused_experts:
+            layout, experts = fused_experts
+            hit = next((p for p in options.ignore if matches_pattern(module, p) or matches_pattern(experts, p)), None)
+            if hit:
+                used_patterns.add(hit)
+            decisions += _expert_decisions(info, layout, experts, arch, config, options, hit)
+            continue
+        hit = next((p for p in options.ignore if matches_pattern(module, p)), None)
         try:
-            reason = default_keep_reason(info)
+            reason = default_keep_reason(info, arch, options.format, options.scheme)
         except UnsupportedLayout as e:
             if hit is None:
                 unsupported.append(str(e))
@@ -116,38 +207,81 @@ def decide(tensors: list[TensorInfo], ignore: tuple[str, ...]) -> tuple[dict[str
         if reason is None and hit is not None:
             used_patterns.add(hit)
             reason = f"--ignore {hit}"
-        reasons[info.name] = reason
+        group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
+        decisions.append(Decision(info.name, info, reason is None, reason, group))
     if unsupported:
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
+        family = f"model_type {config.get('model_type')!r}" + ("" if arch is not GENERIC else ", not in the registry")
         raise UnsupportedLayout(
-            f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D; fp8convert quantizes 2-D linear weights "
-            f"only (fused 3-D expert layouts are not supported); keep them in high precision with --ignore")
-    for pattern in ignore:
+            f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D, and fp8convert has no layout for it "
+            f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
+            "precision with --ignore")
+    for pattern in options.ignore:
         if pattern not in used_patterns:
             notes.append(f"--ignore {pattern!r} matched no weight that would otherwise be quantized")
+    decisions = _keep_together(decisions, lambda d: d.group if d.name.endswith(".weight") else None,
+                               "kept all of {key} because {kept} is kept ({reason})", notes)
+    # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
+    decisions = _keep_together(decisions, lambda d: experts_of(d.name),
+                               "kept every expert of {key} because {kept} is kept ({reason})", notes)
+    return _unsplit_kept(decisions, arch, options), notes
 
-    # A fused group is quantized only if every member is: vLLM cannot mix within one fused layer.
-    members: dict[str, list[str]] = {}
-    for info in tensors:
-        key = fused_group_key(info.name) if info.name.endswith(".weight") else None
+
+def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Options) -> list[Decision]:
+    """A fused expert tensor none of whose cuts is quantized (e.g. experts whose width does not divide
+    into MXFP8 groups) stays whole, as released, like experts kept with --ignore: split BF16 experts
+    would only cost transformers the layout it reads."""
+    if arch.experts is None or options.format in arch.experts.split_when_kept:
+        return decisions
+    cuts: dict[str, list[Decision]] = {}
+    for d in decisions:
+        if d.cut:
+            cuts.setdefault(d.source.name, []).append(d)
+    whole = {name for name, ds in cuts.items() if not any(d.quantize for d in ds)}
+    # the reason the layer is kept, not "fused with ..." (those name cuts that are no longer written)
+    root = {}
+    for d in decisions:
+        if d.cut and d.source.name in whole and not d.reason.startswith("fused with"):
+            root.setdefault(experts_of(d.name), d.reason)
+    out, done = [], set()
+    for d in decisions:
+        if d.cut and d.source.name in whole:
+            if d.source.name not in done:
+                done.add(d.source.name)
+                out.append(Decision(d.source.name, d.source, False, root.get(experts_of(d.name), d.reason), None))
+            continue
+        out.append(d)
+    return out
+
+
+def decide_dequantize(tensors: list[TensorInfo], quant: SourceQuantization) -> list[Decision]:
+    """Dequantize: every FP8 weight becomes high precision, every other tensor (scales aside) is kept."""
+    companions = quant.companions()
+    return [Decision(t.name, t, False, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT, None)
+            for t in tensors if t.name not in companions]
+
+
+def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str]) -> list[Decision]:
+    """Where some members of a set (a fused group, a MoE layer's experts) are kept, keep them all."""
+    members: dict[str, list[int]] = {}
+    for i, d in enumerate(decisions):
+        key = key_of(d)
         if key:
-            members.setdefault(key, []).append(info.name)
-    for key, names in members.items():
-        kept = [n for n in names if reasons[n] is not None]
-        if kept and len(kept) < len(names):
-            for n in names:
-                if reasons[n] is None:
-                    reasons[n] = f"fused with {module_of(kept[0])}, which is kept"
-            notes.append(f"kept all of {key} because {module_of(kept[0])} is kept ({reasons[kept[0]]})")
-
-    decisions = {}
-    for info in tensors:
-        key = fused_group_key(info.name) if info.name.endswith(".weight") else None
-        decisions[info.name] = Decision(reasons[info.name] is None, reasons[info.name], key)
-    return decisions, notes
+            members.setdefault(key, []).append(i)
+    out = list(decisions)
+    for key, indices in members.items():
+        kept = [i for i in indices if not out[i].quantize]
+        if kept and len(kept) < len(indices):
+            first = out[kept[0]]
+            for i in indices:
+                if out[i].quantize:
+                    out[i] = Decision(out[i].name, out[i].source, False,
+                                      f"fused with {module_of(first.name)}, which is kept", out[i].group, out[i].cut)
+            notes.append(note.format(key=key, kept=module_of(first.name), reason=first.reason))
+    return out
 
 
-def is_linear_weight(info: TensorInfo, reason: str | None) -> bool:
+def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:
     """Kept 2-D weights that engines build as linear layers, so the ignore list must name them."""
-    return (info.name.endswith(".weight") and len(info.shape) == 2
-            and reason not in ("embedding",) and info.dtype in FLOAT_SOURCE_DTYPES)
+    return (name.endswith(".weight") and len(shape) == 2
+            and reason not in ("embedding",) and dtype in FLOAT_SOURCE_DTYPES)

@@ -1,15 +1,18 @@
 """What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
 from __future__ import annotations
 
-import enum
+import math
 import re
 from collections import Counter
-from dataclasses import dataclass
 
 from ..options import BLOCK
 from ..units import format_size, plural
 from .batches import make_batches
-from .plan import Plan
+from .caveats import Caveat, PlanWarning
+from .parallel import tp_warnings
+from .architectures import mtp_layers
+from .plan import COMPUTED, Action, Plan
+from .rules import MX_INPUT_DIM
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
@@ -22,7 +25,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
     largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
     largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
-    largest_tensor = max((t.source.numel for t in plan.tensors if t.quantize), default=0)
+    largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.action in COMPUTED), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
     if device_type == "cuda":
         host = CUDA_CONTEXT_HOST_BYTES + (read_threads + 1) * chunk_bytes
@@ -32,26 +35,10 @@ def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int
             "host_bytes": host}
 
 
-class Caveat(enum.Enum):
-    """What a warning means for the consumers; code that acts on warnings reads this, never the text."""
-
-    TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
-    TRANSFORMERS_MISREADS = "transformers-misreads"     # loads, but some weights dequantize wrongly
-    VLLM_CANNOT_LOAD = "vllm-cannot-load"
-    VLLM_TP_LIMITS = "vllm-tp-limits"                    # loads at some tensor-parallel sizes only
-
-
-@dataclass(frozen=True)
-class PlanWarning:
-    caveat: Caveat
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
-
-
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
+    if plan.options.dequantize:  # no FP8 left
+        return []
     scheme, fmt = plan.options.scheme, plan.options.format
     quantized = [t for t in plan.tensors if t.quantize]
     has_experts = any(EXPERT.search(t.name) for t in quantized)
@@ -66,14 +53,43 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
                                     "transformers cannot load compressed-tensors block scales for MoE experts (vLLM "
                                     "can); use --format fp8 --scheme block, or --scheme channel, to load it in "
                                     "transformers"))
+    if scheme == "mxfp8" and has_experts:
+        # transformers 5.24 (integrations/compressed_tensors.py, CompressedTensorsDequantize) decodes E8M0
+        # scales only through the compressor of dense layers; its expert merge multiplies codes by the raw
+        # [out, in/32] bytes and fails on the shapes.
+        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
+                                    "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path "
+                                    "does not decode per-group E8M0 scales; dense MXFP8 layers load); vLLM can; "
+                                    "use --scheme channel, or keep the experts with --ignore, to load it in "
+                                    "transformers"))
     if scheme == "block":
         warnings += block_warnings(fmt, quantized)
+    warnings += architecture_warnings(plan)
+    warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
+    return warnings
+
+
+def architecture_warnings(plan: Plan) -> list[PlanWarning]:
+    """What the registry says this family's consumers cannot load in this format and scheme."""
+    arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
+    if arch is None:
+        return []
+    warnings = [PlanWarning(limit.caveat, limit.text) for limit in arch.limits if limit.applies(fmt, scheme)]
+    split = arch.experts and any(t.cut for t in plan.tensors)
+    if split and fmt not in arch.experts.transformers_loads_split:
+        elsewhere = arch.experts.transformers_loads_split
+        warnings.append(PlanWarning(
+            Caveat.TRANSFORMERS_CANNOT_LOAD,
+            f"transformers cannot load {arch.name}'s experts written one weight per expert"
+            + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else
+               " (it reads only fused expert tensors, and copies FP8 ones without their scales)")
+            + "; vLLM can"))
     return warnings
 
 
 def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     warnings = []
-    odd = [t.name for t in quantized if t.source.shape[0] % BLOCK or t.source.shape[1] % BLOCK]
+    odd = [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]
     if odd:
         caveat, what = ((Caveat.TRANSFORMERS_MISREADS,
                          "transformers infers the block size from the scale grid and dequantizes these wrongly")
@@ -84,32 +100,60 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
                                             f"(e.g. {odd[0]}): {what}"))
     fused = {}
     for t in quantized:
-        if t.group:
+        if t.group and not EXPERT.search(t.name):  # experts follow vLLM's MoE rules (parallel.py)
             fused.setdefault(t.group, []).append(t)
     for group, members in fused.items():
         order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
         members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
-        if any(t.source.shape[0] % BLOCK for t in members[:-1]):
+        if any(t.shape[0] % BLOCK for t in members[:-1]):
             warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD,
                                         f"vLLM's fused block GEMM needs every member but the last to have an output "
                                         f"size divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
-                                        f"{list(members[0].source.shape)})"))
+                                        f"{list(members[0].shape)})"))
             break
-    sizes = sorted({t.source.shape[0] for t in quantized if EXPERT.search(t.name) and
-                    re.search(r"\.(gate_proj|up_proj|w1|w3)\.weight$", t.name)})
-    for size in sizes:
-        ok = [tp for tp in (1, 2, 4, 8) if size % tp == 0 and (size // tp) % BLOCK == 0]
-        bad = [tp for tp in (2, 4, 8) if tp not in ok]
-        if bad:
-            warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS,
-                                        f"block MoE in vLLM needs the expert intermediate size per tensor-parallel "
-                                        f"rank divisible by {BLOCK}: {size} works at TP {ok or 'none'}, fails at TP {bad}"))
     return warnings
 
 
 def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
     """Why transformers cannot load the output, or None when it can."""
     return next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
+
+
+# Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
+# format's GEMMs need SM89, with weight-only Marlin kernels from SM75; MXFP8 GEMMs (FlashInfer) need SM100,
+# Marlin serves MXFP8 weight-only from SM75; DeepGEMM runs on SM90, SM100 and SM120).
+VLLM_GPUS = {
+    "e4m3": "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
+    "mxfp8": "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
+             "to SM90, Hopper included",
+    "ue8m0": "FP8 GEMMs on SM89 and later, weight-only Marlin kernels from SM75; DeepGEMM (SM90, SM100, SM120) "
+             "takes the power-of-two block scales as written (its load-time rounding to powers of two changes "
+             "no value)",
+}
+
+
+def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
+    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer."""
+    options = plan.options
+    if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
+        return {}
+    caveats = {w.caveat for w in warnings}
+    layout = "mxfp8" if options.scheme == "mxfp8" else options.scale_format if options.scale_format != "float" \
+        else "e4m3"
+    if Caveat.VLLM_CANNOT_LOAD in caveats:
+        vllm = "no (see the warnings)"
+    else:
+        vllm = "yes: " + VLLM_GPUS[layout] + (
+            "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else "")
+    cannot = transformers_verdict(warnings)
+    if cannot:
+        transformers = "no: " + cannot
+    elif Caveat.TRANSFORMERS_MISREADS in caveats:
+        transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
+    else:
+        transformers = "yes (dequantizes on load)" + (
+            "; needs the compressed-tensors package" if options.format == "compressed-tensors" else "")
+    return {"vLLM": vllm, "transformers": transformers}
 
 
 def describe(plan: Plan, budget: int, device_type: str) -> dict:
@@ -121,20 +165,32 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         if not t.quantize:
             reason = t.reason.split(" [")[0] if t.reason else "?"
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
+            reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
             kept_reasons[reason] += 1
-            kept_bytes[reason] += t.source.nbytes
+            kept_bytes[reason] += t.out_bytes
     groups = Counter()
     for key in {t.group for t in tensors if t.group and t.quantize}:
         groups[key.rsplit(".", 1)[-1]] += 1
+    arch = plan.architecture
+    quant = plan.source.quant
+    dequantized = [t for t in tensors if t.action is Action.DEQUANTIZE]
     return {
         "source": plan.source.label,
+        "source_quantization": quant.describe() if quant else None,
+        "dequantize": plan.options.dequantize,
+        "actions": {a.value: sum(t.action is a for t in tensors) for a in Action},
+        "dequantized_dtype": dequantized[0].out_dtype if dequantized else None,
+        "static_activations": plan.static_activations,
+        "architecture": (f"{arch.name} (model_type {plan.source.config.get('model_type')!r})" if arch else
+                         f"not in the registry (model_type {plan.source.config.get('model_type')!r}): generic rules"),
         "scheme": plan.options.scheme,
         "format": plan.options.format,
+        "scale_format": plan.options.scale_format,
         "fingerprint": plan.fingerprint,
         "tensors": len(tensors),
         "units": len(plan.units),
         "quantized": {"tensors": sum(t.quantize for t in tensors),
-                      "bytes_in": sum(t.source.nbytes for t in tensors if t.quantize),
+                      "bytes_in": sum(t.in_bytes for t in tensors if t.quantize),
                       "bytes_out": sum(t.out_bytes for t in tensors if t.quantize)},
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
@@ -142,30 +198,80 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
+        "split_experts": split_experts(plan),
+        "mtp": mtp_summary(plan),
+        "target_tp": list(plan.options.target_tp),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
         "warnings": [w.text for w in warnings],
         "transformers_cannot_load": transformers_verdict(warnings),
+        "loads": load_table(plan, warnings),
         "notes": plan.notes,
     }
 
 
+def split_experts(plan: Plan) -> list[str]:
+    """One line per fused expert tensor written one weight per expert: where the outputs come from."""
+    cuts: dict[str, list] = {}
+    for t in plan.tensors:
+        if t.cut:
+            cuts.setdefault(t.source.name, []).append(t)
+    return [f"{name} {list(ts[0].source.shape)} -> {len(ts)} weights {list(ts[0].shape)} "
+            f"(e.g. {ts[0].name} = {ts[0].cut.describe(name.rsplit('.', 1)[-1])})"
+            for name, ts in cuts.items()]
+
+
+def mtp_summary(plan: Plan) -> str | None:
+    """Where the next-token-prediction layers are and what became of them (None: the family has none)."""
+    arch = plan.architecture
+    names = [t.name for t in plan.source.tensors]
+    if arch is None or not arch.mtp:
+        return None
+    if arch.mtp == "layers":
+        found = [layer for layer in mtp_layers(arch, plan.source.config)
+                 if any(n.startswith(layer + ".") for n in names)]
+    else:
+        found = ["mtp"] if any(n.startswith("mtp.") for n in names) else []
+    if not found:
+        return None
+    return (f"{', '.join(found)}: converted like the decoder layers, as vLLM's MTP loads them (their input "
+            f"projection and head stay BF16); transformers' own MTP decoding reads them without dequantizing, "
+            f"--ignore {found[0]} keeps one in BF16 for it")
+
+
 def render(info: dict) -> str:
-    q = info["quantized"]
-    lines = [
-        f"source      {info['source']}",
-        f"scheme      {info['scheme']}   format {info['format']}   plan {info['fingerprint']}",
-        f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)",
-        f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
-        f"{format_size(q['bytes_out'])} with scales",
-    ]
+    q, actions = info["quantized"], info["actions"]
+    lines = [f"source      {info['source']}"]
+    if info["source_quantization"]:
+        lines.append(f"source is   {info['source_quantization']}")
+    lines.append(f"family      {info['architecture']}")
+    if info["dequantize"]:
+        lines += [f"dequantize  to {info['dequantized_dtype']}: w = float32(q) * scale, rounded once; scales and "
+                  f"quantization_config dropped   plan {info['fingerprint']}",
+                  f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)"]
+    else:
+        lines += [f"scheme      {info['scheme']}   format {info['format']}"
+                  + (f"   scales {info['scale_format']}" if info.get("scale_format", "float") != "float" else "")
+                  + f"   plan {info['fingerprint']}",
+                  f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)",
+                  f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
+                  f"{format_size(q['bytes_out'])} with scales"]
+    if info["source_quantization"] and not info["dequantize"]:
+        lines.append(f"from FP8    {actions['pass']} passed through (codes and scales as they are), "
+                     f"{actions['requantize']} requantized from their dequantized values, "
+                     f"{actions['dequantize']} dequantized to {info['dequantized_dtype'] or 'high precision'}")
     for reason, k in info["kept"].items():
         lines.append(f"kept        {k['tensors']:>5} {'tensor ' if k['tensors'] == 1 else 'tensors'} "
                      f"{format_size(k['bytes']):>10}  {reason}")
     if info["fused_groups"]:
-        share = "share one scale" if info["scale_sharing"] else "scales per row/block, no sharing needed"
+        share = "share one scale" if info["scale_sharing"] else "scales per row, block or group, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
+    if info["split_experts"]:
+        lines.append(f"experts     {plural(len(info['split_experts']), 'fused expert tensor')} split per expert, e.g. "
+                     f"{info['split_experts'][0]}")
+    if info["mtp"]:
+        lines.append(f"mtp         {info['mtp']}")
     mem = info["memory"]
     lines += [
         f"output      {format_size(info['bytes_out'])} in {plural(info['shards'], 'shard')} "
@@ -173,9 +279,11 @@ def render(info: dict) -> str:
         f"{info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
         f"memory      peak device ~{format_size(mem['device_bytes'])}, peak host ~{format_size(mem['host_bytes'])} "
         f"({plural(mem['batches'], 'batch', 'batches')}, largest {format_size(mem['largest_batch_bytes'])})",
-        f"ignore list {plural(len(info['ignore']), 'module')}: {', '.join(info['ignore'][:6])}"
-        + (" ..." if len(info["ignore"]) > 6 else ""),
     ]
+    if not info["dequantize"]:
+        lines.append(f"ignore list {plural(len(info['ignore']), 'module')}: {', '.join(info['ignore'][:6])}"
+                     + (" ..." if len(info["ignore"]) > 6 else ""))
+    lines += [f"loads       {engine}: {verdict}" for engine, verdict in (info.get("loads") or {}).items()]
     lines += [f"warning     {w}" for w in info["warnings"]]
     lines += [f"note        {n}" for n in info["notes"]]
     return "\n".join(lines)

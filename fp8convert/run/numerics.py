@@ -1,17 +1,38 @@
 """FP8 e4m3 quantization math. Pure tensor functions; identical bytes on CPU and CUDA because every
-step is exact (abs, max) or a single IEEE float32 operation (divide, round-to-nearest-even cast).
+step is exact (abs, max, integer bit arithmetic) or a single IEEE float32 operation (divide,
+round-to-nearest-even cast).
 
 Weights are [..., out, in]: a single 2-D weight, or a stack of same-shaped weights (e.g. the experts
 of a MoE layer) quantized in one launch chain, each with its own scales.
+
+Scales
+- tensor, channel, block: scale = amax / 448 in float32 (one IEEE division).
+- block with scale format "ue8m0": scale = 2^e, the smallest power of two with max(amax, 1e-4) <= 448 * 2^e.
+  Rounding the scale *up* before the codes are computed means no code overflows, and DeepGEMM (which
+  wants power-of-two block scales and re-derives them at load with exactly this rule, 1e-4 clamp
+  included: vLLM `requant_weight_ue8m0_inplace` -> `per_block_cast_to_fp8`) finds nothing to change in
+  value. The clamp keeps near-empty blocks at DeepGEMM's scale too.
+- mxfp8: per row, one scale 2^e per 32 consecutive input elements, stored as its E8M0 byte e + 127.
+  e is the smallest integer with amax <= 448 * 2^e, i.e. ceil(log2(amax / 448)) computed exactly. This
+  is the rule vLLM's own MXFP8 quantizer (`_mxfp8_e4m3_quantize_torch`), DeepGEMM and FlashInfer use;
+  no code overflows, and at amax = 1.75 * 2^k = 448 * 2^(k-8) it uses the full code range, where
+  compressed-tensors' rule picks one exponent higher and loses a bit. (The OCP spec's
+  floor(log2(amax)) - 8 would clip codes above 448.) Every reader computes code * 2^(byte - 127),
+  so all of these load alike. amax = 0 gives byte 0 (2^-127), as vLLM and compressed-tensors do.
+  The exponent is found from the float32 bits of amax, not from log2: float32 log2 can round
+  across the boundary for FP32 sources just above 448 * 2^k, bit arithmetic cannot.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..options import BLOCK
+from ..options import BLOCK, MX_GROUP
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+UE8M0_MIN_AMAX = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamps block amax here (as float32)
 
 
 class NonFiniteWeight(ValueError):
@@ -40,6 +61,9 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
         dims = (-2, -1)
     elif scheme == "channel":
         dims = (-1,)
+    elif scheme == "mxfp8":  # [..., out, in/32, 32] -> [..., out, in/32]
+        w = w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP))
+        return torch.maximum(w.amax(dim=-1), w.amin(dim=-1).neg()).float()
     else:
         out, inp = w.shape[-2:]
         rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
@@ -60,8 +84,46 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """int32 e: the smallest integer with amax <= 448 * 2^e, clamped to [-127, 127] (the E8M0 range
+    this project writes; finite float32 amax never needs more than 120). Exact: from amax's float32
+    bits. A normal amax = (1 + m / 2^23) * 2^(E - 127) gives e = E - 127 - 8, plus one when its
+    significand exceeds 1.75 (448 = 1.75 * 2^8). Zero and subnormal amax land below -127: clamped."""
+    bits = amax.float().contiguous().view(torch.int32)
+    biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    return (biased - 135 + (mantissa > 0x600000).int()).clamp(-127, 127)
+
+
+def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+    """The E8M0 byte (biased exponent, uint8) of each MXFP8 group's scale."""
+    return (pow2_exponent(amax) + 127).to(torch.uint8)
+
+
+def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """2^(byte - 127) as float32, exactly, built from its bits (byte 0 is the subnormal 2^-127; byte 255
+    is E8M0's NaN). This is how every consumer reads an MXFP8 scale: w' = code * 2^(byte - 127)."""
+    b = scale_bytes.to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x400000), b << 23)
+    return torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits).view(torch.float32)
+
+
+def powers_of_two(values: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the value is 2^e, i.e. positive with a float32 significand of exactly 1/2 in frexp's
+    terms (zero, negative, NaN and Inf are not)."""
+    mantissa, _ = torch.frexp(values.float())
+    return mantissa == 0.5
+
+
+def ue8m0_block_scale(amax: torch.Tensor) -> torch.Tensor:
+    """float32 power-of-two block scale: the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e."""
+    floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
+    return e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
+
+
 def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> torch.Tensor:
     """A per-element scale that broadcasts against a weight of `shape` ([..., out, in])."""
+    if scheme == "mxfp8":
+        return scale.repeat_interleave(MX_GROUP, dim=-1)
     if scheme != "block":
         return scale
     out, inp = shape[-2:]
@@ -74,18 +136,27 @@ def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_p
     was (a float32 weight is copied, not divided in place: it may be a view of the read buffer)."""
     if use_cpu_path(w, cpu_path) and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
-    q = w.to(torch.float32, copy=True).div_(expand_scale(scale, tuple(w.shape), scheme))
+    q = w.to(torch.float32, copy=True)
+    if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
+        q.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)).div_(scale.unsqueeze(-1))
+    else:
+        q.div_(expand_scale(scale, tuple(w.shape), scheme))
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-CPU_TILE_BYTES = 2 << 20  # float32 working tile, split over the cores, that stays in their L2 caches
+CPU_TILE_BYTES = 2 << 20  # float32 working tile per two of torch's threads: each core's share stays in its L2
+
+
+def cpu_tile_bytes() -> int:
+    """The tile grows with the threads that split it (2 MB measured best on 2 cores, 16 MB on 16)."""
+    return CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2)
 
 
 def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """The same arithmetic as above, a few rows at a time through one small float32 tile: on a CPU,
     three passes over a tile in cache are about 3x faster than three passes over main memory."""
     stack, out, inp = w.shape
-    rows = max(1, CPU_TILE_BYTES // (4 * inp))
+    rows = max(1, cpu_tile_bytes() // (4 * inp))
     if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
         rows = 1 << min(7, rows.bit_length() - 1)
     tile = torch.empty(min(rows, out), inp, dtype=torch.float32, device=w.device)
@@ -93,29 +164,97 @@ def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.T
     for n in range(stack):
         for r in range(0, out, rows):
             part = tile[:min(rows, out - r)]
-            if scheme == "tensor":
-                s = scale[n]
+            part.copy_(w[n, r:r + rows])
+            if scheme == "mxfp8":
+                part.unflatten(-1, (inp // MX_GROUP, MX_GROUP)).div_(scale[n, r:r + rows].unsqueeze(-1))
+            elif scheme == "tensor":
+                part.div_(scale[n])
             elif scheme == "channel":
-                s = scale[n, r:r + rows]
+                part.div_(scale[n, r:r + rows])
             else:
-                s = scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp]
-            part.copy_(w[n, r:r + rows]).div_(s).clamp_(-FP8_MAX, FP8_MAX)
+                part.div_(scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp])
+            part.clamp_(-FP8_MAX, FP8_MAX)
             q[n, r:r + rows].copy_(part)
     return q
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """w' = float32(q) * scale."""
+    """w' = float32(q) * scale; MXFP8 scales given as their uint8 E8M0 bytes are decoded first
+    (code * 2^(byte - 127), exact)."""
+    if scale.dtype == torch.uint8:
+        scale = e8m0_to_float(scale)
     return q.float() * expand_scale(scale.float(), tuple(q.shape), scheme)
 
 
-def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """An FP8 source's scale (float32, bfloat16 or float16: all exact in float32) as float32 shaped to
+    broadcast against its weight: [1, 1] per tensor (stored [] or [1]), [out, 1] per row, the block grid."""
+    s = scale.to(torch.float32)
+    return s.reshape(1, 1) if scheme == "tensor" else s
+
+
+def dequantize_to(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype,
+                  cpu_path: bool | None = None) -> torch.Tensor:
+    """(float32(q) * float32(scale)).to(dtype) for FP8 weights [..., out, in] (one, or a stack of
+    same-shaped ones with their scales stacked alike): one float32 product, rounded once to `dtype`
+    (nearest even), as DeepSeek's and transformers' own dequantizers compute it. Block scales are
+    expanded over their 128x128 tiles, the edge tiles cut to the weight. `scale` is scale_as_stored's."""
+    if not use_cpu_path(q, cpu_path):
+        return (q.to(torch.float32) * expand_scale(scale, tuple(q.shape), scheme)).to(dtype)
+    return _dequantize_by_table(q, scale, scheme, dtype)
+
+
+def code_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The float32 value of each of the 256 e4m3 codes (NaN for the two NaN codes)."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(FP8_DTYPE).to(torch.float32)
+
+
+def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
+    """The same bytes by lookup. One scale covers a weight, a row or a 128x128 block, so each output is
+    table[code] of that scale's table: the 256 products float32(code) * scale rounded to `dtype`. Every
+    element is still that one float32 product and rounding, but no code is converted to float32 (torch's
+    float8 conversion is the slowest step on a CPU, about 10x a plain cast). Weight by weight, three
+    passes: codes into an int32 index buffer, plus each element's table offset, one gather."""
+    out, inp = q.shape[-2:]
+    codes = q.view(torch.uint8).reshape(-1, out, inp)
+    count = codes.shape[0]
+    tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values(q.device)).to(dtype)
+    tables = tables.reshape(count, -1)               # weight n's tables in row n, 256 entries each
+    arange = functools.partial(torch.arange, dtype=torch.int32, device=q.device)
+    offsets = None
+    if scheme == "channel":      # row r's table starts at r * 256
+        offsets = (arange(out) * 256).unsqueeze(1).expand(out, inp).contiguous()
+    elif scheme == "block":      # block (i, j)'s at (i * C + j) * 256
+        offsets = (arange(out) // BLOCK * (-(-inp // BLOCK) * 256)).unsqueeze(1) + arange(inp) // BLOCK * 256
+    index = torch.empty(out, inp, dtype=torch.int32, device=q.device)
+    result = torch.empty(codes.shape, dtype=dtype, device=q.device)
+    for n in range(count):       # (in-place int32 ops over a stack broadcast slowly on a CPU; per weight they do not)
+        index.copy_(codes[n])
+        if offsets is not None:
+            index += offsets
+        torch.index_select(tables[n], 0, index.view(-1), out=result[n].view(-1))
+    return result.view(q.shape)
+
+
+def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale as written, scale the weight is divided by): the E8M0 bytes and their float32 value for
+    mxfp8, else the same float32 tensor twice."""
+    if scheme == "mxfp8":
+        stored = mx_scale_bytes(amax)
+        return stored, e8m0_to_float(stored)
+    scale = ue8m0_block_scale(amax) if scale_format == "ue8m0" else scale_from_amax(amax)
+    return scale, scale
+
+
+def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None,
+                   scale_format: str = "float") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize the members of a fused group together. Each member is a stack [N, out, in]; index n
     of every member belongs to the same group (N = 1 for a single group). In the tensor scheme members share the max
     amax (vLLM re-quantizes a fused layer to its largest scale, which sharing makes a no-op); per-row
-    and per-block scales need no sharing. Returns (codes, scales), one per member. `cpu_path`: see
-    use_cpu_path.
+    per-block and MXFP8 scales need no sharing. Returns (codes, scales as written: float32, or uint8
+    E8M0 bytes for mxfp8), one per member. `cpu_path`: see use_cpu_path. `scale_format` "ue8m0": block
+    scales rounded up to powers of two (module docstring).
 
     Raises NonFiniteWeight for NaN or Inf: amax propagates both, so checking the small amax tensor
     finds them without another pass over the weights.
@@ -128,5 +267,6 @@ def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | No
     if scheme == "tensor" and len(members) > 1:
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)
-    scales = [scale_from_amax(a) for a in amaxes]
-    return [quantize_with_scale(w, s, scheme, cpu_path) for w, s in zip(members, scales)], scales
+    pairs = [scales_from_amax(a, scheme, scale_format) for a in amaxes]
+    codes = [quantize_with_scale(w, divisor, scheme, cpu_path) for w, (_, divisor) in zip(members, pairs)]
+    return codes, [stored for stored, _ in pairs]

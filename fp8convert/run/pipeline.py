@@ -15,13 +15,14 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..plan.batches import Batch, make_batches
 from ..plan.plan import Plan, Unit
+from ..plan.runs import output_runs
+from .assembly import BatchOutput
 from .device import budget_for, io_threads, resolve_device
 from .progress import Progress
 from .quantizer import quantize_batch, read_order
@@ -50,13 +51,14 @@ class RunResult:
     peak_device_bytes: int | None
 
 
-def convert(plan: Plan, units: list[Unit], out_dir: Path, work_dir: Path, skip_shards: set[int], device: str,
-            max_resident: int | None, fetcher, *, progress: bool = False, read_threads: int | None = None,
+def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max_resident: int | None, fetcher,
+            progress: Progress, *, read_threads: int | None = None,
             on_read: Callable[[int], None] = lambda nbytes: None, started: float | None = None,
-            tag: str = "") -> RunResult:
-    """Write the shards of `units` (all but `skip_shards`) into `out_dir`: the part of a conversion that
-    needs torch. `fetcher` brings streamed source shards (a do-nothing one for files already on disk);
-    `on_read(nbytes)` is told after each batch is read (the prefetcher's pace)."""
+            check: Callable[[], None] = lambda: None) -> RunResult:
+    """Write the outputs of `units` through `writer`: the part of a conversion that needs torch.
+    `fetcher` brings streamed source shards (a do-nothing one for files already on disk); `on_read(nbytes)`
+    is told after each batch is read (the prefetcher's pace); `check()` is called between batches and
+    raises to stop the run (a failure elsewhere, such as in the copier of kept tensors)."""
     started = time.monotonic() if started is None else started
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
@@ -66,13 +68,10 @@ def convert(plan: Plan, units: list[Unit], out_dir: Path, work_dir: Path, skip_s
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     readers, writers = io_threads(dev.type)
-    bar = Progress(sum(b.in_bytes for b in batches), f"quantize {plan.source.label}{tag}", enabled=progress,
-                   plain=bool(tag))
+    writer.use_threads(writers)
     try:
-        with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
-                ShardWriter(plan, out_dir, work_dir, skip_shards, threads=writers) as writer, \
-                contextlib.closing(bar):
-            stages = Pipeline(batches, reader, writer, plan.options.scheme, dev, bar, fetcher, on_read).run()
+        with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader:
+            stages = Pipeline(plan, batches, reader, writer, dev, progress, fetcher, on_read, check).run()
     except (torch.OutOfMemoryError, MemoryError) as e:
         e.max_resident = budget  # the CLI suggests a smaller --max-resident than this
         raise
@@ -102,10 +101,11 @@ class Pipeline:
     (it may, once the writer has written batch i-1) and the writer writes it. Files no later batch reads
     are released as soon as the batches reading them are written (a streamed source deletes them)."""
 
-    def __init__(self, batches: list[Batch], reader: BatchReader, writer: ShardWriter, scheme: str,
-                 device: torch.device, progress, fetcher, on_read: Callable[[int], None]):
-        self.batches, self.reader, self.writer, self.scheme, self.device = batches, reader, writer, scheme, device
-        self.progress, self.fetcher, self.on_read = progress, fetcher, on_read
+    def __init__(self, plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter,
+                 device: torch.device, progress, fetcher, on_read: Callable[[int], None],
+                 check: Callable[[], None] = lambda: None):
+        self.plan, self.batches, self.reader, self.writer, self.device = plan, batches, reader, writer, device
+        self.progress, self.fetcher, self.on_read, self.check = progress, fetcher, on_read, check
         self.seconds = StageSeconds()
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
         self.writes_left = self.reads_left.copy()                             # the writer's count
@@ -123,6 +123,7 @@ class Pipeline:
             th.start()
         try:
             while (item := self._next_read()) is not None:
+                self.check()
                 batch, buf, offsets = item
                 del item  # the buffer must be freed as soon as the batch is quantized
                 outputs = self._quantize(batch, buf, offsets)
@@ -130,6 +131,7 @@ class Pipeline:
                 self.read_slot.release()
                 self.to_writer.put((batch, outputs))
             self._wait_for_writer()  # the last batch is written
+            self.check()
             return self.seconds
         finally:
             self._shut_down(threads)
@@ -150,16 +152,24 @@ class Pipeline:
             raise item.error
         return item
 
-    def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int]) -> list:
+    def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int]) -> BatchOutput:
+        """The batch's outputs, assembled in the byte runs they fill in the shards."""
         self._wait_for_writer()
         t0 = time.monotonic()
-        outputs = quantize_batch(batch, buf, offsets, self.scheme, root=self.reader.root)
+        # From a GPU, few large copies beat many small ones; on the CPU the outputs are written as they are
+        # (assembling them would only add a copy).
+        runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
+        assembled = BatchOutput(runs, self.device)
+        options = self.plan.options
+        for name, tensor, at in quantize_batch(batch, buf, offsets, options.scheme, scale_format=options.scale_format,
+                                               source_scheme=self.plan.source_scheme, root=self.reader.root):
+            assembled.put(name, tensor, at)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # outputs ready before another stream reads them
         self.seconds.quantize += time.monotonic() - t0
-        if any(t.quantize for t in batch.tensors):  # else the outputs are views of buf
+        if not assembled.shares_memory_with(buf):  # else buf lives until those bytes are written
             self.reader.recycle(buf)
-        return outputs
+        return assembled
 
     def _wait_for_writer(self) -> None:
         t0 = time.monotonic()
@@ -190,7 +200,7 @@ class Pipeline:
                     if self.stop.is_set():
                         return
                 self.fetcher.need(batch.files)
-                item = (batch, *self.reader.read([t.source for t in read_order(batch)]))
+                item = (batch, *self.reader.read(read_order(batch)))
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
                 if self.stop.is_set() or not self._hand_to_main(item):
@@ -222,9 +232,9 @@ class Pipeline:
             if item is None or self.stop.is_set():  # stop is set early only by a failure or an interrupt
                 return
             try:
-                batch, outputs = item
+                batch, assembled = item
                 del item
-                self._write(outputs)
+                self._write(assembled)
                 self.progress.advance(batch.in_bytes, batch.label)
                 finished = last_use(self.writes_left, batch.files)  # source files no later batch reads
                 if finished:
@@ -236,8 +246,9 @@ class Pipeline:
             finally:
                 self.write_slot.release()
 
-    def _write(self, outputs: list) -> None:
-        while outputs:  # drop each output as soon as it is written: device memory is freed early
-            name, tensor, at = outputs.pop(0)
-            self.writer.write(name, tensor, at)
-            del tensor
+    def _write(self, assembled: BatchOutput) -> None:
+        runs = assembled.take()
+        while runs:  # drop each run as soon as it is written: device memory is freed early
+            run, data = runs.pop(0)
+            self.writer.write(run, data)
+            del data

@@ -1,22 +1,25 @@
-"""Write stage: stream tensors into shards whose headers the plan already fixed.
+"""Write stage: stream byte ranges into shards whose headers the plan already fixed.
 
 Each shard is a hidden partial file, preallocated to its final size with the header written first;
-tensors land at their planned offsets as they arrive (in any order). When the last tensor of a shard
-arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
+runs of output bytes (plan/runs.py) land at their planned offsets as they arrive, in any order and from
+any thread (the pipeline's writer, and the copier of kept tensors). When a shard's last byte arrives it
+is fsynced and renamed into place; a rerun skips shards that already have their final name.
 
-Writes go through a few threads (a disk takes parallel writes faster than one stream); from CUDA each
-chunk is first copied into one of a small ring of pinned buffers, so host memory stays fixed.
+Writes are large and go through a few threads (a disk, or tmpfs, takes parallel writes faster than one
+stream); from CUDA each chunk is first copied into one of a small ring of pinned buffers, so host memory
+stays fixed whatever the layer size. Nothing here imports torch until a device tensor arrives, so kept
+tensors can be written while torch is still loading.
 """
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from ..errors import FP8ConvertError
 from ..plan.plan import Plan
+from ..plan.runs import Run
 from .writeback import fsync_dir, start_writeback
 
 
@@ -31,20 +34,25 @@ class ShardWriter:
     """A context manager: leaving it waits for writes in flight and closes the files (a shard left
     unfinished stays a partial file, which the next run rewrites)."""
 
-    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 16 << 20,
+    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20,
                  threads: int = 4):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
-        # shard -> tensor -> bytes still to write (a tensor may come in pieces); a shard is finished when empty
-        self.remaining = {s.index: {name: t.nbytes for name, t in s.tensors.items()}
-                          for s in plan.shards if s.index not in skip_shards}
+        # shard -> data bytes still to write; a shard is finished when none are left
+        self.remaining = {s.index: s.size - len(s.header) for s in plan.shards if s.index not in skip_shards}
         self.fds: dict[int, int] = {}
         self.chunk = chunk_bytes
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-write")
+        self.threads = threads
+        self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
         self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
-        self.ring: list[tuple[torch.Tensor, Future | None]] = []  # pinned staging buffers (CUDA)
-        self.ring_size = threads + 1
+        self.lock = threading.Lock()  # the bookkeeping above, shared by the threads that call write()
+        self.ring: list = []          # pinned staging buffers and the write each one feeds (CUDA)
         self.next_slot = 0
         self.stream = None
+
+    def use_threads(self, threads: int) -> None:
+        """How many threads write pooled writes (before the first one; the device decides it)."""
+        if self.pool is None:
+            self.threads = threads
 
     def partial_path(self, index: int) -> Path:
         return self.work_dir / (self.plan.shards[index].name + ".partial")
@@ -66,49 +74,55 @@ class ShardWriter:
                                       "resume once the problem is fixed") from e
         return self.fds[index]
 
-    def write(self, name: str, data: torch.Tensor, at: int = 0) -> None:
-        """Write one output tensor, or the piece of it that starts `at` bytes in (any device; raw bytes
-        taken in memory order). A tensor counts as written once all its bytes are."""
-        index = self.plan.shard_of[name]
-        if index not in self.remaining:
-            return  # finished in an earlier run
-        shard = self.plan.shards[index]
-        placed = shard.tensors[name]
-        raw = data.contiguous().view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
-        left = self.remaining[index].get(name, 0) - raw.numel()
-        if at + raw.numel() > placed.nbytes or left < 0:
-            raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, plan says {placed.nbytes} in all")
-        fd = self._fd(index)
-        offset = len(shard.header) + placed.offset + at
+    def write(self, run: Run, data, in_this_thread: bool = False) -> None:
+        """Write one run. `data` is its bytes in file order: a uint8 torch tensor on any device, or a
+        host buffer (anything memoryview takes). Host bytes are written by the pool, which holds them
+        until they are written, or with `in_this_thread` before this returns (the caller may then
+        reuse its buffer)."""
+        with self.lock:
+            if run.shard not in self.remaining:
+                return  # finished in an earlier run
+            size = data.numel() if hasattr(data, "numel") else memoryview(data).nbytes
+            if size != run.nbytes or run.nbytes > self.remaining[run.shard]:
+                raise AssertionError(f"shard {run.shard}: {size} bytes for a run of {run.nbytes}, "
+                                     f"{self.remaining[run.shard]} left to write")
+            fd = self._fd(run.shard)
         try:
-            if raw.device.type == "cpu":
-                # `raw` stays referenced by the task until its bytes are written
-                self._submit(index, fd, raw, offset)
+            if getattr(data, "is_cuda", False):
+                self._write_from_device(run.shard, fd, data, run.start)
             else:
-                self._write_from_device(index, fd, raw, offset)
+                view = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
+                for start in range(0, run.nbytes, self.chunk):
+                    if in_this_thread:
+                        pwrite_all(fd, view[start:start + self.chunk], run.start + start)
+                    else:
+                        self._submit(run.shard, fd, view[start:start + self.chunk], run.start + start)
         except OSError as e:
-            self._raise_write_error(index, e)
-        if left:
-            self.remaining[index][name] = left
-            return
-        del self.remaining[index][name]
-        if not self.remaining[index]:
-            self._finish(index)
+            self._raise_write_error(run.shard, e)
+        with self.lock:
+            self.remaining[run.shard] -= run.nbytes
+            if not self.remaining[run.shard]:
+                self._finish(run.shard)
 
-    def _submit(self, index: int, fd: int, host: torch.Tensor, offset: int) -> Future:
+    def _submit(self, index: int, fd: int, host: memoryview, offset: int) -> Future:
         # The task holds `host` until it has run; the future's result is None, so the bytes are freed
         # as soon as they are written, not when the shard is finished.
-        future = self.pool.submit(pwrite_all, fd, memoryview(host.numpy()), offset)
-        self.pending.setdefault(index, []).append(future)
+        with self.lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
+            future = self.pool.submit(pwrite_all, fd, host, offset)
+            self.pending.setdefault(index, []).append(future)
         return future
 
-    def _write_from_device(self, index: int, fd: int, raw: torch.Tensor, offset: int) -> None:
+    def _write_from_device(self, index: int, fd: int, raw, offset: int) -> None:
+        """Only the pipeline's writer thread writes device tensors, so the ring needs no lock."""
+        import torch
         if self.stream is None:
             self.stream = torch.cuda.Stream(raw.device)
         for start in range(0, raw.numel(), self.chunk):
             n = min(self.chunk, raw.numel() - start)
             slot = self.next_slot
-            self.next_slot = (slot + 1) % self.ring_size
+            self.next_slot = (slot + 1) % (self.threads + 1)
             if slot == len(self.ring):
                 self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
             staging, busy = self.ring[slot]
@@ -117,13 +131,14 @@ class ShardWriter:
             with torch.cuda.stream(self.stream):
                 staging[:n].copy_(raw[start:start + n], non_blocking=True)
             self.stream.synchronize()
-            self.ring[slot] = (staging, self._submit(index, fd, staging[:n], offset + start))
+            self.ring[slot] = (staging, self._submit(index, fd, memoryview(staging[:n].numpy()), offset + start))
 
     def _raise_write_error(self, index: int, error: OSError) -> None:
         raise FP8ConvertError(f"{self.partial_path(index)}: write failed ({error.strerror}); "
                               "rerun the same command to resume once the problem is fixed") from error
 
     def _finish(self, index: int) -> None:
+        """Called with the lock held, once the shard's last run was handed over."""
         for future in self.pending.pop(index, []):
             try:
                 future.result()
@@ -150,7 +165,8 @@ class ShardWriter:
         self.close()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)  # no write may land after its file is closed
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)  # no write may land after its file is closed
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()

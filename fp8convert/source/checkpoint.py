@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..formats.sources import SourceQuantization
 from ..safetensors_io import INDEX_NAME, TensorInfo
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -15,15 +16,14 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", 
 # Files rewritten or generated rather than copied.
 NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json",
               "model.safetensors.index.json.lock"}
-ALREADY_QUANTIZED_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".qweight", ".weight_packed",
-                              ".qzeros", ".scales")
 
 
 @dataclass
 class Source:
     """A checkpoint's layout. `root` is where its files are (or will be, for a Hub source not yet
     downloaded); `label` is what the user named (a directory or a repo id); `revision` is the Hub commit
-    the layout was read at (None for a local directory)."""
+    the layout was read at (None for a local directory); `quant` is how an FP8 source is quantized (None
+    for a high-precision one)."""
 
     root: Path
     files: list[str]                  # safetensors shard names, sorted
@@ -32,6 +32,7 @@ class Source:
     copy_files: list[str]             # files copied verbatim into the output
     label: str
     revision: str | None = None
+    quant: SourceQuantization | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -90,18 +91,6 @@ def load_config(root: Path) -> dict:
     if not isinstance(config, dict):
         raise FP8ConvertError(f"{path}: not a JSON object")
     return config
-
-
-def refuse_quantized(config: dict, tensors: list[TensorInfo], where: str) -> None:
-    qc = config.get("quantization_config") or config.get("compression_config")
-    if qc:
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise FP8ConvertError(f"{where}/config.json: the model is already quantized (quantization_config, "
-                              f"quant_method {method}); fp8convert needs a BF16/FP16/FP32 source")
-    for t in tensors:
-        if t.dtype.startswith("F8") or t.name.endswith(ALREADY_QUANTIZED_SUFFIXES):
-            raise FP8ConvertError(f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized; "
-                                  "fp8convert needs a BF16/FP16/FP32 source")
 
 
 def collect_tensors(headers: dict[str, dict[str, TensorInfo]], index_map: dict[str, str] | None,

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
 from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
-                         refuse_pickle_only, refuse_quantized)
+                         refuse_pickle_only)
 from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
 from .local import open_local
 
@@ -179,9 +180,9 @@ def source_from_repo(repo: RemoteRepo, layout: RemoteLayout, root: Path) -> Sour
     config = load_config(repo.download("config.json").parent)
     headers = dict(zip(layout.shards, parallel(lambda f: remote_header(repo, f)[0], layout.shards)))
     tensors = collect_tensors(headers, layout.index_map, repo.repo_id)
-    refuse_quantized(config, tensors, repo.repo_id)
+    quant = read_source_quantization(config, tensors, repo.repo_id, list(layout.side_files))
     return Source(Path(root), list(layout.shards), tensors, config, list(layout.side_files), repo.repo_id,
-                  revision=repo.sha)
+                  revision=repo.sha, quant=quant)
 
 
 def hub_offline() -> bool:

@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, read_header
 from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
-                         refuse_pickle_only, refuse_quantized)
+                         refuse_pickle_only)
 
 
 def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
@@ -34,6 +35,6 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
             raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
         headers[name], _ = read_header(str(path), name)
     tensors = collect_tensors(headers, index_map, str(root))
-    refuse_quantized(config, tensors, str(root))
     copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
-    return Source(root, shards, tensors, config, copy, label or str(root), revision)
+    quant = read_source_quantization(config, tensors, str(root), copy)
+    return Source(root, shards, tensors, config, copy, label or str(root), revision, quant)

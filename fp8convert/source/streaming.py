@@ -270,5 +270,6 @@ def need_order(batches) -> list[str]:
     order: dict[str, None] = {}
     for batch in batches:
         for t in batch.tensors:
-            order.setdefault(t.source.file, None)
+            for info in t.inputs:
+                order.setdefault(info.file, None)
     return list(order)

@@ -1,0 +1,454 @@
+"""The architecture registry: what fp8convert knows about each model family, in one place.
+
+One small table per family, picked by config.json's `model_type` (never by tensor shapes), says:
+- fused: sibling modules vLLM packs into one linear layer. In the tensor scheme their members share
+  one scale, and they are kept or quantized together (vLLM refuses a half-quantized fused layer);
+- keep: modules that stay in high precision beyond the generic rules of rules.py, and why;
+- experts: MoE experts stored as one tensor per projection for all experts of a layer (fused 3-D
+  tensors): where the expert, output and input axes are, whether gate and up are concatenated or
+  interleaved. They are written as one 2-D weight per expert in nn.Linear orientation, the layout the
+  engines' loaders take for FP8 checkpoints; or they stay as they are, with the reason;
+- mtp: where the next-token-prediction (MTP) layers live;
+- names: how transformers (in memory, after its checkpoint conversion) and vLLM (after its
+  `hf_to_vllm_mapper`, and where its module tree differs) name each checkpoint module, so the ignore
+  list names every kept module the way each consumer matches it;
+- limits: combinations a consumer cannot load, as warnings with a Caveat code.
+
+Upstream files are cited by their path in vLLM 0.33 (`vllm/model_executor/models/...`) and
+transformers 5.24 (`transformers/models/...`). A model_type not listed here gets the generic rules,
+and `inspect` says so.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from .caveats import Caveat
+
+# vLLM fuses these sibling modules into one linear (the default `packed_modules_mapping` of most models).
+FUSED_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),          # qkv_proj
+    ("gate_proj", "up_proj"),                # gate_up_proj, also per expert and for shared experts
+    ("w1", "w3"),                            # Mixtral-style experts' gate/up (w13)
+    ("q_a_proj", "kv_a_proj_with_mqa"),      # DeepSeek MLA fused_qkv_a_proj
+)
+
+ROUTER = "MoE router"
+TOWER = "vision/audio tower or projector"
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Modules (regex searched in the checkpoint module name) kept in high precision, and why."""
+
+    pattern: str
+    reason: str
+    formats: tuple[str, ...] = ()    # only for these output formats (empty: all)
+    schemes: tuple[str, ...] = ()    # only for these schemes (empty: all)
+
+    def applies(self, module: str, fmt: str, scheme: str) -> bool:
+        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes) \
+            and re.search(self.pattern, module) is not None
+
+
+@dataclass(frozen=True)
+class Rename:
+    """One renaming of a module name: re.sub(pattern, to, name, count=1)."""
+
+    pattern: str
+    to: str
+
+    def apply(self, name: str) -> str:
+        return re.sub(self.pattern, self.to, name, count=1)
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One projection of all experts of a MoE layer in one source tensor.
+
+    `stored` lists the orientations checkpoints of this family come in: "in_out" is [E, in, out]
+    (used as x @ W[e]), "out_in" is [E, out, in] (nn.Linear's own orientation). When both are listed,
+    the config's hidden and expert sizes tell which one a checkpoint has (never the shape alone).
+    `members` share the output axis: gate and up of a fused gate_up tensor, concatenated
+    ([gate | up]) or `interleaved` (gate, up, gate, up, ... column by column)."""
+
+    pattern: str                  # regex over the tensor name; group "block" is the MoE block module
+    members: tuple[str, ...]      # per-expert module names, in order along the output axis
+    stored: tuple[str, ...]       # "in_out" and/or "out_in"
+    interleaved: bool = False
+    experts: str = "{block}.experts"   # parent of the per-expert modules written: {experts}.{e}.{member}.weight
+
+    def match(self, name: str) -> str | None:
+        """The per-expert modules' parent for a source tensor of this kind, or None."""
+        m = re.fullmatch(self.pattern, name)
+        return self.experts.format(block=m.group("block")) if m else None
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Fused MoE expert tensors of a family and what becomes of them."""
+
+    tensors: tuple[ExpertTensor, ...]
+    count: tuple[str, ...]            # config keys (dotted paths) with the number of experts
+    width: tuple[str, ...]            # config keys with each expert's intermediate size
+    kept: str | None = None           # why they stay as they are (no FP8 layout that loads)
+    split_when_kept: tuple[str, ...] = ()   # formats in which kept experts are still written per expert
+    transformers_loads_split: tuple[str, ...] = ()  # formats in which transformers loads per-expert FP8
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A combination some consumer cannot load."""
+
+    caveat: Caveat
+    text: str
+    formats: tuple[str, ...] = ()
+    schemes: tuple[str, ...] = ()
+
+    def applies(self, fmt: str, scheme: str) -> bool:
+        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                                   # family, as inspect and the README show it
+    model_types: tuple[str, ...]
+    fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS
+    keep: tuple[Keep, ...] = ()
+    experts: Experts | None = None
+    mtp: str | None = None                      # "layers": model.layers.{num_hidden_layers + i}; "mtp": mtp.*
+    transformers_names: tuple[Rename, ...] = ()
+    vllm_names: tuple[Rename, ...] = ()
+    vllm_name_fn: Callable[[str, dict], str] | None = None   # where vLLM's module tree differs from the checkpoint's
+    limits: tuple[Limit, ...] = ()
+    quantized: str = "attention and MLP linears"    # for the README table
+    notes: str = ""
+
+    def transformers_name(self, module: str) -> str:
+        for rename in self.transformers_names:
+            module = rename.apply(module)
+        return module
+
+    def vllm_name(self, module: str, config: dict) -> str:
+        for rename in self.vllm_names:
+            module = rename.apply(module)
+        return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
+
+    def names(self, module: str, config: dict) -> list[str]:
+        """The module as the checkpoint, transformers and vLLM name it (each once)."""
+        return list(dict.fromkeys([module, self.transformers_name(module), self.vllm_name(module, config)]))
+
+    def keep_reason(self, module: str, fmt: str, scheme: str) -> str | None:
+        return next((k.reason for k in self.keep if k.applies(module, fmt, scheme)), None)
+
+    def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
+        """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
+        for layout in self.experts.tensors if self.experts else ():
+            experts = layout.match(name)
+            if experts is not None:
+                return layout, experts
+        return None
+
+
+GENERIC = Architecture("generic", ())
+
+
+def config_value(config: dict, *keys: str):
+    """The first of `keys` (dotted paths) found in config.json or its text_config, else None."""
+    for scope in (config, config.get("text_config") or {}):
+        for key in keys:
+            value = scope
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                return value
+    return None
+
+
+def mtp_layers(arch: Architecture, config: dict) -> list[str]:
+    """The module prefixes of the MTP layers the config declares (DeepSeek-style layer numbering)."""
+    if arch.mtp != "layers":
+        return []
+    count = config_value(config, "num_nextn_predict_layers") or 0
+    first = config_value(config, "num_hidden_layers") or 0
+    return [f"model.layers.{first + i}" for i in range(count)]
+
+
+# ---------------------------------------------------------------- shared pieces of the tables
+
+# transformers 5.24 loads the legacy multimodal layout (language_model.model.*, vision_tower.*,
+# multi_modal_projector.*) under model.* (conversion_mapping.py, "llava" patterns); vLLM maps the new
+# names back to the legacy ones (vllm/model_executor/models/llava.py, gemma3_mm.py, mistral3.py:
+# hf_to_vllm_mapper).
+_LLAVA_TRANSFORMERS = (
+    Rename(r"^language_model\.model\.", "model.language_model."),
+    Rename(r"^language_model\.lm_head$", "lm_head"),
+    Rename(r"^vision_tower\.vision_model\.", "model.vision_tower."),   # CLIP/SigLIP towers drop a level
+    Rename(r"^vision_tower\.", "model.vision_tower."),
+    Rename(r"^multi_modal_projector\.", "model.multi_modal_projector."),
+)
+_LLAVA_VLLM = (
+    Rename(r"^model\.language_model\.", "language_model.model."),
+    Rename(r"^model\.vision_tower\.", "vision_tower."),
+    Rename(r"^model\.multi_modal_projector\.", "multi_modal_projector."),
+    Rename(r"^lm_head$", "language_model.lm_head"),
+)
+# Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
+_QWEN_VL_VLLM = (
+    Rename(r"^model\.language_model\.", "language_model.model."),
+    Rename(r"^model\.visual\.", "visual."),
+    Rename(r"^lm_head$", "language_model.lm_head"),
+)
+_MOE_ROUTED = "routed experts, one FP8 weight per expert"
+_TOWER_NOTE = ("vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
+               "in transformers' and vLLM's names too")
+
+
+def _falcon_h1_vllm_name(module: str, config: dict) -> str:
+    """vllm/model_executor/models/falcon_h1.py: FalconH1ParallelHybrid builds the attention branch at the
+    layer's own prefix (no `self_attn`) and the Mamba branch at `model.{num_hidden_layers + N}.mixer`."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(\w+)", module)
+    if m:
+        return f"model.layers.{m.group(1)}.{m.group(2)}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(\w+)", module)
+    if m:
+        return f"model.{int(m.group(1)) + int(config_value(config, 'num_hidden_layers') or 0)}.mixer.{m.group(2)}"
+    return module
+
+
+# ---------------------------------------------------------------- the families
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(
+        "Llama-style dense", ("llama", "mistral", "qwen2", "qwen3", "gemma2", "glm4", "olmo2", "granite", "starcoder2"),
+        notes="q/k/v and gate/up share one scale per layer in the tensor scheme"),
+    Architecture(
+        "Phi-3", ("phi3",),
+        quantized="attention and MLP linears (q/k/v and gate/up already fused in the checkpoint: one scale each)"),
+    Architecture(
+        # transformers/models/gpt2/modeling_gpt2.py: Conv1D computes x @ W + b with W stored [in, out].
+        "GPT-2", ("gpt2",),
+        keep=(Keep(r"\.(c_attn|c_proj|c_fc)$", "Conv1D weight stored [in, out] (transformers has no FP8 Conv1D)"),),
+        quantized="nothing: every linear is a Conv1D", notes="kept whole; the output equals the source"),
+    Architecture(
+        # vllm/model_executor/models/qwen3_moe.py: the router `mlp.gate` is a GateLinear built with the
+        # quant config, so it must be listed; experts load per expert (RoutedExperts.load_weights).
+        "Qwen-MoE", ("qwen2_moe", "qwen3_moe", "olmoe"),
+        quantized=f"attention, shared experts, {_MOE_ROUTED}",
+        notes="routers `mlp.gate` and `shared_expert_gate` kept and listed (vLLM builds Qwen3-MoE's router "
+              "with the quant config)"),
+    Architecture(
+        # transformers conversion_mapping.py "mixtral": block_sparse_moe -> mlp; PhiMoE also gate -> router,
+        # an nn.Linear subclass that compressed-tensors would quantize unless its in-memory name is listed.
+        "Mixtral-style MoE", ("mixtral", "minimax_m2"),
+        transformers_names=(Rename(r"\.block_sparse_moe\.", ".mlp."),),
+        quantized=f"attention, {_MOE_ROUTED} (w1/w3 share a scale)"),
+    Architecture(
+        "PhiMoE", ("phimoe",),
+        transformers_names=(Rename(r"\.block_sparse_moe\.gate$", ".mlp.router"),
+                            Rename(r"\.block_sparse_moe\.", ".mlp.")),
+        quantized=f"attention, {_MOE_ROUTED}",
+        notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)"),
+    Architecture(
+        # vllm/model_executor/models/deepseek_mtp.py: MTP layer L = num_hidden_layers + i is a full decoder
+        # layer plus eh_proj (a torch nn.Linear, never quantized) and shared_head.head (a ParallelLMHead).
+        "DeepSeek-V3 / GLM-4.5", ("deepseek_v2", "deepseek_v3", "glm4_moe"),
+        keep=(Keep(r"\.eh_proj$", "MTP input projection (vLLM builds it as a plain nn.Linear)"),
+              Keep(r"\.shared_head\.head$", "output head")),
+        mtp="layers",
+        quantized=f"attention (q_a_proj + kv_a_proj_with_mqa share a scale), shared experts, {_MOE_ROUTED}, "
+                  "MTP decoder layers",
+        notes="MTP layers `model.layers.{num_hidden_layers + i}` converted like decoder layers (vLLM's MTP "
+              "loads them); their eh_proj and shared_head stay BF16"),
+    Architecture(
+        # vllm/model_executor/models/ernie45_moe.py: gate built without quant config; moe_statics 2-D bias.
+        "ERNIE-4.5-MoE", ("ernie4_5_moe",), quantized=f"attention, shared experts, {_MOE_ROUTED}"),
+    Architecture(
+        # vllm/model_executor/models/llama4.py, Llama4Model.load_moe_expert_weights: per-expert 2-D
+        # feed_forward.experts.{e}.gate_proj/up_proj/down_proj load for every scheme; the fused form loads
+        # no per-tensor scales. permute_qk_weight_for_rotary permutes q/k weight_scale rows per head, which
+        # 128x128 compressed-tensors block scales cannot follow. transformers' compressed-tensors path
+        # replaces Llama4TextExperts by per-expert Linears (quantizers/base.py,
+        # SequentialLlama4TextExperts), so it reads that split layout too, FP8 or BF16.
+        "Llama-4", ("llama4", "llama4_text"),
+        keep=(Keep(r"^(language_model\.)?model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)$",
+                   "vLLM's Llama-4 loader permutes q/k rows per head and cannot permute 128x128 block scales",
+                   formats=("compressed-tensors",), schemes=("block",)),),
+        experts=Experts(
+            (ExpertTensor(r"(?P<block>.+\.feed_forward)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
+                          ("in_out",)),
+             ExpertTensor(r"(?P<block>.+\.feed_forward)\.experts\.down_proj", ("down_proj",), ("in_out",))),
+            count=("num_local_experts",), width=("intermediate_size",),
+            split_when_kept=("compressed-tensors",), transformers_loads_split=("compressed-tensors",)),
+        quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",
+        notes="fused experts [E, hidden, 2*inter] (gate, up concatenated) split per expert and transposed to "
+              "[out, in]; transformers loads them under compressed-tensors only"),
+    Architecture(
+        # vllm/model_executor/models/gpt_oss.py: GptOssModel.load_weights sends fp8 and compressed-tensors
+        # checkpoints to _load_weights_other, the BF16 path (no expert scales); transformers 5.24 has no
+        # gpt-oss expert converter. So the experts stay BF16, fused, as released.
+        "gpt-oss", ("gpt_oss",),
+        experts=Experts(
+            (ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.gate_up_proj", ("gate_proj", "up_proj"), ("in_out",),
+                          interleaved=True),
+             ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.down_proj", ("down_proj",), ("in_out",))),
+            count=("num_local_experts",), width=("intermediate_size",),
+            kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
+                 "experts as BF16; transformers 5.24 has no converter for them)"),
+        vllm_names=(Rename(r"\.self_attn\.", ".attn."),),
+        quantized="attention", notes="experts (gate/up interleaved, with biases) stay BF16, fused as released"),
+    Architecture(
+        # vllm/model_executor/models/qwen3_next.py: in_proj_ba is built with the quant config, but FP8
+        # in_proj_ba corrupted output (vLLM #47445; "ba_proj doesn't support blockwise fp8"); conv1d is
+        # built without it. qwen3_next_mtp.py: mtp.fc is quantizable; kept like DeepSeek's eh_proj.
+        "Qwen3-Next", ("qwen3_next",),
+        keep=(Keep(r"\.linear_attn\.in_proj_ba$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
+              Keep(r"^mtp\.fc$", "MTP input projection")),
+        mtp="mtp",
+        quantized=f"attention, DeltaNet in_proj_qkvz/out_proj, shared expert, {_MOE_ROUTED}, MTP layers",
+        notes="`mtp.*` layers converted like decoder layers"),
+    Architecture(
+        # vllm/model_executor/models/qwen3_5.py: in_proj_qkv + in_proj_z -> in_proj_qkvz,
+        # in_proj_b + in_proj_a -> in_proj_ba.
+        "Qwen3.5", ("qwen3_5", "qwen3_5_moe"),
+        fused=FUSED_SIBLINGS + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")),
+        keep=(Keep(r"\.linear_attn\.in_proj_[ab]$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
+              Keep(r"^mtp\.fc$", "MTP input projection")),
+        mtp="mtp", vllm_names=_QWEN_VL_VLLM,
+        quantized=f"language model attention, DeltaNet, MLPs / {_MOE_ROUTED}, MTP layers"),
+    Architecture(
+        # vllm/model_executor/models/nemotron_h.py: mapper backbone -> model, embeddings -> embed_tokens;
+        # the router mixer.gate is an fp32 GateLinear; experts are non-gated (up, down).
+        # transformers conversion_mapping.py: backbone. -> model.
+        "Nemotron-H", ("nemotron_h",),
+        keep=(Keep(r"\.mixer\.gate$", ROUTER),),
+        mtp="mtp",
+        transformers_names=(Rename(r"^backbone\.", "model."),),
+        vllm_names=(Rename(r"^backbone\.", "model."), Rename(r"\.embeddings$", ".embed_tokens")),
+        quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)"),
+    Architecture(
+        # vllm/model_executor/models/falcon_h1.py: attention at model.layers.N.{q,k,v,o}_proj, Mamba at
+        # model.{L+N}.mixer.*: checkpoint names do not reach them through its mapper.
+        "Falcon-H1", ("falcon_h1",), vllm_name_fn=_falcon_h1_vllm_name,
+        quantized="attention, Mamba2 in_proj/out_proj, MLP",
+        notes="ignore list also in vLLM's own module names (its module tree differs from the checkpoint's)"),
+    Architecture(
+        # vllm/layers/mamba/mamba_mixer.py: MambaMixer builds in_proj, x_proj, dt_proj and out_proj without
+        # the quant config. jamba.py mapper: .self_attn. -> .
+        "Jamba", ("jamba",),
+        keep=(Keep(r"\.mamba\.(in_proj|x_proj|dt_proj|out_proj)$", "Mamba mixer (vLLM builds it unquantized)"),),
+        vllm_names=(Rename(r"\.self_attn\.", "."),),
+        quantized=f"attention, MLPs, {_MOE_ROUTED}", notes="Mamba mixers stay BF16"),
+    Architecture(
+        # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H] (gate|up, chunk(2)),
+        # output_linear [E, H, I]; router.layer -> router. vllm/model_executor/models/granitemoe.py:
+        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted.
+        "GraniteMoE", ("granitemoe", "granitemoeshared", "granitemoehybrid"),
+        keep=(Keep(r"\.router\.layer$", ROUTER),),
+        experts=Experts(
+            (ExpertTensor(r"(?P<block>.+\.block_sparse_moe)\.input_linear\.weight", ("gate_proj", "up_proj"),
+                          ("out_in",)),
+             ExpertTensor(r"(?P<block>.+\.block_sparse_moe)\.output_linear\.weight", ("down_proj",), ("out_in",))),
+            count=("num_local_experts",), width=("intermediate_size",)),
+        transformers_names=(Rename(r"\.router\.layer$", ".router"),),
+        vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
+        quantized=f"attention, shared MLP, {_MOE_ROUTED}",
+        notes="fused experts [E, 2*inter, hidden] split per expert"),
+    Architecture(
+        # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors with [E]
+        # per-tensor scales under odd names, and compressed-tensors never quantizes them (the class name
+        # matches no target); its RoutedExperts prefix is `...ffn` (no "experts").
+        "DBRX", ("dbrx",),
+        keep=(Keep(r"\.ffn\.router\.layer$", ROUTER),),
+        experts=Experts(
+            (ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.(w1|v1)", ("gate_proj",), ("out_in",)),
+             ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.w2", ("down_proj",), ("in_out",))),
+            count=("ffn_config.moe_num_experts",), width=("ffn_config.ffn_hidden_size",),
+            kept="no FP8 expert layout loads for DBRX (vLLM's DbrxExperts take no compressed-tensors "
+                 "scales and no per-expert weights)"),
+        vllm_names=(Rename(r"\.ffn\.experts$", ".ffn"),),
+        quantized="attention (Wqkv, out_proj)", notes="experts [E*inter, hidden] stay BF16"),
+    Architecture(
+        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True (released
+        # [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
+        "Qwen3-VL-MoE", ("qwen3_vl_moe",),
+        experts=Experts(
+            (ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
+                          ("in_out", "out_in")),
+             ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.down_proj", ("down_proj",), ("in_out", "out_in"))),
+            count=("num_experts", "num_local_experts"), width=("moe_intermediate_size",)),
+        vllm_names=_QWEN_VL_VLLM,
+        quantized=f"language model attention, {_MOE_ROUTED}",
+        notes="fused experts ([E, hidden, 2*inter] as released, or [E, 2*inter, hidden] as transformers "
+              "saves them: told apart by the config's sizes) split per expert"),
+    Architecture(
+        # vllm/model_executor/models/gemma4.py: router.proj built without quant config; experts fused
+        # [E, 2I, H] (F.linear orientation); embed_vision.embedding_projection is quantizable there.
+        "Gemma-4", ("gemma4",),
+        keep=(Keep(r"\.router\.proj$", ROUTER), Keep(r"(^|\.)embed_(vision|audio)\.", TOWER)),
+        experts=Experts(
+            (ExpertTensor(r"(?P<block>.+\.layers\.\d+)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
+                          ("out_in",)),
+             ExpertTensor(r"(?P<block>.+\.layers\.\d+)\.experts\.down_proj", ("down_proj",), ("out_in",))),
+            count=("num_experts",), width=("moe_intermediate_size",)),
+        vllm_names=(Rename(r"^model\.language_model\.", "language_model.model."),
+                    Rename(r"^model\.vision_tower\.", "vision_tower."),
+                    Rename(r"^model\.embed_vision\.", "embed_vision."),
+                    Rename(r"^lm_head$", "language_model.lm_head")),
+        quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}"),
+    Architecture(
+        # vllm/model_executor/models/qwen2_5_vl.py: the vision tower is built with the quant config, so
+        # every tower linear must be listed. transformers: visual. -> model.visual., model. ->
+        # model.language_model.
+        "Qwen2.5-VL", ("qwen2_5_vl",),
+        transformers_names=(Rename(r"^visual\.", "model.visual."),
+                            Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model.")),
+        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
+        quantized="language model linears", notes=_TOWER_NOTE),
+    Architecture(
+        "Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM, quantized="language model linears", notes=_TOWER_NOTE),
+    Architecture(
+        "Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM,
+        quantized="language model linears", notes=_TOWER_NOTE),
+    Architecture(
+        "Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM,
+        quantized="language model linears", notes=_TOWER_NOTE),
+    Architecture(
+        # vllm/model_executor/models/mistral3.py: its mapper renames `.weight_scale_inv` to `.weight_scale`,
+        # which the fp8 format's block layers do not have.
+        "Mistral-3", ("mistral3",), transformers_names=_LLAVA_TRANSFORMERS,
+        vllm_names=_LLAVA_VLLM + (Rename(r"^model\.", "language_model.model."),),
+        limits=(Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, "
+                                               "which fp8-format block layers do not have; use --format "
+                                               "compressed-tensors", formats=("fp8",), schemes=("block",)),),
+        quantized="language model linears",
+        notes=_TOWER_NOTE + "; fp8-format block scales do not load in vLLM (its loader renames weight_scale_inv)"),
+)
+
+_BY_MODEL_TYPE = {t: arch for arch in ARCHITECTURES for t in arch.model_types}
+
+
+def architecture_of(config: dict) -> Architecture | None:
+    """The registered family of a config.json, or None (then the generic rules apply)."""
+    return _BY_MODEL_TYPE.get(config.get("model_type"))
+
+
+# ---------------------------------------------------------------- the README table
+
+def _kept_text(arch: Architecture) -> str:
+    kept = [f"{k.reason}" + (f" ({', '.join(k.formats + k.schemes)})" if k.formats or k.schemes else "")
+            for k in arch.keep]
+    if arch.experts and arch.experts.kept:
+        kept.append("fused experts: " + arch.experts.kept)
+    return "; ".join(dict.fromkeys(kept)) or "generic only"
+
+
+def architectures_table() -> str:
+    """The README's "Supported architectures" table, rendered from the registry."""
+    rows = ["| architecture | model_type | quantized | kept beyond the generic rules | notes |",
+            "|---|---|---|---|---|"]
+    for arch in ARCHITECTURES:
+        rows.append(f"| {arch.name} | {', '.join(f'`{t}`' for t in arch.model_types)} | {arch.quantized} | "
+                    f"{_kept_text(arch)} | {arch.notes} |")
+    return "\n".join(rows)

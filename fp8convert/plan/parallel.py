@@ -1,0 +1,130 @@
+"""Tensor parallelism: which quantized dims vLLM splits at a TP size, and where its rules fail.
+
+vLLM 0.33 (vllm/model_executor/layers/linear.py, distributed/utils.py `divide`) splits a column-parallel
+linear's output dim and a row-parallel one's input dim by the TP size and asserts that it divides;
+k/v projections with fewer heads than ranks are replicated one head per rank. With 128x128 blocks,
+`validate_fp8_block_shape` (utils/fp8_utils.py) wants every per-rank split size to be a multiple of
+128 once TP > 1. MoE experts split their intermediate size (fused_moe/config.py asserts it divides):
+compressed-tensors' block MoE (`validate_fp8_block_shape_moe`) wants the per-rank size to be a
+multiple of 128 even at TP 1, while the fp8 format's MoE (fused_moe/oracle/fp8.py
+`refine_fp8_moe_block_shape`) falls back to gcd(128, per-rank size, hidden) blocks, if that is at
+least 32, on its Triton kernels, and fails only below that. MXFP8 (compressed-tensors) keeps one scale
+per 32 inputs of each row: a row-parallel layer's per-rank input size must be a multiple of 32
+(`CompressedTensorsW8A8Mxfp8.create_weights`: weight_scale [out, in_per_rank // 32]), and so must the
+experts' per-rank intermediate size (w2_weight_scale [E, H, I_per_rank // 32]).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..options import BLOCK, MX_GROUP
+from .architectures import config_value
+from .caveats import Caveat, PlanWarning
+from .rules import experts_of, module_of
+
+ROW_PARALLEL = {"o_proj", "down_proj", "out_proj", "w2", "c_proj", "dense_4h_to_h", "fc2", "wo", "linear_2"}
+REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "fc1_latent_proj", "fc2_latent_proj", "eh_proj",
+              "per_layer_input_gate", "per_layer_projection"}
+KV_LEAVES = {"k_proj", "v_proj"}
+MIN_REFINED_BLOCK = 32   # the smallest block vLLM's fp8 MoE refinement accepts
+
+
+@dataclass(frozen=True)
+class Split:
+    """A dim vLLM divides among tensor-parallel ranks."""
+
+    modules: str        # which modules, layer numbers as '*' (e.g. model.layers.*.self_attn.o_proj)
+    axis: str           # "output", "input" or "expert intermediate"
+    size: int
+    heads: int | None = None   # k/v: number of KV heads (fewer than ranks: replicated per head)
+
+
+def split_of(name: str, shape: tuple[int, int], config: dict) -> Split | None:
+    """How vLLM splits one quantized 2-D weight, or None when it replicates it."""
+    module = module_of(name)
+    leaf = module.rsplit(".", 1)[-1]
+    modules = re.sub(r"\.\d+\.", ".*.", module)
+    out, inp = shape
+    if experts_of(name):
+        return Split(re.sub(r"\.experts\.\*\.[^.]+$", ".experts", modules), "expert intermediate",
+                     inp if leaf in ("down_proj", "w2") else out)
+    if leaf in REPLICATED:
+        return None
+    if leaf in ROW_PARALLEL:
+        return Split(modules, "input", inp)
+    heads = config_value(config, "num_key_value_heads") if leaf in KV_LEAVES else None
+    return Split(modules, "output", out, heads if isinstance(heads, int) else None)
+
+
+def per_rank(split: Split, tp: int) -> int | None:
+    """The per-rank size at TP `tp`, or None when vLLM cannot divide the dim."""
+    if split.heads and split.heads < tp:
+        return split.size // split.heads if split.size % split.heads == 0 else None
+    return split.size // tp if split.size % tp == 0 else None
+
+
+DOES_NOT_DIVIDE = "does not divide evenly"
+NOT_BLOCKS = f"per-rank size not a multiple of {BLOCK}"
+NOT_REFINED = f"per-rank size has no common block of {MIN_REFINED_BLOCK} or more with 128 and the hidden size"
+NOT_MX_GROUPS = f"per-rank size not a multiple of {MX_GROUP} (MXFP8 groups)"
+
+
+def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | None:
+    """Why vLLM cannot load this split at TP `tp` (None: it can)."""
+    size = per_rank(split, tp)
+    if size is None:
+        return DOES_NOT_DIVIDE
+    if scheme == "mxfp8":  # the split input dim of row-parallel layers and of the experts' down_proj
+        return NOT_MX_GROUPS if split.axis != "output" and size % MX_GROUP else None
+    if scheme != "block" or size % BLOCK == 0:
+        return None
+    if split.axis == "expert intermediate":
+        if fmt == "fp8":
+            return None if math.gcd(BLOCK, size, hidden) >= MIN_REFINED_BLOCK else NOT_REFINED
+        return NOT_BLOCKS
+    return NOT_BLOCKS if tp > 1 else None
+
+
+def merged(splits: set[Split]) -> dict[tuple, list[str]]:
+    """Splits of sibling modules with the same dim, as one: (parent, axis, size, heads) -> leaves."""
+    out: dict[tuple, list[str]] = {}
+    for s in sorted(splits, key=lambda s: (s.modules, s.axis, s.size)):
+        parent, _, leaf = s.modules.rpartition(".") if s.axis != "expert intermediate" else (s.modules, "", "")
+        out.setdefault((parent, s.axis, s.size, s.heads), []).append(leaf)
+    return out
+
+
+def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tuple[int, ...]) -> list[PlanWarning]:
+    """One warning per kind of split dim that fails at some of `sizes` (or loads there only with
+    vLLM's smaller fallback blocks), with the sizes that work and what to choose instead.
+    `quantized`: the plan's quantized TensorPlans."""
+    hidden = config_value(config, "hidden_size", "d_model") or BLOCK
+    splits = {s for t in quantized if len(t.shape) == 2 and (s := split_of(t.name, t.shape, config))}
+    warnings = []
+    for (parent, axis, size, heads), leaves in merged(splits).items():
+        split = Split(parent, axis, size, heads)
+        modules = parent + (f".{'/'.join(leaves)}" if any(leaves) else "")
+        failing = {tp: why for tp in sizes if (why := problem(split, tp, fmt, scheme, hidden))}
+        ok = [tp for tp in sizes if tp not in failing]
+        refined = [tp for tp in ok if scheme == "block" and axis == "expert intermediate" and per_rank(split, tp) % BLOCK]
+        if not failing and not refined:
+            continue
+        text = f"vLLM splits the {axis} size {size} of {modules} across tensor-parallel ranks"
+        if failing:
+            text += ": " + "; ".join(
+                f"{why} at TP {', '.join(map(str, tps))}"
+                + ("" if why == DOES_NOT_DIVIDE else f" ({', '.join(str(per_rank(split, tp)) for tp in tps)} per rank)")
+                for why in sorted(set(failing.values())) for tps in [[tp for tp in failing if failing[tp] == why]])
+        if ok:
+            text += (f"; it loads at TP {', '.join(map(str, ok))}"
+                     + (f" (at TP {', '.join(map(str, refined))} only with smaller blocks on vLLM's Triton MoE kernels)"
+                        if refined else ""))
+        if axis == "expert intermediate" and DOES_NOT_DIVIDE in failing.values():
+            text += "; or use expert parallelism (vLLM's --enable-expert-parallel does not split experts)"
+        elif scheme in ("block", "mxfp8") and failing:
+            text += "; or use --scheme " + ("channel" if fmt == "compressed-tensors" else "tensor") + \
+                    ", which vLLM splits at any size that divides"
+        warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS if ok else Caveat.VLLM_CANNOT_LOAD, text))
+    return warnings

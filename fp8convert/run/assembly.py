@@ -1,0 +1,54 @@
+"""A batch's outputs, assembled into the bytes they will occupy in the output shards (plan/runs.py).
+
+Each run is filled on the device, leaves it in a few large copies and is written with a few large
+pwrites, instead of thousands of per-tensor copies, synchronisations and writes (a MoE layer has
+hundreds of experts).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..plan.runs import Run
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in memory order, as a flat uint8 tensor (a view when it is contiguous)."""
+    return tensor.contiguous().view(-1).view(torch.uint8) if tensor.numel() else tensor.reshape(0).view(torch.uint8)
+
+
+class BatchOutput:
+    """The run buffers of one batch, filled with `put`. A run of a single piece takes that tensor's own
+    bytes (no copy); a larger run gets one buffer on the device, each piece copied into its place."""
+
+    def __init__(self, runs: list[Run], device: torch.device):
+        self.runs, self.device = runs, device
+        self.buffers: list[torch.Tensor | None] = [None] * len(runs)
+        self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
+        self.missing = len(self.where)
+
+    def put(self, name: str, tensor: torch.Tensor, at: int = 0) -> None:
+        """Output tensor `name` (or its piece that starts `at` bytes in)."""
+        i, piece = self.where[(name, at)]
+        raw = raw_bytes(tensor)
+        if raw.numel() != piece.nbytes:
+            raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {piece.nbytes}")
+        if len(self.runs[i].pieces) == 1:
+            self.buffers[i] = raw
+        else:
+            if self.buffers[i] is None:
+                self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
+            self.buffers[i][piece.offset:piece.offset + piece.nbytes].copy_(raw)
+        self.missing -= 1
+
+    def shares_memory_with(self, buf: torch.Tensor) -> bool:
+        """Whether a run took its bytes from `buf` (which must then live until they are written)."""
+        storage = buf.untyped_storage().data_ptr()
+        return any(b is not None and b.numel() and b.untyped_storage().data_ptr() == storage for b in self.buffers)
+
+    def take(self) -> list[tuple[Run, torch.Tensor]]:
+        """(run, bytes) pairs, handed over once: the caller drops each after writing it."""
+        if self.missing:
+            raise AssertionError(f"{self.missing} outputs of the batch were never produced")
+        pairs = list(zip(self.runs, self.buffers))
+        self.buffers = [None] * len(self.runs)
+        return pairs

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Where the pipeline's time goes, stage by stage, with no disk in the way.
+
+The checkpoint is read once first (so it sits in the page cache) and the output goes to a tmpfs
+directory; then, in this one process, with torch already imported:
+  read       the reader alone: every batch into device memory;
+  +quantize  the reader and the quantizer (outputs dropped);
+  pipeline   the whole run (reader thread, quantize, writer thread) into OUT, as a conversion does;
+  no-write   the same with pwrite doing nothing: what the pipeline does without an output medium.
+Each line gives seconds and GB/s of input. A stage much slower than the one before it is the one to
+look at.
+
+    python3 scripts/profile_stages.py CKPT --device cuda --out /dev/shm/profile
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def warm(root: Path) -> float:
+    """Read every file once (into the page cache); returns GB read."""
+    total = 0
+    for p in sorted(root.iterdir()):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while chunk := f.read(64 << 20):
+                    total += len(chunk)
+    return total / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt", type=Path)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=Path("/dev/shm/fp8convert-profile"))
+    ap.add_argument("--scheme", default="tensor")
+    ap.add_argument("--format", default="compressed-tensors")
+    ap.add_argument("--max-resident", default=None)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--dequantize", action="store_true", help="profile `dequantize` of an FP8 checkpoint")
+    ap.add_argument("--dtype", help="with --dequantize: bf16, fp16 or fp32")
+    ap.add_argument("--no-pipeline", action="store_true", help="only the read and +quantize stages")
+    ap.add_argument("--tile-mb", type=float, help="CPU path: float32 tile size (numerics.CPU_TILE_BYTES)")
+    ap.add_argument("--readers", type=int, help="reader threads (default: the device's)")
+    ap.add_argument("--writers", type=int, help="writer threads (default: the device's)")
+    args = ap.parse_args()
+
+    import torch
+
+    from fp8convert.options import Settings
+    from fp8convert.plan.batches import make_batches
+    from fp8convert.plan.plan import build_plan
+    from fp8convert.run.device import budget_for, resolve_device
+    from fp8convert.run.pipeline import convert
+    from fp8convert.run.progress import Progress
+    from fp8convert.run.quantizer import quantize_batch, read_order
+    from fp8convert.run.reader import BatchReader
+    from fp8convert.run.writer import ShardWriter
+    from fp8convert.source.local import open_local
+    from fp8convert.source.streaming import NoFetcher
+
+    from fp8convert.run import device as device_module
+    from fp8convert.run import numerics
+    if args.tile_mb:
+        numerics.CPU_TILE_BYTES = int(args.tile_mb * 2**20)
+    from fp8convert.run import pipeline as pipeline_module
+    default_io = device_module.io_threads
+    device_module.io_threads = pipeline_module.io_threads = \
+        lambda kind: (args.readers or default_io(kind)[0], args.writers or default_io(kind)[1])
+    settings = Settings(scheme=args.scheme, format=args.format, device=args.device, max_resident=args.max_resident,
+                        dequantize=args.dequantize, dtype=args.dtype)
+    dev = resolve_device(args.device)
+    torch.empty(1, device=dev)
+    gb = warm(args.ckpt)
+    plan = build_plan(open_local(args.ckpt), settings.options)
+    batches = make_batches(plan.units, budget_for(dev, settings.max_resident))
+    nbytes = sum(b.in_bytes for b in batches)
+    print(f"{args.ckpt.name}: {gb:.2f} GB in the page cache, {len(plan.tensors)} tensors, {len(batches)} batches, "
+          f"device {dev}", flush=True)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def line(name: str, seconds: float) -> None:
+        print(f"  {name:<10} {seconds:7.3f} s  {nbytes / seconds / 1e9:6.2f} GB/s", flush=True)
+
+    readers, _ = device_module.io_threads(dev.type)
+    for _ in range(args.repeat):
+        with BatchReader(plan.source.root, dev, threads=readers) as reader:
+            t0 = time.perf_counter()
+            for b in batches:
+                buf, _ = reader.read(read_order(b))
+                reader.recycle(buf)
+                del buf
+            sync()
+            line("read", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for b in batches:
+                buf, offsets = reader.read(read_order(b))
+                outputs = quantize_batch(b, buf, offsets, plan.options.scheme, scale_format=plan.options.scale_format,
+                                         source_scheme=plan.source_scheme)
+                sync()
+                del outputs
+                reader.recycle(buf)
+                del buf
+            line("+quantize", time.perf_counter() - t0)
+        if args.no_pipeline:
+            continue
+        shutil.rmtree(args.out, ignore_errors=True)
+        (args.out / ".fp8convert").mkdir(parents=True)
+        t0 = time.perf_counter()
+        with ShardWriter(plan, args.out, args.out / ".fp8convert", set()) as writer:
+            result = convert(plan, plan.units, writer, args.device, settings.max_resident, NoFetcher(),
+                             Progress(nbytes, "profile", enabled=False))
+        line("pipeline", time.perf_counter() - t0)
+        print(f"             stages {result.stage_seconds}", flush=True)
+        # the same without the output medium: bytes still leave the device, pwrite does nothing
+        from fp8convert.run import writer as writer_module
+        real_pwrite = writer_module.pwrite_all
+        writer_module.pwrite_all = lambda fd, data, offset: None
+        shutil.rmtree(args.out, ignore_errors=True)
+        (args.out / ".fp8convert").mkdir(parents=True)
+        t0 = time.perf_counter()
+        with ShardWriter(plan, args.out, args.out / ".fp8convert", set()) as writer:
+            convert(plan, plan.units, writer, args.device, settings.max_resident, NoFetcher(),
+                    Progress(nbytes, "profile", enabled=False))
+        line("no-write", time.perf_counter() - t0)
+        writer_module.pwrite_all = real_pwrite
+    shutil.rmtree(args.out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
