@@ -108,6 +108,7 @@ def parse_target_tp(sizes) -> tuple[int, ...]:
     return tuple(values)
 
 
+DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
 DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
 
 

@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--tile-mb", type=float, help="CPU path: float32 tile size (numerics.CPU_TILE_BYTES)")
     ap.add_argument("--readers", type=int, help="reader threads (default: the device's)")
     ap.add_argument("--writers", type=int, help="writer threads (default: the device's)")
+    ap.add_argument("--write-ahead", type=int, help="batches quantized ahead of the writer (pipeline.WRITE_AHEAD)")
     args = ap.parse_args()
 
     import torch
@@ -71,6 +72,8 @@ def main() -> int:
     if args.tile_mb:
         numerics.CPU_TILE_BYTES = int(args.tile_mb * 2**20)
     from fp8convert.run import pipeline as pipeline_module
+    if args.write_ahead:
+        pipeline_module.WRITE_AHEAD = args.write_ahead
     default_io = device_module.io_threads
     device_module.io_threads = pipeline_module.io_threads = \
         lambda kind: (args.readers or default_io(kind)[0], args.writers or default_io(kind)[1])
@@ -121,7 +124,8 @@ def main() -> int:
             result = convert(plan, plan.units, writer, args.device, settings.max_resident, NoFetcher(),
                              Progress(nbytes, "profile", enabled=False))
         line("pipeline", time.perf_counter() - t0)
-        print(f"             stages {result.stage_seconds}", flush=True)
+        peak = f", peak device {result.peak_device_bytes / 2**30:.2f} GiB" if result.peak_device_bytes else ""
+        print(f"             stages {result.stage_seconds}{peak}", flush=True)
         # the same without the output medium: bytes still leave the device, pwrite does nothing
         from fp8convert.run import writer as writer_module
         real_pwrite = writer_module.pwrite_all

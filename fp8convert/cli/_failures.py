@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import FP8ConvertError
+from ..options import DEFAULT_MAX_RESIDENT
 from ..units import format_size, size_option
-from ..run.device import DEFAULT_MAX_RESIDENT
 
 DEBUG_ENV = "FP8CONVERT_DEBUG"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended

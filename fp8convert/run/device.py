@@ -6,9 +6,8 @@ import os
 import torch
 
 from ..errors import FP8ConvertError
+from ..options import DEFAULT_MAX_RESIDENT
 from ..units import plural
-
-DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}
 
 
 def resolve_device(device: str, option: str = "--device") -> torch.device:

@@ -30,6 +30,9 @@ from .reader import BatchReader
 from .writer import ShardWriter
 
 POLL_S = 0.1  # every wait in the reader and writer threads wakes this often to check for a stop
+# Batches the main thread may quantize before the writer has finished the one before: 1 keeps device
+# memory at one batch read plus one batch of outputs.
+WRITE_AHEAD = 1
 
 
 @dataclass
@@ -112,7 +115,8 @@ class Pipeline:
         self.to_main: queue.Queue = queue.Queue(maxsize=1)
         self.to_writer: queue.Queue = queue.Queue(maxsize=1)
         self.read_slot = threading.Semaphore(1)   # one batch being read into device memory at a time
-        self.write_slot = threading.Semaphore(1)  # quantize only once the previous batch is written
+        self.write_ahead = WRITE_AHEAD
+        self.write_slot = threading.Semaphore(self.write_ahead)  # quantize only this far ahead of the writer
         self.stop = threading.Event()
         self.writer_error: list[BaseException] = []
 
@@ -130,7 +134,8 @@ class Pipeline:
                 del buf
                 self.read_slot.release()
                 self.to_writer.put((batch, outputs))
-            self._wait_for_writer()  # the last batch is written
+            for _ in range(self.write_ahead):  # every batch is written
+                self._wait_for_writer()
             self.check()
             return self.seconds
         finally:
