@@ -5,6 +5,7 @@ says what a rerun does."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import torch
 from fp8convert import __version__, api
 from fp8convert.cli import _failures, main
 from fp8convert.demo import make_demo_model
+from fp8convert.run.progress import Progress
 from fp8convert.units import format_size, plural, size_option, size_text
 from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes, write_checkpoint
 
@@ -297,3 +299,13 @@ def test_sigterm_reaches_the_device_workers(demo, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and time.monotonic() - started < 10, err
     assert "terminated (SIGTERM)" in err and not looks_complete(out)
+
+
+def test_plain_progress_lines_use_the_units_of_the_sizes():
+    """Without a terminal, progress is a timestamped line per interval; a demo-sized model reads in MB,
+    not '0.01/0.01 GB'."""
+    stream = io.StringIO()
+    bar = Progress(5_770_000, "quantize demo", stream=stream)
+    bar.advance(5_770_000)
+    line = stream.getvalue().strip()
+    assert re.fullmatch(r"\S+ quantize demo: 5\.77 MB of 5\.77 MB \(100%\), \d+\.\d\d [KMGT]B/s, eta 0s", line), line

@@ -489,7 +489,7 @@ def test_verify_shows_progress_and_takes_a_device(made, capsys):
     out = outs[("compressed-tensors", "tensor")]
     assert main(["verify", str(src), str(out), "--device", "cpu"]) == 0
     err = capsys.readouterr().err
-    assert re.search(rf"verify {re.escape(str(out))}\S*: \d+\.\d\d/\d+\.\d\d GB \(100%\)", err), err
+    assert re.search(rf"verify {re.escape(str(out))}\S*: \d+\.\d\d [KM]B of \d+\.\d\d [KM]B \(100%\)", err), err
     assert main(["verify", str(src), str(out), "-q"]) == 0 and capsys.readouterr().err == ""
     if not torch.cuda.is_available():
         assert main(["verify", str(src), str(out), "--device", "cuda"]) == 1

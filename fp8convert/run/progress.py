@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ..units import format_size
+
 
 class Progress:
     def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, interval_s: float = 10.0,
@@ -41,8 +43,8 @@ class Progress:
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        return (f"{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB ({pct:.0f}%) "
-                f"{rate / 1e9:.2f} GB/s, eta {eta:.0f}s")
+        return (f"{self.label}: {format_size(self.done)} of {format_size(self.total)} ({pct:.0f}%), "
+                f"{format_size(rate)}/s, eta {eta:.0f}s")
 
     def log(self, message: str) -> None:
         if self.enabled and self.bar is None:
