@@ -35,6 +35,29 @@ def warm(root: Path) -> float:
     return total / 1e9
 
 
+def time_reads(plan, batches, reader, sync, line) -> None:
+    """The read stage alone, then reads and quantizing (outputs dropped)."""
+    from fp8convert.run.quantizer import quantize_batch, read_order
+    with reader:
+        t0 = time.perf_counter()
+        for b in batches:
+            buf, _ = reader.read(read_order(b))
+            reader.recycle(buf)
+            del buf
+        sync()
+        line("read", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for b in batches:
+            buf, offsets = reader.read(read_order(b))
+            outputs = quantize_batch(b, buf, offsets, plan.options.scheme, scale_format=plan.options.scale_format,
+                                     source_scheme=plan.source_scheme)
+            sync()
+            del outputs
+            reader.recycle(buf)
+            del buf
+        line("+quantize", time.perf_counter() - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", type=Path)
@@ -51,6 +74,8 @@ def main() -> int:
     ap.add_argument("--readers", type=int, help="reader threads (default: the device's)")
     ap.add_argument("--writers", type=int, help="writer threads (default: the device's)")
     ap.add_argument("--write-ahead", type=int, help="batches quantized ahead of the writer (pipeline.WRITE_AHEAD)")
+    ap.add_argument("--read-ahead", type=int, help="batches read ahead of the quantizer (pipeline.READ_AHEAD)")
+    ap.add_argument("--pipeline-only", action="store_true", help="only the pipeline and no-write stages")
     args = ap.parse_args()
 
     import torch
@@ -61,7 +86,6 @@ def main() -> int:
     from fp8convert.run.device import budget_for, resolve_device
     from fp8convert.run.pipeline import convert
     from fp8convert.run.progress import Progress
-    from fp8convert.run.quantizer import quantize_batch, read_order
     from fp8convert.run.reader import BatchReader
     from fp8convert.run.writer import ShardWriter
     from fp8convert.source.local import open_local
@@ -74,6 +98,8 @@ def main() -> int:
     from fp8convert.run import pipeline as pipeline_module
     if args.write_ahead:
         pipeline_module.WRITE_AHEAD = args.write_ahead
+    if args.read_ahead:
+        pipeline_module.READ_AHEAD = args.read_ahead
     default_io = device_module.io_threads
     device_module.io_threads = pipeline_module.io_threads = \
         lambda kind: (args.readers or default_io(kind)[0], args.writers or default_io(kind)[1])
@@ -97,24 +123,8 @@ def main() -> int:
 
     readers, _ = device_module.io_threads(dev.type)
     for _ in range(args.repeat):
-        with BatchReader(plan.source.root, dev, threads=readers) as reader:
-            t0 = time.perf_counter()
-            for b in batches:
-                buf, _ = reader.read(read_order(b))
-                reader.recycle(buf)
-                del buf
-            sync()
-            line("read", time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for b in batches:
-                buf, offsets = reader.read(read_order(b))
-                outputs = quantize_batch(b, buf, offsets, plan.options.scheme, scale_format=plan.options.scale_format,
-                                         source_scheme=plan.source_scheme)
-                sync()
-                del outputs
-                reader.recycle(buf)
-                del buf
-            line("+quantize", time.perf_counter() - t0)
+        if not args.pipeline_only:
+            time_reads(plan, batches, BatchReader(plan.source.root, dev, threads=readers), sync, line)
         if args.no_pipeline:
             continue
         shutil.rmtree(args.out, ignore_errors=True)

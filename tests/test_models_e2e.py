@@ -717,6 +717,22 @@ def test_kept_tensors_in_pieces_give_the_same_bytes(kind, source_model, converte
         {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
 
 
+
+@pytest.mark.parametrize("read_ahead,write_ahead", [(2, 1), (1, 2), (3, 3)])
+def test_stages_running_further_ahead_give_the_same_bytes(read_ahead, write_ahead, source_model, converted, tmp_path,
+                                                         monkeypatch):
+    """The pipeline's read-ahead and write-ahead depths (measured on the GPU by profile_stages.py) change
+    only when each batch is read, quantized and written, never the output; with tiny batches every
+    hand-off is exercised many times, and the run must wait for every write before it returns."""
+    pipeline_module = importlib.import_module("fp8convert.run.pipeline")
+    monkeypatch.setattr(pipeline_module, "READ_AHEAD", read_ahead)
+    monkeypatch.setattr(pipeline_module, "WRITE_AHEAD", write_ahead)
+    out = tmp_path / "out"
+    run_quantize(source_model("qwen3_moe"), out, scheme="tensor", format="compressed-tensors", max_resident="8KiB")
+    whole = converted("qwen3_moe", "compressed-tensors", "tensor")
+    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
+        {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
+
 def test_nan_in_a_later_piece_of_a_kept_tensor_is_refused(source_model, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 

@@ -30,8 +30,11 @@ from .reader import BatchReader
 from .writer import ShardWriter
 
 POLL_S = 0.1  # every wait in the reader and writer threads wakes this often to check for a stop
-# Batches the main thread may quantize before the writer has finished the one before: 1 keeps device
-# memory at one batch read plus one batch of outputs.
+# How far the stages may run ahead of each other, in batches. READ_AHEAD: batches read into device
+# memory and not yet quantized (2 lets the next read overlap quantizing); WRITE_AHEAD: batches quantized
+# while the writer has not finished the one before. 1 and 1 keep the device at one batch read plus one
+# batch of outputs; scripts/profile_stages.py measures the others.
+READ_AHEAD = 1
 WRITE_AHEAD = 1
 
 
@@ -114,7 +117,7 @@ class Pipeline:
         self.writes_left = self.reads_left.copy()                             # the writer's count
         self.to_main: queue.Queue = queue.Queue(maxsize=1)
         self.to_writer: queue.Queue = queue.Queue(maxsize=1)
-        self.read_slot = threading.Semaphore(1)   # one batch being read into device memory at a time
+        self.read_slot = threading.Semaphore(READ_AHEAD)  # batches read and not yet quantized
         self.write_ahead = WRITE_AHEAD
         self.write_slot = threading.Semaphore(self.write_ahead)  # quantize only this far ahead of the writer
         self.stop = threading.Event()
