@@ -15,7 +15,10 @@ of the "per-tensor checks" sections below. Works for both output formats:
 Power-of-two scales are checked exactly (see `power_of_two_checks`): an MXFP8 exponent, or a block
 scale under `scale_fmt: ue8m0`, must be the smallest power of two 2^e with amax <= 448 * 2^e (amax of
 its group of 32, or of its 128x128 block floored at 1e-4), and since w / 2^e is exact, every code must
-equal the round-to-nearest-even e4m3 value of w / 2^e, ties included.
+equal the round-to-nearest-even e4m3 value of w / 2^e, ties included. Float scales (fp8convert writes
+amax / 448) must be at most twice amax / 448 of the weights they scale, a fused group's in the tensor
+scheme (see `OVERSIZE`): the codes are checked against the stored scale, so without this a scale far
+too large, with every code rounded to zero for it, would pass.
 
 A fused expert tensor (all experts of a layer in one tensor) that the output holds as one weight per
 expert is checked output by output against the slice of the source it must come from, as the
@@ -111,6 +114,7 @@ class TensorCheck:
     ok: bool
     off_rule_scales: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax (must be 0)
     inexact_codes: int = 0    # with power-of-two scales: codes that are not RNE(w / scale) exactly (must be 0)
+    oversized_scales: int = 0  # channel and block float scales above amax / 448 of their rows or blocks (must be 0)
 
 
 @dataclass
@@ -546,6 +550,8 @@ class ErrorSums:
     off_grid: int = 0         # codes not within half an e4m3 step of w / scale
     off_rule: int = 0         # power-of-two scales that are not the smallest 2^e fitting their amax
     inexact: int = 0          # with power-of-two scales: codes that are not RNE(w / scale) exactly
+    oversized: int = 0        # channel and block float scales above twice amax / 448 of their row or block
+    amax: float = 0.0         # the largest |w| (the tensor scheme's scale is checked against it)
 
     def add(self, other: "ErrorSums") -> None:
         self.w2 += other.w2
@@ -554,6 +560,8 @@ class ErrorSums:
         self.off_grid += other.off_grid
         self.off_rule += other.off_rule
         self.inexact += other.inexact
+        self.oversized += other.oversized
+        self.amax = max(self.amax, other.amax)
 
 
 def exact_sums(w, q, s) -> ErrorSums:
@@ -695,12 +703,38 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
         w_tile, q_tile = w[t0:t1], q[t0:t1]
         fast = fast_sums(w_tile, q_tile, s, scratch)
         tile = fast or exact_sums(w_tile, q_tile, s)
+        stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
         if powers:  # where fast_sums answered, every code is RNE(w / scale) byte for byte: none inexact
-            stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
             tile.off_rule, tile.inexact = power_of_two_checks(w_tile.float(), q_tile, stored, scheme,
                                                               codes=fast is None)
+        else:
+            tile.oversized, tile.amax = float_scale_checks(w_tile, stored, scheme)
         sums.add(tile)
     return sums
+
+
+# Codes are checked against whatever scale is stored beside them, so a scale far too large (every code
+# rounding to zero) would pass that check; the scale itself is held to at most OVERSIZE x amax / 448 of
+# what it scales (or 1 where amax is 0). fp8convert writes amax / 448 exactly; a checkpoint whose float
+# scales were rounded up to powers of two (less than 2x) still passes, a scale that wastes more than one
+# binade of the e4m3 range does not. A scale too small shows in the codes instead (they saturate).
+OVERSIZE = 2.0
+
+
+def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
+    """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the largest |w|) for
+    one slab with float scales. The tensor scheme's scale may be a fused group's, so its comparison waits
+    for every member (check_tensor_scales)."""
+    import torch
+
+    from .run.numerics import FP8_MAX, amax
+    wf = w.float()
+    largest = float(torch.maximum(wf.max(), wf.min().neg())) if wf.numel() else 0.0
+    if scheme == "tensor":
+        return 0, largest
+    a = amax(wf, scheme)
+    oversized = (s > a / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((a == 0) & (s == 1))
+    return int(oversized.sum()), largest
 
 
 def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
@@ -737,10 +771,10 @@ def tensor_check(pair: QuantizedPair) -> TensorCheck:
     rel = err / norm if norm else (0.0 if err == 0 else math.inf)
     snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm else -math.inf)
     bound = math.sqrt(sums.bound2) / norm if norm else math.inf
-    ok = sums.off_grid == 0 and sums.off_rule == 0 and sums.inexact == 0 and \
+    ok = sums.off_grid == 0 and sums.off_rule == 0 and sums.inexact == 0 and sums.oversized == 0 and \
         sums.e2 <= sums.bound2 * (1 + FLOAT_SLACK) ** 2
     return TensorCheck(pair.name, list(pair.codes.shape), list(pair.scale.shape), rel, snr, bound, sums.off_grid, ok,
-                       sums.off_rule, sums.inexact)
+                       sums.off_rule, sums.inexact, sums.oversized)
 
 
 def check_scale(scale) -> bool:
@@ -755,6 +789,9 @@ def numbers_problem(check: TensorCheck, scheme: str) -> str:
     if check.off_rule_scales:
         what.append(f"{plural(check.off_rule_scales, 'scale')} {are(check.off_rule_scales)} not the smallest power "
                     f"of two that fits their {'group' if scheme == 'mxfp8' else 'block'}")
+    if check.oversized_scales:
+        what.append(f"{plural(check.oversized_scales, 'scale')} {are(check.oversized_scales)} more than twice amax / 448 "
+                    f"of their {'row' if scheme == 'channel' else 'block'} (codes lose precision, or round to zero)")
     if check.inexact_codes:
         what.append(f"{plural(check.inexact_codes, 'code')} {are(check.inexact_codes)} not the round-to-nearest-even "
                     "e4m3 value of weight/scale")
@@ -903,7 +940,7 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
              for pair in pairs for r0, r1, sources, outputs in pieces(pair, scheme)]
     report.bytes_read = sum(r.nbytes for r in reads)
     bar = Progress(report.bytes_read, f"verify {out}", enabled=settings.progress)
-    group_scales: dict[str, set[float]] = {}
+    group_scales: dict[str, SharedScale] = {}
     arch = architecture_of(source.config) or GENERIC
     how = Checking(fmt, source.quant.scheme if source.quant else None)
     seconds = report.stage_seconds
@@ -926,10 +963,38 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
         raise
     finally:
         bar.close()
-    for key, scales in group_scales.items():
-        if len(scales) > 1:
+    for key, shared in group_scales.items():
+        if len(shared.scales) > 1:
             report.warnings.append(f"{key}: fused members have different per-tensor scales; vLLM re-quantizes "
                                    "them to the largest (a second rounding)")
+    check_tensor_scales(group_scales.values(), report)
+
+
+@dataclass
+class SharedScale:
+    """The tensor scheme's scales of one fused group (or of one tensor outside any group): the scales its
+    members carry, the largest |w| among those quantized here, and their names."""
+
+    scales: set[float] = field(default_factory=set)
+    names: list[str] = field(default_factory=list)
+    measured_scale: float | None = None  # the largest scale of members quantized here (not passed through)
+    amax: float = 0.0                    # ... and their largest |w|
+
+
+def check_tensor_scales(shared_scales, report: VerifyReport) -> None:
+    """The tensor scheme's one scale must be at most OVERSIZE x amax / 448 of what it scales (a fused
+    group's largest |w|), or 1 for all-zero weights (see OVERSIZE). Passed-through scales are the source's
+    own and are not held to it."""
+    from .run.numerics import FP8_MAX
+    for shared in shared_scales:
+        scale = shared.measured_scale
+        if scale is None:
+            continue
+        if scale > shared.amax / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK) and not (shared.amax == 0 and scale == 1):
+            whose = "its" if len(shared.names) == 1 else "its fused group's"
+            for name in shared.names:
+                report.fail(name, f"scale {scale:.6g} is more than twice amax / 448 = {shared.amax / FP8_MAX:.6g} of "
+                                  f"{whose} weights (codes lose precision, or round to zero)")
 
 
 CPU_WORKERS = None  # checking threads on a CPU; None: one per core
@@ -1078,7 +1143,7 @@ def check_fp8_source_slab(pair: QuantizedPair, codes, source_scale, q, scale, r0
 
 
 def record(pair, r0: int, r1: int, result, how: Checking, report: VerifyReport,
-           group_scales: dict[str, set[float]], arch: Architecture) -> None:
+           group_scales: dict[str, SharedScale], arch: Architecture) -> None:
     """A piece's result into the report, in the order of the pieces (the main thread): a tensor's
     problem once, and a quantized tensor's figures after its last slab."""
     if pair.failed:
@@ -1110,10 +1175,11 @@ def record(pair, r0: int, r1: int, result, how: Checking, report: VerifyReport,
         pair.failed = True
         report.fail(pair.name, f"scale {pair.scale_name} is not finite and positive everywhere")
         return
-    if r0 == 0 and how.scheme == "tensor" and (key := fused_group_key(pair.name, arch.fused)):
-        group_scales.setdefault(key, set()).add(result.scale_value)
+    if r0 == 0:
+        pair.scale_value = result.scale_value
     pair.sums.add(result.sums)
     if r1 == pair.codes.shape[0]:
+        add_group_scale(pair, how, group_scales, arch, measured=True)
         finish_quantized(pair, how, report)
 
 
@@ -1125,7 +1191,7 @@ def finish_quantized(pair: QuantizedPair, how: Checking, report: VerifyReport) -
 
 
 def record_fp8_source_slab(pair: QuantizedPair, r0: int, r1: int, result: SlabResult, how: Checking,
-                           report: VerifyReport, group_scales: dict[str, set[float]], arch: Architecture) -> None:
+                           report: VerifyReport, group_scales: dict[str, SharedScale], arch: Architecture) -> None:
     """An FP8 source weight's FP8 output, slab by slab; once all are in: passed through (its codes and
     scale the source's: exact) or requantized (measured against the source's dequantized values)."""
     if r0 == 0:
@@ -1164,14 +1230,22 @@ def record_fp8_source_slab(pair: QuantizedPair, r0: int, r1: int, result: SlabRe
     elif not pair.scale_ok:
         report.fail(name, f"scale {scale_name} is not finite and positive everywhere")
     else:
-        add_group_scale(pair, how, group_scales, arch)
+        add_group_scale(pair, how, group_scales, arch, measured=True)
         finish_quantized(pair, how, report)
 
 
-def add_group_scale(pair: QuantizedPair, how: Checking, group_scales: dict[str, set[float]],
-                    arch: Architecture) -> None:
-    if how.scheme == "tensor" and pair.scale_value is not None and (key := fused_group_key(pair.name, arch.fused)):
-        group_scales.setdefault(key, set()).add(pair.scale_value)
+def add_group_scale(pair: QuantizedPair, how: Checking, group_scales: dict[str, SharedScale],
+                    arch: Architecture, measured: bool = False) -> None:
+    """A finished tensor-scheme weight's scale, under its fused group (or its own name); `measured`: its
+    codes were quantized here, and its largest |w| counts toward what the scale must fit."""
+    if how.scheme != "tensor" or pair.scale_value is None:
+        return
+    shared = group_scales.setdefault(fused_group_key(pair.name, arch.fused) or pair.name, SharedScale())
+    shared.scales.add(pair.scale_value)
+    shared.names.append(pair.name)
+    if measured:
+        shared.measured_scale = max(shared.measured_scale or 0.0, pair.scale_value)
+        shared.amax = max(shared.amax, pair.sums.amax)
 
 
 # ---------------------------------------------------------------- presenting it
@@ -1203,11 +1277,14 @@ def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -
     return "\n".join(lines)
 
 
-def record_in_card(report: VerifyReport, out: str | Path) -> None:
-    """After a passing verify, put its figures in OUT's model card (README.md), so they travel with a push."""
+def record_in_card(report: VerifyReport, out: str | Path) -> str | None:
+    """After a passing verify, put its figures in OUT's model card (README.md), so they travel with a
+    push: only when OUT is fp8convert's own output (it has a manifest), never someone else's checkpoint
+    or a link into a download cache. Returns a warning when the card cannot be written (a read-only
+    output still passes), else None."""
     card = Path(out) / CARD_NAME
-    if not card.is_file():
-        return
+    if not card.is_file() or card.is_symlink() or not Manifest(out).path.is_file():
+        return None
     figures = {"tensors quantized": report.tensors_quantized, "tensors kept (byte-identical)": report.tensors_kept,
                "worst relative error": report.max_rel_error, "lowest SNR (dB)": report.min_snr_db}
     if report.tensors_dequantized:
@@ -1215,4 +1292,8 @@ def record_in_card(report: VerifyReport, out: str | Path) -> None:
     if report.format == "dequantized":
         figures = {k: v for k, v in figures.items() if k not in ("tensors quantized", "worst relative error",
                                                                   "lowest SNR (dB)")}
-    write_atomic(card, with_verification(card.read_text(), figures).encode())
+    try:
+        write_atomic(card, with_verification(card.read_text(), figures).encode())
+    except OSError as e:
+        return f"{card}: the verification figures were not added to the model card ({e.strerror or e})"
+    return None

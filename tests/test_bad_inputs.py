@@ -373,6 +373,33 @@ def test_overwrite_replaces_an_earlier_output_but_not_files_added_to_it(tmp_path
     assert "pass --overwrite" not in err and tree_bytes(out) == before
 
 
+@pytest.mark.parametrize("manifest", ["unreadable", "older"])
+def test_overwrite_never_guesses_whose_files_an_unknown_manifest_covers(tmp_path, capsys, manifest):
+    """A manifest that cannot be read, or one from before fp8convert recorded its outputs, cannot tell
+    fp8convert's files from the user's: --overwrite replaces nothing (before, it deleted notes.txt), and
+    neither refusal advises --overwrite; a rerun without it refuses too when the manifest is unreadable."""
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0
+    (out / "notes.txt").write_text("mine")
+    path = out / ".fp8convert" / "manifest.json"
+    if manifest == "unreadable":
+        path.write_text(path.read_text()[:40])
+    else:
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "outputs"}))
+    before = tree_bytes(out)
+
+    def refusal(*args, says: str) -> None:
+        rc, err = run_cli(capsys, "quantize", src, out, "-q", *args)
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
+        assert str(path) in lines[0] and says in lines[0] and "pass --overwrite" not in lines[0], lines[0]
+        assert tree_bytes(out) == before
+    refusal("--scheme", "channel", "--overwrite", says="delete the folder yourself")
+    if manifest == "unreadable":
+        refusal(says="cannot be resumed")
+
+
 def test_batch_job_into_a_foreign_folder_fails_and_keeps_it(tmp_path, capsys):
     """batch jobs follow the same rule; `overwrite = true` in a job replaces an earlier output only."""
     src = write_checkpoint(tmp_path / "src")

@@ -156,6 +156,21 @@ def test_disk_full_says_how_much_is_free_and_needed(tmp_path, capsys, monkeypatc
                      r"needed; free space and rerun the same command to resume", err), err
 
 
+def test_disk_full_while_writing_a_shard_says_free_and_needed(tmp_path, capsys, monkeypatch):
+    """The shard writer's own full disk (pwrite failing with ENOSPC) reaches the same line: the partial
+    shard named, the space free there and the bytes still to write."""
+    import fp8convert.run.writer as writer_module
+    src = write_checkpoint(tmp_path / "src")
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(writer_module.os, "pwrite", full)
+    rc, _, err = run(capsys, "quantize", src, tmp_path / "out", "-q", "--device", "cpu")
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"\.safetensors\.partial: no space left on the device \(\d+\.\d\d [KMGT]?B free there\); "
+                     r"\d+\.\d\d [KMGT]?B more is needed; free space and rerun the same command to resume", err), err
+
+
 def test_cuda_out_of_memory_suggests_a_smaller_budget(tmp_path, capsys, monkeypatch):
     """torch's CUDA out-of-memory error, as the pipeline lets it through (budget noted on it)."""
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")

@@ -160,6 +160,27 @@ def test_devices_one_process_each(ref, tmp_path, capsys):
     assert tree_bytes(out) == reference
 
 
+@pytest.mark.slow
+def test_devices_with_overwrite_replace_an_earlier_output(ref, tmp_path, capsys, monkeypatch):
+    """--overwrite with --devices: the parent replaces OUT once, and the workers (each one of several,
+    which may not replace OUT themselves) write it again; the same through a batch job."""
+    src, reference = ref
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", "--scheme", "channel", "-q",
+                         "--max-shard-size", "1MB")
+    assert rc == 0, err
+    rc, _, err = run_cli(capsys, "quantize", src, out, "--devices", "cpu,cpu", "--overwrite", *ARGS)
+    assert rc == 0, err
+    assert tree_bytes(out) == reference
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"source": str(src), "out": str(out), "overwrite": True, "devices": "cpu,cpu",
+                                "max_shard_size": "1MB"}) + "\n")
+    rc, _, err = run_cli(capsys, "batch", jobs, "-q")
+    assert rc == 0, err
+    assert tree_bytes(out) == reference
+
+
 # ---------------------------------------------------------------- finalize refuses what is not complete
 
 @pytest.mark.parametrize("breakage", ["missing", "truncated", "header"])

@@ -244,7 +244,8 @@ def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert result == [1]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "No space left" in errors[0] and ".partial" in errors[0] and "rerun" in errors[0]
+    assert len(errors) == 1 and "no space left on the device" in errors[0] and "free there" in errors[0] \
+        and "more is needed" in errors[0] and ".partial" in errors[0] and "rerun" in errors[0], errors
     assert_partial_is_sound(out, reference)
     assert quantize(src, out) == 0
     assert tree_bytes(out) == reference

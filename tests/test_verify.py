@@ -209,6 +209,29 @@ def test_corrupted_scale_fails(damaged, capsys, fmt, scheme, how):
     cli_fails(capsys, src, out, Q)
 
 
+@pytest.mark.parametrize("fmt,scheme", COMBOS)
+@pytest.mark.parametrize("factor", [4.0, 2.0**20])
+def test_scale_larger_than_its_weights_need_fails_though_the_codes_fit_it(damaged, capsys, fmt, scheme, factor):
+    """A scale too large with its codes recomputed exactly for it (RNE of w / scale): every code is right
+    for the scale stored beside it, and at 2^20 every code is zero (relative error 1). Only the scale
+    itself, held to at most twice amax / 448 of its weights (a fused group's, in the tensor scheme),
+    shows it."""
+    from fp8convert.run.numerics import expand_scale
+    src, copy = damaged
+    out = copy(fmt, scheme)
+    name = Q + ("_scale_inv" if scheme == "block" and fmt == "fp8" else "_scale")
+    scale = load_file(str(out / SHARD))[name] * factor
+    w = load_file(str(src / "model-00002-of-00003.safetensors"))[Q].float()
+    expanded = expand_scale(scale, tuple(w.shape), scheme) if scheme == "block" else scale
+    codes = (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert factor == 4.0 or not codes.float().any()
+    set_tensor(out, name, scale)
+    set_tensor(out, Q, codes)
+    failures = failing(src, out)
+    assert any(f.startswith(Q) and "more than twice amax / 448" in f for f in failures), failures
+    cli_fails(capsys, src, out, Q)
+
+
 def rewrite_shard(out, edit) -> None:
     tensors = load_file(str(out / SHARD))
     edit(tensors)
@@ -354,6 +377,29 @@ def test_passing_verify_puts_its_figures_in_the_card(tmp_path, capsys):
     assert main(["verify", str(src), str(out)]) == 0  # again: still one section
     assert (out / "README.md").read_text().count("## Verification") == 1
 
+
+
+def test_passing_verify_of_an_output_it_cannot_write_still_passes(tmp_path, capsys, monkeypatch):
+    """A read-only output (a shared model store): verify passes, exit 0, and a warning says the card
+    could not take the figures; a checkpoint that is not fp8convert's own keeps its card untouched."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "-q", "--device", "cpu"]) == 0
+    capsys.readouterr()
+
+    def read_only(path, data):
+        raise OSError(30, "Read-only file system", str(path))
+    monkeypatch.setattr(verify_mod, "write_atomic", read_only)
+    assert main(["verify", str(src), str(out), "-q", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ok"] is True
+    assert "warning:" in captured.err and "README.md" in captured.err and "error:" not in captured.err
+    monkeypatch.undo()
+    other = tmp_path / "other"  # the same files, without fp8convert's work folder: someone else's checkpoint
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns(".fp8convert"))
+    card = (other / "README.md").read_bytes()
+    assert main(["verify", str(src), str(other), "-q"]) == 0
+    assert (other / "README.md").read_bytes() == card
 
 # ---------------------------------------------------------------- the fast arithmetic is the exact one
 

@@ -1,6 +1,7 @@
 """verify: check an FP8 checkpoint against its source, structure and numbers."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -45,7 +46,8 @@ def verify(
     else:
         print(verify_mod.render(report, worst, every_problem))
     if report.ok:
-        verify_mod.record_in_card(report, out)
+        if problem := verify_mod.record_in_card(report, out):
+            print(f"warning: {problem}", file=sys.stderr)
     else:
         causes = report.causes()
         raise verify_mod.VerifyFailed(f"{out}: verification failed, {plural(len(causes), 'problem')}; "

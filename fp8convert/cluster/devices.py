@@ -37,8 +37,10 @@ def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
 
 
 def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> list[Settings]:
-    """Each device's settings: its device, its part of worker `spec`'s shards, no finalize."""
-    return [replace(settings, device=device, devices=None, worker=spec.split(len(devices), part), finalize=False)
+    """Each device's settings: its device, its part of worker `spec`'s shards, no finalize, and no
+    --overwrite (the parent has already replaced OUT; a worker of several may not)."""
+    return [replace(settings, device=device, devices=None, worker=spec.split(len(devices), part), finalize=False,
+                    overwrite=False)
             for part, device in enumerate(devices)]
 
 

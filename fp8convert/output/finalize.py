@@ -40,7 +40,7 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
         # replacing it (--overwrite) needs every file in it to be fp8convert's.
         if overwrite:
             replace_output(out_dir)
-        elif (state := manifest.read()) is not None:
+        elif (state := read_for_resume(manifest, out_dir)) is not None:
             check_same_conversion(state, plan, out_dir)
             done = finished_shards(plan, out_dir)
             return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
@@ -56,6 +56,15 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
         raise FP8ConvertError(f"{out_dir}: not writable")
     manifest.create(plan, base_model)
     return set(), False
+
+
+def read_for_resume(manifest: Manifest, out_dir: Path) -> dict | None:
+    try:
+        return manifest.read()
+    except FP8ConvertError as e:
+        raise FP8ConvertError(f"{e}: {out_dir} cannot be resumed, and fp8convert cannot tell its files there from "
+                              "others' to replace them; delete the folder yourself or choose another output "
+                              "directory") from e
 
 
 def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:

@@ -44,9 +44,9 @@ class Manifest:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            raise FP8ConvertError(f"{self.path}: unreadable ({e}); remove it or pass --overwrite") from e
+            raise FP8ConvertError(f"{self.path}: unreadable ({e})") from e
         if not isinstance(state, dict):
-            raise FP8ConvertError(f"{self.path}: not a JSON object; remove it or pass --overwrite")
+            raise FP8ConvertError(f"{self.path}: not a JSON object")
         return state
 
     def write(self, data: dict) -> None:

@@ -29,23 +29,27 @@ def killed_before_manifest(out_dir: Path) -> bool:
 
 def foreign_entries(out_dir: Path) -> list[str]:
     """OUT's top-level entries that fp8convert did not write, sorted (directories end in '/'); [] when
-    every entry is its own. Without a manifest everything but the work folder is foreign; a manifest
-    that cannot be read, or one from before fp8convert recorded its outputs, makes the folder its own."""
+    every entry is its own. Without a manifest everything but the work folder is foreign. A manifest
+    that cannot be read, or one from before fp8convert recorded its outputs, cannot tell its files from
+    anyone else's: that is refused here, so nothing in such a folder is ever deleted."""
     out_dir = Path(out_dir)
     entries = {p.name: p for p in out_dir.iterdir()} if out_dir.is_dir() else {}
     if not entries or killed_before_manifest(out_dir):
         return []
     manifest = Manifest(out_dir)
-    if not manifest.path.is_file():
-        ours: set[str] | None = set()
-    else:
+    ours: set[str] = set()
+    if manifest.path.is_file():
         try:
             recorded = (manifest.read() or {}).get("outputs")
-        except FP8ConvertError:
-            recorded = None
-        ours = set(recorded) if isinstance(recorded, list) else None
-    if ours is None:
-        return []
+        except FP8ConvertError as e:
+            raise FP8ConvertError(f"{e}: fp8convert cannot tell its files in {out_dir} from others', so it "
+                                  "replaces nothing there; delete the folder yourself or choose another output "
+                                  "directory") from e
+        if not isinstance(recorded, list):
+            raise FP8ConvertError(f"{manifest.path}: does not list the files fp8convert wrote (an older output), so "
+                                  f"it replaces nothing in {out_dir}; delete the folder yourself or choose another "
+                                  "output directory")
+        ours = set(recorded)
     ours.add(WORK_DIR)
     return sorted(name + ("/" if path.is_dir() and not path.is_symlink() else "")
                   for name, path in entries.items() if name not in ours)

@@ -12,6 +12,7 @@ tensors can be written while torch is still loading.
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,8 +71,7 @@ class ShardWriter:
                 pwrite_all(fd, memoryview(shard.header), 0)
                 os.ftruncate(fd, shard.size)
             except OSError as e:
-                raise FP8ConvertError(f"{path}: write failed ({e.strerror}); rerun the same command to "
-                                      "resume once the problem is fixed") from e
+                raise self._write_error(path, e, "write failed") from e
         return self.fds[index]
 
     def write(self, run: Run, data, in_this_thread: bool = False) -> None:
@@ -134,8 +134,17 @@ class ShardWriter:
             self.ring[slot] = (staging, self._submit(index, fd, memoryview(staging[:n].numpy()), offset + start))
 
     def _raise_write_error(self, index: int, error: OSError) -> None:
-        raise FP8ConvertError(f"{self.partial_path(index)}: write failed ({error.strerror}); "
-                              "rerun the same command to resume once the problem is fixed") from error
+        raise self._write_error(self.partial_path(index), error, "write failed") from error
+
+    def _write_error(self, path: Path, error: OSError, what: str) -> Exception:
+        """The error to raise for a failed write of `path`. A full disk stays an OSError naming the file,
+        with the bytes still to write, for the CLI's disk-full line (free space and what is needed)."""
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            full = OSError(error.errno, error.strerror, str(path))
+            full.bytes_needed = sum(self.remaining.values())
+            return full
+        return FP8ConvertError(f"{path}: {what} ({error.strerror}); rerun the same command to resume once the "
+                               "problem is fixed")
 
     def _finish(self, index: int) -> None:
         """Called with the lock held, once the shard's last run was handed over."""
@@ -154,8 +163,7 @@ class ShardWriter:
             os.replace(self.partial_path(index), final)
             fsync_dir(self.out_dir)
         except OSError as e:
-            raise FP8ConvertError(f"{final}: cannot finish shard ({e.strerror}); rerun the same command to "
-                                  "resume once the problem is fixed") from e
+            raise self._write_error(final, e, "cannot finish shard") from e
         del self.remaining[index]
 
     def __enter__(self) -> "ShardWriter":
