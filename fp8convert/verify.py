@@ -722,19 +722,20 @@ OVERSIZE = 2.0
 
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
-    """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the largest |w|) for
-    one slab with float scales. The tensor scheme's scale may be a fused group's, so its comparison waits
+    """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the tensor scheme's
+    largest |w|) for one slab with float scales. The tensor scheme's scale may be a fused group's, so its comparison waits
     for every member (check_tensor_scales)."""
     import torch
 
     from .run.numerics import FP8_MAX, amax
-    wf = w.float()
-    largest = float(torch.maximum(wf.max(), wf.min().neg())) if wf.numel() else 0.0
-    if scheme == "tensor":
-        return 0, largest
-    a = amax(wf, scheme)
+    if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
+        if not w.numel():
+            return 0, 0.0
+        lo, hi = torch.aminmax(w)
+        return 0, float(torch.maximum(hi, lo.neg()))
+    a = amax(w, scheme)
     oversized = (s > a / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((a == 0) & (s == 1))
-    return int(oversized.sum()), largest
+    return int(oversized.sum()), 0.0
 
 
 def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
