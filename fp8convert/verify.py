@@ -114,7 +114,7 @@ class TensorCheck:
     ok: bool
     off_rule_scales: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax (must be 0)
     inexact_codes: int = 0    # with power-of-two scales: codes that are not RNE(w / scale) exactly (must be 0)
-    oversized_scales: int = 0  # channel and block float scales above amax / 448 of their rows or blocks (must be 0)
+    oversized_scales: int = 0  # channel and block float scales above twice amax / 448 of theirs (must be 0)
 
 
 @dataclass
@@ -723,8 +723,8 @@ OVERSIZE = 2.0
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
     """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the tensor scheme's
-    largest |w|) for one slab with float scales. The tensor scheme's scale may be a fused group's, so its comparison waits
-    for every member (check_tensor_scales)."""
+    largest |w|) for one slab with float scales. The tensor scheme's scale may be a fused group's, so its
+    comparison waits for every member (check_tensor_scales)."""
     import torch
 
     from .run.numerics import FP8_MAX, amax
@@ -791,8 +791,9 @@ def numbers_problem(check: TensorCheck, scheme: str) -> str:
         what.append(f"{plural(check.off_rule_scales, 'scale')} {are(check.off_rule_scales)} not the smallest power "
                     f"of two that fits their {'group' if scheme == 'mxfp8' else 'block'}")
     if check.oversized_scales:
-        what.append(f"{plural(check.oversized_scales, 'scale')} {are(check.oversized_scales)} more than twice amax / 448 "
-                    f"of their {'row' if scheme == 'channel' else 'block'} (codes lose precision, or round to zero)")
+        what.append(f"{plural(check.oversized_scales, 'scale')} {are(check.oversized_scales)} more than twice "
+                    f"amax / 448 of their {'row' if scheme == 'channel' else 'block'} (codes lose precision, or round "
+                    "to zero)")
     if check.inexact_codes:
         what.append(f"{plural(check.inexact_codes, 'code')} {are(check.inexact_codes)} not the round-to-nearest-even "
                     "e4m3 value of weight/scale")

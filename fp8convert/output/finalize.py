@@ -159,8 +159,9 @@ def check_shards(the_plan: Plan, out_dir: Path) -> None:
 
 def check_output_complete(out: str | Path, action: str = "push") -> dict:
     """Refuse anything but a finished conversion: manifest complete (when present), config.json with a
-    quantization_config (unless the manifest records a dequantize), the index, and every shard it names present with the size its header implies.
-    Returns the output's config.json. `action` names what is refused ("push")."""
+    quantization_config (unless the manifest records a dequantize), the index, and every shard it names
+    present with the size its header implies. Returns the output's config.json. `action` names what is
+    refused ("push")."""
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")
