@@ -10,7 +10,6 @@ import shutil
 import struct
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import fp8convert
@@ -148,17 +147,12 @@ def test_mxfp8_exponent_off_the_rule_in_a_late_slab_is_found(pow2_made, tmp_path
     assert check.off_rule_scales == 1 and not check.ok
 
 
-def test_mxfp8_output_with_a_truncated_shard_is_one_line(pow2_made, tmp_path, capsys):
-    src, outs = pow2_made
+@pytest.mark.parametrize("made,kind", [("pow2_made", "mx"), ("pow2_made", "ue8m0"), ("fp8_made", "dequantized")])
+def test_output_with_a_truncated_shard_is_one_line(made, kind, request, tmp_path, capsys):
+    """MXFP8, UE8M0 and dequantized outputs: a truncated shard is one line, whatever it held."""
+    src, outs = request.getfixturevalue(made)
     out = tmp_path / "out"
-    shutil.copytree(outs["mx"], out)
-    assert_one_truncation_line(src, out, capsys)
-
-
-def test_ue8m0_output_with_a_truncated_shard_is_one_line(pow2_made, tmp_path, capsys):
-    src, outs = pow2_made
-    out = tmp_path / "out"
-    shutil.copytree(outs["ue8m0"], out)
+    shutil.copytree(outs[kind], out)
     assert_one_truncation_line(src, out, capsys)
 
 
@@ -298,13 +292,6 @@ def test_passed_through_scale_changed_fails(fp8_made, tmp_path):
     poke(out, scale, 3, byte_of(out, scale, 3) ^ 0x40)   # the exponent of the first block's scale
     failures = verify(src, out, device="cpu").failures
     assert len(failures) == 1 and failures[0].startswith(q), failures
-
-
-def test_dequantized_output_with_a_truncated_shard_is_one_line(fp8_made, tmp_path, capsys):
-    src, outs = fp8_made
-    out = tmp_path / "out"
-    shutil.copytree(outs["dequantized"], out)
-    assert_one_truncation_line(src, out, capsys)
 
 
 def test_dequantized_verify_records_its_figures_in_the_card(fp8_made, tmp_path, capsys):

@@ -221,19 +221,11 @@ def _specs() -> dict[str, Spec]:
                              ffn_config={"ffn_hidden_size": MOE_I, "moe_num_experts": E, "moe_top_k": E},
                              pad_token_id=0, bos_token_id=1, eos_token_id=2),
         notes="experts as 2-D [E*I, H] tensors without .weight (ffn.experts.mlp.w1/v1/w2); fused Wqkv")
-    add("deepseek_v2", lambda: _cfg("DeepseekV2Config", **_moe(moe_intermediate_size=MOE_I, num_key_value_heads=4,
-                                                               n_routed_experts=E, num_experts_per_tok=E,
-                                                               n_shared_experts=1, first_k_dense_replace=1,
-                                                               q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-                                                               qk_nope_head_dim=16, v_head_dim=16, n_group=1,
-                                                               topk_group=1)),
-        notes="MLA; first layer dense")
-    add("deepseek_v3", lambda: _cfg("DeepseekV3Config", **_moe(moe_intermediate_size=MOE_I, num_key_value_heads=4,
-                                                               n_routed_experts=E, num_experts_per_tok=E,
-                                                               n_shared_experts=1, first_k_dense_replace=1,
-                                                               q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-                                                               qk_nope_head_dim=16, v_head_dim=16, n_group=1,
-                                                               topk_group=1, num_nextn_predict_layers=1)),
+    mla = dict(moe_intermediate_size=MOE_I, num_key_value_heads=4, n_routed_experts=E, num_experts_per_tok=E,
+               n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+               qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1)  # DeepSeek-V2/V3's MLA and MoE
+    add("deepseek_v2", lambda: _cfg("DeepseekV2Config", **_moe(**mla)), notes="MLA; first layer dense")
+    add("deepseek_v3", lambda: _cfg("DeepseekV3Config", **_moe(**mla, num_nextn_predict_layers=1)),
         mtp="deepseek", notes="MLA, e_score_correction_bias, MTP layer at model.layers.2")
     add("glm4_moe", lambda: _cfg("Glm4MoeConfig", **_moe(head_dim=16, moe_intermediate_size=MOE_I, n_routed_experts=E,
                                                          num_experts_per_tok=E, n_shared_experts=1,

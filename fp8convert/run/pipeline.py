@@ -24,12 +24,12 @@ from ..plan.plan import Plan, Unit
 from ..plan.runs import output_runs
 from .assembly import BatchOutput
 from .device import budget_for, io_threads, resolve_device
+from .handoff import POLL_S, Failed, acquire_unless_stopped, put_unless_stopped
 from .progress import Progress
 from .quantizer import quantize_batch, read_order
 from .reader import BatchReader
 from .writer import ShardWriter
 
-POLL_S = 0.1  # every wait in the reader and writer threads wakes this often to check for a stop
 # How far the stages may run ahead of each other, in batches. READ_AHEAD: batches read into device
 # memory and not yet quantized (2 lets the next read overlap quantizing); WRITE_AHEAD: batches quantized
 # while the writer has not finished the one before. 1 and 1 keep the device at one batch read plus one
@@ -85,13 +85,6 @@ def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max
     seconds = {"torch_ready_at": round(torch_ready - started, 3), **stages.as_dict(),
                "pipeline": round(time.monotonic() - torch_ready, 3)}
     return RunResult(seconds, str(dev), peak)
-
-
-class _Failed:
-    """A reader-thread failure, handed to the main thread, which raises it."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 def last_use(uses_left: Counter, files: list[str]) -> list[str]:
@@ -156,7 +149,7 @@ class Pipeline:
             except queue.Empty:
                 self._raise_writer_error()
         self.seconds.wait_read += time.monotonic() - t0
-        if isinstance(item, _Failed):
+        if isinstance(item, Failed):
             raise item.error
         return item
 
@@ -204,28 +197,18 @@ class Pipeline:
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
-                while not self.read_slot.acquire(timeout=POLL_S):
-                    if self.stop.is_set():
-                        return
+                if not acquire_unless_stopped(self.read_slot, self.stop):
+                    return
                 self.fetcher.need(batch.files)
                 item = (batch, *self.reader.read(read_order(batch)))
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
-                if self.stop.is_set() or not self._hand_to_main(item):
+                if not put_unless_stopped(self.to_main, item, self.stop):
                     return
                 del item
-            self._hand_to_main(None)
+            put_unless_stopped(self.to_main, None, self.stop)
         except BaseException as e:  # handed to the main thread, which raises it
-            self._hand_to_main(_Failed(e))
-
-    def _hand_to_main(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.to_main.put(item, timeout=POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+            put_unless_stopped(self.to_main, Failed(e), self.stop)
 
     # -- writer thread
 

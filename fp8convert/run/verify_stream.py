@@ -19,11 +19,11 @@ import torch
 
 from ..safetensors_io import TensorInfo, torch_dtype
 from .device import io_threads
+from .handoff import POLL_S, Failed, acquire_unless_stopped, put_unless_stopped
 from .prefetch import Prefetcher, default_threads
 from .progress import Progress
 from .reader import BatchReader
 
-POLL_S = 0.1
 
 
 @dataclass
@@ -79,11 +79,6 @@ def as_tensor(buf: torch.Tensor, offset: int, info: TensorInfo) -> torch.Tensor:
     raw = buf[offset:offset + info.nbytes]
     return raw.view(torch_dtype(info.dtype)).view(info.shape) if info.nbytes else \
         torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=buf.device)
-
-
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 class VerifyStream:
@@ -151,34 +146,24 @@ class VerifyStream:
             except queue.Empty:
                 if not self.thread.is_alive():  # it hands over everything, a failure included, before ending
                     return None
-        if isinstance(item, _Failed):
+        if isinstance(item, Failed):
             raise item.error
         return item
 
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
-                while not self.slots.acquire(timeout=POLL_S):
-                    if self.stop.is_set():
-                        return
+                if not acquire_unless_stopped(self.slots, self.stop):
+                    return
                 item = (batch, self.source_reader.read(batch.source), self.out_reader.read(batch.output))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 for p, pieces in zip(self.prefetchers, (batch.source, batch.output)):
                     p.advance(sum(t.nbytes for t in pieces))
-                if not self._hand_over(item):
+                if not put_unless_stopped(self.handoff, item, self.stop):
                     return
                 del item
-            self._hand_over(None)
+            put_unless_stopped(self.handoff, None, self.stop)
         except BaseException as e:  # raised in the caller's thread
             with contextlib.suppress(Exception):
-                self._hand_over(_Failed(e))
-
-    def _hand_over(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.handoff.put(item, timeout=POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+                put_unless_stopped(self.handoff, Failed(e), self.stop)

@@ -1,0 +1,39 @@
+"""Hand-offs between the run's threads that never wait past a stop.
+
+A reader thread hands batches to the thread that consumes them through a bounded queue, and holds a slot
+(a semaphore) for each batch in memory. Every wait wakes every POLL_S to check the run's stop event, so
+the thread ends even when an interrupt landed inside a queue operation and a notification was lost. A
+failure in the thread is handed over as `Failed`, for the consumer to raise in its own thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+POLL_S = 0.1
+
+
+class Failed:
+    """A worker thread's failure, handed to the consuming thread, which raises it."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put `item` once there is room; False (item not put) once `stop` is set."""
+    while not stop.is_set():
+        try:
+            handoff.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> bool:
+    """Take a slot once one is free; False (none taken) once `stop` is set."""
+    while not slot.acquire(timeout=POLL_S):
+        if stop.is_set():
+            return False
+    return True
