@@ -1,13 +1,15 @@
 """Write stage: stream byte ranges into shards whose headers the plan already fixed.
 
-Each shard is a hidden partial file, preallocated to its final size with the header written first;
-runs of output bytes (plan/runs.py) land at their planned offsets as they arrive, in any order and from
-any thread (the pipeline's writer, and the copier of kept tensors). When a shard's last byte arrives it
-is fsynced and renamed into place; a rerun skips shards that already have their final name.
+Each shard is a hidden partial file, its header written first and its blocks reserved at its final
+size (every shard, by a thread of its own, from the start of the run: a full disk shows at once);
+runs of output bytes (plan/runs.py) land at their planned offsets as they arrive, in any order and
+from any thread (the pipeline's writer, and the copier of kept tensors). When a shard's last byte
+arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
 
-Writes are large and go through a few threads (a disk, or tmpfs, takes parallel writes faster than one
-stream); from CUDA each chunk is first copied into one of a small ring of pinned buffers, so host memory
-stays fixed whatever the layer size. Nothing here imports torch until a device tensor arrives, so kept
+Writes are large and go through a few threads, so the next chunk leaves the device while earlier ones
+are written (the kernel serialises buffered writes to one file: more threads do not make one shard
+faster, only shards written at once); from CUDA each chunk is first copied into one of a small ring
+of pinned buffers, so host memory stays fixed whatever the layer size. Nothing here imports torch until a device tensor arrives, so kept
 tensors can be written while torch is still loading.
 """
 from __future__ import annotations
@@ -21,7 +23,11 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..plan.plan import Plan
 from ..plan.runs import Run
-from .writeback import fsync_dir, start_writeback
+from .writeback import fsync_dir, reserve, start_writeback
+
+# Create every shard and reserve its blocks at the start of the run, while torch loads, rather than as
+# its first bytes arrive (scripts/profile_stages.py --no-preallocate measures the difference).
+PREALLOCATE = True
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -49,6 +55,9 @@ class ShardWriter:
         self.ring: list = []          # pinned staging buffers and the write each one feeds (CUDA)
         self.next_slot = 0
         self.stream = None
+        self.closed = False
+        self.allocate_error: BaseException | None = None  # raised by the next write: fail before the work
+        self.allocator = threading.Thread(target=self._create_all, name="fp8convert-allocate", daemon=True)
 
     def use_threads(self, threads: int) -> None:
         """How many threads write pooled writes (before the first one; the device decides it)."""
@@ -59,20 +68,42 @@ class ShardWriter:
         return self.work_dir / (self.plan.shards[index].name + ".partial")
 
     def _fd(self, index: int) -> int:
+        """The shard's open partial file, created on first use (called with the lock held)."""
         if index not in self.fds:
-            shard = self.plan.shards[index]
-            path = self.partial_path(index)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            except OSError as e:
-                raise FP8ConvertError(f"{path}: cannot create ({e.strerror})") from e
-            self.fds[index] = fd  # closed by close(), also when the next lines fail
-            try:
-                pwrite_all(fd, memoryview(shard.header), 0)
-                os.ftruncate(fd, shard.size)
-            except OSError as e:
-                raise self._write_error(path, e, "write failed") from e
+            self.fds[index] = self._create(index)
         return self.fds[index]
+
+    def _create(self, index: int) -> int:
+        """A new partial file: the header, then every block reserved. Nothing is left open on failure,
+        so the next call starts the file again."""
+        shard = self.plan.shards[index]
+        path = self.partial_path(index)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise FP8ConvertError(f"{path}: cannot create ({e.strerror})") from e
+        try:
+            pwrite_all(fd, memoryview(shard.header), 0)
+            reserve(fd, shard.size)
+        except OSError as e:
+            os.close(fd)
+            raise self._write_error(path, e, "write failed") from e
+        return fd
+
+    def _create_all(self) -> None:
+        """The allocator thread: every shard still to write, in order. Its first failure (a full disk,
+        above all) is raised by the next write, not hours later when that shard's turn comes."""
+        for index in range(len(self.plan.shards)):
+            with self.lock:
+                if self.closed:
+                    return
+                if index not in self.remaining:
+                    continue  # written in an earlier run, another worker's, or already whole (kept tensors)
+                try:
+                    self._fd(index)
+                except BaseException as e:
+                    self.allocate_error = e
+                    return
 
     def write(self, run: Run, data, in_this_thread: bool = False) -> None:
         """Write one run. `data` is its bytes in file order: a uint8 torch tensor on any device, or a
@@ -80,6 +111,8 @@ class ShardWriter:
         until they are written, or with `in_this_thread` before this returns (the caller may then
         reuse its buffer)."""
         with self.lock:
+            if self.allocate_error is not None:
+                raise self.allocate_error
             if run.shard not in self.remaining:
                 return  # finished in an earlier run
             size = data.numel() if hasattr(data, "numel") else memoryview(data).nbytes
@@ -167,12 +200,18 @@ class ShardWriter:
         del self.remaining[index]
 
     def __enter__(self) -> "ShardWriter":
+        if PREALLOCATE:
+            self.allocator.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        if self.allocator.is_alive():
+            self.allocator.join()  # it may be creating a file: let it finish, then close that file too
         if self.pool is not None:
             self.pool.shutdown(wait=True)  # no write may land after its file is closed
         for fd in self.fds.values():

@@ -1,0 +1,139 @@
+"""The shard writer's files: every shard created and its blocks reserved at the start of the run, a
+full disk reported before the work, the same bytes where a file system cannot reserve, and no stray
+partial file for a shard already written."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+import fp8convert
+from fp8convert.cli import main
+from fp8convert.plan.runs import output_runs
+from fp8convert.run import writeback, writer as writer_module
+from fp8convert.run.writer import ShardWriter
+from tiny_ckpt import tree_bytes, write_checkpoint
+
+SHARD_SIZE = "40KB"  # the tiny checkpoint then makes several output shards
+
+
+def reserves_blocks(directory: Path) -> bool:
+    """Whether this file system allocates blocks ahead with fallocate (ext4, xfs and tmpfs do)."""
+    probe = directory / "probe"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT)
+    try:
+        writeback.reserve(fd, 1 << 20)
+        return os.fstat(fd).st_blocks * 512 >= 1 << 20
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def test_reserve_allocates_every_block(tmp_path):
+    if not reserves_blocks(tmp_path):
+        pytest.skip("this file system does not allocate ahead")
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        writeback.reserve(fd, 5 << 20)
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    assert st.st_size == 5 << 20 and st.st_blocks * 512 >= 5 << 20
+
+
+def test_reserve_leaves_a_sparse_file_where_the_file_system_cannot(tmp_path, monkeypatch):
+    def cannot(fd, mode, offset, length):
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+    monkeypatch.setattr(writeback, "_fallocate", cannot)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        writeback.reserve(fd, 5 << 20)
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    assert st.st_size == 5 << 20 and st.st_blocks * 512 < 1 << 20
+
+
+def test_reserve_raises_a_full_disk(tmp_path, monkeypatch):
+    def full(fd, mode, offset, length):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+    monkeypatch.setattr(writeback, "_fallocate", full)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(OSError) as caught:
+            writeback.reserve(fd, 5 << 20)
+    finally:
+        os.close(fd)
+    assert caught.value.errno == errno.ENOSPC
+
+
+def test_every_shard_is_created_and_reserved_at_the_start(tmp_path):
+    src = write_checkpoint(tmp_path / "src")
+    plan = fp8convert.make_plan(src, max_shard_size=SHARD_SIZE)
+    assert len(plan.shards) >= 3
+    work = tmp_path / "out" / "work"
+    work.mkdir(parents=True)
+    with ShardWriter(plan, tmp_path / "out", work, skip_shards={1}) as writer:
+        writer.allocator.join()  # nothing was written: the allocator alone made the files
+        partials = sorted(p.name for p in work.iterdir())
+        for shard in plan.shards:
+            if shard.index == 1:
+                continue
+            path = writer.partial_path(shard.index)
+            st = path.stat()
+            assert st.st_size == shard.size
+            assert path.read_bytes()[:len(shard.header)] == shard.header
+            if reserves_blocks(tmp_path):
+                assert st.st_blocks * 512 >= shard.size - len(shard.header)
+    assert partials == sorted(s.name + ".partial" for s in plan.shards if s.index != 1)  # not the skipped one
+
+
+def test_a_shard_written_before_the_allocator_reaches_it_is_not_created_again(tmp_path, monkeypatch):
+    src = write_checkpoint(tmp_path / "src")
+    plan = fp8convert.make_plan(src, max_shard_size=SHARD_SIZE)
+    work = tmp_path / "out" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.setattr(writer_module, "PREALLOCATE", False)  # the allocator runs by hand below
+    first = plan.shards[0]
+    with ShardWriter(plan, tmp_path / "out", work, skip_shards=set()) as writer:
+        tensors = [t for t in plan.tensors if plan.shard_of[t.name] == first.index]
+        for run in output_runs(plan, tensors, merge=False):
+            writer.write(run, bytes(run.nbytes), in_this_thread=True)
+        assert (tmp_path / "out" / first.name).exists() and not writer.partial_path(0).exists()
+        writer._create_all()
+        assert not writer.partial_path(0).exists()
+        assert writer.partial_path(1).exists()
+
+
+def test_a_full_disk_while_reserving_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """The allocator meets the full disk; the run stops at its next write with the disk-full line
+    (the partial shard named, the bytes still needed), and no shard is finished."""
+    src = write_checkpoint(tmp_path / "src")
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(writer_module, "reserve", full)
+    out = tmp_path / "out"
+    rc = main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert ".safetensors.partial: no space left on the device" in err and "more is needed" in err, err
+    assert not list(out.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("preallocate, fallocate_works", [(False, True), (True, False)])
+def test_same_bytes_with_and_without_reserved_blocks(tmp_path, monkeypatch, preallocate, fallocate_works):
+    src = write_checkpoint(tmp_path / "src")
+    reference = tmp_path / "reference"
+    assert main(["quantize", str(src), str(reference), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
+    monkeypatch.setattr(writer_module, "PREALLOCATE", preallocate)
+    if not fallocate_works:
+        monkeypatch.setattr(writeback, "_fallocate", None)
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
+    assert tree_bytes(out) == tree_bytes(reference)
