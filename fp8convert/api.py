@@ -31,7 +31,7 @@ from .plan.summary import compatibility_warnings
 from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
 from .run.progress import Progress
-from .run.warmup import TorchWarmup, start_torch
+from .run.warmup import start_torch
 from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
@@ -41,8 +41,6 @@ from .source.streaming import NoFetcher, need_order
 
 # Kept tensors are copied while torch loads (the disk has work from the first second) rather than after.
 COPY_KEPT_DURING_IMPORT = True
-# The prefetcher keeps one read in flight, not several, until `import torch` is done (run/prefetch.py).
-PREFETCH_GENTLY_DURING_IMPORT = True
 
 
 @dataclass
@@ -244,7 +242,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
     bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
-    with fetcher, _prefetcher(the_plan, units, settings, warmup) as prefetcher, contextlib.closing(bar), \
+    with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
             KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
                        after=None if COPY_KEPT_DURING_IMPORT else warmup) as copier:
@@ -285,13 +283,12 @@ def _ignore(nbytes: int) -> None:
     pass
 
 
-def _prefetcher(the_plan: Plan, units: list[Unit], settings: Settings, warmup: TorchWarmup):
+def _prefetcher(the_plan: Plan, units: list[Unit], settings: Settings):
     """The page-cache read-ahead (nothing to read ahead of a streamed source: its shards arrive as needed)."""
     if not settings.prefetch or settings.stream_download:
         return contextlib.nullcontext()
     return Prefetcher(the_plan.source.root, unique_inputs([t for u in units for a in u.atoms() for t in a]),
-                      settings.prefetch, threads=settings.prefetch_threads or default_threads(),
-                      gentle_until=warmup.imported if PREFETCH_GENTLY_DURING_IMPORT else None)
+                      settings.prefetch, threads=settings.prefetch_threads or default_threads())
 
 
 def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: set[int], progress: bool) -> None:

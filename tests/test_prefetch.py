@@ -1,5 +1,5 @@
 """The page-cache prefetcher: it reads the spans in order, never more than its window ahead of the
-reader, and keeps a single read in flight until torch is imported."""
+reader."""
 from __future__ import annotations
 
 import threading
@@ -38,22 +38,6 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
-
-
-def test_one_read_in_flight_until_torch_is_imported_then_several(tmp_path, monkeypatch):
-    imported = threading.Event()
-    recorder = Recorder(0.02)
-    prefetcher = Prefetcher(tmp_path, source(tmp_path, 40), window_bytes=1 << 30, threads=4, chunk_bytes=CHUNK,
-                            gentle_until=imported)
-    monkeypatch.setattr(prefetcher, "_read", recorder)
-    with prefetcher:
-        wait_until(lambda: len(recorder.offsets) >= 8)
-        gentle = len(recorder.concurrency)
-        imported.set()
-        wait_until(lambda: len(recorder.offsets) == 40)
-    assert max(recorder.concurrency[:gentle]) == 1
-    assert max(recorder.concurrency[gentle:]) > 1
-    assert sorted(recorder.offsets) == [i * CHUNK for i in range(40)]
 
 
 def test_never_more_than_the_window_ahead_of_the_reader(tmp_path, monkeypatch):

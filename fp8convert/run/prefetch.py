@@ -3,10 +3,8 @@
 Cold reads are the bottleneck, so the disk should be busy from the first second: the prefetcher
 starts before torch is even imported (that import alone takes seconds) and keeps large sequential
 reads in flight with several threads, never more than `window` bytes ahead of what the reader has
-consumed, so page-cache use stays bounded. Until `import torch` is done (`gentle_until`) it keeps
-one read in flight, not several: the import's own small reads of torch's files come first, and the
-disk is still kept busy. The reader then copies from the page cache. Nothing here is needed for
-correctness: if the prefetcher falls behind, the reader simply reads from disk itself.
+consumed, so page-cache use stays bounded. The reader then copies from the page cache. Nothing here
+is needed for correctness: if the prefetcher falls behind, the reader simply reads from disk itself.
 """
 from __future__ import annotations
 
@@ -38,13 +36,11 @@ class Prefetcher:
     """A context manager: entering starts the reads, leaving stops them."""
 
     def __init__(self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8,
-                 chunk_bytes: int = 16 << 20, gentle_until: threading.Event | None = None):
+                 chunk_bytes: int = 16 << 20):
         self.root, self.window, self.chunk = Path(root), window_bytes, chunk_bytes
         self.spans = merge_spans(tensors)
         self.threads = threads
-        self.gentle_until = gentle_until
         self.consumed = 0
-        self.in_flight = 0
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._dispatch, name="fp8convert-prefetch", daemon=True)
@@ -72,18 +68,9 @@ class Prefetcher:
             self.cond.notify_all()
         self.thread.join()
 
-    def _may_read(self, dispatched: int) -> bool:
-        """Called with the lock held: room in the window, and fewer reads in flight than allowed."""
-        gentle = self.gentle_until is not None and not self.gentle_until.is_set()
-        return dispatched - self.consumed < self.window and self.in_flight < (1 if gentle else self.threads * 2)
-
-    def _read_done(self, _future) -> None:
-        with self.cond:
-            self.in_flight -= 1
-            self.cond.notify_all()
-
     def _dispatch(self) -> None:
         fds: dict[str, int] = {}
+        in_flight = threading.BoundedSemaphore(self.threads * 2)
         dispatched = 0
         try:
             with ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-prefetch") as pool:
@@ -93,12 +80,12 @@ class Prefetcher:
                     for offset in range(start, end, self.chunk):
                         length = min(self.chunk, end - offset)
                         with self.cond:
-                            while not (self.stopped or self._may_read(dispatched)):
-                                self.cond.wait(timeout=0.05)  # also wakes to see the import finish
+                            self.cond.wait_for(lambda: self.stopped or dispatched - self.consumed < self.window)
                             if self.stopped:
                                 return
-                            self.in_flight += 1
-                        pool.submit(self._read, fds[file], offset, length).add_done_callback(self._read_done)
+                        in_flight.acquire()
+                        pool.submit(self._read, fds[file], offset, length).add_done_callback(
+                            lambda _: in_flight.release())
                         dispatched += length
         except OSError:
             return  # the reader will report the problem with the file itself

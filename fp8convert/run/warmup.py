@@ -9,29 +9,17 @@ from __future__ import annotations
 import threading
 
 
-class TorchWarmup(threading.Thread):
-    """The loading thread; `imported` is set once `import torch` is done (CUDA may still be starting)."""
-
-    def __init__(self, device: str):
-        super().__init__(name="fp8convert-torch", daemon=True)
-        self.device = device
-        self.imported = threading.Event()
-
-    def run(self) -> None:
-        try:
-            import torch
-            self.imported.set()
-            if self.device != "cpu" and torch.cuda.is_available():
-                torch.empty(1, device="cuda" if self.device == "auto" else self.device)
-        except Exception:  # noqa: BLE001 - reported by the pipeline, which tries again
-            pass
-        finally:
-            self.imported.set()
-
-
-def start_torch(device: str) -> TorchWarmup:
+def start_torch(device: str) -> threading.Thread:
     """Import torch and, unless `device` is the CPU, start CUDA on it. Failures are left for the
     pipeline to report in its own words, when it resolves the device."""
-    thread = TorchWarmup(device)
+    def load() -> None:
+        try:
+            import torch
+            if device != "cpu" and torch.cuda.is_available():
+                torch.empty(1, device="cuda" if device == "auto" else device)
+        except Exception:  # noqa: BLE001 - reported by the pipeline, which tries again
+            pass
+
+    thread = threading.Thread(target=load, name="fp8convert-torch", daemon=True)
     thread.start()
     return thread
