@@ -20,55 +20,48 @@ from tiny_ckpt import tree_bytes, write_checkpoint
 SHARD_SIZE = "40KB"  # the tiny checkpoint then makes several output shards
 
 
-def reserves_blocks(directory: Path) -> bool:
-    """Whether this file system allocates blocks ahead with fallocate (ext4, xfs and tmpfs do)."""
-    probe = directory / "probe"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT)
+def reserved(path: Path, size: int) -> os.stat_result:
+    """A new file at `path`, reserved at `size` bytes; its stat."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        writeback.reserve(fd, 1 << 20)
-        return os.fstat(fd).st_blocks * 512 >= 1 << 20
+        writeback.reserve(fd, size)
+        return os.fstat(fd)
     finally:
         os.close(fd)
-        probe.unlink()
+
+
+def reserves_blocks(directory: Path) -> bool:
+    """Whether this file system allocates blocks ahead with fallocate (ext4, xfs and tmpfs do)."""
+    st = reserved(directory / "probe", 1 << 20)
+    (directory / "probe").unlink()
+    return st.st_blocks * 512 >= 1 << 20
+
+
+def failing_fallocate(error: int):
+    """Stands in for libc's fallocate: fails with `error`, as the C call reports it."""
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(error)
+        return -1
+    return fallocate
 
 
 def test_reserve_allocates_every_block(tmp_path):
     if not reserves_blocks(tmp_path):
         pytest.skip("this file system does not allocate ahead")
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        writeback.reserve(fd, 5 << 20)
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
+    st = reserved(tmp_path / "f", 5 << 20)
     assert st.st_size == 5 << 20 and st.st_blocks * 512 >= 5 << 20
 
 
 def test_reserve_leaves_a_sparse_file_where_the_file_system_cannot(tmp_path, monkeypatch):
-    def cannot(fd, mode, offset, length):
-        ctypes.set_errno(errno.EOPNOTSUPP)
-        return -1
-    monkeypatch.setattr(writeback, "_fallocate", cannot)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        writeback.reserve(fd, 5 << 20)
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
+    monkeypatch.setattr(writeback, "_fallocate", failing_fallocate(errno.EOPNOTSUPP))
+    st = reserved(tmp_path / "f", 5 << 20)
     assert st.st_size == 5 << 20 and st.st_blocks * 512 < 1 << 20
 
 
 def test_reserve_raises_a_full_disk(tmp_path, monkeypatch):
-    def full(fd, mode, offset, length):
-        ctypes.set_errno(errno.ENOSPC)
-        return -1
-    monkeypatch.setattr(writeback, "_fallocate", full)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with pytest.raises(OSError) as caught:
-            writeback.reserve(fd, 5 << 20)
-    finally:
-        os.close(fd)
+    monkeypatch.setattr(writeback, "_fallocate", failing_fallocate(errno.ENOSPC))
+    with pytest.raises(OSError) as caught:
+        reserved(tmp_path / "f", 5 << 20)
     assert caught.value.errno == errno.ENOSPC
 
 
