@@ -49,8 +49,8 @@ def main() -> int:
     for t, read, written, busy in rows:
         print(f"{t:7.2f} {read:10.0f} {written:11.0f} {busy:7.0f}  {'R' * int(read / 200)}|{'W' * int(written / 200)}")
     idle = sum(interval for *_, busy in rows if busy < 20)
-    print(f"read {sum(r[1] for r in rows) * interval / 1e3:.2f} GB, written {sum(r[2] for r in rows) * interval / 1e3:.2f} GB, "
-          f"under 20% busy for {idle:.2f} s")
+    read, written = (sum(r[i] for r in rows) * interval / 1e3 for i in (1, 2))
+    print(f"read {read:.2f} GB, written {written:.2f} GB, under 20% busy for {idle:.2f} s")
     return proc.returncode
 
 
