@@ -95,15 +95,19 @@ def block_grid(shape) -> tuple[int, int]:
     return math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
 
 
-def block_scales(w: torch.Tensor) -> torch.Tensor:
-    """[ceil(out/128), ceil(in/128)] float32; edge blocks are partial."""
+def per_block(w: torch.Tensor, scale_of) -> torch.Tensor:
+    """[ceil(out/128), ceil(in/128)] float32, scale_of(block) for each 128x128 block; edge blocks are
+    partial."""
     gr, gc = block_grid(w.shape)
     s = torch.empty(gr, gc, dtype=torch.float32)
     for i in range(gr):
         for j in range(gc):
-            blk = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
-            s[i, j] = scale_from_amax(amax_of(blk))
+            s[i, j] = scale_of(w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK])
     return s
+
+
+def block_scales(w: torch.Tensor) -> torch.Tensor:
+    return per_block(w, lambda blk: scale_from_amax(amax_of(blk)))
 
 
 def quantize_block(w: torch.Tensor):
@@ -155,14 +159,8 @@ def quantize_mx(w: torch.Tensor):
 
 
 def ue8m0_block_scales(w: torch.Tensor) -> torch.Tensor:
-    """[ceil(out/128), ceil(in/128)] float32 powers of two, block by block."""
-    gr, gc = block_grid(w.shape)
-    s = torch.empty(gr, gc, dtype=torch.float32)
-    for i in range(gr):
-        for j in range(gc):
-            blk = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
-            s[i, j] = pow2(smallest_exponent(max(amax_of(blk).item(), UE8M0_MIN_AMAX)))
-    return s
+    """Block scales rounded up to powers of two."""
+    return per_block(w, lambda blk: pow2(smallest_exponent(max(amax_of(blk).item(), UE8M0_MIN_AMAX))))
 
 
 # ---------------------------------------------------------------- dequant

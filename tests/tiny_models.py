@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
+from zoo import HIDDEN, VOCAB, common_kwargs
+
 KINDS = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 MOE_KINDS = ("qwen3_moe", "mixtral", "deepseek_v3")
 DENSE_KINDS = ("llama", "qwen3")
 
-VOCAB = 256
-HIDDEN = 64
 N_EXPERTS = 16  # a multiple of 16, so routers are kept because they are routers, not for their shape
 # Every token is routed to every expert (top-k = E): routing then varies smoothly with the weights, so
 # FP8 noise cannot flip a top-k choice and the logits comparison measures the converter, not routing
@@ -47,50 +47,33 @@ CHAT_TEMPLATE = (
 def _config(kind: str):
     import transformers as tf
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
     if kind == "llama":
         # every in_features a multiple of 128: compressed-tensors' block scheme quantizes input
         # activations in groups of 128 and cannot run a layer whose in_features is not a multiple
-        common["hidden_size"] = 128
-        return tf.LlamaConfig(**common, intermediate_size=256, num_key_value_heads=2, head_dim=32)
+        return tf.LlamaConfig(**common_kwargs(hidden_size=128, intermediate_size=256, head_dim=32))
     if kind == "qwen3":
         # 192 = 1.5 blocks: partial edge blocks inside a multi-block grid
-        return tf.Qwen3Config(**common, intermediate_size=192, num_key_value_heads=2, head_dim=32)
+        return tf.Qwen3Config(**common_kwargs(intermediate_size=192, head_dim=32))
     if kind == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **common,
+        return tf.Qwen3MoeConfig(**common_kwargs(
             intermediate_size=128,
             moe_intermediate_size=32,
             num_experts=N_EXPERTS,
             num_experts_per_tok=N_EXPERTS,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            num_key_value_heads=2,
             head_dim=16,
             norm_topk_prob=True,
-        )
+        ))
     if kind == "mixtral":
-        return tf.MixtralConfig(
-            **common,
+        return tf.MixtralConfig(**common_kwargs(
             intermediate_size=32,
             num_local_experts=N_EXPERTS,
             num_experts_per_tok=N_EXPERTS,
-            num_key_value_heads=2,
             head_dim=16,
-        )
+        ))
     if kind == "deepseek_v3":
-        return tf.DeepseekV3Config(
-            **common,
+        return tf.DeepseekV3Config(**common_kwargs(
             intermediate_size=128,
             moe_intermediate_size=32,
             num_key_value_heads=4,
@@ -105,7 +88,7 @@ def _config(kind: str):
             qk_rope_head_dim=16,
             qk_nope_head_dim=16,
             v_head_dim=16,
-        )
+        ))
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
 
 

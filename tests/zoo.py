@@ -85,7 +85,7 @@ def _tf():
     return transformers
 
 
-def _common(**overrides) -> dict:
+def common_kwargs(**overrides) -> dict:
     """Keyword arguments shared by most decoder-only text configs."""
     kw = dict(
         vocab_size=VOCAB,
@@ -105,7 +105,7 @@ def _common(**overrides) -> dict:
 
 
 def _moe(**overrides) -> dict:
-    kw = _common(intermediate_size=128)
+    kw = common_kwargs(intermediate_size=128)
     kw.update(overrides)
     return kw
 
@@ -130,7 +130,7 @@ def _qwen_vision(kind: str, out_hidden: int, **extra) -> dict:
 
 def _text_vlm(model_type: str, **extra) -> dict:
     """Text sub-config kwargs of a multimodal model (`model_type` only names the caller)."""
-    kw = _common(head_dim=16)
+    kw = common_kwargs(head_dim=16)
     kw.pop("bos_token_id"), kw.pop("eos_token_id")
     kw.update(extra)
     return kw
@@ -160,33 +160,33 @@ def _specs() -> dict[str, Spec]:
         s[name] = Spec(model_type=kw.pop("model_type", name), config=config, **kw)
 
     # --- dense decoders ---------------------------------------------------------------------
-    add("llama", lambda: _cfg("LlamaConfig", **_common(hidden_size=128, intermediate_size=256, head_dim=32)))
-    add("mistral", lambda: _cfg("MistralConfig", **_common(head_dim=16, sliding_window=64)))
-    add("qwen2", lambda: _cfg("Qwen2Config", **_common()), notes="q/k/v biases")
-    add("qwen3", lambda: _cfg("Qwen3Config", **_common(head_dim=32)), notes="q_norm/k_norm")
-    add("gemma2", lambda: _cfg("Gemma2Config", **_common(head_dim=16, query_pre_attn_scalar=16,
+    add("llama", lambda: _cfg("LlamaConfig", **common_kwargs(hidden_size=128, intermediate_size=256, head_dim=32)))
+    add("mistral", lambda: _cfg("MistralConfig", **common_kwargs(head_dim=16, sliding_window=64)))
+    add("qwen2", lambda: _cfg("Qwen2Config", **common_kwargs()), notes="q/k/v biases")
+    add("qwen3", lambda: _cfg("Qwen3Config", **common_kwargs(head_dim=32)), notes="q_norm/k_norm")
+    add("gemma2", lambda: _cfg("Gemma2Config", **common_kwargs(head_dim=16, query_pre_attn_scalar=16,
                                                           sliding_window=64, tie_word_embeddings=True)),
         notes="tied embeddings, soft-capping, pre/post feedforward norms")
-    add("phi3", lambda: _cfg("Phi3Config", **_common(num_key_value_heads=4)),
+    add("phi3", lambda: _cfg("Phi3Config", **common_kwargs(num_key_value_heads=4)),
         notes="fused qkv_proj and gate_up_proj in the checkpoint")
-    add("glm4", lambda: _cfg("Glm4Config", **_common(head_dim=16)),
+    add("glm4", lambda: _cfg("Glm4Config", **common_kwargs(head_dim=16)),
         notes="fused gate_up_proj; post_self_attn/post_mlp norms")
-    add("olmo2", lambda: _cfg("Olmo2Config", **_common()), notes="q_norm/k_norm over all heads")
-    add("olmo3", lambda: _cfg("Olmo3Config", **_common(sliding_window=64)))
-    add("granite", lambda: _cfg("GraniteConfig", **_common(attention_multiplier=0.0625)))
-    add("cohere2", lambda: _cfg("Cohere2Config", **_common(sliding_window=64, tie_word_embeddings=True)),
+    add("olmo2", lambda: _cfg("Olmo2Config", **common_kwargs()), notes="q_norm/k_norm over all heads")
+    add("olmo3", lambda: _cfg("Olmo3Config", **common_kwargs(sliding_window=64)))
+    add("granite", lambda: _cfg("GraniteConfig", **common_kwargs(attention_multiplier=0.0625)))
+    add("cohere2", lambda: _cfg("Cohere2Config", **common_kwargs(sliding_window=64, tie_word_embeddings=True)),
         notes="LayerNorm without bias, parallel attention/MLP, tied embeddings")
-    add("starcoder2", lambda: _cfg("Starcoder2Config", **_common(tie_word_embeddings=True)),
+    add("starcoder2", lambda: _cfg("Starcoder2Config", **common_kwargs(tie_word_embeddings=True)),
         notes="biases everywhere, c_fc/c_proj MLP (nn.Linear)")
-    add("exaone4", lambda: _cfg("Exaone4Config", **_common(sliding_window=64, sliding_window_pattern=2)))
-    add("smollm3", lambda: _cfg("SmolLM3Config", **_common(no_rope_layer_interval=2)))
-    add("seed_oss", lambda: _cfg("SeedOssConfig", **_common(head_dim=16)))
-    add("hunyuan_v1_dense", lambda: _cfg("HunYuanDenseV1Config", **_common(head_dim=16)),
+    add("exaone4", lambda: _cfg("Exaone4Config", **common_kwargs(sliding_window=64, sliding_window_pattern=2)))
+    add("smollm3", lambda: _cfg("SmolLM3Config", **common_kwargs(no_rope_layer_interval=2)))
+    add("seed_oss", lambda: _cfg("SeedOssConfig", **common_kwargs(head_dim=16)))
+    add("hunyuan_v1_dense", lambda: _cfg("HunYuanDenseV1Config", **common_kwargs(head_dim=16)),
         notes="query_layernorm/key_layernorm")
-    add("ernie4_5", lambda: _cfg("Ernie4_5Config", **_common(head_dim=16, tie_word_embeddings=False)))
-    add("apertus", lambda: _cfg("ApertusConfig", **_common()), notes="xIELU activation (1-D params), no gate_proj")
-    add("arcee", lambda: _cfg("ArceeConfig", **_common()), notes="relu2 MLP without gate_proj")
-    add("nemotron", lambda: _cfg("NemotronConfig", **_common(head_dim=16)), notes="LayerNorm1P, relu2 MLP")
+    add("ernie4_5", lambda: _cfg("Ernie4_5Config", **common_kwargs(head_dim=16, tie_word_embeddings=False)))
+    add("apertus", lambda: _cfg("ApertusConfig", **common_kwargs()), notes="xIELU activation (1-D params), no gate_proj")
+    add("arcee", lambda: _cfg("ArceeConfig", **common_kwargs()), notes="relu2 MLP without gate_proj")
+    add("nemotron", lambda: _cfg("NemotronConfig", **common_kwargs(head_dim=16)), notes="LayerNorm1P, relu2 MLP")
     add("gpt2", lambda: _cfg("GPT2Config", vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4,
                              n_inner=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
         notes="Conv1D weights stored [in, out]; fused c_attn (q|k|v)",
@@ -264,7 +264,7 @@ def _specs() -> dict[str, Spec]:
                                                        layer_types=["sliding_attention", "full_attention"])),
         notes="fused 3-D experts [E, H, 2I] with gate/up interleaved, biases, attention sinks",
         transposed_params=("experts.gate_up_proj", "experts.down_proj"))
-    add("llama4_text", lambda: _cfg("Llama4TextConfig", **_common(hidden_size=64, intermediate_size=MOE_I,
+    add("llama4_text", lambda: _cfg("Llama4TextConfig", **common_kwargs(hidden_size=64, intermediate_size=MOE_I,
                                                                    intermediate_size_mlp=192, head_dim=16,
                                                                    num_local_experts=E, num_experts_per_tok=E,
                                                                    interleave_moe_layer_step=2,
@@ -281,7 +281,7 @@ def _specs() -> dict[str, Spec]:
                                                              linear_num_value_heads=8,
                                                              layer_types=["linear_attention", "full_attention"])),
         mtp="qwen", notes="gated DeltaNet layer 0 (linear_attn.*), gated attention layer 1, MTP at mtp.*")
-    add("falcon_h1", lambda: _cfg("FalconH1Config", **_common(head_dim=16, mamba_d_ssm=128, mamba_n_heads=8,
+    add("falcon_h1", lambda: _cfg("FalconH1Config", **common_kwargs(head_dim=16, mamba_d_ssm=128, mamba_n_heads=8,
                                                               mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
                                                               mamba_chunk_size=16)),
         notes="every layer has attention + Mamba2 mixer in parallel")
@@ -294,13 +294,13 @@ def _specs() -> dict[str, Spec]:
                                    max_position_embeddings=128, use_mamba_kernels=False,
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2),
         notes="backbone.* in the checkpoint; Mamba2 / MoE / attention / MLP blocks; router mixer.gate (F32); non-gated experts (up, down)")
-    add("jamba", lambda: _cfg("JambaConfig", **_common(intermediate_size=MOE_I, num_experts=E, num_experts_per_tok=E,
+    add("jamba", lambda: _cfg("JambaConfig", **common_kwargs(intermediate_size=MOE_I, num_experts=E, num_experts_per_tok=E,
                                                        expert_layer_period=2, expert_layer_offset=1,
                                                        attn_layer_period=2, attn_layer_offset=1,
                                                        mamba_d_state=16, mamba_dt_rank=16,
                                                        use_mamba_kernels=False)),
         notes="Mamba1 layer 0 (in_proj, x_proj, dt_proj, conv1d, A_log, D), attention+MoE layer 1; router is feed_forward.router")
-    add("bamba", lambda: _cfg("BambaConfig", **_common(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+    add("bamba", lambda: _cfg("BambaConfig", **common_kwargs(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
                                                        mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)),
         notes="Mamba2 layer 0, attention layer 1")
     add("granitemoehybrid", lambda: _cfg("GraniteMoeHybridConfig", **_moe(intermediate_size=MOE_I, num_local_experts=E,
@@ -310,7 +310,7 @@ def _specs() -> dict[str, Spec]:
                                                                           mamba_n_heads=8, mamba_d_head=16,
                                                                           mamba_d_state=16, mamba_chunk_size=16)),
         notes="Granite-4.0: Mamba2 + attention, fused 3-D input_linear/output_linear experts")
-    add("lfm2", lambda: _cfg("Lfm2Config", **_common(layer_types=["conv", "full_attention"],
+    add("lfm2", lambda: _cfg("Lfm2Config", **common_kwargs(layer_types=["conv", "full_attention"],
                                                      block_auto_adjust_ff_dim=False)),
         notes="short-conv blocks: conv.in_proj [3H, H], conv.out_proj, depthwise conv.conv")
     add("kimi_linear", lambda: _cfg("KimiLinearConfig", **_moe(moe_intermediate_size=MOE_I, num_key_value_heads=4,
@@ -330,7 +330,7 @@ def _specs() -> dict[str, Spec]:
     # --- multimodal ----------------------------------------------------------------------------
     def llama4_cfg():
         tf = _tf()
-        text = dict(_common(hidden_size=64, intermediate_size=MOE_I, intermediate_size_mlp=192, head_dim=16,
+        text = dict(common_kwargs(hidden_size=64, intermediate_size=MOE_I, intermediate_size_mlp=192, head_dim=16,
                             num_local_experts=E, num_experts_per_tok=E, interleave_moe_layer_step=2,
                             attention_chunk_size=64))
         vision = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
