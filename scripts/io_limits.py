@@ -5,6 +5,8 @@ In 32 MB pieces, with 1..N threads:
   pread          a file already in the page cache (read once first), into reusable buffers;
   pwrite         into one file, sparse (ftruncate) or with its blocks reserved first (fallocate), and
                  into one file per thread (the kernel serialises buffered writes to one file);
+  mapped         copies into one reserved file through shared mappings, as fp8convert writes a shard
+                 from the GPU (fp8convert/run/writeback.py: write_mapped), which the kernel does not serialise;
   O_DIRECT       (--direct) pwrites into one reserved file, bypassing the page cache;
   H2D / D2H      (--cuda) copies between pinned host buffers and the GPU, one stream per thread.
 Writes go to OUT_DIR (tmpfs for the pipeline's ceiling, a disk directory for a disk); on a disk each
@@ -19,10 +21,14 @@ import argparse
 import ctypes
 import mmap
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp8convert.run.writeback import write_mapped  # noqa: E402
 
 CHUNK = 32 << 20
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -70,7 +76,7 @@ def reserve(fd: int, size: int) -> None:
 
 
 def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bool, cuda: bool,
-               direct: bool = False) -> None:
+               direct: bool = False, mapped: bool = False) -> None:
     per_file = size // files // CHUNK * CHUNK
     paths = [out / f"io_limits.{i}" for i in range(files)]
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
@@ -79,7 +85,8 @@ def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bo
         for fd in fds:
             reserve(fd, per_file) if reserved else os.ftruncate(fd, per_file)
         jobs = [(fds[i % files], (i // files) * CHUNK) for i in range(files * (per_file // CHUNK))]
-        seconds = in_threads(n, jobs, lambda buf, fd, offset: os.pwrite(fd, buf, offset), cuda)
+        write = write_mapped if mapped else (lambda fd, buf, offset: os.pwrite(fd, buf, offset))
+        seconds = in_threads(n, jobs, lambda buf, fd, offset: write(fd, buf, offset), cuda)
         t0 = time.perf_counter()
         for fd in fds:
             os.fsync(fd)
@@ -116,6 +123,7 @@ def main() -> int:
         write_test(args.out, "pwrite, 1 file, sparse", n, 1, size, False, args.cuda)
         write_test(args.out, "pwrite, 1 file, reserved", n, 1, size, True, args.cuda)
         write_test(args.out, f"pwrite, {n} files, sparse", n, n, size, False, args.cuda)
+        write_test(args.out, "mapped, 1 file, reserved", n, 1, size, True, args.cuda, mapped=True)
         if args.direct:
             write_test(args.out, "O_DIRECT pwrite, 1 file, reserved", n, 1, size, True, args.cuda, direct=True)
     if args.cuda:

@@ -6,7 +6,7 @@ directory; then, in this one process, with torch already imported:
   read       the reader alone: every batch into device memory;
   +quantize  the reader and the quantizer (outputs dropped);
   pipeline   the whole run (reader thread, quantize, writer thread) into OUT, as a conversion does;
-  no-write   the same with pwrite doing nothing: what the pipeline does without an output medium.
+  no-write   the same with the writes doing nothing: what the pipeline does without an output medium.
 Each line gives seconds and GB/s of input. A stage much slower than the one before it is the one to
 look at.
 
@@ -78,6 +78,8 @@ def main() -> int:
     ap.add_argument("--pipeline-only", action="store_true", help="only the pipeline and no-write stages")
     ap.add_argument("--no-preallocate", action="store_true",
                     help="create each shard as its first bytes arrive, blocks unreserved (writer.PREALLOCATE)")
+    ap.add_argument("--no-mapped-writes", action="store_true",
+                    help="write every shard with pwrite, never through mappings (writer.MAPPED_WRITES)")
     args = ap.parse_args()
 
     import torch
@@ -104,6 +106,7 @@ def main() -> int:
         pipeline_module.READ_AHEAD = args.read_ahead
     from fp8convert.run import writer as writer_module
     writer_module.PREALLOCATE = not args.no_preallocate
+    writer_module.MAPPED_WRITES = not args.no_mapped_writes
     default_io = device_module.io_threads
     device_module.io_threads = pipeline_module.io_threads = \
         lambda kind: (args.readers or default_io(kind)[0], args.writers or default_io(kind)[1])
@@ -151,10 +154,10 @@ def main() -> int:
         peak = f", peak device {result.peak_device_bytes / 2**30:.2f} GiB" if result.peak_device_bytes else ""
         print(f"             stages {result.stage_seconds}{peak}", flush=True)
         # the same without the output medium: bytes still leave the device, pwrite does nothing
-        real_pwrite = writer_module.pwrite_all
-        writer_module.pwrite_all = lambda fd, data, offset: None
+        real = writer_module.pwrite_all, writer_module.write_mapped
+        writer_module.pwrite_all = writer_module.write_mapped = lambda fd, data, offset: None
         timed_pipeline("no-write")
-        writer_module.pwrite_all = real_pwrite
+        writer_module.pwrite_all, writer_module.write_mapped = real
     shutil.rmtree(args.out, ignore_errors=True)
     return 0
 

@@ -6,10 +6,11 @@ runs of output bytes (plan/runs.py) land at their planned offsets as they arrive
 from any thread (the pipeline's writer, and the copier of kept tensors). When a shard's last byte
 arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
 
-Writes are large and go through a few threads, so the next chunk leaves the device while earlier ones
-are written (the kernel serialises buffered writes to one file: more threads do not make one shard
-faster, only shards written at once); from CUDA each chunk is first copied into one of a small ring
-of pinned buffers, so host memory stays fixed whatever the layer size. Nothing here imports torch
+Writes are large and go through a pool of threads, so the next chunk leaves the device while earlier
+ones are written. The kernel serialises pwrites to one file, so with enough threads (the GPU's 8) a
+reserved shard on tmpfs or ext4 is filled through shared mappings instead, which many threads fill at
+once (writeback.write_mapped); from CUDA each chunk is first copied into one of a small ring of
+pinned buffers, so host memory stays fixed whatever the layer size. Nothing here imports torch
 until a device tensor arrives, so kept tensors can be written while torch is still loading.
 """
 from __future__ import annotations
@@ -23,11 +24,16 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..plan.plan import Plan
 from ..plan.runs import Run
-from .writeback import fsync_dir, reserve, start_writeback
+from .writeback import fsync_dir, maps_writes, reserve, start_writeback, write_mapped
 
 # Create every shard and reserve its blocks at the start of the run, while torch loads, rather than as
 # its first bytes arrive (scripts/profile_stages.py --no-preallocate measures the difference).
 PREALLOCATE = True
+# Write reserved shards through mappings when the pool has this many threads: one thread copies
+# through a mapping at about half pwrite's speed, four together already beat pwrite's one file at a time
+# (scripts/profile_stages.py --no-mapped-writes measures the difference).
+MAPPED_WRITES = True
+MAPPED_MIN_THREADS = 4
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -47,6 +53,8 @@ class ShardWriter:
         # shard -> data bytes still to write; a shard is finished when none are left
         self.remaining = {s.index: s.size - len(s.header) for s in plan.shards if s.index not in skip_shards}
         self.fds: dict[int, int] = {}
+        self.reserved: set[int] = set()  # shards whose blocks are all allocated
+        self.file_system_maps: bool | None = None  # whether mapped writes pay on this file system; asked once
         self.chunk = chunk_bytes
         self.threads = threads
         self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
@@ -84,7 +92,8 @@ class ShardWriter:
             raise FP8ConvertError(f"{path}: cannot create ({e.strerror})") from e
         try:
             pwrite_all(fd, memoryview(shard.header), 0)
-            reserve(fd, shard.size)
+            if reserve(fd, shard.size):
+                self.reserved.add(index)
         except OSError as e:
             os.close(fd)
             raise self._write_error(path, e, "write failed") from e
@@ -145,9 +154,18 @@ class ShardWriter:
         with self.lock:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
-            future = self.pool.submit(pwrite_all, fd, host, offset)
+            copy = write_mapped if self._mapped(index) and not host.readonly else pwrite_all
+            future = self.pool.submit(copy, fd, host, offset)
             self.pending.setdefault(index, []).append(future)
         return future
+
+    def _mapped(self, index: int) -> bool:
+        """Whether the pool writes this shard through mappings (called with the lock held)."""
+        if not (MAPPED_WRITES and self.threads >= MAPPED_MIN_THREADS and index in self.reserved):
+            return False
+        if self.file_system_maps is None:
+            self.file_system_maps = maps_writes(self.work_dir)
+        return self.file_system_maps
 
     def _write_from_device(self, index: int, fd: int, raw, offset: int) -> None:
         """Only the pipeline's writer thread writes device tensors, so the ring needs no lock."""
