@@ -1,6 +1,4 @@
-import sys
-
-from .cli import main
+from .cli import run
 
 if __name__ == "__main__":  # not when a spawned worker process imports it
-    sys.exit(main())
+    run()

@@ -494,7 +494,7 @@ def measure_floor(path: Path, info: dict, args, log: Log) -> dict:
 def fp8convert_cmd() -> list[str]:
     if (REPO / "fp8convert" / "__main__.py").exists():
         return [PY, "-m", "fp8convert"]
-    return [PY, "-c", "import sys; from fp8convert.cli import main; sys.exit(main())"]
+    return [PY, "-c", "from fp8convert.cli import run; run()"]
 
 
 def parse_json_report(stdout: str) -> dict | None:

@@ -324,3 +324,58 @@ def test_plain_progress_lines_use_the_units_of_the_sizes():
     bar.advance(5_770_000)
     line = stream.getvalue().strip()
     assert re.fullmatch(r"\S+ quantize demo: 5\.77 MB of 5\.77 MB \(100%\), \d+\.\d\d [KMGT]B/s, eta 0s", line), line
+
+
+# The program as installed (`run`), with an atexit hook that leaves a file: it shows whether the
+# interpreter's teardown ran.
+PROGRAM_WITH_ATEXIT_MARK = (
+    "import atexit, pathlib, sys; mark = pathlib.Path(sys.argv.pop(1)); "
+    "atexit.register(lambda: mark.write_text('torn down')); "
+    "from fp8convert.cli import run; run(sys.argv[1:])")
+
+
+def program(mark: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(mark), *map(str, args)],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+
+
+def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp_path):
+    """A conversion (torch loaded) exits without the teardown, its whole JSON report flushed down the
+    pipe; a failure keeps its exit code and its one line; a command without torch exits as usual."""
+    src = write_checkpoint(tmp_path / "src")
+    done = program(tmp_path / "mark1", "quantize", src, tmp_path / "out", "--device", "cpu", "-q", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tensors_quantized"] > 0 and looks_complete(tmp_path / "out")
+    assert not (tmp_path / "mark1").exists()
+
+    failed = program(tmp_path / "mark2", "quantize", src, tmp_path / "out2", "--device", "cuda:99", "--json")
+    assert failed.returncode != 0 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+    assert "cuda:99" in failed.stderr and "cuda:99" in json.loads(failed.stdout)["error"]
+    assert not (tmp_path / "mark2").exists()
+
+    with open("/dev/full", "w") as full:  # every write to stdout fails (no space left): a failure, one line
+        unflushed = subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(tmp_path / "mark4"), "quantize",
+                                    str(src), str(tmp_path / "out4"), "--device", "cpu", "-q", "--json"],
+                                   cwd=Path(__file__).parents[1], stdout=full, stderr=subprocess.PIPE, timeout=300)
+    err = unflushed.stderr.decode()
+    assert unflushed.returncode != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+    help_only = program(tmp_path / "mark3", "--version")
+    assert help_only.returncode == 0 and __version__ in help_only.stdout
+    assert (tmp_path / "mark3").read_text() == "torn down"
+
+
+@pytest.mark.parametrize("failure", [BrokenPipeError(32, "Broken pipe"), ValueError("I/O operation on closed file")])
+def test_the_program_fails_when_its_last_output_cannot_be_flushed(monkeypatch, failure):
+    """A report that could not leave the process is no success: exit 120, as Python's own exit does."""
+    import fp8convert.cli as cli
+
+    class Unflushable(io.StringIO):
+        def flush(self):
+            raise failure
+    exits = []
+    monkeypatch.setattr(cli, "main", lambda argv: 0)
+    monkeypatch.setattr(cli.sys, "stdout", Unflushable())
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    cli.run([])
+    assert exits == [120]

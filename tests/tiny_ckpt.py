@@ -100,13 +100,13 @@ def looks_complete(out) -> bool:
     return (out / "config.json").exists() and (out / INDEX).exists()
 
 
-CLI = "import sys; from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))"
+CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
 # The same, with every tensor write slowed by argv[1] seconds, so a test can stop a run of a tiny model
 # at a chosen moment. The slowing lives here, in the tests, not in the product.
 SLOW_CLI = ("import sys, time; from fp8convert.run.writer import ShardWriter; write = ShardWriter.write; "
             "delay = float(sys.argv.pop(1)); "
             "ShardWriter.write = lambda self, *a, **k: (time.sleep(delay), write(self, *a, **k))[1]; "
-            "from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from fp8convert.cli import run; run(sys.argv[1:])")
 
 
 def cli_subprocess(args: list[str], env_extra: dict | None = None, write_delay: float | None = None

@@ -126,7 +126,10 @@ def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
         traceback.print_exception(error, file=sys.stderr)
     print(f"error: {line}", file=sys.stderr)
     if json_wanted and not json_printed:
-        print(json.dumps({"ok": False, "error": line, "exit_code": code}))
+        try:
+            print(json.dumps({"ok": False, "error": line, "exit_code": code}))
+        except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line above said so
+            pass
     return code
 
 
