@@ -359,6 +359,7 @@ def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp
                                    cwd=Path(__file__).parents[1], stdout=full, stderr=subprocess.PIPE, timeout=300)
     err = unflushed.stderr.decode()
     assert unflushed.returncode != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "space" in err.lower(), err
 
     help_only = program(tmp_path / "mark3", "--version")
     assert help_only.returncode == 0 and __version__ in help_only.stdout
@@ -366,7 +367,7 @@ def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp
 
 
 @pytest.mark.parametrize("failure", [BrokenPipeError(32, "Broken pipe"), ValueError("I/O operation on closed file")])
-def test_the_program_fails_when_its_last_output_cannot_be_flushed(monkeypatch, failure):
+def test_the_program_fails_when_its_last_output_cannot_be_flushed(monkeypatch, capsys, failure):
     """A report that could not leave the process is no success: exit 120, as Python's own exit does."""
     import fp8convert.cli as cli
 
@@ -379,3 +380,4 @@ def test_the_program_fails_when_its_last_output_cannot_be_flushed(monkeypatch, f
     monkeypatch.setattr(cli.os, "_exit", exits.append)
     cli.run([])
     assert exits == [120]
+    assert capsys.readouterr().err.startswith("error: cannot write the output to stdout")

@@ -81,9 +81,13 @@ def run(argv: list[str] | None = None) -> None:
     rc = main(argv)
     if "torch" not in sys.modules:
         sys.exit(rc)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            rc = rc or FLUSH_FAILED_EXIT
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        print(f"error: cannot write the output to stdout ({getattr(e, 'strerror', None) or e})", file=sys.stderr)
+        rc = rc or FLUSH_FAILED_EXIT
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        rc = rc or FLUSH_FAILED_EXIT
     os._exit(rc)
