@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from ..errors import FP8ConvertError
+
 
 class _Printed:
     json = False
@@ -13,5 +15,8 @@ printed = _Printed()
 
 
 def print_json(doc) -> None:
-    print(json.dumps(doc, indent=2))
+    try:
+        print(json.dumps(doc, indent=2))
+    except OSError as e:  # a full disk under `> report.json`, a closed pipe
+        raise FP8ConvertError(f"stdout: cannot write the JSON report ({e.strerror})") from e
     printed.json = True
