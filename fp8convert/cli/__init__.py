@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None = None) -> None:
     """The program: main(), then exit with its code. Once torch is loaded the exit skips the interpreter's
-    teardown: unloading torch and destroying the CUDA context took 1.1-1.3 s after a cold conversion
+    teardown: unloading torch and destroying the CUDA context took 1.0-1.3 s after a cold conversion
     had returned, every output already fsynced and renamed (docs/benchmarks.md). main() has closed
     every file and joined every thread by then; only the streams' buffers are left to flush, and a
     flush that fails (a closed pipe, a full disk under `> report.json`) fails the exit as Python's would."""
