@@ -727,15 +727,20 @@ def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
     comparison waits for every member (check_tensor_scales)."""
     import torch
 
-    from .run.numerics import FP8_MAX, amax
+    from .run.numerics import amax
     if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
         if not w.numel():
             return 0, 0.0
         lo, hi = torch.aminmax(w)
         return 0, float(torch.maximum(hi, lo.neg()))
-    a = amax(w, scheme)
-    oversized = (s > a / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((a == 0) & (s == 1))
-    return int(oversized.sum()), 0.0
+    return int(oversized(s, amax(w, scheme)).sum()), 0.0
+
+
+def oversized(scale, amax):
+    """Which scales are over OVERSIZE x amax / 448 of the weights they scale (tensors, compared element
+    by element); a scale of 1 over all-zero weights is the rule's one exception."""
+    from .run.numerics import FP8_MAX
+    return (scale > amax / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((amax == 0) & (scale == 1))
 
 
 def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
@@ -987,12 +992,15 @@ def check_tensor_scales(shared_scales, report: VerifyReport) -> None:
     """The tensor scheme's one scale must be at most OVERSIZE x amax / 448 of what it scales (a fused
     group's largest |w|), or 1 for all-zero weights (see OVERSIZE). Passed-through scales are the source's
     own and are not held to it."""
+    import torch
+
     from .run.numerics import FP8_MAX
+    as_double = functools.partial(torch.tensor, dtype=torch.float64)  # the arithmetic of Python's floats
     for shared in shared_scales:
         scale = shared.measured_scale
         if scale is None:
             continue
-        if scale > shared.amax / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK) and not (shared.amax == 0 and scale == 1):
+        if oversized(as_double(scale), as_double(shared.amax)):
             whose = "its" if len(shared.names) == 1 else "its fused group's"
             for name in shared.names:
                 report.fail(name, f"scale {scale:.6g} is more than twice amax / 448 = {shared.amax / FP8_MAX:.6g} of "
