@@ -153,7 +153,7 @@ def main() -> int:
         result = timed_pipeline("pipeline")
         peak = f", peak device {result.peak_device_bytes / 2**30:.2f} GiB" if result.peak_device_bytes else ""
         print(f"             stages {result.stage_seconds}{peak}", flush=True)
-        # the same without the output medium: bytes still leave the device, pwrite does nothing
+        # the same without the output medium: bytes still leave the device, the writes do nothing
         real = writer_module.pwrite_all, writer_module.write_mapped
         writer_module.pwrite_all = writer_module.write_mapped = lambda fd, data, offset: None
         timed_pipeline("no-write")

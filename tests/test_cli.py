@@ -334,9 +334,9 @@ PROGRAM_WITH_ATEXIT_MARK = (
     "from fp8convert.cli import run; run(sys.argv[1:])")
 
 
-def program(mark: Path, *args) -> subprocess.CompletedProcess:
+def program(mark: Path, *args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(mark), *map(str, args)],
-                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+                          cwd=Path(__file__).parents[1], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
 def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp_path):
@@ -354,10 +354,9 @@ def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp
     assert not (tmp_path / "mark2").exists()
 
     with open("/dev/full", "w") as full:  # every write to stdout fails (no space left): a failure, one line
-        unflushed = subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(tmp_path / "mark4"), "quantize",
-                                    str(src), str(tmp_path / "out4"), "--device", "cpu", "-q", "--json"],
-                                   cwd=Path(__file__).parents[1], stdout=full, stderr=subprocess.PIPE, timeout=300)
-    err = unflushed.stderr.decode()
+        unflushed = program(tmp_path / "mark4", "quantize", src, tmp_path / "out4", "--device", "cpu", "-q", "--json",
+                            stdout=full)
+    err = unflushed.stderr
     assert unflushed.returncode != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "stdout" in err and "space" in err.lower(), err
 

@@ -717,7 +717,6 @@ def test_kept_tensors_in_pieces_give_the_same_bytes(kind, source_model, converte
         {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
 
 
-
 @pytest.mark.parametrize("read_ahead,write_ahead", [(2, 1), (1, 2), (3, 3)])
 def test_stages_running_further_ahead_give_the_same_bytes(read_ahead, write_ahead, source_model, converted, tmp_path,
                                                          monkeypatch):
@@ -732,6 +731,7 @@ def test_stages_running_further_ahead_give_the_same_bytes(read_ahead, write_ahea
     whole = converted("qwen3_moe", "compressed-tensors", "tensor")
     assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
         {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
+
 
 def test_nan_in_a_later_piece_of_a_kept_tensor_is_refused(source_model, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
