@@ -17,7 +17,7 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class BatchOutput:
-    """The run buffers of one batch, filled with `put`. A run of a single piece takes that tensor's own
+    """The run buffers of one batch, filled with `put_all`. A run of a single piece takes that tensor's own
     bytes (no copy); a larger run gets one buffer on the device, each piece copied into its place."""
 
     def __init__(self, runs: list[Run], device: torch.device):
@@ -26,19 +26,26 @@ class BatchOutput:
         self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
         self.missing = len(self.where)
 
-    def put(self, name: str, tensor: torch.Tensor, at: int = 0) -> None:
-        """Output tensor `name` (or its piece that starts `at` bytes in)."""
-        i, piece = self.where[(name, at)]
-        raw = raw_bytes(tensor)
-        if raw.numel() != piece.nbytes:
-            raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {piece.nbytes}")
-        if len(self.runs[i].pieces) == 1:
-            self.buffers[i] = raw
-        else:
-            if self.buffers[i] is None:
-                self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
-            self.buffers[i][piece.offset:piece.offset + piece.nbytes].copy_(raw)
-        self.missing -= 1
+    def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Every output (name, tensor, byte offset in that output, for a piece of one). The copies into
+        run buffers go in a few multi-tensor launches: one launch and a few views per output cost the
+        main thread about 20 us each, and a MoE layer has hundreds of outputs."""
+        targets, sources = [], []
+        for name, tensor, at in outputs:
+            i, piece = self.where[(name, at)]
+            raw = raw_bytes(tensor)
+            if raw.numel() != piece.nbytes:
+                raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {piece.nbytes}")
+            if len(self.runs[i].pieces) == 1:
+                self.buffers[i] = raw
+            else:
+                if self.buffers[i] is None:
+                    self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
+                targets.append(self.buffers[i][piece.offset:piece.offset + piece.nbytes])
+                sources.append(raw)
+            self.missing -= 1
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def shares_memory_with(self, buf: torch.Tensor) -> bool:
         """Whether a run took its bytes from `buf` (which must then live until they are written)."""

@@ -21,7 +21,7 @@ import torch
 
 from ..plan.batches import Batch, make_batches
 from ..plan.plan import Plan, Unit
-from ..plan.runs import output_runs
+from ..plan.runs import Run, output_runs
 from .assembly import BatchOutput
 from .device import budget_for, io_threads, resolve_device
 from .handoff import POLL_S, Failed, acquire_unless_stopped, put_unless_stopped
@@ -124,9 +124,9 @@ class Pipeline:
         try:
             while (item := self._next_read()) is not None:
                 self.check()
-                batch, buf, offsets = item
+                batch, buf, offsets, runs = item
                 del item  # the buffer must be freed as soon as the batch is quantized
-                outputs = self._quantize(batch, buf, offsets)
+                outputs = self._quantize(batch, buf, offsets, runs)
                 del buf
                 self.read_slot.release()
                 self.to_writer.put((batch, outputs))
@@ -140,7 +140,7 @@ class Pipeline:
     # -- main thread
 
     def _next_read(self):
-        """The next read batch (batch, buffer, offsets), or None after the last one."""
+        """The next read batch (batch, buffer, offsets, output runs), or None after the last one."""
         t0 = time.monotonic()
         while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
             try:
@@ -153,18 +153,14 @@ class Pipeline:
             raise item.error
         return item
 
-    def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int]) -> BatchOutput:
-        """The batch's outputs, assembled in the byte runs they fill in the shards."""
+    def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int], runs: list[Run]) -> BatchOutput:
+        """The batch's outputs, assembled in `runs`, the byte runs they fill in the shards."""
         self._wait_for_writer()
         t0 = time.monotonic()
-        # From a GPU, few large copies beat many small ones; on the CPU the outputs are written as they are
-        # (assembling them would only add a copy).
-        runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
         assembled = BatchOutput(runs, self.device)
         options = self.plan.options
-        for name, tensor, at in quantize_batch(batch, buf, offsets, options.scheme, scale_format=options.scale_format,
-                                               source_scheme=self.plan.source_scheme, root=self.reader.root):
-            assembled.put(name, tensor, at)
+        assembled.put_all(quantize_batch(batch, buf, offsets, options.scheme, scale_format=options.scale_format,
+                                         source_scheme=self.plan.source_scheme, root=self.reader.root))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # outputs ready before another stream reads them
         self.seconds.quantize += time.monotonic() - t0
@@ -197,10 +193,15 @@ class Pipeline:
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
+                # Worked out before waiting for room on the device, so while the main thread quantizes the
+                # batch before. From a GPU, few large copies beat many small ones; on the CPU the outputs
+                # are written as they are (assembling them would only add a copy).
+                order = read_order(batch)
+                runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
                 if not acquire_unless_stopped(self.read_slot, self.stop):
                     return
                 self.fetcher.need(batch.files)
-                item = (batch, *self.reader.read(read_order(batch)))
+                item = (batch, *self.reader.read(order), runs)
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
                 if not put_unless_stopped(self.to_main, item, self.stop):
@@ -213,6 +214,13 @@ class Pipeline:
     # -- writer thread
 
     def _write_loop(self) -> None:
+        if self.device.type == "cuda":
+            try:
+                self.writer.pin_ring()
+            except BaseException as e:  # raised by the main thread at its next wait for the writer
+                self.writer_error.append(e)
+                self.stop.set()
+                return
         while True:
             try:
                 item = self.to_writer.get(timeout=POLL_S)
