@@ -213,3 +213,24 @@ def test_shards_are_written_through_mappings_only_where_it_pays_and_is_safe(
         assert counts["mapped"] > 0
     else:
         assert counts["mapped"] == 0 and counts["pwrite"] > 0
+
+
+@pytest.mark.parametrize("chunk,expected", [(1 << 10, 9), (64 << 20, 1)])
+def test_the_ring_is_pinned_up_front_but_never_beyond_the_bytes_left(tmp_path, monkeypatch, chunk, expected):
+    """8 writer threads get a ring of 9 pinned buffers, unless fewer hold everything left to write."""
+    import torch
+    plain_empty = torch.empty
+    pinned = []
+
+    def empty(*args, pin_memory=False, **kwargs):  # this machine may have nothing to pin with
+        pinned.append(pin_memory)
+        return plain_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(writer_module, "PREALLOCATE", False)
+    plan = fp8convert.make_plan(write_checkpoint(tmp_path / "src"), max_shard_size=SHARD_SIZE)
+    with ShardWriter(plan, tmp_path / "out", tmp_path, skip_shards=set(), chunk_bytes=chunk, threads=8) as writer:
+        assert sum(writer.remaining.values()) > 9 << 10
+        writer.pin_ring()
+        assert len(writer.ring) == len(pinned) == expected and all(pinned)
+        assert all(buf.numel() == chunk for buf, _ in writer.ring)

@@ -169,9 +169,11 @@ class ShardWriter:
 
     def pin_ring(self) -> None:
         """Allocate the ring of pinned buffers now, not one by one inside the first writes (the 9 of 32 MB
-        took 0.08-0.12 s on an H200); the pipeline's writer thread calls this while the first batch is read."""
+        took 0.08-0.12 s on an H200); the pipeline's writer thread calls this while the first batch is read.
+        No more buffers than the bytes left to write can fill (a small model needs one)."""
         import torch
-        while len(self.ring) < self.threads + 1:
+        needed = min(self.threads + 1, -(-sum(self.remaining.values()) // self.chunk))
+        while len(self.ring) < needed:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
     def _write_from_device(self, index: int, fd: int, raw, offset: int) -> None:
