@@ -172,7 +172,9 @@ class ShardWriter:
         took 0.08-0.12 s on an H200); the pipeline's writer thread calls this while the first batch is read.
         No more buffers than the bytes left to write can fill (a small model needs one)."""
         import torch
-        needed = min(self.threads + 1, -(-sum(self.remaining.values()) // self.chunk))
+        with self.lock:  # the copier of kept tensors finishes shards meanwhile
+            left = sum(self.remaining.values())
+        needed = min(self.threads + 1, -(-left // self.chunk))
         while len(self.ring) < needed:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
