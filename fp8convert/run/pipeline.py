@@ -217,9 +217,8 @@ class Pipeline:
         if self.device.type == "cuda":
             try:
                 self.writer.pin_ring()
-            except BaseException as e:  # raised by the main thread at its next wait for the writer
-                self.writer_error.append(e)
-                self.stop.set()
+            except BaseException as e:
+                self._writer_failed(e)
                 return
         while True:
             try:
@@ -240,10 +239,14 @@ class Pipeline:
                     self.reader.forget(finished)
                     self.fetcher.release(finished)
             except BaseException as e:
-                self.writer_error.append(e)
-                self.stop.set()
+                self._writer_failed(e)
             finally:
                 self.write_slot.release()
+
+    def _writer_failed(self, error: BaseException) -> None:
+        """Stop the run; the main thread raises `error` at its next wait."""
+        self.writer_error.append(error)
+        self.stop.set()
 
     def _write(self, assembled: BatchOutput) -> None:
         runs = assembled.take()

@@ -25,7 +25,6 @@ from .progress import Progress
 from .reader import BatchReader
 
 
-
 @dataclass
 class Read:
     """What one check reads: pieces of source tensors and of output tensors (each a TensorInfo whose

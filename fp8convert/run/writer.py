@@ -171,11 +171,14 @@ class ShardWriter:
         """Allocate the ring of pinned buffers now, not one by one inside the first writes (the 9 of 32 MB
         took 0.08-0.12 s on an H200); the pipeline's writer thread calls this while the first batch is read.
         No more buffers than the bytes left to write can fill (a small model needs one)."""
-        import torch
         with self.lock:  # the copier of kept tensors finishes shards meanwhile
             left = sum(self.remaining.values())
-        needed = min(self.threads + 1, -(-left // self.chunk))
-        while len(self.ring) < needed:
+        self._grow_ring(min(self.threads + 1, -(-left // self.chunk)))
+
+    def _grow_ring(self, size: int) -> None:
+        """Pin buffers until the ring holds `size` (the writer thread's own)."""
+        import torch
+        while len(self.ring) < size:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
     def _write_from_device(self, index: int, fd: int, raw, offset: int) -> None:
@@ -187,8 +190,7 @@ class ShardWriter:
             n = min(self.chunk, raw.numel() - start)
             slot = self.next_slot
             self.next_slot = (slot + 1) % (self.threads + 1)
-            if slot == len(self.ring):
-                self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
+            self._grow_ring(slot + 1)  # a buffer pin_ring left out
             staging, busy = self.ring[slot]
             if busy is not None:
                 busy.result()  # the buffer's previous write must finish before it is refilled
