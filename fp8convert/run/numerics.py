@@ -136,11 +136,15 @@ def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_p
     was (a float32 weight is copied, not divided in place: it may be a view of the read buffer)."""
     if use_cpu_path(w, cpu_path) and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
-    q = w.to(torch.float32, copy=True)
+    # One pass from w's own dtype to the float32 quotient (torch divides in float32, the result type,
+    # not in bfloat16: the scale is a float32 tensor of w's rank), rather than a float32 copy and then
+    # a division over it
     if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
-        q.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)).div_(scale.unsqueeze(-1))
+        q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
     else:
-        q.div_(expand_scale(scale, tuple(w.shape), scheme))
+        q = torch.div(w, expand_scale(scale, tuple(w.shape), scheme))
+    if q.dtype != torch.float32:
+        raise AssertionError(f"quotient in {q.dtype}, not float32: scale {scale.dtype} {tuple(scale.shape)}")
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
