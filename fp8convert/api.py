@@ -41,6 +41,7 @@ from .source.streaming import NoFetcher, need_order
 
 # Kept tensors are copied while torch loads (the disk has work from the first second) rather than after.
 COPY_KEPT_DURING_IMPORT = True
+PAGES_WAIT_S = 3.0  # the longest the checkpoint's reads wait for torch's start-up pages to be queued
 
 
 @dataclass
@@ -242,6 +243,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
     bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
+    # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
+    warmup.pages_queued.wait(PAGES_WAIT_S)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
             KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
@@ -253,6 +256,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
                          settings.max_resident, fetcher, bar, read_threads=settings.read_threads,
                          on_read=prefetcher.advance if prefetcher else _ignore, started=started, check=copier.check)
         copier.finish()
+        warmup.record_pages()
         report.stage_seconds, report.device, report.peak_device_bytes = (
             result.stage_seconds, result.device, result.peak_device_bytes)
         report.shards_written = len(todo)

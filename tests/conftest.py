@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # Belt and braces: nothing here may reach the Hugging Face Hub.
@@ -16,6 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Hub requests that fail on the network are retried (source/hub_calls.py); the tests' fake Hub answers
 # at once, so the waits between attempts need not be a second.
 os.environ.setdefault("FP8CONVERT_HUB_RETRY_WAIT", "0.01")
+# Runs that start torch themselves (the CLI in a child process) record its start-up pages in the user's
+# cache (run/startup_pages.py): the tests' go to a cache of their own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fp8convert-tests-cache-")
 
 import pytest
 import torch

@@ -21,6 +21,7 @@ from ..errors import FP8ConvertError
 from ..plan.plan import Action, Plan, TensorPlan
 from ..plan.runs import Run, output_runs
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo, pread_into
+from .warmup import TorchStart
 from .writer import ShardWriter
 
 CHUNK_BYTES = 16 << 20
@@ -85,8 +86,8 @@ class KeptCopier:
     `finish()` waits for the copy and raises it too."""
 
     def __init__(self, plan: Plan, tensors: list[TensorPlan], writer: ShardWriter,
-                 on_copied: Callable[[int], None] = lambda nbytes: None, after: threading.Thread | None = None):
-        """`after`: a thread to wait for before copying (None: copy at once)."""
+                 on_copied: Callable[[int], None] = lambda nbytes: None, after: TorchStart | None = None):
+        """`after`: torch's start to wait for before copying (None: copy at once)."""
         self.plan, self.tensors, self.writer, self.on_copied, self.after = plan, tensors, writer, on_copied, after
         self.error: BaseException | None = None
         self.stop = threading.Event()

@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import startup_pages
 
 # Pinned host memory from malloc and cudaHostRegister, its pages touched by 8 threads, instead of one
 # cudaHostAlloc call at a time: the readers' and the writer's 17 buffers of 32 MB are pinned at the start of
@@ -26,9 +30,30 @@ def pin_by_registering() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = PINNED_ALLOC_CONF
 
 
-def start_torch(device: str) -> threading.Thread:
+@dataclass
+class TorchStart:
+    """torch loading in `thread`. `pages_queued` is set once the reads of the pages an earlier run
+    recorded are queued (at once when there is no record); `record` is where this run records its own
+    (None when torch was loaded before: an API caller's process maps much else)."""
+
+    thread: threading.Thread
+    pages_queued: threading.Event
+    record: Path | None
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def record_pages(self) -> None:
+        """Call after the run's quantizing: CUDA reads a kernel's code only when it first runs."""
+        startup_pages.record(self.record)
+
+
+def start_torch(device: str) -> TorchStart:
     """Import torch and, unless `device` is the CPU, start CUDA on it. Failures are left for the
-    pipeline to report in its own words, when it resolves the device."""
+    pipeline to report in its own words, when it resolves the device. In a process without torch yet,
+    the pages an earlier run's start-up read are read ahead (startup_pages)."""
+    record = None if "torch" in sys.modules else startup_pages.record_path("cpu" if device == "cpu" else "cuda")
+    pages_queued = startup_pages.read_ahead(record)
     if device != "cpu":
         pin_by_registering()
 
@@ -42,4 +67,4 @@ def start_torch(device: str) -> threading.Thread:
 
     thread = threading.Thread(target=load, name="fp8convert-torch", daemon=True)
     thread.start()
-    return thread
+    return TorchStart(thread, pages_queued, record)

@@ -1,0 +1,149 @@
+"""torch's start-up reads, asked of the disk all at once.
+
+A cold `import torch` and CUDA's start read about 0.3 GB of shared libraries and a thousand small Python
+files, one page fault or file at a time, each waiting for the disk, and behind the checkpoint's reads
+they waited longer: torch was ready 9.3-10.4 s into a cold run on an H200 box. Which pages they are
+changes little from run to run. So a run that started torch itself records them in the user's cache (the
+pages of each mapped library that its page table holds, from /proc/self/pagemap, and the Python files it
+imported), and the next run asks the kernel for all of them at once (POSIX_FADV_WILLNEED) before the
+checkpoint's reads: torch was then ready after 4.2-5.6 s. It is only a hint: a missing, stale or
+unreadable record costs nothing but a cold import.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+GAP_PAGES = 32  # pages touched closer than this are asked for as one range
+THREADS = 8     # opening a thousand cold files one after another would itself take a while
+LIBRARY = re.compile(r"\.so(\.\d+)*$")  # libfoo.so, libfoo.so.13
+
+
+def record_path(device_type: str) -> Path | None:
+    """Where the record for this Python environment and device type ("cpu" or "cuda") lives: the
+    user's cache ($XDG_CACHE_HOME, else ~/.cache), one file per environment (each has its own torch).
+    None when there is no home to put it in."""
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (KeyError, RuntimeError):
+        return None
+    environment = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return cache / "fp8convert" / f"startup-pages-{device_type}-{environment}.json"
+
+
+def read_ahead(record: Path | None) -> threading.Event:
+    """Ask the kernel to read what `record` lists (of files unchanged since it was written), from a
+    background thread; the event is set once every read is queued, or at once when there is none."""
+    queued = threading.Event()
+    try:
+        entries = json.loads(record.read_text())["files"] if record and record.is_file() else []
+    except (OSError, ValueError, KeyError, TypeError):
+        entries = []
+    if not entries or not isinstance(entries, list):
+        queued.set()
+        return queued
+
+    def run() -> None:
+        try:
+            with ThreadPoolExecutor(THREADS, thread_name_prefix="fp8convert-pages") as pool:
+                for entry in entries:
+                    pool.submit(_ask_for, entry)
+        finally:
+            queued.set()
+
+    threading.Thread(target=run, name="fp8convert-pages", daemon=True).start()
+    return queued
+
+
+def _ask_for(entry: list) -> None:
+    """Ask for one file's ranges; a malformed entry is skipped like a missing file."""
+    try:
+        path, size, mtime_ns, ranges = entry
+        fd = os.open(path, os.O_RDONLY)
+    except (OSError, TypeError, ValueError):
+        return
+    try:
+        st = os.fstat(fd)
+        if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):  # else it changed since: the record is stale for it
+            for start, end in ranges:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    except (OSError, TypeError, ValueError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def record(path: Path | None) -> None:
+    """Write this process's record to `path` (atomically; nothing on failure). Call it once torch has
+    done its work: CUDA reads a kernel's code only when it first runs."""
+    if path is None:
+        return
+    try:
+        files = mapped_library_pages() + imported_files()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"files": files}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def mapped_library_pages() -> list[list]:
+    """[path, size, mtime_ns, [[start, end], ...]] for each shared library this process maps: the byte
+    ranges of the pages it has touched (present in its page table), close ranges merged."""
+    import torch  # scans the page table fast: torch's CUDA libraries map a million pages
+
+    pages: dict[str, list[torch.Tensor]] = {}
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        for line in maps:
+            fields = line.split()
+            if len(fields) < 6 or not fields[5].startswith("/") or not LIBRARY.search(fields[5]):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            pagemap.seek(start // PAGE * 8)
+            entries = torch.frombuffer(bytearray(pagemap.read((end - start) // PAGE * 8)), dtype=torch.int64)
+            present = (entries < 0).nonzero().flatten()  # bit 63 of an entry: the page is present
+            if present.numel():
+                pages.setdefault(fields[5], []).append(present + int(fields[2], 16) // PAGE)
+    files = []
+    for path, found in pages.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        files.append([path, st.st_size, st.st_mtime_ns, page_ranges(torch.cat(found).unique())])
+    return files
+
+
+def page_ranges(pages) -> list[list[int]]:
+    """Sorted page numbers (a 1-D integer tensor) as byte ranges [start, end), pages fewer than
+    GAP_PAGES apart joined."""
+    if not pages.numel():
+        return []
+    breaks = ((pages[1:] - pages[:-1]) >= GAP_PAGES).nonzero().flatten() + 1
+    firsts = pages[[0, *breaks.tolist()]]
+    lasts = pages[[*(breaks - 1).tolist(), pages.numel() - 1]]
+    return [[first * PAGE, (last + 1) * PAGE] for first, last in zip(firsts.tolist(), lasts.tolist())]
+
+
+def imported_files() -> list[list]:
+    """[path, size, mtime_ns, [[0, size]]] for each module file this process imported (its cached
+    bytecode when there is one: that is what the import read)."""
+    files = []
+    for module in list(sys.modules.values()):
+        for path in (getattr(module, "__cached__", None), getattr(module, "__file__", None)):
+            if isinstance(path, str) and not LIBRARY.search(path):  # libraries are mapped: recorded above
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                files.append([path, st.st_size, st.st_mtime_ns, [[0, st.st_size]]])
+                break
+    return files

@@ -1,0 +1,147 @@
+"""torch's start-up pages: recorded from this process's page table, asked of the kernel by the next run."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fp8convert.run import startup_pages
+from fp8convert.run.startup_pages import PAGE, mapped_library_pages, page_ranges, read_ahead, record_path
+from tiny_ckpt import llama_tensors, write_checkpoint
+
+
+def test_close_pages_make_one_range_and_far_ones_another():
+    pages = torch.tensor([3, 4, 5, 20, 60, 61])  # 20 is 15 pages after 5, 60 is 40 after 20
+    assert page_ranges(pages) == [[3 * PAGE, 21 * PAGE], [60 * PAGE, 62 * PAGE]]
+    assert page_ranges(torch.tensor([7])) == [[7 * PAGE, 8 * PAGE]]
+    assert page_ranges(torch.tensor([], dtype=torch.int64)) == []
+
+
+def test_the_record_holds_the_pages_a_mapped_library_touched_and_no_others(tmp_path):
+    lib, data = tmp_path / "libfake.so.1", tmp_path / "weights.bin"
+    for path in (lib, data):
+        path.write_bytes(os.urandom(4096 * PAGE))
+    with open(lib, "rb") as f, open(data, "rb") as g:
+        lib_map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        data_map = mmap.mmap(g.fileno(), 0, prot=mmap.PROT_READ)
+        try:
+            lib_map[5 * PAGE], lib_map[3000 * PAGE], data_map[0]  # touched: faulted into the page table
+            entries = {path: rest for path, *rest in mapped_library_pages()}
+        finally:
+            lib_map.close()
+            data_map.close()
+    assert str(data) not in entries  # not a library
+    size, mtime_ns, ranges = entries[str(lib)]
+    assert (size, mtime_ns) == (lib.stat().st_size, lib.stat().st_mtime_ns)
+
+    def covered(page: int) -> bool:
+        return any(start <= page * PAGE < end for start, end in ranges)
+
+    # The kernel maps some neighbours of a touched page too (fault-around; a whole large folio of the
+    # page cache, 2 MiB at most)
+    assert covered(5) and covered(3000)
+    assert not covered(1500) and not covered(4000)
+    assert all(start % PAGE == 0 and end % PAGE == 0 and end <= size for start, end in ranges)
+
+
+def test_read_ahead_asks_for_the_ranges_of_unchanged_files_only(tmp_path, monkeypatch):
+    same, changed = tmp_path / "libsame.so", tmp_path / "libchanged.so"
+    for path in (same, changed):
+        path.write_bytes(bytes(64 * PAGE))
+    entries = [[str(p), p.stat().st_size, p.stat().st_mtime_ns, [[0, PAGE], [8 * PAGE, 16 * PAGE]]]
+               for p in (same, changed)]
+    entries.append([str(tmp_path / "libgone.so"), PAGE, 0, [[0, PAGE]]])
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"files": entries}))
+    changed.write_bytes(bytes(65 * PAGE))  # after the record: stale
+    asked = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        asked.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    assert read_ahead(record).wait(30)
+    assert sorted(asked) == [(str(same), 0, PAGE, os.POSIX_FADV_WILLNEED),
+                             (str(same), 8 * PAGE, 8 * PAGE, os.POSIX_FADV_WILLNEED)]
+
+
+def test_no_record_or_a_bad_one_reads_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: (_ for _ in ()).throw(AssertionError("asked")))
+    bad = tmp_path / "bad.json"
+    for text in ("not json", '{"files": 3}', '{"files": [["/x", "y"]]}', '{"other": []}'):
+        bad.write_text(text)
+        assert read_ahead(bad).wait(30)
+    assert read_ahead(tmp_path / "none.json").wait(30)
+    assert read_ahead(None).is_set()
+
+
+def test_the_record_lives_in_the_users_cache_per_environment_and_device(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu, cuda = record_path("cpu"), record_path("cuda")
+    assert cpu.parent == tmp_path / "fp8convert" and cpu != cuda
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
+    assert record_path("cpu") != cpu
+
+
+def test_a_record_that_cannot_be_written_is_skipped(tmp_path):
+    (tmp_path / "fp8convert").write_text("a file where the directory would go")
+    startup_pages.record(tmp_path / "fp8convert" / "record.json")  # no error
+    startup_pages.record(None)
+
+
+# Runs the CLI in a fresh interpreter; reports the files it asked the kernel to read ahead.
+SPY = """
+import json, os, sys
+asked = set()
+real = os.posix_fadvise
+def spy(fd, offset, length, advice):
+    asked.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return real(fd, offset, length, advice)
+os.posix_fadvise = spy
+from fp8convert.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "asked": sorted(asked)}))
+"""
+
+
+def cli_run(*args, cache: Path) -> dict:
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+    run = subprocess.run([sys.executable, "-c", SPY, *map(str, args)], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    cache = tmp_path / "cache"
+    first = cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)
+    assert first == {"rc": 0, "asked": []}  # nothing recorded yet
+    (record,) = (cache / "fp8convert").glob("startup-pages-cpu-*.json")
+    files = {path: ranges for path, _, _, ranges in json.loads(record.read_text())["files"]}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name and ranges for p, ranges in files.items())
+    assert any("fp8convert" in p and p.endswith(".pyc") for p in files)  # the modules it imported
+    written = record.stat().st_mtime_ns
+    time.sleep(0.01)
+    second = cli_run("quantize", src, tmp_path / "b", "--device", "cpu", "-q", cache=cache)
+    assert second["rc"] == 0
+    assert any(Path(p).parent == torch_lib for p in second["asked"])
+    assert record.stat().st_mtime_ns != written  # rewritten by the second run
+
+
+def test_no_record_when_torch_was_loaded_before(tmp_path, monkeypatch):
+    """The Python API in a process that imported torch itself: its pages are the caller's business."""
+    import fp8convert
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)
+    assert not (tmp_path / "cache").exists()
