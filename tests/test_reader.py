@@ -3,7 +3,6 @@ tensors), in pieces of at most one chunk, every byte landing where the batch buf
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 import pytest
@@ -102,37 +101,3 @@ def test_the_cpu_reader_reads_a_batch_as_written(tmp_path):
     for t in tensors:  # (the alignment padding between them is never written)
         assert np.array_equal(buf.numpy()[offsets[t.name]:offsets[t.name] + t.nbytes],
                               data[t.offset:t.offset + t.nbytes])
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_a_read_waits_for_room_on_the_device_and_stops_without_it(tmp_path, monkeypatch, device):
-    """From a GPU the preads into the pinned chunks start before there is room for the batch buffer
-    (the batch before it is still being quantized); on the CPU they go into the buffer, so come after.
-    With no room (the run stopped) nothing is copied and read returns None."""
-    from fp8convert.run import reader as reader_module
-    data = (np.arange(100_000) % 251).astype(np.uint8)
-    (tmp_path / "a").write_bytes(data.tobytes())
-    tensors = [info(f"t{i}", "a", i * 10_000, 10_000) for i in range(10)]
-    preads = []
-    real_pread = reader_module.pread_into
-    monkeypatch.setattr(reader_module, "pread_into", lambda *a: (preads.append(a[2]), real_pread(*a)))
-    seen_at_room = []
-
-    def room(answer: bool):
-        def wait_for_room() -> bool:
-            if device == "cuda":  # every thread has read its first piece before the buffer is needed
-                deadline = time.monotonic() + 10
-                while len(preads) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            seen_at_room.append(len(preads))
-            return answer
-        return wait_for_room
-
-    with BatchReader(tmp_path, torch.device(device), threads=2, chunk_bytes=10_000) as reader:
-        buf, offsets = reader.read(tensors, room=room(True))
-        assert (seen_at_room[0] >= 2) if device == "cuda" else seen_at_room[0] == 0
-        got = buf.cpu().numpy()
-        for t in tensors:
-            assert np.array_equal(got[offsets[t.name]:offsets[t.name] + t.nbytes], data[t.offset:t.offset + t.nbytes])
-        assert reader.read(tensors, room=room(False)) is None

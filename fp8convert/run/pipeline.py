@@ -10,7 +10,6 @@ and the writer's fixed pinned chunks; on the CPU the batches themselves live the
 from __future__ import annotations
 
 import contextlib
-import os  # EXPERIMENT
 import queue
 import threading
 import time
@@ -194,22 +193,15 @@ class Pipeline:
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
-                # Worked out, and from a GPU read into the pinned chunks, before waiting for room on the
-                # device, so while the main thread quantizes the batch before. From a GPU, few large copies
-                # beat many small ones; on the CPU the outputs are written as they are (assembling them
-                # would only add a copy).
+                # Worked out before waiting for room on the device, so while the main thread quantizes the
+                # batch before. From a GPU, few large copies beat many small ones; on the CPU the outputs
+                # are written as they are (assembling them would only add a copy).
                 order = read_order(batch)
                 runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
-                self.fetcher.need(batch.files)
-                if os.environ.get("FP8CONVERT_EARLY_PREAD") == "0":  # EXPERIMENT
-                    if not acquire_unless_stopped(self.read_slot, self.stop):
-                        return
-                    read = self.reader.read(order)
-                else:
-                    read = self.reader.read(order, room=lambda: acquire_unless_stopped(self.read_slot, self.stop))
-                if read is None:
+                if not acquire_unless_stopped(self.read_slot, self.stop):
                     return
-                item = (batch, *read, runs)
+                self.fetcher.need(batch.files)
+                item = (batch, *self.reader.read(order), runs)
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
                 if not put_unless_stopped(self.to_main, item, self.stop):

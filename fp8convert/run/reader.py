@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -121,67 +120,32 @@ class BatchReader:
             cursor += -(-t.nbytes // ALIGN) * ALIGN
         return offsets, cursor
 
-    def read(self, tensors: list[TensorInfo], room: Callable[[], bool] | None = None
-             ) -> tuple[torch.Tensor, dict[str, int]] | None:
-        """A uint8 buffer on the device and each tensor's offset in it. `room()`, when given, waits until
-        the device has room for the buffer; False means the run stopped, and read returns None. From a GPU
-        the threads read their first pieces into their pinned chunks meanwhile, so a batch's read
-        starts while the batch before it is being quantized (on the CPU the reads go into the buffer)."""
+    def read(self, tensors: list[TensorInfo]) -> tuple[torch.Tensor, dict[str, int]]:
+        """Returns a uint8 buffer on the device and each tensor's offset in it."""
         offsets, total = self.layout(tensors)
-        on_cpu = self.device.type == "cpu"
-        pieces = plan_pieces(tensors, offsets, self.chunk, merge=not on_cpu)
-        if on_cpu:
-            if room is not None and not room():
-                return None
-            buf = self._cpu_buffer(total)
-            for job in [self.pool.submit(self._read_piece, piece, buf) for piece in pieces]:
-                job.result()
-            return buf, offsets
-        target = _Target()
-        jobs = [self.pool.submit(self._read_piece_via_chunk, piece, target) for piece in pieces]
-        try:
-            if room is None or room():
-                target.buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-        finally:
-            target.ready.set()  # the threads copy their pieces into it, or give up when there is none
-            wait(jobs)
-        for job in jobs:
-            job.result()
-        return (target.buf, offsets) if target.buf is not None else None
-
-    def _cpu_buffer(self, total: int) -> torch.Tensor:
         if self.spare is not None and self.spare.numel() >= total:
             buf, self.spare = self.spare[:total], None
-            return buf
-        return torch.empty(total, dtype=torch.uint8, device=self.device)
+        else:
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        on_cpu = self.device.type == "cpu"
+        jobs = [self.pool.submit(self._read_piece, piece, buf)
+                for piece in plan_pieces(tensors, offsets, self.chunk, merge=not on_cpu)]
+        for job in jobs:
+            job.result()
+        return buf, offsets
 
     def _read_piece(self, piece: Piece, buf: torch.Tensor) -> None:
-        """On the CPU: one part, read into its place."""
-        ((_, dest, length),) = piece.parts
-        pread_into(self._fd(piece.file), memoryview(buf[dest:dest + length].numpy()), piece.offset,
-                   str(self.root / piece.file))
-
-    def _read_piece_via_chunk(self, piece: Piece, target: "_Target") -> None:
-        """For a GPU: read into this thread's pinned chunk, then, once the batch buffer exists, copy each
-        tensor's part of the chunk to its place."""
+        fd, label = self._fd(piece.file), str(self.root / piece.file)
+        if self.device.type == "cpu":  # one part, read into its place
+            ((_, dest, length),) = piece.parts
+            pread_into(fd, memoryview(buf[dest:dest + length].numpy()), piece.offset, label)
+            return
         if not hasattr(self.local, "staging"):
             self.local.staging = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True)
             self.local.stream = torch.cuda.Stream(self.device)
         staging, stream = self.local.staging, self.local.stream
-        pread_into(self._fd(piece.file), memoryview(staging[:piece.length].numpy()), piece.offset,
-                   str(self.root / piece.file))
-        target.ready.wait()
-        if target.buf is None:
-            return
+        pread_into(fd, memoryview(staging[:piece.length].numpy()), piece.offset, label)
         with torch.cuda.stream(stream):
             for at, dest, length in piece.parts:
-                target.buf[dest:dest + length].copy_(staging[at:at + length], non_blocking=True)
+                buf[dest:dest + length].copy_(staging[at:at + length], non_blocking=True)
         stream.synchronize()  # the staging chunk is reused by this thread's next read
-
-
-class _Target:
-    """The batch buffer a GPU read copies into, set (or left None) before `ready` is."""
-
-    def __init__(self):
-        self.buf: torch.Tensor | None = None
-        self.ready = threading.Event()
