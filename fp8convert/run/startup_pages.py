@@ -46,7 +46,7 @@ def read_ahead(record: Path | None) -> threading.Event:
         entries = json.loads(record.read_text())["files"] if record and record.is_file() else []
     except (OSError, ValueError, KeyError, TypeError):
         entries = []
-    if not entries or not isinstance(entries, list):
+    if not entries or not isinstance(entries, list) or not hasattr(os, "posix_fadvise"):  # (not on macOS)
         queued.set()
         return queued
 
