@@ -6,7 +6,8 @@ One command for the GPU box (see scripts/README.md). For each checkpoint asked f
      unless --keep-ckpts, and reuses one a previous call kept;
   2. measures the I/O floor: fastest cold read of the inputs (1/4/16 threads of 16 MB preads) plus the
      fastest fsync'd write of the expected output size (1/4 threads);
-  3. drops the page cache and runs each contender as a child process: wall time (start-up included),
+  3. drops the page cache and runs each contender as a child process (fp8convert twice: a first run with
+     no record of torch's start-up pages in its cache, WORK/cache, then a run with the one it wrote): wall time (start-up included),
      the time the tool itself reports, the time a `sync` takes afterwards (outputs not fsync'd by the
      tool), peak RSS of the process tree, peak GPU memory (self-reported and from NVML);
   4. optionally reads it cold with other loaders (--loaders), and checks that fp8convert's CPU and CUDA
