@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..output.files import read_json_object
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 GAP_PAGES = 32  # pages touched closer than this are asked for as one range
 THREADS = 8     # opening a thousand cold files one after another would itself take a while
@@ -42,10 +44,7 @@ def read_ahead(record: Path | None) -> threading.Event:
     """Ask the kernel to read what `record` lists (of files unchanged since it was written), from a
     background thread; the event is set once every read is queued, or at once when there is none."""
     queued = threading.Event()
-    try:
-        entries = json.loads(record.read_text())["files"] if record and record.is_file() else []
-    except (OSError, ValueError, KeyError, TypeError):
-        entries = []
+    entries = read_json_object(record).get("files") if record else None
     if not entries or not isinstance(entries, list) or not hasattr(os, "posix_fadvise"):  # (not on macOS)
         queued.set()
         return queued
