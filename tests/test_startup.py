@@ -1,12 +1,17 @@
 """Start-up: torch takes seconds to import (more with cold files), so the CLI must not import it on its
 main thread: quantize and dequantize import it in the background thread that overlaps it with
-planning and the first writes."""
+planning and the first writes. The program also sets up torch's pinned allocator before that import, and
+records and reads ahead the pages torch's start-up reads (run/startup_pages.py)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import torch
 
 import fp8convert
 from fp8convert.run.warmup import PINNED_ALLOC_CONF
@@ -28,10 +33,16 @@ print(json.dumps({"rc": rc, "first_import": first[0] if first else None}))
 """
 
 
-def who_imports_torch(*args) -> dict:
-    run = subprocess.run([sys.executable, "-c", SPY, *map(str, args)], capture_output=True, text=True, timeout=300)
+def run_spy(script: str, *args, env: dict | None = None) -> dict:
+    """Run `script` (a spy around the CLI, given `args`) in a fresh interpreter; the JSON it printed last."""
+    run = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def who_imports_torch(*args) -> dict:
+    return run_spy(SPY, *args)
 
 
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
@@ -60,10 +71,7 @@ print(json.dumps({"rc": rc, "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}))
 
 
 def cli_allocator_conf(*args, env: dict) -> dict:
-    run = subprocess.run([sys.executable, "-c", ALLOC_SPY, *map(str, args)], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_spy(ALLOC_SPY, *args, env=env)
 
 
 def test_a_gpu_run_pins_host_memory_by_registering_unless_the_user_configured_the_allocator(tmp_path):
@@ -91,3 +99,41 @@ def test_no_allocator_setting_once_torch_is_loaded(monkeypatch):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     warmup.pin_by_registering()  # torch is loaded in the test process
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+# Runs the CLI in a fresh interpreter; reports the files it asked the kernel to read ahead.
+FADVISE_SPY = """
+import json, os, sys
+asked = set()
+real = os.posix_fadvise
+def spy(fd, offset, length, advice):
+    asked.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return real(fd, offset, length, advice)
+os.posix_fadvise = spy
+from fp8convert.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "asked": sorted(asked)}))
+"""
+
+
+def cli_run(*args, cache: Path) -> dict:
+    return run_spy(FADVISE_SPY, *args, env=dict(os.environ, XDG_CACHE_HOME=str(cache)))
+
+
+def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    cache = tmp_path / "cache"
+    first = cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)
+    assert first == {"rc": 0, "asked": []}  # nothing recorded yet
+    (record,) = (cache / "fp8convert").glob("startup-pages-cpu-*.json")
+    files = {path: ranges for path, _, _, ranges in json.loads(record.read_text())["files"]}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name and ranges for p, ranges in files.items())
+    # the modules it imported: their bytecode, or their source where none is written
+    assert any("fp8convert" in p and p.endswith((".pyc", ".py")) and "pipeline" in p for p in files)
+    written = record.stat().st_mtime_ns
+    time.sleep(0.01)
+    second = cli_run("quantize", src, tmp_path / "b", "--device", "cpu", "-q", cache=cache)
+    assert second["rc"] == 0
+    assert any(Path(p).parent == torch_lib for p in second["asked"])
+    assert record.stat().st_mtime_ns != written  # rewritten by the second run

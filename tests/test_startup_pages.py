@@ -4,10 +4,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
 
@@ -95,48 +92,6 @@ def test_a_record_that_cannot_be_written_is_skipped(tmp_path):
     (tmp_path / "fp8convert").write_text("a file where the directory would go")
     startup_pages.record(tmp_path / "fp8convert" / "record.json")  # no error
     startup_pages.record(None)
-
-
-# Runs the CLI in a fresh interpreter; reports the files it asked the kernel to read ahead.
-SPY = """
-import json, os, sys
-asked = set()
-real = os.posix_fadvise
-def spy(fd, offset, length, advice):
-    asked.add(os.readlink(f"/proc/self/fd/{fd}"))
-    return real(fd, offset, length, advice)
-os.posix_fadvise = spy
-from fp8convert.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({"rc": rc, "asked": sorted(asked)}))
-"""
-
-
-def cli_run(*args, cache: Path) -> dict:
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
-    run = subprocess.run([sys.executable, "-c", SPY, *map(str, args)], capture_output=True, text=True, timeout=300,
-                         env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
-    cache = tmp_path / "cache"
-    first = cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)
-    assert first == {"rc": 0, "asked": []}  # nothing recorded yet
-    (record,) = (cache / "fp8convert").glob("startup-pages-cpu-*.json")
-    files = {path: ranges for path, _, _, ranges in json.loads(record.read_text())["files"]}
-    torch_lib = Path(torch.__file__).parent / "lib"
-    assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name and ranges for p, ranges in files.items())
-    # the modules it imported: their bytecode, or their source where none is written
-    assert any("fp8convert" in p and p.endswith((".pyc", ".py")) and "pipeline" in p for p in files)
-    written = record.stat().st_mtime_ns
-    time.sleep(0.01)
-    second = cli_run("quantize", src, tmp_path / "b", "--device", "cpu", "-q", cache=cache)
-    assert second["rc"] == 0
-    assert any(Path(p).parent == torch_lib for p in second["asked"])
-    assert record.stat().st_mtime_ns != written  # rewritten by the second run
 
 
 def test_no_record_when_torch_was_loaded_before(tmp_path, monkeypatch):
