@@ -187,7 +187,7 @@ def test_out_of_memory_in_the_pipeline_carries_the_budget(tmp_path, capsys, monk
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-    monkeypatch.setattr(pipeline, "quantize_batch", oom)
+    monkeypatch.setattr(pipeline, "quantize_steps", oom)
     src = write_checkpoint(tmp_path / "src")
     rc, _, err = run(capsys, "quantize", src, tmp_path / "out", "-q", "--device", "cpu", "--max-resident", "3GiB")
     assert rc == 1 and "--max-resident 1536MiB" in err and "Traceback" not in err, err

@@ -3,11 +3,14 @@ tensors), in pieces of at most one chunk, every byte landing where the batch buf
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from fp8convert.errors import FP8ConvertError
 from fp8convert.run.reader import BatchReader, plan_pieces
 from fp8convert.safetensors_io import TensorInfo
 
@@ -101,3 +104,97 @@ def test_the_cpu_reader_reads_a_batch_as_written(tmp_path):
     for t in tensors:  # (the alignment padding between them is never written)
         assert np.array_equal(buf.numpy()[offsets[t.name]:offsets[t.name] + t.nbytes],
                               data[t.offset:t.offset + t.nbytes])
+
+
+def test_a_pending_read_waits_only_for_the_tensors_asked_for(tmp_path, monkeypatch):
+    """A step of the batch can start once its own tensors are read, while later ones are still being read."""
+    data = (np.arange(8000) % 251).astype(np.uint8)
+    (tmp_path / "a").write_bytes(data.tobytes())
+    first, second, last = info("w1", "a", 0, 3000), info("w2", "a", 3000, 100), info("w3", "a", 5000, 2500)
+    held, done = threading.Event(), set()
+    real = BatchReader._read_piece
+
+    def read_piece(self, piece, buf):
+        if piece.offset >= 5000:  # the last tensor's pieces wait until the test lets them go
+            held.wait(10)
+        real(self, piece, buf)
+        done.add(piece.offset)
+
+    monkeypatch.setattr(BatchReader, "_read_piece", read_piece)
+    with BatchReader(tmp_path, torch.device("cpu"), threads=2, chunk_bytes=1024) as reader:
+        pending = reader.start([first, second, last])
+        pending.wait([first, second])
+        assert not done & {5000, 6024, 7048}  # returned before any of the last tensor's pieces was read
+        for t in (first, second):
+            at = pending.offsets[t.name]
+            assert np.array_equal(pending.buf.numpy()[at:at + t.nbytes], data[t.offset:t.offset + t.nbytes])
+        assert pending.arrival([first]) < pending.arrival([second]) < pending.arrival([last])
+        assert pending.arrival([]) == -1
+        held.set()
+        pending.wait([last])
+        at = pending.offsets[last.name]
+        assert np.array_equal(pending.buf.numpy()[at:at + last.nbytes], data[5000:7500])
+
+
+def test_a_failed_read_is_raised_by_the_wait_for_that_tensor(tmp_path):
+    (tmp_path / "a").write_bytes(bytes(1000))
+    with BatchReader(tmp_path, torch.device("cpu"), threads=2) as reader:
+        pending = reader.start([info("whole", "a", 0, 500), info("cut_short", "a", 600, 800)])
+        pending.wait([info("whole", "a", 0, 500)])  # its own read went well
+        with pytest.raises(FP8ConvertError, match=r"a: unexpected end of file"):
+            pending.wait([info("cut_short", "a", 600, 800)])
+
+
+def test_the_run_quantizes_a_batch_while_it_is_read_and_writes_it_as_it_is_quantized(source_model, tmp_path,
+                                                                                   monkeypatch):
+    """With one slow reader thread, the main thread quantizes a batch's first stacks while the rest of it
+    is still being read, and the writer writes a batch's first outputs while the rest of it is still
+    being quantized. The shards are the same."""
+    import fp8convert
+    from fp8convert.run import pipeline, quantizer
+    from fp8convert.run.writer import ShardWriter
+
+    events: list[str] = []
+    real_read, real_start, real_group = BatchReader._read_piece, BatchReader.start, quantizer.quantize_group
+    real_write = ShardWriter.write
+
+    def read_piece(self, piece, buf):
+        time.sleep(0.01)
+        real_read(self, piece, buf)
+        events.append("read")
+
+    def start(self, tensors):
+        events.append("batch")
+        return real_start(self, tensors)
+
+    def quantize_group(*args, **kwargs):
+        time.sleep(0.01)
+        events.append("quantize")
+        return real_group(*args, **kwargs)
+
+    def write(self, *args, **kwargs):
+        if threading.current_thread().name == "fp8convert-writer":  # (not the copier of kept tensors)
+            events.append("write")
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchReader, "_read_piece", read_piece)
+    monkeypatch.setattr(BatchReader, "start", start)
+    monkeypatch.setattr(quantizer, "quantize_group", quantize_group)
+    monkeypatch.setattr(ShardWriter, "write", write)
+    monkeypatch.setattr(pipeline, "io_threads", lambda device_type: (1, 1))
+    src = source_model("qwen3_moe")
+    result = fp8convert.quantize(src, tmp_path / "out", device="cpu", max_resident="64KB")  # a layer a batch
+    monkeypatch.undo()
+    fp8convert.quantize(src, tmp_path / "plain", device="cpu")
+
+    # Between two "batch" marks the main thread quantizes only that batch: the next one's reads start
+    # once it is done, and the batch before was written first. So a read after one of its quantize steps
+    # is one of its own reads, and a write between two of them is one of its own outputs.
+    segments = [seg.split() for seg in " ".join(events).split("batch")]
+    assert sum(1 for seg in segments if seg) > 2
+    assert any("read" in seg[seg.index("quantize"):] for seg in segments if "quantize" in seg)
+    assert any("write" in seg[seg.index("quantize"):len(seg) - seg[::-1].index("quantize")]
+               for seg in segments if "quantize" in seg)
+    assert result.complete
+    for shard in (tmp_path / "plain").glob("*.safetensors"):
+        assert (tmp_path / "out" / shard.name).read_bytes() == shard.read_bytes()

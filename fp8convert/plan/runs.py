@@ -2,7 +2,7 @@
 
 The plan fixes where every output byte goes, so the outputs of one batch fall into a few contiguous
 ranges of a shard (in a layer: its scales, its kept tensors, its FP8 codes). The run stage fills each
-range in one buffer and writes it with a few large writes.
+range, cut into runs of at most RUN_BYTES, in one buffer and writes it with a few large writes.
 """
 from __future__ import annotations
 
@@ -31,9 +31,14 @@ class Run:
     pieces: tuple[Piece, ...]
 
 
-def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True) -> list[Run]:
-    """The contiguous ranges of the output shards that `tensors`' outputs fill, in file order; with
-    `merge` False, one run per output (piece)."""
+# A merged run stops growing at this size: a run is written once all of its outputs are computed, so
+# runs of a few tens of MB leave for the disk while the rest of the batch is still being quantized.
+RUN_BYTES = 64 << 20
+
+
+def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True, max_bytes: int = RUN_BYTES) -> list[Run]:
+    """The contiguous ranges of the output shards that `tensors`' outputs fill, in file order, each of
+    at most `max_bytes` unless one output alone is larger; with `merge` False, one run per output (piece)."""
     spans = []  # (shard, file offset, name, at, nbytes)
     for t in tensors:
         for name, _, _ in t.outputs():
@@ -46,7 +51,7 @@ def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True) -> li
     open_runs: list[list] = []  # [shard, start, nbytes, pieces], the last one still growing
     for shard, start, name, at, nbytes in spans:
         last = open_runs[-1] if open_runs else None
-        if merge and last and last[0] == shard and last[1] + last[2] == start:
+        if merge and last and last[0] == shard and last[1] + last[2] == start and last[2] + nbytes <= max_bytes:
             last[3].append(Piece(name, at, nbytes, last[2]))
             last[2] += nbytes
         else:

@@ -17,20 +17,23 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class BatchOutput:
-    """The run buffers of one batch, filled with `put_all`. A run of a single piece takes that tensor's own
-    bytes (no copy); a larger run gets one buffer on the device, each piece copied into its place."""
+    """The run buffers of one batch, filled by `put_all` as its outputs are computed, each run handed
+    over as soon as its last piece is in. A run of a single piece takes that tensor's own bytes (no copy);
+    a larger run gets one buffer on the device, each piece copied into its place."""
 
     def __init__(self, runs: list[Run], device: torch.device):
         self.runs, self.device = runs, device
         self.buffers: list[torch.Tensor | None] = [None] * len(runs)
         self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
+        self.pieces_left = [len(run.pieces) for run in runs]
         self.missing = len(self.where)
 
-    def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> None:
-        """Every output (name, tensor, byte offset in that output, for a piece of one). The copies into
-        run buffers go in a few multi-tensor launches: one launch and a few views per output cost the
-        main thread about 20 us each, and a MoE layer has hundreds of outputs."""
-        targets, sources = [], []
+    def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> list[tuple[Run, torch.Tensor]]:
+        """Every output (name, tensor, byte offset in that output, for a piece of one). Returns the runs
+        these outputs completed, with their bytes, handed over once: the caller drops each after writing
+        it. The copies into run buffers go in a few multi-tensor launches: one launch and a few views per
+        output cost the main thread about 20 us each, and a MoE layer has hundreds of outputs."""
+        targets, sources, completed = [], [], []
         for name, tensor, at in outputs:
             i, piece = self.where[(name, at)]
             raw = raw_bytes(tensor)
@@ -44,18 +47,21 @@ class BatchOutput:
                 targets.append(self.buffers[i][piece.offset:piece.offset + piece.nbytes])
                 sources.append(raw)
             self.missing -= 1
+            self.pieces_left[i] -= 1
+            if not self.pieces_left[i]:
+                completed.append(i)
         if targets:
             torch._foreach_copy_(targets, sources)
+        done = [(self.runs[i], self.buffers[i]) for i in completed]
+        for i in completed:
+            self.buffers[i] = None
+        return done
 
-    def shares_memory_with(self, buf: torch.Tensor) -> bool:
-        """Whether a run took its bytes from `buf` (which must then live until they are written)."""
-        storage = buf.untyped_storage().data_ptr()
-        return any(b is not None and b.numel() and b.untyped_storage().data_ptr() == storage for b in self.buffers)
-
-    def take(self) -> list[tuple[Run, torch.Tensor]]:
-        """(run, bytes) pairs, handed over once: the caller drops each after writing it."""
+    def check_complete(self) -> None:
         if self.missing:
             raise AssertionError(f"{self.missing} outputs of the batch were never produced")
-        pairs = list(zip(self.runs, self.buffers))
-        self.buffers = [None] * len(self.runs)
-        return pairs
+
+
+def shares_storage(data: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether `data` is a view of `buf`'s memory (which must then live until `data` is written)."""
+    return bool(data.numel()) and data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()

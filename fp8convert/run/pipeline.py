@@ -1,11 +1,14 @@
-"""The run: read the next batch while the previous one is written; quantize in between.
+"""The run: read, quantize and write each batch as a stream; read the next while this one is written.
 
 Three threads with hand-offs of one batch each. Quantizing is fast next to the disk (on a GPU), so
-the disk is what stays busy: reads of batch i+1 overlap writes of batch i, and the page-cache
-prefetcher keeps reading ahead of both. The device holds at most the batch being read plus
-the outputs of the batch being written (a batch is quantized only once the previous one is written),
-so device memory stays under about 1.5x the largest batch. On CUDA, host memory is only the readers'
-and the writer's fixed pinned chunks; on the CPU the batches themselves live there.
+the disk is what stays busy, and the page-cache prefetcher keeps reading ahead. The main thread takes
+a batch as soon as its reads start, quantizes each stack of it once that stack's bytes have landed,
+and hands each run of output bytes to the writer as soon as its last output is in: the batch's read,
+quantizing and write overlap, and the reads of batch i+1 overlap the end of batch i's write. The
+device holds at most the batch being read plus the outputs of the batch being written (a batch is
+quantized only once the previous one is written), so device memory stays under about 1.5x the
+largest batch. On CUDA, host memory is only the readers' and the writer's fixed pinned chunks; on the
+CPU the batches themselves live there.
 """
 from __future__ import annotations
 
@@ -22,20 +25,21 @@ import torch
 from ..plan.batches import Batch, make_batches
 from ..plan.plan import Plan, Unit
 from ..plan.runs import Run, output_runs
-from .assembly import BatchOutput
+from .assembly import BatchOutput, shares_storage
 from .device import budget_for, io_threads, resolve_device
 from .handoff import POLL_S, Failed, acquire_unless_stopped, put_unless_stopped
 from .progress import Progress
-from .quantizer import quantize_batch, read_order
-from .reader import BatchReader
+from .quantizer import quantize_steps, read_order
+from .reader import BatchReader, PendingRead
 from .writer import ShardWriter
 
-# How far the stages may run ahead of each other, in batches. READ_AHEAD: batches read into device
-# memory and not yet quantized (2 lets the next read overlap quantizing); WRITE_AHEAD: batches quantized
-# while the writer has not finished the one before. 1 and 1 keep the device at one batch read plus one
-# batch of outputs; scripts/profile_stages.py measures the others.
+# How far the stages may run ahead of each other, in batches. READ_AHEAD: batches read (or being
+# read) into device memory and not yet quantized; WRITE_AHEAD: batches being quantized or written. 1
+# and 1 keep the device at one batch read plus one batch of outputs; scripts/profile_stages.py measures
+# the others.
 READ_AHEAD = 1
 WRITE_AHEAD = 1
+END = object()  # the last item of a batch's feed of runs to the writer
 
 
 @dataclass
@@ -96,9 +100,11 @@ def last_use(uses_left: Counter, files: list[str]) -> list[str]:
 class Pipeline:
     """One run over `batches`: a reader thread, the main thread quantizing, a writer thread.
 
-    Hand-offs hold one batch each: the reader reads batch i+1 while the main thread quantizes batch i
-    (it may, once the writer has written batch i-1) and the writer writes it. Files no later batch reads
-    are released as soon as the batches reading them are written (a streamed source deletes them)."""
+    Hand-offs hold one batch each: the reader starts batch i's reads and hands it over at once; once
+    the writer has written batch i-1, the main thread quantizes batch i as its tensors land and feeds
+    the writer its runs as they fill; then the reader reads batch i+1 while the writer finishes batch i.
+    Files no later batch reads are released as soon as the batches reading them are written (a streamed
+    source deletes them)."""
 
     def __init__(self, plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter,
                  device: torch.device, progress, fetcher, on_read: Callable[[int], None],
@@ -124,12 +130,11 @@ class Pipeline:
         try:
             while (item := self._next_read()) is not None:
                 self.check()
-                batch, buf, offsets, runs = item
+                batch, pending, runs = item
                 del item  # the buffer must be freed as soon as the batch is quantized
-                outputs = self._quantize(batch, buf, offsets, runs)
-                del buf
+                self._quantize(batch, pending, runs)
+                del pending
                 self.read_slot.release()
-                self.to_writer.put((batch, outputs))
             for _ in range(self.write_ahead):  # every batch is written
                 self._wait_for_writer()
             self.check()
@@ -140,7 +145,8 @@ class Pipeline:
     # -- main thread
 
     def _next_read(self):
-        """The next read batch (batch, buffer, offsets, output runs), or None after the last one."""
+        """The next batch whose reads have started (batch, PendingRead, output runs), or None after the
+        last one."""
         t0 = time.monotonic()
         while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
             try:
@@ -153,20 +159,41 @@ class Pipeline:
             raise item.error
         return item
 
-    def _quantize(self, batch: Batch, buf: torch.Tensor, offsets: dict[str, int], runs: list[Run]) -> BatchOutput:
-        """The batch's outputs, assembled in `runs`, the byte runs they fill in the shards."""
+    def _quantize(self, batch: Batch, pending: PendingRead, runs: list[Run]) -> None:
+        """Compute the batch's outputs and hand them to the writer in `runs`, the byte runs they fill in
+        the shards: each step starts as soon as its own inputs are read, and each run leaves as soon as
+        its last output is in."""
         self._wait_for_writer()
+        feed: queue.Queue = queue.Queue()  # (run, bytes, CUDA event after which they are ready); END last
+        self.to_writer.put((batch, feed))
         t0 = time.monotonic()
         assembled = BatchOutput(runs, self.device)
         options = self.plan.options
-        assembled.put_all(quantize_batch(batch, buf, offsets, options.scheme, scale_format=options.scale_format,
-                                         source_scheme=self.plan.source_scheme, root=self.reader.root))
+        keep_buf = False  # whether a run's bytes are a view of the read buffer
+        for outputs in quantize_steps(batch, pending.buf, pending.offsets, options.scheme,
+                                      scale_format=options.scale_format, source_scheme=self.plan.source_scheme,
+                                      root=self.reader.root, pending=pending):
+            self._raise_writer_error()
+            completed = assembled.put_all(outputs)
+            if completed:
+                ready = None
+                if self.device.type == "cuda":  # the writer's stream waits for this point of ours
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(self.device))
+                for run, data in completed:
+                    keep_buf = keep_buf or shares_storage(data, pending.buf)
+                    feed.put((run, data, ready))
+                del completed, outputs
+        assembled.check_complete()
+        pending.wait_all()  # (every step waited for its inputs: this only raises what a read left behind)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # outputs ready before another stream reads them
-        self.seconds.quantize += time.monotonic() - t0
-        if not assembled.shares_memory_with(buf):  # else buf lives until those bytes are written
-            self.reader.recycle(buf)
-        return assembled
+            # The next batch's reads (on other streams) may reuse this buffer's memory once it is freed.
+            torch.cuda.current_stream(self.device).synchronize()
+        feed.put(END)
+        self.seconds.wait_read += pending.waited
+        self.seconds.quantize += time.monotonic() - t0 - pending.waited
+        if not keep_buf:  # else buf lives until those bytes are written
+            self.reader.recycle(pending.buf)
 
     def _wait_for_writer(self) -> None:
         t0 = time.monotonic()
@@ -201,12 +228,13 @@ class Pipeline:
                 if not acquire_unless_stopped(self.read_slot, self.stop):
                     return
                 self.fetcher.need(batch.files)
-                item = (batch, *self.reader.read(order), runs)
+                pending = self.reader.start(order)
+                if not put_unless_stopped(self.to_main, (batch, pending, runs), self.stop):
+                    return
+                pending.wait_all()  # (a failed read is raised by the main thread's wait too)
+                del pending
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
-                if not put_unless_stopped(self.to_main, item, self.stop):
-                    return
-                del item
             put_unless_stopped(self.to_main, None, self.stop)
         except BaseException as e:  # handed to the main thread, which raises it
             put_unless_stopped(self.to_main, Failed(e), self.stop)
@@ -230,9 +258,10 @@ class Pipeline:
             if item is None or self.stop.is_set():  # stop is set early only by a failure or an interrupt
                 return
             try:
-                batch, assembled = item
+                batch, feed = item
                 del item
-                self._write(assembled)
+                if not self._write(feed):
+                    return
                 self.progress.advance(batch.in_bytes, batch.label)
                 finished = last_use(self.writes_left, batch.files)  # source files no later batch reads
                 if finished:
@@ -248,9 +277,19 @@ class Pipeline:
         self.writer_error.append(error)
         self.stop.set()
 
-    def _write(self, assembled: BatchOutput) -> None:
-        runs = assembled.take()
-        while runs:  # drop each run as soon as it is written: device memory is freed early
-            run, data = runs.pop(0)
-            self.writer.write(run, data)
+    def _write(self, feed: queue.Queue) -> bool:
+        """Write a batch's runs as the main thread hands them over, dropping each once written (device
+        memory is freed early). False if the run stopped first."""
+        while True:
+            try:
+                item = feed.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return False
+                continue
+            if item is END:
+                return True
+            run, data, ready = item
+            del item
+            self.writer.write(run, data, ready=ready)
             del data

@@ -11,9 +11,11 @@ read FP8 weight passes (no NaN code, every scale finite and positive).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -22,7 +24,7 @@ from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
 from .numerics import NonFiniteWeight, dequantize_to, powers_of_two, quantize_group, scale_as_stored
-from .reader import ALIGN
+from .reader import ALIGN, PendingRead
 
 STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise launches, small
                         # enough that float32 temporaries stay a sliver of device memory
@@ -61,11 +63,18 @@ def scale_groups(batch: Batch) -> list[list[TensorPlan]]:
 
 
 def families(batch: Batch) -> list[Family]:
+    """The batch's families, each's groups in the order their first members lie in the source files: a
+    stack's inputs then arrive together (experts are named 0, 1, 10, 100 in a file's order of names)."""
     by_signature: dict[tuple, Family] = {}
-    for group in scale_groups(batch):
+    for group in sorted(scale_groups(batch), key=file_position):
         signature = tuple((t.action, t.source.dtype, t.shape) for t in group)
         by_signature.setdefault(signature, Family([])).groups.append(group)
     return list(by_signature.values())
+
+
+def file_position(group: list[TensorPlan]) -> tuple[str, int, int]:
+    first = group[0]
+    return first.source.file, first.source.offset, (first.cut.expert or 0) if first.cut else 0
 
 
 def read_order(batch: Batch) -> list[TensorInfo]:
@@ -191,44 +200,57 @@ def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
     copies them into the output runs, or writes them from `buf` itself). `cpu_path`: see
     numerics.use_cpu_path. `source_scheme`: an FP8 source's scheme. `scale_format`: see
     numerics.quantize_group. `root`: the source's directory, which errors name with the shard file."""
-    outputs = []
-    for t in batch.tensors:
+    return [out for outputs in quantize_steps(batch, buf, offsets, scheme, cpu_path, source_scheme, scale_format,
+                                              root) for out in outputs]
+
+
+def quantize_steps(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
+                   cpu_path: bool | None = None, source_scheme: str = "", scale_format: str = "float",
+                   root: Path = Path(), pending: PendingRead | None = None
+                   ) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
+    """quantize_batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped
+    weights). `pending`: the batch's reads, still in flight: each step waits only for its own inputs, and
+    the steps go in the order their inputs arrive, so quantizing overlaps reading."""
+
+    def single(t: TensorPlan) -> list[tuple[str, torch.Tensor, int]]:
         if t.action is Action.PASS:
-            outputs += passed_through(buf, offsets, t, scale_format, root)
-            continue
-        if t.action in STACKED:
-            continue
+            return passed_through(buf, offsets, t, scale_format, root)
         if t.cut:  # a cut is a strided view: written as a contiguous copy
             values = output_view(buf, offsets, t)
             if t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(values):
                 raise FP8ConvertError(f"{where(t, root)} contains NaN or Inf; refusing to copy it")
-            outputs.append((t.name, values.contiguous(), t.at))
-            continue
-        raw = buf[offsets[t.source.name]:offsets[t.source.name] + t.source.nbytes]
+            return [(t.name, values.contiguous(), t.at)]
+        raw = raw_source(buf, offsets, t.source)
         if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
                 raw.view(torch_dtype(t.source.dtype))):
             raise FP8ConvertError(f"{where(t, root)} contains NaN or Inf; refusing to copy it")
-        outputs.append((t.name, raw, t.at))
-    for family in families(batch):
-        action = family.groups[0][0].action
-        for chunk in family.chunks():
-            members = [[group[m] for group in chunk] for m in range(len(chunk[0]))]
-            if action is Action.DEQUANTIZE:
-                (tensors,) = members
-                w = dequantized(buf, offsets, tensors, source_scheme, torch_dtype(tensors[0].out_dtype), cpu_path,
-                                root)
-                outputs += [(t.name, w[n], 0) for n, t in enumerate(tensors)]
-                continue
-            if action is Action.REQUANTIZE:
-                stacks = [dequantized(buf, offsets, ts, source_scheme, torch.float32, cpu_path, root) for ts in members]
-            else:
-                stacks = [stack_view(buf, offsets, ts) for ts in members]
-            try:
-                codes, scales = quantize_group(stacks, scheme, cpu_path, scale_format)
-            except NonFiniteWeight as e:
-                raise FP8ConvertError(f"{where(members[e.member][e.index], root)} contains NaN or Inf; "
-                                      "refusing to quantize it") from None
-            for tensors, q, s in zip(members, codes, scales):
-                for n, t in enumerate(tensors):
-                    outputs += [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + carried_scale(buf, offsets, t, root)
-    return outputs
+        return [(t.name, raw, t.at)]
+
+    def stacked(chunk: list[list[TensorPlan]]) -> list[tuple[str, torch.Tensor, int]]:
+        action = chunk[0][0].action
+        members = [[group[m] for group in chunk] for m in range(len(chunk[0]))]
+        if action is Action.DEQUANTIZE:
+            (tensors,) = members
+            w = dequantized(buf, offsets, tensors, source_scheme, torch_dtype(tensors[0].out_dtype), cpu_path, root)
+            return [(t.name, w[n], 0) for n, t in enumerate(tensors)]
+        if action is Action.REQUANTIZE:
+            stacks = [dequantized(buf, offsets, ts, source_scheme, torch.float32, cpu_path, root) for ts in members]
+        else:
+            stacks = [stack_view(buf, offsets, ts) for ts in members]
+        try:
+            codes, scales = quantize_group(stacks, scheme, cpu_path, scale_format)
+        except NonFiniteWeight as e:
+            raise FP8ConvertError(f"{where(members[e.member][e.index], root)} contains NaN or Inf; "
+                                  "refusing to quantize it") from None
+        return [out for tensors, q, s in zip(members, codes, scales) for n, t in enumerate(tensors)
+                for out in [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + carried_scale(buf, offsets, t, root)]
+
+    steps = [(list(t.inputs), functools.partial(single, t)) for t in batch.tensors if t.action not in STACKED]
+    steps += [([info for group in chunk for t in group for info in t.inputs], functools.partial(stacked, chunk))
+              for family in families(batch) for chunk in family.chunks()]
+    if pending is not None:
+        steps.sort(key=lambda step: pending.arrival(step[0]))
+    for inputs, step in steps:
+        if pending is not None:
+            pending.wait(inputs)
+        yield step()

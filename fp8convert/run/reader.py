@@ -10,9 +10,11 @@ batch buffer.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,36 @@ def plan_pieces(tensors: list[TensorInfo], offsets: dict[str, int], chunk: int, 
             file, length = None, 0
     close()
     return pieces
+
+
+@dataclass
+class PendingRead:
+    """A batch's reads in flight: its buffer and offsets, and a wait for the tensors one step needs, so
+    the step can start while the rest of the batch is still being read. `pieces_of` maps each tensor to
+    the indices of the preads (in submission order) that fill it; `waited` adds up the seconds spent
+    waiting."""
+
+    buf: torch.Tensor
+    offsets: dict[str, int]
+    jobs: list[Future]
+    pieces_of: dict[str, list[int]]
+    waited: float = 0.0
+
+    def arrival(self, tensors: list[TensorInfo]) -> int:
+        """When `tensors` will all have landed, as the submission rank of their last pread (-1: nothing
+        to read). Preads finish roughly in that order."""
+        return max((i for t in tensors for i in self.pieces_of[t.name]), default=-1)
+
+    def wait(self, tensors: list[TensorInfo]) -> None:
+        """Return once every byte of `tensors` is in the buffer; a failed read raises here."""
+        t0 = time.monotonic()
+        for i in sorted({i for t in tensors for i in self.pieces_of[t.name]}):
+            self.jobs[i].result()
+        self.waited += time.monotonic() - t0
+
+    def wait_all(self) -> None:
+        for job in self.jobs:
+            job.result()
 
 
 class BatchReader:
@@ -122,17 +154,27 @@ class BatchReader:
 
     def read(self, tensors: list[TensorInfo]) -> tuple[torch.Tensor, dict[str, int]]:
         """Returns a uint8 buffer on the device and each tensor's offset in it."""
+        pending = self.start(tensors)
+        pending.wait_all()
+        return pending.buf, pending.offsets
+
+    def start(self, tensors: list[TensorInfo]) -> PendingRead:
+        """Start reading `tensors` into a new buffer on the device; returns at once."""
         offsets, total = self.layout(tensors)
         if self.spare is not None and self.spare.numel() >= total:
             buf, self.spare = self.spare[:total], None
         else:
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-        on_cpu = self.device.type == "cpu"
-        jobs = [self.pool.submit(self._read_piece, piece, buf)
-                for piece in plan_pieces(tensors, offsets, self.chunk, merge=not on_cpu)]
-        for job in jobs:
-            job.result()
-        return buf, offsets
+        pieces = plan_pieces(tensors, offsets, self.chunk, merge=self.device.type != "cpu")
+        pieces_of: dict[str, list[int]] = {t.name: [] for t in tensors}
+        spans = sorted((offsets[t.name], offsets[t.name] + t.nbytes, t.name) for t in tensors if t.nbytes)
+        for i, piece in enumerate(pieces):  # each part lands in one tensor's span of the buffer
+            for _, dest, _ in piece.parts:
+                name = spans[bisect.bisect_right(spans, (dest, float("inf"))) - 1][2]
+                if not pieces_of[name] or pieces_of[name][-1] != i:
+                    pieces_of[name].append(i)
+        jobs = [self.pool.submit(self._read_piece, piece, buf) for piece in pieces]
+        return PendingRead(buf, offsets, jobs, pieces_of)
 
     def _read_piece(self, piece: Piece, buf: torch.Tensor) -> None:
         fd, label = self._fd(piece.file), str(self.root / piece.file)

@@ -116,11 +116,12 @@ class ShardWriter:
                     self.allocate_error = e
                     return
 
-    def write(self, run: Run, data, in_this_thread: bool = False) -> None:
+    def write(self, run: Run, data, in_this_thread: bool = False, ready=None) -> None:
         """Write one run. `data` is its bytes in file order: a uint8 torch tensor on any device, or a
         host buffer (anything memoryview takes). Host bytes are written by the pool, which holds them
         until they are written, or with `in_this_thread` before this returns (the caller may then
-        reuse its buffer)."""
+        reuse its buffer). `ready`: a CUDA event after which device bytes are complete (the stream that
+        computed them goes on meanwhile)."""
         with self.lock:
             if self.allocate_error is not None:
                 raise self.allocate_error
@@ -133,7 +134,7 @@ class ShardWriter:
             fd = self._fd(run.shard)
         try:
             if getattr(data, "is_cuda", False):
-                self._write_from_device(run.shard, fd, data, run.start)
+                self._write_from_device(run.shard, fd, data, run.start, ready)
             else:
                 view = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
                 for start in range(0, run.nbytes, self.chunk):
@@ -181,11 +182,13 @@ class ShardWriter:
         while len(self.ring) < size:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
-    def _write_from_device(self, index: int, fd: int, raw, offset: int) -> None:
+    def _write_from_device(self, index: int, fd: int, raw, offset: int, ready=None) -> None:
         """Only the pipeline's writer thread writes device tensors, so the ring needs no lock."""
         import torch
         if self.stream is None:
             self.stream = torch.cuda.Stream(raw.device)
+        if ready is not None:
+            self.stream.wait_event(ready)
         for start in range(0, raw.numel(), self.chunk):
             n = min(self.chunk, raw.numel() - start)
             slot = self.next_slot
