@@ -183,7 +183,7 @@ class Pipeline:
                 for run, data in completed:
                     keep_buf = keep_buf or shares_storage(data, pending.buf)
                     feed.put((run, data, ready))
-                del completed, outputs
+            del completed, outputs  # the writer drops each run once written: nothing else may hold it
         assembled.check_complete()
         pending.wait_all()  # (every step waited for its inputs: this only raises what a read left behind)
         if self.device.type == "cuda":
