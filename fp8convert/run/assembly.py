@@ -25,8 +25,7 @@ class BatchOutput:
         self.runs, self.device = runs, device
         self.buffers: list[torch.Tensor | None] = [None] * len(runs)
         self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
-        self.pieces_left = [len(run.pieces) for run in runs]
-        self.missing = len(self.where)
+        self.pieces_left = [len(run.pieces) for run in runs]  # a run is handed over when its count reaches 0
 
     def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> list[tuple[Run, torch.Tensor]]:
         """Every output (name, tensor, byte offset in that output, for a piece of one). Returns the runs
@@ -46,7 +45,6 @@ class BatchOutput:
                     self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
                 targets.append(self.buffers[i][piece.offset:piece.offset + piece.nbytes])
                 sources.append(raw)
-            self.missing -= 1
             self.pieces_left[i] -= 1
             if not self.pieces_left[i]:
                 completed.append(i)
@@ -58,8 +56,9 @@ class BatchOutput:
         return done
 
     def check_complete(self) -> None:
-        if self.missing:
-            raise AssertionError(f"{self.missing} outputs of the batch were never produced")
+        missing = sum(self.pieces_left)
+        if missing:
+            raise AssertionError(f"{missing} outputs of the batch were never produced")
 
 
 def shares_storage(data: torch.Tensor, buf: torch.Tensor) -> bool:
