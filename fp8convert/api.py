@@ -31,7 +31,7 @@ from .plan.summary import compatibility_warnings
 from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
 from .run.progress import Progress
-from .run.warmup import start_torch
+from .run.warmup import PAGES_WAIT_S, start_torch
 from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
@@ -41,7 +41,6 @@ from .source.streaming import NoFetcher, need_order
 
 # Kept tensors are copied while torch loads (the disk has work from the first second) rather than after.
 COPY_KEPT_DURING_IMPORT = True
-PAGES_WAIT_S = 3.0  # the longest the checkpoint's reads wait for torch's start-up pages to be queued
 
 
 @dataclass

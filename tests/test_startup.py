@@ -137,3 +137,36 @@ def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
     assert second["rc"] == 0
     assert any(Path(p).parent == torch_lib for p in second["asked"])
     assert record.stat().st_mtime_ns != written  # rewritten by the second run
+
+
+# Runs the CLI in a fresh interpreter; reports how many recorded reads it asked for, when it asked for
+# the last one, and when torch's import began.
+ORDER_SPY = """
+import builtins, json, os, sys, time
+asked, began = [], []
+real_fadvise, real_import = os.posix_fadvise, builtins.__import__
+def fadvise(*args):
+    asked.append(time.monotonic())
+    return real_fadvise(*args)
+def spy(name, *args, **kwargs):
+    if name.split(".")[0] == "torch" and "torch" not in sys.modules and not began:
+        began.append(time.monotonic())
+    return real_import(name, *args, **kwargs)
+os.posix_fadvise, builtins.__import__ = fadvise, spy
+from fp8convert.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "asked": len(asked), "last_asked": max(asked, default=None), "import_began": began[0]}))
+"""
+
+
+def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
+    """Asking for them beside the import (which holds the GIL) took ten times as long, and the
+    checkpoint's reads wait until they are all asked for."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    cache = tmp_path / "cache"
+    assert cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)["rc"] == 0  # records
+    result = run_spy(ORDER_SPY, "quantize", src, tmp_path / "b", "--device", "cpu", "-q",
+                     env=dict(os.environ, XDG_CACHE_HOME=str(cache)))
+    assert result["rc"] == 0
+    assert result["asked"] > 100  # torch's libraries and its thousand-odd Python files
+    assert result["last_asked"] < result["import_began"]

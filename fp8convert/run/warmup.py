@@ -21,6 +21,9 @@ from . import startup_pages
 # GB/s against 7.9-8.8 (MoE 8; dense 16: 12.8-13.4 against 10.0-11.5; docs/benchmarks.md).
 PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
+# The longest torch's import and the checkpoint's reads wait for the recorded start-up pages to be queued.
+PAGES_WAIT_S = 3.0
+
 
 def pin_by_registering() -> None:
     """Ask torch's pinned allocator for PINNED_ALLOC_CONF, unless the user configured the allocator
@@ -58,6 +61,10 @@ def start_torch(device: str) -> TorchStart:
         pin_by_registering()
 
     def load() -> None:
+        # Queue the recorded reads first: a thousand-odd posix_fadvise calls took 0.03-0.11 s alone and
+        # 0.3-0.5 s beside an import holding the GIL (2-core machine), and the checkpoint's reads wait
+        # for them; torch was ready no later for it, its pages being on their way.
+        pages_queued.wait(PAGES_WAIT_S)
         try:
             import torch
             if device != "cpu" and torch.cuda.is_available():
