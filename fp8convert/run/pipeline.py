@@ -26,7 +26,7 @@ from ..plan.batches import Batch, make_batches
 from ..plan.plan import Plan, Unit
 from ..plan.runs import Run, output_runs
 from .assembly import BatchOutput, shares_storage
-from .device import budget_for, io_threads, resolve_device
+from .device import budget_for, cpu_threads_for_quantizing, io_threads, resolve_device
 from .handoff import POLL_S, Failed, acquire_unless_stopped, put_unless_stopped
 from .progress import Progress
 from .quantizer import quantize_steps, read_order
@@ -80,7 +80,8 @@ def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max
     readers, writers = io_threads(dev.type)
     writer.use_threads(writers)
     try:
-        with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader:
+        with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
+                (cpu_threads_for_quantizing() if dev.type == "cpu" else contextlib.nullcontext()):
             stages = Pipeline(plan, batches, reader, writer, dev, progress, fetcher, on_read, check).run()
     except (torch.OutOfMemoryError, MemoryError) as e:
         e.max_resident = budget  # the CLI suggests a smaller --max-resident than this

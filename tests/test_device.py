@@ -1,0 +1,48 @@
+"""How much of the host a CPU run takes: torch's quantizing threads leave the writers their cores
+(where there are more than 4)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import fp8convert
+from fp8convert.run import quantizer
+from fp8convert.run.device import quantizing_threads
+from tiny_ckpt import llama_tensors, write_checkpoint
+
+
+def test_quantizing_threads_leave_the_writers_their_cores():
+    assert quantizing_threads(16, 16, environ={}) == 14      # 2 writers on 16 cores
+    assert quantizing_threads(64, 64, environ={}) == 62
+    assert quantizing_threads(8, 8, environ={}) == 6
+    assert quantizing_threads(4, 4, environ={}) == 4         # too few cores to spare one
+    assert quantizing_threads(2, 2, environ={}) == 2
+    assert quantizing_threads(4, 16, environ={}) == 4        # never more than the caller gave torch
+    assert quantizing_threads(16, 16, environ={"OMP_NUM_THREADS": "16"}) is None  # the user's choice stands
+
+
+def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_path, monkeypatch):
+    seen = []
+    real = quantizer.quantize_group
+
+    def quantize_group(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    monkeypatch.setattr(quantizer, "quantize_group", quantize_group)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)
+        assert seen and set(seen) == {6}  # 8 cores less 2 writers
+        assert torch.get_num_threads() == 8
+        seen.clear()
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")
+        fp8convert.quantize(src, tmp_path / "out2", device="cpu", progress=False)
+        assert seen and set(seen) == {8}
+    finally:
+        torch.set_num_threads(before)
