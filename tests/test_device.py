@@ -1,4 +1,4 @@
-"""How much of the host a CPU run takes: torch's quantizing threads leave the writers their cores
+"""How much of the host a CPU run takes: torch's quantizing threads leave the readers their cores
 (where there are more than 4)."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from fp8convert.run.device import quantizing_threads
 from tiny_ckpt import llama_tensors, write_checkpoint
 
 
-def test_quantizing_threads_leave_the_writers_their_cores():
-    assert quantizing_threads(16, 16, environ={}) == 14      # 2 writers on 16 cores
-    assert quantizing_threads(64, 64, environ={}) == 62
-    assert quantizing_threads(8, 8, environ={}) == 6
+def test_quantizing_threads_leave_the_readers_their_cores():
+    assert quantizing_threads(16, 16, environ={}) == 12      # 4 readers on 16 cores
+    assert quantizing_threads(64, 64, environ={}) == 60      # (never more than 4)
+    assert quantizing_threads(8, 8, environ={}) == 6         # 2 on 8
     assert quantizing_threads(4, 4, environ={}) == 4         # too few cores to spare one
     assert quantizing_threads(2, 2, environ={}) == 2
     assert quantizing_threads(4, 16, environ={}) == 4        # never more than the caller gave torch
@@ -38,7 +38,7 @@ def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_p
     torch.set_num_threads(8)
     try:
         fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)
-        assert seen and set(seen) == {6}  # 8 cores less 2 writers
+        assert seen and set(seen) == {6}  # 8 cores less 2 readers
         assert torch.get_num_threads() == 8
         seen.clear()
         monkeypatch.setenv("OMP_NUM_THREADS", "8")

@@ -52,15 +52,16 @@ def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
 
 
 def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> int | None:
-    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the writer
-    threads, which copy the outputs out the whole run. Every one of torch's threads must finish its
-    share of a step before the next begins, so one that waits for a core (taken by a writer) holds up
-    the rest: on 16 cores, MoE 8 layers quantized at 3.25-3.32 GB/s with 14 threads and 1.64-1.76 GB/s
-    with 16. On 2 cores none is spared (0.81-0.86 GB/s with 1 thread, 0.84-1.13 with 2). Never more
-    than torch has; None (leave it) where the user set OMP_NUM_THREADS."""
+    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the reader
+    threads, which copy each batch in while the one before is quantized (and the writers copy outputs
+    out). Every one of torch's threads must finish its share of a step before the next begins, so one
+    that waits for a core taken by an I/O thread holds up the rest: on 16 cores (4 readers, 2 writers),
+    MoE 8 layers quantized at 3.37-3.71 GB/s with 12 threads, 2.73-3.32 with 14 and 1.64-1.78 with 16.
+    On 2 cores none is spared (0.81-0.86 GB/s with 1 thread, 0.84-1.13 with 2). Never more than torch
+    has; None (leave it) where the user set OMP_NUM_THREADS."""
     if environ.get("OMP_NUM_THREADS"):
         return None
-    spared = io_threads("cpu", cores)[1] if cores > 4 else 0
+    spared = io_threads("cpu", cores)[0] if cores > 4 else 0
     return max(1, min(torch_threads, cores - spared))
 
 
