@@ -63,7 +63,9 @@ def start_torch(device: str) -> TorchStart:
     def load() -> None:
         # Queue the recorded reads first: a thousand-odd posix_fadvise calls took 0.03-0.11 s alone and
         # 0.3-0.5 s beside an import holding the GIL (2-core machine), and the checkpoint's reads wait
-        # for them; torch was ready no later for it, its pages being on their way.
+        # for them. On an H200 box, cold MoE 8 runs with this (and the copy-free prefetcher) began
+        # reading the checkpoint 0.1-0.3 s sooner and ended 0.6-0.7 s sooner, though torch was ready
+        # 1.2-1.5 s later (docs/benchmarks.md).
         pages_queued.wait(PAGES_WAIT_S)
         try:
             import torch
