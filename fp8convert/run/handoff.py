@@ -11,6 +11,7 @@ import queue
 import threading
 
 POLL_S = 0.1
+STOPPED = object()  # what get_unless_stopped returns once the run stopped with nothing to take
 
 
 class Failed:
@@ -29,6 +30,16 @@ def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> boo
         except queue.Full:
             continue
     return False
+
+
+def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
+    """The next item once there is one; STOPPED once `stop` is set and the queue is empty."""
+    while True:
+        try:
+            return handoff.get(timeout=POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                return STOPPED
 
 
 def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> bool:

@@ -27,7 +27,7 @@ from ..plan.plan import Plan, Unit
 from ..plan.runs import Run, output_runs
 from .assembly import BatchOutput, shares_storage
 from .device import budget_for, cpu_threads_for_quantizing, io_threads, resolve_device
-from .handoff import POLL_S, Failed, acquire_unless_stopped, put_unless_stopped
+from .handoff import POLL_S, STOPPED, Failed, acquire_unless_stopped, get_unless_stopped, put_unless_stopped
 from .progress import Progress
 from .quantizer import quantize_steps, read_order
 from .reader import BatchReader, PendingRead
@@ -250,12 +250,9 @@ class Pipeline:
                 self._writer_failed(e)
                 return
         while True:
-            try:
-                item = self.to_writer.get(timeout=POLL_S)
-            except queue.Empty:
-                if self.stop.is_set():  # the run ended (or was interrupted) and nothing is left to write
-                    return
-                continue
+            item = get_unless_stopped(self.to_writer, self.stop)
+            if item is STOPPED:  # the run ended (or was interrupted) and nothing is left to write
+                return
             if item is None or self.stop.is_set():  # stop is set early only by a failure or an interrupt
                 return
             try:
@@ -281,16 +278,11 @@ class Pipeline:
     def _write(self, feed: queue.Queue) -> bool:
         """Write a batch's runs as the main thread hands them over, dropping each once written (device
         memory is freed early). False if the run stopped first."""
-        while True:
-            try:
-                item = feed.get(timeout=POLL_S)
-            except queue.Empty:
-                if self.stop.is_set():
-                    return False
-                continue
-            if item is END:
-                return True
+        while (item := get_unless_stopped(feed, self.stop)) is not END:
+            if item is STOPPED:
+                return False
             run, data, ready = item
             del item
             self.writer.write(run, data, ready=ready)
             del data
+        return True
