@@ -249,8 +249,10 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
                        after=None if COPY_KEPT_DURING_IMPORT else warmup) as copier:
         fetcher.start(need_order(units))
-        from .run.pipeline import convert  # waits for torch (warmup); kept tensors are being copied meanwhile
+        # torch's thread first: were the main thread to import torch (with the pipeline) before that
+        # thread got to it, the main thread would do the import itself; kept tensors are copied meanwhile
         warmup.join()
+        from .run.pipeline import convert
         result = convert(the_plan, without(units, kept), writer, workers.device_for(spec, settings.device),
                          settings.max_resident, fetcher, bar, read_threads=settings.read_threads,
                          on_read=prefetcher.advance if prefetcher else _ignore, started=started, check=copier.check)

@@ -18,12 +18,16 @@ from fp8convert.run.warmup import PINNED_ALLOC_CONF
 from tiny_ckpt import llama_tensors, write_checkpoint
 
 # Runs the CLI in a fresh interpreter and reports which thread imported torch first (None: nobody).
+# The torch thread's first import of torch is held back by DELAY seconds.
 SPY = """
-import builtins, json, sys, threading
+import builtins, json, sys, threading, time
+DELAY = {delay}
 first = []
 real_import = builtins.__import__
 def spy(name, *args, **kwargs):
     if name.split(".")[0] == "torch" and "torch" not in sys.modules and not first:
+        if threading.current_thread().name == "fp8convert-torch":
+            time.sleep(DELAY)
         first.append(threading.current_thread().name)
     return real_import(name, *args, **kwargs)
 builtins.__import__ = spy
@@ -41,13 +45,22 @@ def run_spy(script: str, *args, env: dict | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def who_imports_torch(*args) -> dict:
-    return run_spy(SPY, *args)
+def who_imports_torch(*args, delay: float = 0.0) -> dict:
+    return run_spy(SPY.replace("{delay}", str(delay)), *args)
 
 
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q")
+    assert result == {"rc": 0, "first_import": "fp8convert-torch"}
+
+
+def test_main_thread_waits_for_a_late_torch_thread(tmp_path):
+    """The main thread reaches the pipeline in milliseconds on a small model; it must then wait for the
+    torch thread rather than import torch itself, however late that thread gets to its import (a GIL
+    race once made dequantize's main thread first on a 16-core machine)."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q", delay=1.5)
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
 
 
