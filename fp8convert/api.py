@@ -249,8 +249,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
                        after=None if COPY_KEPT_DURING_IMPORT else warmup) as copier:
         fetcher.start(need_order(units))
-        # torch's thread first: were the main thread to import torch (with the pipeline) before that
-        # thread got to it, the main thread would do the import itself; kept tensors are copied meanwhile
+        # Join torch's thread before importing the pipeline (which imports torch): on a small model the main
+        # thread gets here first and would do torch's import itself. Kept tensors are being copied meanwhile.
         warmup.join()
         from .run.pipeline import convert
         result = convert(the_plan, without(units, kept), writer, workers.device_for(spec, settings.device),
