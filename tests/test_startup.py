@@ -57,8 +57,8 @@ def test_quantize_imports_torch_in_the_background_thread(tmp_path):
 
 def test_main_thread_waits_for_a_late_torch_thread(tmp_path):
     """The main thread reaches the pipeline in milliseconds on a small model; it must then wait for the
-    torch thread rather than import torch itself, however late that thread gets to its import (a GIL
-    race once made dequantize's main thread first on a 16-core machine)."""
+    torch thread rather than import torch itself, however late that thread gets to its import (the
+    dequantize test below failed once on a 16-core machine, most likely so)."""
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q", delay=1.5)
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
