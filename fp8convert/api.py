@@ -39,10 +39,6 @@ from .source.resolve import looks_like_repo_id, open_source, plan_source
 from .source.streaming import NoFetcher, need_order
 
 
-# Kept tensors are copied while torch loads (the disk has work from the first second) rather than after.
-COPY_KEPT_DURING_IMPORT = True
-
-
 @dataclass
 class Report:
     """What a conversion did."""
@@ -246,8 +242,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     warmup.pages_queued.wait(PAGES_WAIT_S)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
-            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher),
-                       after=None if COPY_KEPT_DURING_IMPORT else warmup) as copier:
+            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the main
         # thread gets here first and would do torch's import itself. Kept tensors are being copied meanwhile.

@@ -21,7 +21,6 @@ from ..errors import FP8ConvertError
 from ..plan.plan import Action, Plan, TensorPlan
 from ..plan.runs import Run, output_runs
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo, pread_into
-from .warmup import TorchStart
 from .writer import ShardWriter
 
 CHUNK_BYTES = 16 << 20
@@ -86,9 +85,8 @@ class KeptCopier:
     `finish()` waits for the copy and raises it too."""
 
     def __init__(self, plan: Plan, tensors: list[TensorPlan], writer: ShardWriter,
-                 on_copied: Callable[[int], None] = lambda nbytes: None, after: TorchStart | None = None):
-        """`after`: torch's start to wait for before copying (None: copy at once)."""
-        self.plan, self.tensors, self.writer, self.on_copied, self.after = plan, tensors, writer, on_copied, after
+                 on_copied: Callable[[int], None] = lambda nbytes: None):
+        self.plan, self.tensors, self.writer, self.on_copied = plan, tensors, writer, on_copied
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._copy_all, name="fp8convert-kept", daemon=True)
@@ -112,8 +110,6 @@ class KeptCopier:
     def _copy_all(self) -> None:
         fds: dict[str, int] = {}
         root = Path(self.plan.source.root)
-        if self.after is not None:
-            self.after.join()
         try:
             for t in self.tensors:
                 runs = {run.pieces[0].name: run for run in output_runs(self.plan, [t], merge=False)}
