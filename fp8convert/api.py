@@ -28,7 +28,6 @@ from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, sour
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
-from .run.kept import KeptCopier
 from .run.prefetch import Prefetcher, default_threads
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, start_torch
@@ -242,7 +241,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     warmup.pages_queued.wait(PAGES_WAIT_S)
     with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
-            KeptCopier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
+            _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the main
         # thread gets here first and would do torch's import itself. Kept tensors are being copied meanwhile.
@@ -262,6 +261,13 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
 
 def _tag(spec: workers.WorkerSpec) -> str:
     return f" [worker {spec.text}]" if spec.count > 1 else ""
+
+
+def _kept_copier(the_plan: Plan, kept: list, writer: ShardWriter, on_copied: Callable[[int], None]):
+    """The kept tensors' copier, imported only now: it imports numpy (a tenth of a second with cold files),
+    and by now the prefetcher is reading."""
+    from .run.kept import KeptCopier
+    return KeptCopier(the_plan, kept, writer, on_copied=on_copied)
 
 
 def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:

@@ -73,6 +73,30 @@ def test_dequantize_imports_torch_in_the_background_thread(tmp_path):
 
 
 
+# Runs the CLI in a fresh interpreter; reports whether numpy was loaded when the prefetcher started reading.
+PREFETCH_SPY = """
+import json, sys
+from fp8convert.run import prefetch
+seen = []
+real_start = prefetch.Prefetcher.start
+def start(self):
+    seen.append("numpy" in sys.modules)
+    return real_start(self)
+prefetch.Prefetcher.start = start
+from fp8convert.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "numpy_loaded": seen}))
+"""
+
+
+def test_the_checkpoint_is_read_before_numpy_is_imported(tmp_path):
+    """numpy (for the kept tensors' copier) takes a tenth of a second to import with cold files: the
+    disk should have the checkpoint's reads by then."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    result = run_spy(PREFETCH_SPY, "quantize", src, tmp_path / "out", "--device", "cpu", "-q")
+    assert result == {"rc": 0, "numpy_loaded": [False]}
+
+
 # Runs the CLI with its own environment untouched by the test and reports the allocator setting torch
 # found when it loaded.
 ALLOC_SPY = """
