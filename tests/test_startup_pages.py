@@ -70,6 +70,23 @@ def test_read_ahead_asks_for_the_ranges_of_unchanged_files_only(tmp_path, monkey
                              (str(same), 8 * PAGE, 8 * PAGE, os.POSIX_FADV_WILLNEED)]
 
 
+def test_a_long_range_is_asked_for_in_pieces_the_kernel_reads_whole(tmp_path, monkeypatch):
+    # One POSIX_FADV_WILLNEED reads at most the device's read-ahead size (128 KiB by default); the rest of
+    # a longer range would be dropped.
+    lib = tmp_path / "libbig.so"
+    lib.write_bytes(bytes(1024 * PAGE))
+    start, end = 3 * PAGE, 3 * PAGE + 2 * startup_pages.ASK_BYTES + 5 * PAGE
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"files": [[str(lib), lib.stat().st_size, lib.stat().st_mtime_ns, [[start, end]]]]}))
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: asked.append((offset, length)))
+    assert read_ahead(record).wait(30)
+    assert all(length <= startup_pages.ASK_BYTES for _, length in asked)
+    covered = sorted(asked)
+    assert covered[0][0] == start and sum(length for _, length in covered) == end - start
+    assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # no gap, no overlap
+
+
 def test_no_record_or_a_bad_one_reads_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", lambda *a: (_ for _ in ()).throw(AssertionError("asked")))
     bad = tmp_path / "bad.json"
