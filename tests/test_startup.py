@@ -207,3 +207,59 @@ def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
     assert result["rc"] == 0
     assert result["asked"] > 100  # torch's libraries and its thousand-odd Python files
     assert result["last_asked"] < result["import_began"]
+
+
+# Runs the CLI in a fresh interpreter with a stand-in for CUDA's driver library; reports the calls made to
+# it, each with the thread that made it.
+DRIVER_SPY = """
+import ctypes, json, sys, threading
+calls = []
+real_cdll = ctypes.CDLL
+class Driver:
+    def cuInit(self, flags):
+        calls.append(["cuInit", flags, threading.current_thread().name])
+        return {init}
+    def cuDeviceGet(self, handle, ordinal):
+        handle._obj.value = 40 + ordinal
+        calls.append(["cuDeviceGet", ordinal])
+        return 0
+    def cuDevicePrimaryCtxRetain(self, context, handle):
+        calls.append(["cuDevicePrimaryCtxRetain", handle.value])
+        return 0
+ctypes.CDLL = lambda name, *a, **k: Driver() if name == "libcuda.so.1" else real_cdll(name, *a, **k)
+from fp8convert.cli import main
+rc = main(sys.argv[1:])
+for thread in threading.enumerate():
+    if thread.name == "fp8convert-cuda":
+        thread.join()
+print(json.dumps({"rc": rc, "calls": calls}))
+"""
+
+
+def driver_calls(*args, init: int = 0) -> list:
+    return run_spy(DRIVER_SPY.replace("{init}", str(init)), *args)["calls"]
+
+
+def test_a_gpu_run_makes_the_devices_primary_context_beside_torchs_import(tmp_path):
+    """torch's CUDA runtime takes the device's primary context; made by the driver in a thread of its own,
+    it is ready when torch's import ends instead of being made after it."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    made = [["cuInit", 0, "fp8convert-cuda"], ["cuDeviceGet", 1], ["cuDevicePrimaryCtxRetain", 41]]
+    assert driver_calls("quantize", src, tmp_path / "a", "--device", "cuda:1", "-q") == made
+    assert driver_calls("quantize", src, tmp_path / "b", "--device", "auto", "-q")[1:] == [
+        ["cuDeviceGet", 0], ["cuDevicePrimaryCtxRetain", 40]]  # torch's device 0
+    assert driver_calls("quantize", src, tmp_path / "c", "--device", "cpu", "-q") == []
+    # a driver that cannot start (no device): nothing more is asked of it
+    assert driver_calls("quantize", src, tmp_path / "d", "--device", "auto", "-q", init=100) == [
+        ["cuInit", 0, "fp8convert-cuda"]]
+
+
+def test_no_driver_library_is_no_error(monkeypatch):
+    """A machine without CUDA's driver: the thread ends quietly (torch reports what is missing)."""
+    from fp8convert.run import warmup
+    raised = []
+    monkeypatch.setattr("threading.excepthook", raised.append)
+    monkeypatch.setattr(warmup, "CUDA_DRIVER", "libfp8convert-no-such-driver.so")
+    thread = warmup.open_primary_context("cuda")
+    thread.join(30)
+    assert not thread.is_alive() and raised == []
