@@ -227,6 +227,8 @@ class Driver:
         calls.append(["cuDevicePrimaryCtxRetain", handle.value])
         return 0
 ctypes.CDLL = lambda name, *a, **k: Driver() if name == "libcuda.so.1" else real_cdll(name, *a, **k)
+from fp8convert.run import warmup
+warmup.torch_has_cuda = lambda: {has_cuda}
 from fp8convert.cli import main
 rc = main(sys.argv[1:])
 for thread in threading.enumerate():
@@ -236,8 +238,9 @@ print(json.dumps({"rc": rc, "calls": calls}))
 """
 
 
-def driver_calls(*args, init: int = 0) -> list:
-    return run_spy(DRIVER_SPY.replace("{init}", str(init)), *args)["calls"]
+def driver_calls(*args, init: int = 0, has_cuda: bool = True) -> list:
+    script = DRIVER_SPY.replace("{init}", str(init)).replace("{has_cuda}", str(has_cuda))
+    return run_spy(script, *args)["calls"]
 
 
 def test_a_gpu_run_makes_the_devices_primary_context_beside_torchs_import(tmp_path):
@@ -252,6 +255,13 @@ def test_a_gpu_run_makes_the_devices_primary_context_beside_torchs_import(tmp_pa
     # a driver that cannot start (no device): nothing more is asked of it
     assert driver_calls("quantize", src, tmp_path / "d", "--device", "auto", "-q", init=100) == [
         ["cuInit", 0, "fp8convert-cuda"]]
+    # a torch built without CUDA could not use the context: none is made
+    assert driver_calls("quantize", src, tmp_path / "e", "--device", "auto", "-q", has_cuda=False) == []
+
+
+def test_whether_torch_has_cuda_is_known_without_importing_it():
+    from fp8convert.run import warmup
+    assert warmup.torch_has_cuda() == (torch.version.cuda is not None)
 
 
 def test_no_driver_library_is_no_error(monkeypatch):

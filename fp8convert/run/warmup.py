@@ -7,6 +7,7 @@ and the pipeline's own `import torch` then finds it done, or waits for the rest.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import sys
 import threading
@@ -58,12 +59,14 @@ def open_primary_context(device: str) -> threading.Thread:
     """Start CUDA's driver and make `device`'s primary context, the one torch's CUDA runtime takes, from a
     thread of its own through the driver's C API while torch is still importing: torch then finds it
     made. On an H200 box, all cold, torch and CUDA were ready 4.8-5.2 s into a process with this against
-    5.6-5.9 s without (CUDA ready 0.02 s after torch's import against 0.33-0.46 s). With no driver or no
-    such device nothing happens, and torch reports it."""
+    5.6-5.9 s without (CUDA ready 0.02 s after torch's import against 0.33-0.44 s). With no driver, no
+    such device or a torch without CUDA nothing happens (and torch reports it, or runs on the CPU)."""
     number = device.partition(":")[2]
     ordinal = int(number) if number.isdigit() else 0  # "cuda" and "auto" are torch's device 0
 
     def run() -> None:
+        if not torch_has_cuda():  # a context that torch cannot use would only hold GPU memory
+            return
         try:
             cuda = ctypes.CDLL(CUDA_DRIVER)
         except OSError:
@@ -75,6 +78,16 @@ def open_primary_context(device: str) -> threading.Thread:
     thread = threading.Thread(target=run, name="fp8convert-cuda", daemon=True)
     thread.start()
     return thread
+
+
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is built with CUDA (has libtorch_cuda), found without importing it."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return False
+    folders = spec.submodule_search_locations if spec else None
+    return any((Path(folder) / "lib" / "libtorch_cuda.so").exists() for folder in folders or [])
 
 
 def start_torch(device: str) -> TorchStart:
