@@ -269,6 +269,7 @@ def test_no_driver_library_is_no_error(monkeypatch):
     from fp8convert.run import warmup
     raised = []
     monkeypatch.setattr("threading.excepthook", raised.append)
+    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)
     monkeypatch.setattr(warmup, "CUDA_DRIVER", "libfp8convert-no-such-driver.so")
     thread = warmup.open_primary_context("cuda")
     thread.join(30)

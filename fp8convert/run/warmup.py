@@ -6,7 +6,6 @@ and the pipeline's own `import torch` then finds it done, or waits for the rest.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import sys
@@ -67,6 +66,7 @@ def open_primary_context(device: str) -> threading.Thread:
     def run() -> None:
         if not torch_has_cuda():  # a context that torch cannot use would only hold GPU memory
             return
+        import ctypes  # here, off the main thread's start-up
         try:
             cuda = ctypes.CDLL(CUDA_DRIVER)
         except OSError:
