@@ -45,6 +45,7 @@ class Prefetcher:
         self.stopped = False
         self.thread = threading.Thread(target=self._dispatch, name="fp8convert-prefetch", daemon=True)
         self.local = threading.local()
+        self.sink: int | None = None
 
     def start(self) -> "Prefetcher":
         self.thread.start()
@@ -70,6 +71,7 @@ class Prefetcher:
 
     def _dispatch(self) -> None:
         fds: dict[str, int] = {}
+        self.sink = open_sink()  # one /dev/null for every chunk's sendfile
         in_flight = threading.BoundedSemaphore(self.threads * 2)
         dispatched = 0
         try:
@@ -90,18 +92,19 @@ class Prefetcher:
         except OSError:
             return  # the reader will report the problem with the file itself
         finally:
-            for fd in fds.values():
+            for fd in [*fds.values(), *([self.sink] if self.sink is not None else [])]:
                 os.close(fd)
 
     def _read(self, fd: int, offset: int, length: int) -> None:
         """Bring the bytes into the page cache. sendfile into /dev/null reads them there without copying
         them anywhere: on the 2-core machine an 11 GB checkpoint took 0.6 s of CPU cold (3.1-4.4 s by
         pread into scratch, and no faster) and 0.1 s cached (1.2 s), CPU time the quantizing threads
-        of a `--device cpu` run need. Where sendfile is refused (it needs a socket on macOS), a pread."""
+        of a `--device cpu` run need. Where sendfile is refused (it needs a socket on macOS) or there is
+        no sink, a pread."""
         if self.stopped:
             return
         try:
-            if pull_into_cache(fd, offset, length):
+            if self.sink is not None and pull_into_cache(self.sink, fd, offset, length):
                 return
             if not hasattr(self.local, "scratch"):
                 self.local.scratch = bytearray(self.chunk)
@@ -110,15 +113,20 @@ class Prefetcher:
             pass
 
 
-def pull_into_cache(fd: int, offset: int, length: int) -> bool:
-    """Read [offset, offset + length) of `fd` into the page cache by sending it to /dev/null. False when
-    this system's sendfile cannot do that."""
+def open_sink() -> int | None:
+    """/dev/null opened for writing, for pull_into_cache; None where this system has no sendfile or the
+    device cannot be opened."""
     if not hasattr(os, "sendfile"):
-        return False
+        return None
     try:
-        sink = os.open(os.devnull, os.O_WRONLY)
+        return os.open(os.devnull, os.O_WRONLY)
     except OSError:
-        return False
+        return None
+
+
+def pull_into_cache(sink: int, fd: int, offset: int, length: int) -> bool:
+    """Read [offset, offset + length) of `fd` into the page cache by sending it to `sink` (/dev/null).
+    False when this system's sendfile cannot do that."""
     try:
         while length > 0:
             sent = os.sendfile(sink, fd, offset, length)
@@ -128,5 +136,3 @@ def pull_into_cache(fd: int, offset: int, length: int) -> bool:
         return True
     except OSError:
         return False
-    finally:
-        os.close(sink)
