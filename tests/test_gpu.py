@@ -2,6 +2,9 @@
 (CI); run on a GPU machine with `python3 -m pytest -q tests/test_gpu.py`."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,9 +210,6 @@ print(json.dumps({**before, "torch_uses_it": primary.value is not None and curre
 
 
 def test_the_primary_context_made_before_torch_is_the_one_torch_uses():
-    import json
-    import subprocess
-    import sys
     run = subprocess.run([sys.executable, "-c", PRIMARY_CONTEXT], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout) == {"active": 1, "torch_loaded": False, "torch_uses_it": True}

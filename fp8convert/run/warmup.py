@@ -95,11 +95,12 @@ def start_torch(device: str) -> TorchStart:
     pipeline to report in its own words, when it resolves the device. In a process without torch yet,
     the pages an earlier run's start-up read are read ahead (startup_pages) and a GPU's primary context
     is made beside the import (open_primary_context)."""
-    record = None if "torch" in sys.modules else startup_pages.record_path("cpu" if device == "cpu" else "cuda")
+    fresh = "torch" not in sys.modules
+    record = startup_pages.record_path("cpu" if device == "cpu" else "cuda") if fresh else None
     pages_queued = startup_pages.read_ahead(record)
     if device != "cpu":
         pin_by_registering()
-        if "torch" not in sys.modules:
+        if fresh:
             open_primary_context(device)
 
     def load() -> None:
