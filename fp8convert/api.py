@@ -115,13 +115,18 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
         settings, devices = Settings.of(settings, device=devices[0], devices=None), None
     _refuse_conflicts(src, settings, spec, devices)
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
-    the_plan = build_plan(source, settings.options)
-    if on_plan:
-        on_plan(the_plan)
     out_dir = Path(out)
-    done, complete = prepare_output(the_plan, out_dir, settings.overwrite, streamed=settings.stream_download,
-                                    base_model=settings.base_model)
-    report = _new_report(the_plan, out_dir, settings, spec, done, complete)
+    head = _head_start(source, out_dir, settings, spec, devices)
+    try:
+        the_plan = build_plan(source, settings.options)
+        if on_plan:
+            on_plan(the_plan)
+        done, complete = prepare_output(the_plan, out_dir, settings.overwrite, streamed=settings.stream_download,
+                                        base_model=settings.base_model)
+        report = _new_report(the_plan, out_dir, settings, spec, done, complete)
+    finally:
+        if head:
+            head.stop(wait=False)  # the run's own prefetcher takes over, in the pipeline's order
     if complete:
         pass  # an earlier run of this plan finished it
     elif devices:
@@ -177,6 +182,21 @@ def _open_for_run(src, out_dir: Path, settings: Settings, spec: workers.WorkerSp
         from .source.hub import remote_source  # headers only: each worker fetches the shards it reads
         return remote_source(str(src), settings.revision, settings.token, cache_dir=settings.cache_dir), NoFetcher()
     return open_source(src, settings.revision, settings.token, settings.cache_dir), NoFetcher()
+
+
+def _head_start(source, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
+                devices: list[str] | None) -> Prefetcher | None:
+    """Start pulling the source into the page cache in file order while the plan is made, instead of
+    leaving the disk idle until then: a checkpoint's first file holds its first layers, which the pipeline
+    reads first, and the run's own prefetcher then finds them cached. The plan of a model of tens of
+    thousands of tensors takes seconds (a Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2 cores). Only
+    for a fresh OUT (a resumed one may have its first shards done), one worker (each reads its share)
+    and a source on disk."""
+    if (not settings.prefetch or settings.stream_download or spec.count > 1 or devices
+            or (out_dir / WORK_DIR).exists()):
+        return None
+    return Prefetcher(source.root, source.tensors, settings.prefetch,
+                      threads=settings.prefetch_threads or default_threads()).start()
 
 
 def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],

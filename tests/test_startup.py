@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -91,10 +92,11 @@ print(json.dumps({"rc": rc, "numpy_loaded": seen}))
 
 def test_the_checkpoint_is_read_before_numpy_is_imported(tmp_path):
     """numpy (for the kept tensors' copier) takes a tenth of a second to import with cold files: the
-    disk should have the checkpoint's reads by then."""
+    disk should have the checkpoint's reads by then (the reads started while the plan is made, then the
+    run's own)."""
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     result = run_spy(PREFETCH_SPY, "quantize", src, tmp_path / "out", "--device", "cpu", "-q")
-    assert result == {"rc": 0, "numpy_loaded": [False]}
+    assert result == {"rc": 0, "numpy_loaded": [False, False]}
 
 
 # Runs the CLI with its own environment untouched by the test and reports the allocator setting torch
@@ -274,3 +276,50 @@ def test_no_driver_library_is_no_error(monkeypatch):
     thread = warmup.open_primary_context("cuda")
     thread.join(30)
     assert not thread.is_alive() and raised == []
+
+
+class PullSpy:
+    """Stands in for the prefetcher's pull into the page cache: records (file name, offset) and whether any
+    pull came before the plan was made."""
+
+    def __init__(self, monkeypatch, wait: float):
+        from fp8convert import api
+        from fp8convert.run import prefetch
+        self.pulled, self.calls, self.before_plan = threading.Event(), [], []
+        real_pull, real_plan = prefetch.pull_into_cache, api.build_plan
+
+        def pull(sink, fd, offset, length):
+            self.calls.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset))
+            self.pulled.set()
+            return real_pull(sink, fd, offset, length)
+
+        def build_plan(*args, **kwargs):
+            self.before_plan.append(self.pulled.wait(wait))
+            return real_plan(*args, **kwargs)
+
+        monkeypatch.setattr(prefetch, "pull_into_cache", pull)
+        monkeypatch.setattr(api, "build_plan", build_plan)
+
+
+def test_a_fresh_conversion_reads_the_source_while_the_plan_is_made(tmp_path, monkeypatch):
+    """The disk starts on the checkpoint's first file at once, not after the plan (a second or more for
+    thousands of tensors); the output is the same as with no read-ahead at all."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    spy = PullSpy(monkeypatch, wait=10)
+    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)
+    first_file = sorted(p.name for p in src.glob("*.safetensors"))[0]
+    assert spy.before_plan == [True]
+    assert spy.calls[0][0] == first_file
+    fp8convert.quantize(src, tmp_path / "plain", device="cpu", progress=False, prefetch=0)
+    for shard in (tmp_path / "plain").glob("*.safetensors"):
+        assert (tmp_path / "out" / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_no_read_before_the_plan_for_a_resumed_output_or_one_worker_of_several(tmp_path, monkeypatch):
+    """A resumed OUT may have its first shards done, and a worker reads only its share: the plan says what."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False, finalize=False)
+    spy = PullSpy(monkeypatch, wait=1)
+    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)  # finalizes what is there
+    fp8convert.quantize(src, tmp_path / "half", device="cpu", progress=False, worker="0/2")
+    assert spy.before_plan == [False, False]

@@ -63,11 +63,13 @@ class Prefetcher:
             self.consumed += nbytes
             self.cond.notify_all()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Dispatch no more reads; with `wait`, also wait for those in flight (at most two per thread)."""
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
-        self.thread.join()
+        if wait:
+            self.thread.join()
 
     def _dispatch(self) -> None:
         fds: dict[str, int] = {}
