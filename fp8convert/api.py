@@ -188,10 +188,11 @@ def _head_start(source, out_dir: Path, settings: Settings, spec: workers.WorkerS
                 devices: list[str] | None) -> Prefetcher | None:
     """Start pulling the source into the page cache in file order while the plan is made, instead of
     leaving the disk idle until then: a checkpoint's first file holds its first layers, which the pipeline
-    reads first, and the run's own prefetcher then finds them cached. The plan of a model of tens of
-    thousands of tensors takes seconds (a Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2 cores). Only
-    for a fresh OUT (a resumed one may have its first shards done), one worker (each reads its share)
-    and a source on disk."""
+    reads first, and the run's own prefetcher then finds them cached (at most --prefetch bytes, within its
+    window where the files hold the layers in order, as Hugging Face's shards do). The plan of a model of
+    tens of thousands of tensors takes seconds (a Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2
+    cores). Only for a fresh OUT (a resumed one may have its first shards done), one worker (each reads
+    its share) and a source on disk."""
     if (not settings.prefetch or settings.stream_download or spec.count > 1 or devices
             or (out_dir / WORK_DIR).exists()):
         return None
