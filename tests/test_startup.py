@@ -325,3 +325,18 @@ def test_no_read_before_the_plan_for_a_resumed_output_or_one_worker_of_several(t
     fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)  # finalizes what is there
     fp8convert.quantize(src, tmp_path / "half", device="cpu", progress=False, worker="0/2")
     assert spy.before_plan == [False, False]
+
+
+def test_the_demo_leaves_the_start_up_record_for_the_first_real_conversion(tmp_path):
+    """The README's first command builds its model with torch, so its conversion records nothing itself;
+    the demo writes the record, and the next conversion reads torch's pages ahead."""
+    cache = tmp_path / "cache"
+    demo = cli_run("demo", tmp_path / "demo", "--device", "cpu", cache=cache)
+    assert demo["rc"] == 0
+    (record,) = (cache / "fp8convert").glob("startup-pages-cpu-*.json")
+    files = [path for path, _, _, _ in json.loads(record.read_text())["files"]]
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name for p in files)
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    first = cli_run("quantize", src, tmp_path / "out", "--device", "cpu", "-q", cache=cache)
+    assert first["rc"] == 0 and any(Path(p).parent == torch_lib for p in first["asked"])

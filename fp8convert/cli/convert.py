@@ -222,9 +222,14 @@ def demo(
       fp8convert demo /tmp/fp8demo
     """
     from ..demo import make_demo_model
+    from ..run import startup_pages, warmup
     src = make_demo_model(directory / "source")
     print(f"built demo model {src}")
     quantize(str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True)
+    # Building the model imported torch before the conversion, which then records no start-up pages (a
+    # caller's process maps much else); this process is the program's own, so it leaves the record, and
+    # the first real conversion on this device starts torch as every later one does.
+    startup_pages.record(warmup.record_path(device))
 
 
 def register(app: typer.Typer) -> None:

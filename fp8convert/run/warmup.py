@@ -90,13 +90,18 @@ def torch_has_cuda() -> bool:
     return any((Path(folder) / "lib" / "libtorch_cuda.so").exists() for folder in folders or [])
 
 
+def record_path(device: str) -> Path | None:
+    """Where the start-up record of a run on `device` ("cpu", "auto", "cuda:1"...) lives."""
+    return startup_pages.record_path("cpu" if device == "cpu" else "cuda")
+
+
 def start_torch(device: str) -> TorchStart:
     """Import torch and, unless `device` is the CPU, start CUDA on it. Failures are left for the
     pipeline to report in its own words, when it resolves the device. In a process without torch yet,
     the pages an earlier run's start-up read are read ahead (startup_pages) and a GPU's primary context
     is made beside the import (open_primary_context)."""
     fresh = "torch" not in sys.modules
-    record = startup_pages.record_path("cpu" if device == "cpu" else "cuda") if fresh else None
+    record = record_path(device) if fresh else None
     pages_queued = startup_pages.read_ahead(record)
     if device != "cpu":
         pin_by_registering()
