@@ -306,7 +306,7 @@ def test_a_fresh_conversion_reads_the_source_while_the_plan_is_made(tmp_path, mo
     thousands of tensors); the output is the same as with no read-ahead at all."""
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     spy = PullSpy(monkeypatch, wait=10)
-    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)
+    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False, prefetch_threads=1)  # reads in order
     first_file = sorted(p.name for p in src.glob("*.safetensors"))[0]
     assert spy.before_plan == [True]
     assert spy.calls[0][0] == first_file
