@@ -193,11 +193,10 @@ def _head_start(source, out_dir: Path, settings: Settings, spec: workers.WorkerS
     tens of thousands of tensors takes seconds (a Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2
     cores). Only for a fresh OUT (a resumed one may have its first shards done), one worker (each reads
     its share) and a source on disk."""
-    if (not settings.prefetch or settings.stream_download or spec.count > 1 or devices
-            or (out_dir / WORK_DIR).exists()):
+    if spec.count > 1 or devices or (out_dir / WORK_DIR).exists():
         return None
-    return Prefetcher(source.root, source.tensors, settings.prefetch,
-                      threads=settings.prefetch_threads or default_threads()).start()
+    prefetcher = _prefetcher(source.root, source.tensors, settings)
+    return prefetcher.start() if prefetcher else None
 
 
 def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],
@@ -260,7 +259,9 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
                    enabled=settings.progress, plain=spec.count > 1)
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
-    with fetcher, _prefetcher(the_plan, units, settings) as prefetcher, contextlib.closing(bar), \
+    reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
+    with fetcher, _prefetcher(the_plan.source.root, reads, settings) or contextlib.nullcontext() as prefetcher, \
+            contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
             _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
@@ -310,12 +311,12 @@ def _ignore(nbytes: int) -> None:
     pass
 
 
-def _prefetcher(the_plan: Plan, units: list[Unit], settings: Settings):
-    """The page-cache read-ahead (nothing to read ahead of a streamed source: its shards arrive as needed)."""
+def _prefetcher(root: Path, tensors: list, settings: Settings) -> Prefetcher | None:
+    """The page-cache read-ahead of `tensors`, in their order; None with --prefetch 0 or a streamed source
+    (nothing to read ahead: its shards arrive as needed)."""
     if not settings.prefetch or settings.stream_download:
-        return contextlib.nullcontext()
-    return Prefetcher(the_plan.source.root, unique_inputs([t for u in units for a in u.atoms() for t in a]),
-                      settings.prefetch, threads=settings.prefetch_threads or default_threads())
+        return None
+    return Prefetcher(root, tensors, settings.prefetch, threads=settings.prefetch_threads or default_threads())
 
 
 def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: set[int], progress: bool) -> None:
