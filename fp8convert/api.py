@@ -262,12 +262,14 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     with fetcher, _prefetcher(the_plan.source.root, reads, settings) or contextlib.nullcontext() as prefetcher, \
             contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip) as writer, \
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True) as writer, \
             _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the main
-        # thread gets here first and would do torch's import itself. Kept tensors are being copied meanwhile.
+        # thread gets here first and would do torch's import itself. Kept tensors are being copied meanwhile,
+        # their bytes held in the page cache until torch is ready (writeback.Writeback).
         warmup.join()
+        writer.writeback.release()
         from .run.pipeline import convert
         result = convert(the_plan, without(units, kept), writer, workers.device_for(spec, settings.device),
                          settings.max_resident, fetcher, bar, read_threads=settings.read_threads,

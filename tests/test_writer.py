@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,71 @@ def test_the_ring_is_pinned_up_front_but_never_beyond_the_bytes_left(tmp_path, m
         writer.pin_ring()
         assert len(writer.ring) == len(pinned) == expected and all(pinned)
         assert all(buf.numel() == chunk for buf, _ in writer.ring)
+
+
+def writeback_calls(monkeypatch) -> list:
+    """Stands in for sync_file_range: records (inode, offset, bytes) of every writeback started."""
+    calls = []
+
+    def sync_file_range(fd, offset, nbytes, flags):
+        calls.append((os.fstat(fd).st_ino, offset, nbytes))
+        return 0
+    monkeypatch.setattr(writeback, "_sync_file_range", sync_file_range)
+    return calls
+
+
+def test_held_writeback_sends_nothing_until_released_then_each_files_span(tmp_path, monkeypatch):
+    calls = writeback_calls(monkeypatch)
+    fds = [os.open(tmp_path / name, os.O_RDWR | os.O_CREAT) for name in ("a", "b", "c")]
+    inodes = [os.fstat(fd).st_ino for fd in fds]
+    try:
+        held = writeback.Writeback(holding=True)
+        held.written(fds[0], 4096, 100)
+        held.written(fds[0], 0, 10)
+        held.written(fds[1], 7, 5)
+        held.written(fds[2], 0, 1)
+        held.forget(fds[2])  # about to be fsynced and closed: nothing of its own to send
+        assert calls == []
+        open_before = len(os.listdir("/proc/self/fd"))
+        held.release().join()
+        assert sorted(calls) == sorted([(inodes[0], 0, 4196), (inodes[1], 7, 5)])
+        assert len(os.listdir("/proc/self/fd")) == open_before  # the sender closed its duplicates
+        held.written(fds[1], 20, 3)  # released: sent as written
+        assert calls[-1] == (inodes[1], 20, 3)
+        assert held.release() is None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_writer_not_holding_sends_each_write_as_it_is_written(tmp_path, monkeypatch):
+    calls = writeback_calls(monkeypatch)
+    src = write_checkpoint(tmp_path / "src")
+    plan = fp8convert.make_plan(src, max_shard_size=SHARD_SIZE)
+    work = tmp_path / "out" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.setattr(writer_module, "PREALLOCATE", False)
+    first = plan.shards[0]
+    with ShardWriter(plan, tmp_path / "out", work, skip_shards=set()) as writer:
+        run = output_runs(plan, [t for t in plan.tensors if plan.shard_of[t.name] == first.index], merge=False)[0]
+        writer.write(run, bytes(run.nbytes), in_this_thread=True)
+        inode = os.fstat(writer.fds[first.index]).st_ino
+    assert (inode, 0, len(first.header)) in calls and (inode, run.start, run.nbytes) in calls
+
+
+def test_no_writeback_starts_before_torch_is_ready(tmp_path, monkeypatch):
+    """The kept tensors' copies and the shards' headers are written while torch loads; their writeback
+    waits until it is ready, and the pipeline's writes are sent as they are written."""
+    from fp8convert.run import warmup
+    calls, torch_ready = writeback_calls(monkeypatch), []
+    real_join = warmup.TorchStart.join
+
+    def join(self):
+        time.sleep(0.5)  # torch loading: the copier writes the kept tensors meanwhile
+        real_join(self)
+        torch_ready.append(len(calls))  # writeback calls made before torch was ready
+    monkeypatch.setattr(warmup.TorchStart, "join", join)
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
+    assert torch_ready == [0] and calls

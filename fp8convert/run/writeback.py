@@ -6,6 +6,10 @@ the disk idles while we read and then stalls the run at every shard's end. sync_
 queues the writeback at once, so reads and writes share the disk throughout and the final fsync has
 little left to do. Linux only; elsewhere this is a no-op and fsync does all the work.
 
+Writeback: when a run's written bytes get start_writeback. At once, except while torch is loading: a
+cold import of torch is thousands of page faults, and writes on the same disk slow them. The bytes
+written meanwhile (the kept tensors' copies) wait in the page cache until torch is ready.
+
 reserve: give a file its final size with every block allocated up front (fallocate). A full disk then
 shows before any data is written, and later writes only copy bytes: into one tmpfs file, 32 MB pwrites
 ran at 2.3-2.5 GB/s when they also had to allocate the pages and 3.9-4.1 GB/s into reserved ones.
@@ -24,6 +28,7 @@ import errno
 import mmap
 import os
 import sys
+import threading
 
 SYNC_FILE_RANGE_WRITE = 2
 
@@ -66,6 +71,56 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # best effort: failure only costs speed
 
 
+class Writeback:
+    """Sends written ranges to disk (start_writeback) as they are written, or, when `holding`, keeps them
+    until `release`. In first runs of dense 16 (a Llama-3-8B shape whose 2.1 GB of embedding and head
+    are copied while torch loads) on H200 machines, holding them until torch was ready made torch ready
+    0.9-1.8 s sooner in four rounds of five (alternating) and the runs 0.1-1.2 s shorter in four, 0.9 s
+    longer in one (docs/benchmarks.md, session 13)."""
+
+    def __init__(self, holding: bool = False):
+        self.lock = threading.Lock()
+        self.holding = holding
+        self.held: dict[int, tuple[int, int]] = {}  # fd -> the span of its ranges written while holding
+
+    def written(self, fd: int, offset: int, nbytes: int) -> None:
+        with self.lock:
+            if self.holding:
+                start, end = self.held.get(fd, (offset, offset + nbytes))
+                self.held[fd] = (min(start, offset), max(end, offset + nbytes))
+                return
+        start_writeback(fd, offset, nbytes)
+
+    def forget(self, fd: int) -> None:
+        """`fd` is about to be fsynced and closed, which writes what it holds."""
+        with self.lock:
+            self.held.pop(fd, None)
+
+    def release(self) -> threading.Thread | None:
+        """Send what was held, from a thread of its own (returned; None when nothing was held):
+        sync_file_range waits once the disk's queue is full, and the caller has a pipeline to start. The
+        thread works on duplicates of the files, which the writer may close meanwhile. (The pages between
+        a span's ranges that are not dirty cost nothing: writeback skips them.) Later writes are sent as
+        they are written."""
+        with self.lock:
+            self.holding = False
+            spans = [(os.dup(fd), start, end) for fd, (start, end) in self.held.items()]
+            self.held = {}
+        if not spans:
+            return None
+        thread = threading.Thread(target=_send, args=(spans,), name="fp8convert-writeback", daemon=True)
+        thread.start()
+        return thread
+
+
+def _send(spans: list[tuple[int, int, int]]) -> None:
+    for fd, start, end in spans:
+        try:
+            start_writeback(fd, start, end - start)
+        finally:
+            os.close(fd)
+
+
 def reserve(fd: int, size: int) -> bool:
     """Make the file `size` bytes long with its blocks allocated, and say so; where the file system
     cannot allocate ahead (or off Linux), only set the size (False). A full disk raises OSError(ENOSPC)."""
@@ -102,4 +157,3 @@ def write_mapped(fd: int, data: memoryview, offset: int) -> None:
         # addresses only: a ctypes object pointing into the mapping would keep it from closing
         target = ctypes.addressof(ctypes.c_char.from_buffer(view, offset - start))
         ctypes.memmove(target, ctypes.addressof(ctypes.c_char.from_buffer(data)), data.nbytes)  # GIL released
-    start_writeback(fd, offset, data.nbytes)

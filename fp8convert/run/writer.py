@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..plan.plan import Plan
 from ..plan.runs import Run
-from .writeback import fsync_dir, maps_writes, reserve, start_writeback, write_mapped
+from .writeback import Writeback, fsync_dir, maps_writes, reserve, write_mapped
 
 # Create every shard and reserve its blocks at the start of the run, while torch loads, rather than as
 # its first bytes arrive (scripts/profile_stages.py --no-preallocate measures the difference).
@@ -40,7 +40,6 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
-    start_writeback(fd, offset, len(data))
 
 
 class ShardWriter:
@@ -48,7 +47,7 @@ class ShardWriter:
     unfinished stays a partial file, which the next run rewrites)."""
 
     def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20,
-                 threads: int = 4):
+                 threads: int = 4, hold_writeback: bool = False):
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
         # shard -> data bytes still to write; a shard is finished when none are left
         self.remaining = {s.index: s.size - len(s.header) for s in plan.shards if s.index not in skip_shards}
@@ -57,6 +56,8 @@ class ShardWriter:
         self.file_system_maps: bool | None = None  # whether mapped writes pay on this file system; asked once
         self.chunk = chunk_bytes
         self.threads = threads
+        # with `hold_writeback`, written bytes stay in the page cache until writeback.release()
+        self.writeback = Writeback(holding=hold_writeback)
         self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
         self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
         self.lock = threading.Lock()  # the bookkeeping above, shared by the threads that call write()
@@ -91,7 +92,7 @@ class ShardWriter:
         except OSError as e:
             raise FP8ConvertError(f"{path}: cannot create ({e.strerror})") from e
         try:
-            pwrite_all(fd, memoryview(shard.header), 0)
+            self._write_host(pwrite_all, fd, memoryview(shard.header), 0)
             if reserve(fd, shard.size):
                 self.reserved.add(index)
         except OSError as e:
@@ -139,7 +140,7 @@ class ShardWriter:
                 view = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
                 for start in range(0, run.nbytes, self.chunk):
                     if in_this_thread:
-                        pwrite_all(fd, view[start:start + self.chunk], run.start + start)
+                        self._write_host(pwrite_all, fd, view[start:start + self.chunk], run.start + start)
                     else:
                         self._submit(run.shard, fd, view[start:start + self.chunk], run.start + start)
         except OSError as e:
@@ -156,9 +157,14 @@ class ShardWriter:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
             copy = write_mapped if self._mapped(index) and not host.readonly else pwrite_all
-            future = self.pool.submit(copy, fd, host, offset)
+            future = self.pool.submit(self._write_host, copy, fd, host, offset)
             self.pending.setdefault(index, []).append(future)
         return future
+
+    def _write_host(self, copy, fd: int, host: memoryview, offset: int) -> None:
+        """`copy` (pwrite_all or write_mapped) host bytes to `offset`, then hand them to writeback."""
+        copy(fd, host, offset)
+        self.writeback.written(fd, offset, host.nbytes)
 
     def _mapped(self, index: int) -> bool:
         """Whether the pool writes this shard through mappings (called with the lock held)."""
@@ -223,6 +229,7 @@ class ShardWriter:
             except OSError as e:
                 self._raise_write_error(index, e)
         fd = self.fds.pop(index)
+        self.writeback.forget(fd)
         final = self.out_dir / self.plan.shards[index].name
         try:
             try:
