@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8convert.run.writeback import write_mapped  # noqa: E402
+from fp8convert.run.writeback import start_writeback, write_mapped  # noqa: E402
 
 CHUNK = 32 << 20
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -75,6 +75,12 @@ def reserve(fd: int, size: int) -> None:
         raise OSError(ctypes.get_errno(), "fallocate failed")
 
 
+def mapped_then_writeback(fd: int, buf, offset: int) -> None:
+    """A piece as the writer fills a shard from the GPU: copied through a mapping, then its writeback started."""
+    write_mapped(fd, buf, offset)
+    start_writeback(fd, offset, buf.nbytes)
+
+
 def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bool, cuda: bool,
                direct: bool = False, mapped: bool = False) -> None:
     per_file = size // files // CHUNK * CHUNK
@@ -85,7 +91,7 @@ def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bo
         for fd in fds:
             reserve(fd, per_file) if reserved else os.ftruncate(fd, per_file)
         jobs = [(fds[i % files], (i // files) * CHUNK) for i in range(files * (per_file // CHUNK))]
-        write = write_mapped if mapped else (lambda fd, buf, offset: os.pwrite(fd, buf, offset))
+        write = mapped_then_writeback if mapped else (lambda fd, buf, offset: os.pwrite(fd, buf, offset))
         seconds = in_threads(n, jobs, lambda buf, fd, offset: write(fd, buf, offset), cuda)
         t0 = time.perf_counter()
         for fd in fds:
