@@ -22,13 +22,13 @@ from typing import Callable
 from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError, PlanMismatchError
-from .options import Options, Settings
+from .options import AUTO, Options, Settings
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
-from .run.prefetch import Prefetcher, default_threads
+from .run.prefetch import Prefetcher, default_threads, default_window
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, start_torch
 from .run.writer import ShardWriter
@@ -260,7 +260,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
-    with fetcher, _prefetcher(the_plan.source.root, reads, settings) or contextlib.nullcontext() as prefetcher, \
+    with fetcher, _prefetcher(the_plan.source.root, reads, settings, spec.count) or contextlib.nullcontext() as prefetcher, \
             contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True) as writer, \
             _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
@@ -313,12 +313,14 @@ def _ignore(nbytes: int) -> None:
     pass
 
 
-def _prefetcher(root: Path, tensors: list, settings: Settings) -> Prefetcher | None:
+def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1) -> Prefetcher | None:
     """The page-cache read-ahead of `tensors`, in their order; None with --prefetch 0 or a streamed source
-    (nothing to read ahead: its shards arrive as needed)."""
+    (nothing to read ahead: its shards arrive as needed). `workers`: how many processes convert shares of
+    this model, which --prefetch auto assumes share this machine's memory."""
     if not settings.prefetch or settings.stream_download:
         return None
-    return Prefetcher(root, tensors, settings.prefetch, threads=settings.prefetch_threads or default_threads())
+    window = default_window(workers) if settings.prefetch == AUTO else settings.prefetch
+    return Prefetcher(root, tensors, window, threads=settings.prefetch_threads or default_threads())
 
 
 def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: set[int], progress: bool) -> None:

@@ -109,7 +109,7 @@ def parse_target_tp(sizes) -> tuple[int, ...]:
 
 
 DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
-DEFAULT_PREFETCH = 8 * 2**30  # page cache read ahead of the reader (reclaimable; not resident memory)
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Settings:
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
     worker: object = None                 # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
     max_resident: int | str | None = None  # device memory budget of one batch; None: the device type's default
-    prefetch: int | str = DEFAULT_PREFETCH  # page-cache read-ahead window; 0 turns it off
+    prefetch: int | str = AUTO            # page-cache read-ahead window; 0 turns it off; auto: prefetch.default_window
     prefetch_threads: int | None = None
     read_threads: int | None = None
     overwrite: bool = False
@@ -150,7 +150,8 @@ class Settings:
         if self.max_resident:
             object.__setattr__(self, "max_resident", parse_size(self.max_resident, "--max-resident"))
         prefetch = str(self.prefetch).strip()
-        object.__setattr__(self, "prefetch", 0 if prefetch in ("0", "") else parse_size(self.prefetch, "--prefetch"))
+        object.__setattr__(self, "prefetch", 0 if prefetch in ("0", "") else AUTO if prefetch.lower() == AUTO
+                           else parse_size(self.prefetch, "--prefetch"))
         if isinstance(self.devices, list):
             object.__setattr__(self, "devices", tuple(self.devices))
         if self.base_model is not None and not REPO_ID.match(self.base_model):

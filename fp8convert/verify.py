@@ -75,7 +75,7 @@ from pathlib import Path
 from .errors import FP8ConvertError
 from .formats import QuantizedLayout, read_quantization_config
 from .formats.sources import FP8Weight
-from .options import BLOCK, DEFAULT_PREFETCH
+from .options import AUTO, BLOCK
 from .output.card import with_verification
 from .output.files import write_atomic
 from .output.manifest import Manifest
@@ -814,7 +814,7 @@ def numbers_problem(check: TensorCheck, scheme: str) -> str:
 
 def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None,
            cache_dir: str | None = None, device: str = "auto", max_resident: int | str | None = None,
-           prefetch: int | str = DEFAULT_PREFETCH, progress: bool = False) -> VerifyReport:
+           prefetch: int | str = AUTO, progress: bool = False) -> VerifyReport:
     """Verify the FP8 checkpoint in `out` (or an FP8 source's dequantized one) against its source `src`
     (directory or Hub repo id), reading both through the conversion's reader on `device` within
     `max_resident` bytes a batch."""
@@ -940,6 +940,7 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
 
     from .run.device import budget_for, resolve_device
     from .run.progress import Progress
+    from .run.prefetch import default_window
     from .run.verify_stream import Read, VerifyStream
     dev = resolve_device(settings.device)
     scheme = fmt.scheme if fmt else None
@@ -954,7 +955,7 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
     seconds.update(wait_read=0.0, check=0.0)
     try:
         with VerifyStream(reads, source.root, out, dev, budget_for(dev, settings.max_resident), bar,
-                          settings.prefetch) as stream, checkers(dev) as run_all, torch.no_grad():
+                          default_window() if settings.prefetch == AUTO else settings.prefetch) as stream, checkers(dev) as run_all, torch.no_grad():
             waited = time.monotonic()
             for batch in stream:
                 checking = time.monotonic()

@@ -731,8 +731,7 @@ def load_safetensors(files, dev):
 def load_fp8convert(files, dev):
     """fp8convert's own read path: the page-cache prefetcher ahead of BatchReader, over the source's tensors in
     <= 4 GiB batches (the CUDA default), as a conversion reads them."""
-    from fp8convert.options import DEFAULT_PREFETCH
-    from fp8convert.run.prefetch import Prefetcher
+    from fp8convert.run.prefetch import Prefetcher, default_window
     from fp8convert.run.reader import BatchReader
     from fp8convert.source.local import open_local
     source = open_local(Path(files[0]).parent)
@@ -745,7 +744,7 @@ def load_fp8convert(files, dev):
         cur.append(t)
         size += t.nbytes
     batches.append(cur)
-    with Prefetcher(source.root, source.tensors, DEFAULT_PREFETCH, threads=4) as prefetcher, \
+    with Prefetcher(source.root, source.tensors, default_window(), threads=4) as prefetcher, \
             BatchReader(source.root, dev) as reader:
         for b in batches:
             buf, _ = reader.read(b)

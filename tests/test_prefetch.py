@@ -7,8 +7,15 @@ import os
 import threading
 import time
 
-from fp8convert.run.prefetch import Prefetcher
+import pytest
+
+import fp8convert
+from fp8convert.errors import FP8ConvertError
+from fp8convert.options import AUTO, Settings
+from fp8convert.run import prefetch
+from fp8convert.run.prefetch import WINDOW_CAP, Prefetcher, available_memory, default_window
 from fp8convert.safetensors_io import TensorInfo
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 CHUNK = 1 << 16
 
@@ -113,3 +120,66 @@ def test_where_sendfile_is_refused_the_prefetcher_preads(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "preadv", preadv)
     run_to_the_end(tmp_path, 10)
     assert covered(read) == [(0, 10 * CHUNK)]
+
+
+GiB = 1 << 30
+
+
+def fake_system(tmp_path, available_kib: int, groups: dict[str, tuple[str, int]], own: str = "/job/step"):
+    """A /proc/meminfo, /proc/self/cgroup and cgroup v2 tree: `groups` maps a path under the root to its
+    (memory.max, memory.current)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kib} kB\n")
+    (tmp_path / "self-cgroup").write_text(f"0::{own}\n")
+    root = tmp_path / "cgroup"
+    for path, (limit, current) in groups.items():
+        (root / path).mkdir(parents=True, exist_ok=True)
+        (root / path / "memory.max").write_text(limit + "\n")
+        (root / path / "memory.current").write_text(f"{current}\n")
+    return dict(meminfo=tmp_path / "meminfo", cgroups=root, own_cgroup=tmp_path / "self-cgroup")
+
+
+def test_available_memory_is_memavailable_or_the_tightest_cgroup_headroom(tmp_path):
+    unlimited = fake_system(tmp_path / "a", 10 * 1024 * 1024, {"job": ("max", 5 * GiB), "job/step": ("max", GiB)})
+    assert available_memory(**unlimited) == 10 * GiB
+    # the job's limit (8 GiB, 5 used) is tighter than the step's (20 GiB, 1 used) and than MemAvailable
+    capped = fake_system(tmp_path / "b", 10 * 1024 * 1024,
+                         {"": ("max", 0), "job": (str(8 * GiB), 5 * GiB), "job/step": (str(20 * GiB), GiB)})
+    assert available_memory(**capped) == 3 * GiB
+    over = fake_system(tmp_path / "c", 10 * 1024 * 1024, {"job/step": (str(GiB), 2 * GiB)})
+    assert available_memory(**over) == 0
+    no_cgroup = fake_system(tmp_path / "d", 4 * 1024 * 1024, {}, own="/gone")
+    assert available_memory(**no_cgroup) == 4 * GiB
+    assert available_memory(meminfo=tmp_path / "missing", cgroups=tmp_path, own_cgroup=tmp_path / "x") is None
+
+
+def test_the_default_window_is_half_the_available_memory_shared_by_workers_and_capped():
+    assert default_window(1, available=24 * GiB) == 12 * GiB
+    assert default_window(3, available=24 * GiB) == 4 * GiB
+    assert default_window(1, available=512 * GiB) == WINDOW_CAP == 32 * GiB
+    assert default_window(1, available=0) == 0  # nothing to spare: no read-ahead at all
+
+
+def test_prefetch_option_reads_auto_sizes_and_zero():
+    assert Settings().prefetch == AUTO
+    assert Settings(prefetch="AUTO").prefetch == AUTO
+    assert Settings(prefetch="0").prefetch == 0
+    assert Settings(prefetch="1GiB").prefetch == GiB
+    with pytest.raises(FP8ConvertError, match="--prefetch"):
+        Settings(prefetch="lots")
+
+
+@pytest.mark.parametrize("overrides,window", [({}, 3 * GiB), ({"worker": "0/2"}, 3 * GiB // 2),
+                                              ({"prefetch": "5MiB"}, 5 << 20)])
+def test_a_conversion_reads_ahead_by_the_window_it_was_given_or_the_default(tmp_path, monkeypatch, overrides, window):
+    monkeypatch.setattr(prefetch, "available_memory", lambda: 6 * GiB)
+    windows, real_init = [], Prefetcher.__init__
+
+    def init(self, root, tensors, window_bytes, *args, **kwargs):
+        windows.append(window_bytes)
+        real_init(self, root, tensors, window_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(Prefetcher, "__init__", init)
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False, **overrides)
+    assert windows and set(windows) == {window}

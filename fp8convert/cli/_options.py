@@ -75,8 +75,9 @@ MaxResident = Annotated[Optional[str], typer.Option(
          "1GiB on CPU); larger layers are split, never inside a fused group.")]
 Prefetch = Annotated[str, typer.Option(
     "--prefetch", metavar="SIZE",
-    help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); "
-         "0 turns it off. Page cache is reclaimable, but it counts in some job memory limits.")]
+    help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); 0 turns it off. "
+         "Default auto: half the memory available at the start (within the job's cgroup limit), shared by "
+         "the run's workers, at most 32GiB. Page cache is reclaimable, but it counts in some job memory limits.")]
 Revision = Annotated[Optional[str], typer.Option("--revision", metavar="REV",
                                                  help="Hub revision (branch, tag or commit) of SRC.")]
 Json = Annotated[bool, flag("--json", help="Print a JSON document on stdout instead of text (an error object "

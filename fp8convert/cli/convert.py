@@ -34,7 +34,7 @@ def quantize(
     device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
     overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False, quiet: Quiet = False,
     push_to_hub: PushToHub = None, private: Private = False, stream_download: StreamDownload = False,
-    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "8GiB", target_tp: TargetTp = None,
+    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "auto", target_tp: TargetTp = None,
     scale_format: ScaleFormat = "float", hub_token: Token = None, cache_dir: CacheDir = None,
     base_model: BaseModel = None,
 ):
@@ -82,7 +82,7 @@ def dequantize(
     max_resident: MaxResident = None, overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False,
     quiet: Quiet = False, push_to_hub: PushToHub = None, private: Private = False,
     stream_download: StreamDownload = False, worker: Worker = None, devices: Devices = None,
-    prefetch: Prefetch = "8GiB", hub_token: Token = None, cache_dir: CacheDir = None, base_model: BaseModel = None,
+    prefetch: Prefetch = "auto", hub_token: Token = None, cache_dir: CacheDir = None, base_model: BaseModel = None,
 ):
     """Convert the FP8 checkpoint SRC (native fp8 or compressed-tensors) to high precision in OUT:
     every FP8 weight becomes float32(codes) x scale rounded once to --dtype, scales and

@@ -20,7 +20,7 @@ def verify(
     revision: Revision = None, json_out: Json = False,
     worst: Annotated[int, typer.Option("--worst", metavar="N", help="How many of the worst tensors to list.")] = 10,
     every_problem: Annotated[bool, flag("--all", help="List every problem found, not one line per cause.")] = False,
-    device: Device = "auto", max_resident: MaxResident = None, prefetch: Prefetch = "8GiB", quiet: Quiet = False,
+    device: Device = "auto", max_resident: MaxResident = None, prefetch: Prefetch = "auto", quiet: Quiet = False,
     hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Check OUT against SRC: every source tensor accounted for, dtypes, shapes, finite positive scales,

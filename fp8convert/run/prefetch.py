@@ -5,6 +5,10 @@ starts before torch is even imported (that import alone takes seconds) and keeps
 reads in flight with several threads, never more than `window` bytes ahead of what the reader has
 consumed, so page-cache use stays bounded. The reader then copies from the page cache. Nothing here
 is needed for correctness: if the prefetcher falls behind, the reader simply reads from disk itself.
+
+The window is larger than one might think it needs to be: while torch loads (seconds, more with cold
+files) the reader consumes nothing, so a window the disk fills before torch is ready leaves it idle
+until then. default_window sizes it from the memory this process may use.
 """
 from __future__ import annotations
 
@@ -19,6 +23,49 @@ from ..safetensors_io import TensorInfo
 def default_threads() -> int:
     """Prefetch reads cost CPU time too: a quarter of the cores, from 1 to 4 (4 is plenty for a disk)."""
     return min(4, max(1, (os.cpu_count() or 1) // 4))
+
+
+WINDOW_CAP = 32 << 30       # the default window's largest
+FALLBACK_WINDOW = 8 << 30   # where the available memory cannot be read (off Linux)
+
+
+def default_window(workers: int = 1, available: int | None = None) -> int:
+    """--prefetch auto: half the memory available at the start, shared by the `workers` of this run
+    (processes of one machine may each convert a share), at most WINDOW_CAP. In first runs of MoE 16 on
+    an H200 box, where the 8 GiB window of earlier versions filled about 8 s in and the disk idled until
+    torch was ready 1-2 s later, 16 GiB and 32 GiB windows ended the runs 0.4-3.6 s sooner in each of six
+    alternating rounds (docs/benchmarks.md, session 14)."""
+    available = available_memory() if available is None else available
+    if available is None:
+        return FALLBACK_WINDOW
+    return min(WINDOW_CAP, available // (2 * max(1, workers)))
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/sys/fs/cgroup"),
+                     own_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes this process may still fill: the kernel's MemAvailable, or less where a cgroup (v2) above the
+    process caps its memory (a job's limit counts page cache too): the least headroom, memory.max less
+    memory.current, of its cgroup and each one above it. None where /proc/meminfo cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024  # "123456 kB"
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    try:
+        path = next(line[3:] for line in own_cgroup.read_text().splitlines() if line.startswith("0::"))
+    except (OSError, StopIteration):
+        return available
+    group = cgroups / path.strip().lstrip("/")
+    while True:
+        try:
+            limit = (group / "memory.max").read_text().strip()
+            if limit != "max":
+                available = min(available, max(0, int(limit) - int((group / "memory.current").read_text())))
+        except (OSError, ValueError):
+            pass
+        if group == cgroups or cgroups not in group.parents:
+            return available
+        group = group.parent
 
 
 def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
