@@ -32,9 +32,10 @@ FALLBACK_WINDOW = 8 << 30   # where the available memory cannot be read (off Lin
 def default_window(workers: int = 1, available: int | None = None) -> int:
     """--prefetch auto: half the memory available at the start, shared by the `workers` of this run
     (processes of one machine may each convert a share), at most WINDOW_CAP. In first runs of MoE 16 on
-    an H200 box, where the 8 GiB window of earlier versions filled about 8 s in and the disk idled until
-    torch was ready 1-2 s later, 16 GiB and 32 GiB windows ended the runs 0.4-3.6 s sooner in each of six
-    alternating rounds (docs/benchmarks.md, session 14)."""
+    H200 machines, where the 8 GiB window of earlier versions was full about 8 s in and the disk then
+    idled until torch was ready, a larger window ended each of eight alternating rounds sooner: 16 GiB by
+    0.4-3.6 s, 32 GiB by 1.4-6.0 s, this default (32 GiB there) by 1.8-2.8 s (docs/benchmarks.md,
+    session 14)."""
     available = available_memory() if available is None else available
     if available is None:
         return FALLBACK_WINDOW
