@@ -260,7 +260,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
-    with fetcher, _prefetcher(the_plan.source.root, reads, settings, spec.count) or contextlib.nullcontext() as prefetcher, \
+    prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.count)
+    with fetcher, prefetcher or contextlib.nullcontext(), \
             contextlib.closing(bar), \
             ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True) as writer, \
             _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:

@@ -939,8 +939,8 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
     import torch
 
     from .run.device import budget_for, resolve_device
-    from .run.progress import Progress
     from .run.prefetch import default_window
+    from .run.progress import Progress
     from .run.verify_stream import Read, VerifyStream
     dev = resolve_device(settings.device)
     scheme = fmt.scheme if fmt else None
@@ -954,8 +954,10 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
     seconds = report.stage_seconds
     seconds.update(wait_read=0.0, check=0.0)
     try:
-        with VerifyStream(reads, source.root, out, dev, budget_for(dev, settings.max_resident), bar,
-                          default_window() if settings.prefetch == AUTO else settings.prefetch) as stream, checkers(dev) as run_all, torch.no_grad():
+        window = default_window() if settings.prefetch == AUTO else settings.prefetch
+        budget = budget_for(dev, settings.max_resident)
+        with VerifyStream(reads, source.root, out, dev, budget, bar, window) as stream, checkers(dev) as run_all, \
+                torch.no_grad():
             waited = time.monotonic()
             for batch in stream:
                 checking = time.monotonic()
