@@ -1,5 +1,6 @@
 """The page-cache prefetcher: it reads the spans in order, never more than its window ahead of the
-reader, into the page cache without copying them (or by pread where it cannot)."""
+reader, into the page cache without copying them (or by pread where it cannot); the window's default
+follows the memory the process may use."""
 from __future__ import annotations
 
 import errno
