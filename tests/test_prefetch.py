@@ -126,17 +126,20 @@ def test_where_sendfile_is_refused_the_prefetcher_preads(tmp_path, monkeypatch):
 GiB = 1 << 30
 
 
-def fake_system(tmp_path, available_kib: int, groups: dict[str, tuple[str, int]], own: str = "/job/step"):
+def fake_system(tmp_path, available_kib: int, groups: dict[str, tuple], own: str = "/job/step"):
     """A /proc/meminfo, /proc/self/cgroup and cgroup v2 tree: `groups` maps a path under the root to its
-    (memory.max, memory.current)."""
+    (memory.max, memory.current) or (memory.max, memory.current, inactive file bytes in memory.stat)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kib} kB\n")
     (tmp_path / "self-cgroup").write_text(f"0::{own}\n")
     root = tmp_path / "cgroup"
-    for path, (limit, current) in groups.items():
+    for path, (limit, current, *inactive) in groups.items():
         (root / path).mkdir(parents=True, exist_ok=True)
         (root / path / "memory.max").write_text(limit + "\n")
         (root / path / "memory.current").write_text(f"{current}\n")
+        if inactive:
+            stat = f"anon 1000\nfile 99\ninactive_file {inactive[0]}\nactive_file 5\n"
+            (root / path / "memory.stat").write_text(stat)
     return dict(meminfo=tmp_path / "meminfo", cgroups=root, own_cgroup=tmp_path / "self-cgroup")
 
 
@@ -149,9 +152,30 @@ def test_available_memory_is_memavailable_or_the_tightest_cgroup_headroom(tmp_pa
     assert available_memory(**capped) == 3 * GiB
     over = fake_system(tmp_path / "c", 10 * 1024 * 1024, {"job/step": (str(GiB), 2 * GiB)})
     assert available_memory(**over) == 0
+    # a job that has just downloaded its checkpoint: 7 of its 8 GiB are inactive file pages, reclaimed first
+    cached = fake_system(tmp_path / "e", 10 * 1024 * 1024, {"job": (str(8 * GiB), 8 * GiB, 7 * GiB)})
+    assert available_memory(**cached) == 7 * GiB
     no_cgroup = fake_system(tmp_path / "d", 4 * 1024 * 1024, {}, own="/gone")
     assert available_memory(**no_cgroup) == 4 * GiB
     assert available_memory(meminfo=tmp_path / "missing", cgroups=tmp_path, own_cgroup=tmp_path / "x") is None
+
+
+def test_available_memory_reads_cgroup_v1s_memory_controller(tmp_path):
+    """Hybrid hosts: the memory limit lives in v1's memory controller; v1 says "no limit" with a number
+    near 2^63; where the process's path is not mounted (inside a container), the mount's root counts."""
+    (tmp_path / "meminfo").write_text("MemAvailable:   10485760 kB\n")  # 10 GiB
+    (tmp_path / "self-cgroup").write_text("12:pids:/x\n4:cpu,memory:/slurm/job1\n0::/\n")
+    v1 = tmp_path / "cgroup" / "memory"
+    for path, limit, usage, inactive in [("", 9223372036854771712, GiB, 0), ("slurm/job1", 6 * GiB, 5 * GiB, 2 * GiB)]:
+        (v1 / path).mkdir(parents=True, exist_ok=True)
+        (v1 / path / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (v1 / path / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (v1 / path / "memory.stat").write_text(f"cache 5\ninactive_file 1\ntotal_inactive_file {inactive}\n")
+    where = dict(meminfo=tmp_path / "meminfo", cgroups=tmp_path / "cgroup", own_cgroup=tmp_path / "self-cgroup")
+    assert available_memory(**where) == 3 * GiB  # 6 GiB less 5 used, 2 of them inactive file pages
+    (tmp_path / "self-cgroup").write_text("4:memory:/kubepods/pod7\n")  # a path this mount does not show
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
+    assert available_memory(**where) == 3 * GiB  # the mount's root: 4 GiB less 1 used
 
 
 def test_the_default_window_is_half_the_available_memory_shared_by_workers_and_capped():

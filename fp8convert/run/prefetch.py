@@ -42,31 +42,63 @@ def default_window(workers: int = 1, available: int | None = None) -> int:
     return min(WINDOW_CAP, available // (2 * max(1, workers)))
 
 
+# Where each cgroup version keeps a cgroup's memory limit, its use, and (in memory.stat) the inactive file
+# pages the kernel reclaims first: v2's unified tree, v1's memory controller.
+CGROUP_MEMORY = {"v2": ("", "memory.max", "memory.current", ("inactive_file",)),
+                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                        ("total_inactive_file", "inactive_file"))}
+
+
 def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/sys/fs/cgroup"),
                      own_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
-    """Bytes this process may still fill: the kernel's MemAvailable, or less where a cgroup (v2) above the
-    process caps its memory (a job's limit counts page cache too): the least headroom, memory.max less
-    memory.current, of its cgroup and each one above it. None where /proc/meminfo cannot be read."""
+    """Bytes this process may still fill: the kernel's MemAvailable, or less where a cgroup above the
+    process caps its memory (a job's limit counts page cache too): the least headroom of its cgroup and
+    each one above it, the limit less what is used plus the inactive file pages the kernel reclaims
+    first (a job that has just downloaded the checkpoint holds gigabytes of it in its cache). cgroup v2,
+    and v1's memory controller. None where /proc/meminfo cannot be read."""
     try:
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
         available = int(fields["MemAvailable"].split()[0]) * 1024  # "123456 kB"
     except (OSError, KeyError, ValueError, IndexError):
         return None
     try:
-        path = next(line[3:] for line in own_cgroup.read_text().splitlines() if line.startswith("0::"))
-    except (OSError, StopIteration):
+        lines = own_cgroup.read_text().splitlines()
+    except OSError:
         return available
-    group = cgroups / path.strip().lstrip("/")
+    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        version = "v2" if number == "0" and not controllers else "v1" if "memory" in controllers.split(",") else ""
+        if version:
+            available = min(available, cgroup_headroom(cgroups, version, path))
+    return available
+
+
+def cgroup_headroom(cgroups: Path, version: str, path: str) -> int:
+    """The least headroom of the cgroup at `path` and each one above it (where the process's path is not
+    mounted, as inside some containers, the mount's own root still counts)."""
+    mount, limit_file, usage_file, inactive_keys = CGROUP_MEMORY[version]
+    root = cgroups / mount
+    group, headroom = root / path.strip().lstrip("/"), 1 << 62
     while True:
         try:
-            limit = (group / "memory.max").read_text().strip()
-            if limit != "max":
-                available = min(available, max(0, int(limit) - int((group / "memory.current").read_text())))
+            limit = (group / limit_file).read_text().strip()
+            if limit != "max":  # v1 says "no limit" with a number near 2^63, which limits nothing
+                used = int((group / usage_file).read_text()) - reclaimable(group / "memory.stat", inactive_keys)
+                headroom = min(headroom, max(0, int(limit) - used))
         except (OSError, ValueError):
             pass
-        if group == cgroups or cgroups not in group.parents:
-            return available
+        if group == root or root not in group.parents:
+            return headroom
         group = group.parent
+
+
+def reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
+    """The first of `keys` found in a cgroup's memory.stat (bytes); 0 where none can be read."""
+    try:
+        values = dict(line.split(" ", 1) for line in stat.read_text().splitlines() if " " in line)
+        return next(int(values[key]) for key in keys if key in values)
+    except (OSError, ValueError, StopIteration):
+        return 0
 
 
 def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
