@@ -120,6 +120,22 @@ def test_a_full_disk_while_reserving_is_one_line_before_any_work(tmp_path, capsy
     assert not list(out.glob("*.safetensors"))
 
 
+def test_a_shard_that_failed_to_reserve_leaves_no_held_writeback(tmp_path, monkeypatch):
+    """Its header was written (and held) before the reservation failed and the file was closed: the release
+    that follows must not send the closed descriptor (the full disk is the run's error, not EBADF)."""
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(writer_module, "reserve", full)
+    monkeypatch.setattr(writer_module, "PREALLOCATE", False)  # the allocator runs by hand below
+    plan = fp8convert.make_plan(write_checkpoint(tmp_path / "src"), max_shard_size=SHARD_SIZE)
+    work = tmp_path / "out" / "work"
+    work.mkdir(parents=True)
+    with ShardWriter(plan, tmp_path / "out", work, skip_shards=set(), hold_writeback=True) as writer:
+        writer._create_all()
+        assert isinstance(writer.allocate_error, OSError) and writer.allocate_error.errno == errno.ENOSPC
+        assert writer.writeback.release() is None  # nothing held: the failed shard's header was forgotten
+
+
 @pytest.mark.parametrize("preallocate, fallocate_works", [(False, True), (True, False)])
 def test_same_bytes_with_and_without_reserved_blocks(tmp_path, monkeypatch, preallocate, fallocate_works):
     src = write_checkpoint(tmp_path / "src")

@@ -96,6 +96,7 @@ class ShardWriter:
             if reserve(fd, shard.size):
                 self.reserved.add(index)
         except OSError as e:
+            self.writeback.forget(fd)  # its header may be held: nothing may send a closed descriptor
             os.close(fd)
             raise self._write_error(path, e, "write failed") from e
         return fd
@@ -258,5 +259,6 @@ class ShardWriter:
         if self.pool is not None:
             self.pool.shutdown(wait=True)  # no write may land after its file is closed
         for fd in self.fds.values():
+            self.writeback.forget(fd)
             os.close(fd)
         self.fds.clear()
