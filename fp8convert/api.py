@@ -22,13 +22,13 @@ from typing import Callable
 from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError, PlanMismatchError
-from .options import AUTO, Options, Settings
+from .options import Options, Settings
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
-from .run.prefetch import Prefetcher, default_threads, default_window
+from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, start_torch
 from .run.writer import ShardWriter
@@ -320,8 +320,8 @@ def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1)
     this model, which --prefetch auto assumes share this machine's memory."""
     if not settings.prefetch or settings.stream_download:
         return None
-    window = default_window(workers) if settings.prefetch == AUTO else settings.prefetch
-    return Prefetcher(root, tensors, window, threads=settings.prefetch_threads or default_threads())
+    return Prefetcher(root, tensors, window_for(settings.prefetch, workers),
+                      threads=settings.prefetch_threads or default_threads())
 
 
 def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: set[int], progress: bool) -> None:

@@ -939,7 +939,7 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
     import torch
 
     from .run.device import budget_for, resolve_device
-    from .run.prefetch import default_window
+    from .run.prefetch import window_for
     from .run.progress import Progress
     from .run.verify_stream import Read, VerifyStream
     dev = resolve_device(settings.device)
@@ -954,10 +954,9 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | No
     seconds = report.stage_seconds
     seconds.update(wait_read=0.0, check=0.0)
     try:
-        window = default_window() if settings.prefetch == AUTO else settings.prefetch
         budget = budget_for(dev, settings.max_resident)
-        with VerifyStream(reads, source.root, out, dev, budget, bar, window) as stream, checkers(dev) as run_all, \
-                torch.no_grad():
+        with VerifyStream(reads, source.root, out, dev, budget, bar, window_for(settings.prefetch)) as stream, \
+                checkers(dev) as run_all, torch.no_grad():
             waited = time.monotonic()
             for batch in stream:
                 checking = time.monotonic()

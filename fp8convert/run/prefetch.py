@@ -17,6 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..options import AUTO
 from ..safetensors_io import TensorInfo
 
 
@@ -40,6 +41,11 @@ def default_window(workers: int = 1, available: int | None = None) -> int:
     if available is None:
         return FALLBACK_WINDOW
     return min(WINDOW_CAP, available // (2 * max(1, workers)))
+
+
+def window_for(prefetch: int | str, workers: int = 1) -> int:
+    """The window a --prefetch setting (bytes, 0, or auto) gives a run of `workers` processes."""
+    return default_window(workers) if prefetch == AUTO else prefetch
 
 
 # Where each cgroup version keeps a cgroup's memory limit, its use, and (in memory.stat) the inactive file

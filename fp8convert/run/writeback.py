@@ -92,7 +92,8 @@ class Writeback:
         start_writeback(fd, offset, nbytes)
 
     def forget(self, fd: int) -> None:
-        """`fd` is about to be fsynced and closed, which writes what it holds."""
+        """`fd` is about to be closed (fsynced first, which writes what it holds, when its shard is done):
+        nothing may send it after that."""
         with self.lock:
             self.held.pop(fd, None)
 
