@@ -13,7 +13,9 @@ seconds, which the disk spends better reading the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,7 @@ from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
-from .run.warmup import PAGES_WAIT_S, start_torch
+from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch, torch_loaded
 from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
@@ -67,6 +69,7 @@ class Report:
     tensors_dequantized: int = 0          # FP8 source weights written in high precision
     tensors_requantized: int = 0          # FP8 source weights quantized again in the output's scheme
     tensors_passed_through: int = 0       # FP8 source weights whose codes and scales are the output's
+    tensors_quantized_early: int = 0      # by the numpy quantizer while torch was loading (run/early.py)
     dequantize: bool = False              # the run was a dequantize (no FP8 in the output)
 
 
@@ -237,6 +240,9 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
         report.complete = _finish(the_plan, out_dir, spec, settings.progress)
 
 
+EARLY_MIN_CORES = 8  # early_processes: measured helping on 16 cores and hurting on 2, not in between
+
+
 def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
                    done: set[int], fetcher, started: float, report: Report) -> None:
     """This process writes its share of the shards (all of them when it is the only worker)."""
@@ -250,35 +256,53 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             from .source.hub import fetch_from_hub
             fetch_from_hub(the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}),
                            settings.token, settings.cache_dir)
-    warmup = start_torch(workers.device_for(spec, settings.device))
+    device = workers.device_for(spec, settings.device)
     copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
     # kept and passed-through tensors copied as they are (not cuts of fused experts, which need the
     # device's reshaping)
     kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
+    computed = without(units, kept)
+    # BF16 weights quantized with numpy while torch loads, by processes forked before torch's thread
+    # starts (run/early.py); a process that has torch already has no start-up to fill
+    early = _early_quantizer(the_plan, computed if copy_kept and not torch_loaded() and not cuda_missing(device)
+                             else [], spec)
+    warmup = start_torch(device)
     bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.count)
+    # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback), unless
+    # the early quantizer runs: its writes and theirs then go out at once. In first runs of a dense and a
+    # MoE checkpoint on an H200 box that ended sooner than holding them (docs/benchmarks.md).
     with fetcher, prefetcher or contextlib.nullcontext(), \
             contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True) as writer, \
-            _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=not early.groups) as writer, \
+            _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier, \
+            early:
         fetcher.start(need_order(units))
-        # Join torch's thread before importing the pipeline (which imports torch): on a small model the main
-        # thread gets here first and would do torch's import itself. Kept tensors are being copied meanwhile,
-        # their bytes held in the page cache until torch is ready (writeback.Writeback).
-        warmup.join()
-        writer.writeback.release()
-        from .run.pipeline import convert
-        result = convert(the_plan, without(units, kept), writer, workers.device_for(spec, settings.device),
-                         settings.max_resident, fetcher, bar, read_threads=settings.read_threads,
-                         on_read=prefetcher.advance if prefetcher else _ignore, started=started, check=copier.check)
-        copier.finish()
-        warmup.record_pages()
-        report.stage_seconds, report.device, report.peak_device_bytes = (
-            result.stage_seconds, result.device, result.peak_device_bytes)
+        early.start(writer, on_done=_copied(bar, prefetcher))
+        early.wait_for(warmup.thread)
+        left = without(computed, early.stop())
+        report.tensors_quantized_early = sum(len(u.tensors) for u in computed) - sum(len(u.tensors) for u in left)
+        if left or not warmup.device_known_good(device):
+            # Join torch's thread before importing the pipeline (which imports torch): on a small model the
+            # main thread gets here first and would do torch's import itself.
+            warmup.join()
+            writer.writeback.release()
+            from .run.pipeline import convert
+            result = convert(the_plan, left, writer, device, settings.max_resident, fetcher, bar,
+                             read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
+                             started=started, check=copier.check)
+            copier.finish()
+            warmup.record_pages()
+            report.stage_seconds, report.device, report.peak_device_bytes = (
+                result.stage_seconds, result.device, result.peak_device_bytes)
+        else:  # every weight was written before torch was ready: the run ends without it
+            writer.writeback.release()
+            copier.finish()
+            report.stage_seconds, report.device = {"done_before_torch": round(time.monotonic() - started, 3)}, "cpu"
         report.shards_written = len(todo)
         if settings.finalize:
             report.complete = _finish(the_plan, out_dir, spec, settings.progress)
@@ -293,6 +317,26 @@ def _kept_copier(the_plan: Plan, kept: list, writer: ShardWriter, on_copied: Cal
     and by now the prefetcher is reading."""
     from .run.kept import KeptCopier
     return KeptCopier(the_plan, kept, writer, on_copied=on_copied)
+
+
+def _early_quantizer(the_plan: Plan, units: list[Unit], spec: workers.WorkerSpec):
+    """The early quantizer of `units`' BF16 weights (run/early.py), its processes forked now. Off Linux,
+    and on machines of few cores, none."""
+    from .run.early import EarlyQuantizer, early_groups
+    processes = early_processes(spec)
+    groups = early_groups(units, the_plan.options.scheme) if processes and sys.platform == "linux" else []
+    quantizer = EarlyQuantizer(the_plan, groups, processes)
+    quantizer.fork()
+    return quantizer
+
+
+def early_processes(spec: workers.WorkerSpec) -> int:
+    """Half the cores, shared by the run's workers; none below EARLY_MIN_CORES. On 2 cores the one
+    process took from torch's start what it gave: first runs of a 2-layer MoE took 12.3-15.4 s with it
+    against 10.5-13.8 s without; on 16 (8 processes), dense first runs ended 1-3 s sooner
+    (docs/benchmarks.md)."""
+    cores = os.cpu_count() or 1
+    return cores // 2 // spec.count if cores >= EARLY_MIN_CORES else 0
 
 
 def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:

@@ -16,7 +16,7 @@ import torch
 
 import fp8convert
 from fp8convert.run.warmup import PINNED_ALLOC_CONF
-from tiny_ckpt import llama_tensors, write_checkpoint
+from tiny_ckpt import llama_tensors, tree_bytes, write_checkpoint
 
 # Runs the CLI in a fresh interpreter and reports which thread imported torch first (None: nobody).
 # The torch thread's first import of torch is held back by DELAY seconds.
@@ -46,8 +46,10 @@ def run_spy(script: str, *args, env: dict | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def who_imports_torch(*args, delay: float = 0.0) -> dict:
-    return run_spy(SPY.replace("{delay}", str(delay)), *args)
+def who_imports_torch(*args, delay: float = 0.0, early: bool = False) -> dict:
+    """`early`: with the early quantizer (run/early.py) on, however few this machine's cores."""
+    force = "import fp8convert.api as api; api.early_processes = lambda spec: 1\n" if early else ""
+    return run_spy(force + SPY.replace("{delay}", str(delay)), *args)
 
 
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
@@ -56,13 +58,29 @@ def test_quantize_imports_torch_in_the_background_thread(tmp_path):
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
 
 
+def torch_only_source(path: Path) -> Path:
+    """A checkpoint whose weights only the pipeline quantizes (FP16: the early quantizer, run/early.py,
+    takes BF16 only), so the run needs torch."""
+    return write_checkpoint(path, llama_tensors(dtype=torch.float16))
+
+
 def test_main_thread_waits_for_a_late_torch_thread(tmp_path):
     """The main thread reaches the pipeline in milliseconds on a small model; it must then wait for the
     torch thread rather than import torch itself, however late that thread gets to its import (the
     dequantize test below failed once on a 16-core machine, most likely so)."""
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    src = torch_only_source(tmp_path / "src")
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q", delay=1.5)
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
+
+
+def test_a_run_the_early_quantizer_finishes_ends_without_torch(tmp_path):
+    """Every BF16 weight written by the early quantizer before torch's (delayed) import: nobody imports
+    torch, and the output is the pipeline's."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q", delay=5, early=True)
+    assert result == {"rc": 0, "first_import": None}
+    fp8convert.quantize(src, tmp_path / "pipeline", device="cpu", progress=False)
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "pipeline")
 
 
 def test_dequantize_imports_torch_in_the_background_thread(tmp_path):
@@ -160,7 +178,7 @@ def cli_run(*args, cache: Path) -> dict:
 
 
 def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    src = torch_only_source(tmp_path / "src")
     cache = tmp_path / "cache"
     first = cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)
     assert first == {"rc": 0, "asked": []}  # nothing recorded yet
@@ -201,7 +219,7 @@ print(json.dumps({"rc": rc, "asked": len(asked), "last_asked": max(asked, defaul
 def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
     """Asking for them beside the import (which holds the GIL) took ten times as long, and the
     checkpoint's reads wait until they are all asked for."""
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    src = torch_only_source(tmp_path / "src")
     cache = tmp_path / "cache"
     assert cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)["rc"] == 0  # records
     result = run_spy(ORDER_SPY, "quantize", src, tmp_path / "b", "--device", "cpu", "-q",

@@ -16,6 +16,7 @@ from .._version import __version__
 from . import _failures, cluster, convert, publish, verify
 from ._options import Group
 from ._output import printed
+from ..run.warmup import torch_starting
 
 app = typer.Typer(name="fp8convert", cls=Group, no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False, rich_markup_mode="markdown",
@@ -73,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The program: main(), then exit with its code. Once torch is loaded the exit skips the interpreter's
-    teardown: unloading torch and destroying the CUDA context took 1.0-1.3 s after a cold conversion
-    had returned, every output already fsynced and renamed (docs/benchmarks.md). main() has closed
-    every file and joined every thread by then; only the streams' buffers are left to flush, and a
-    flush that fails (a closed pipe, a full disk under `> report.json`) fails the exit as Python's would."""
+    """The program: main(), then exit with its code. Once torch is loaded, or still loading (a run that the
+    early quantizer finished does not wait for it), the exit skips the interpreter's teardown: unloading
+    torch and destroying the CUDA context took 1.0-1.3 s after a cold conversion had returned, every
+    output already fsynced and renamed (docs/benchmarks.md), and a teardown beside an import in
+    progress can abort. main() has closed every file and joined every thread of its own by then; only
+    the streams' buffers are left to flush, and a flush that fails (a closed pipe, a full disk under
+    `> report.json`) fails the exit as Python's would."""
     rc = main(argv)
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules and not torch_starting():
         sys.exit(rc)
     try:
         sys.stdout.flush()

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import startup_pages
@@ -23,6 +24,10 @@ from . import startup_pages
 PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 CUDA_DRIVER = "libcuda.so.1"  # the name torch's CUDA runtime loads the driver by
+TORCH_THREAD, CUDA_THREAD = "fp8convert-torch", "fp8convert-cuda"
+
+# The longest a run that needs no torch waits for the driver to say whether the GPU it was asked for is there.
+CONTEXT_WAIT_S = 10.0
 
 # The longest torch's import and the checkpoint's reads wait for the recorded start-up pages to be queued.
 PAGES_WAIT_S = 3.0
@@ -31,7 +36,7 @@ PAGES_WAIT_S = 3.0
 def pin_by_registering() -> None:
     """Ask torch's pinned allocator for PINNED_ALLOC_CONF, unless the user configured the allocator
     (theirs stands) or torch is already loaded (it has read its configuration)."""
-    if "torch" in sys.modules or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+    if torch_loaded() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = PINNED_ALLOC_CONF
 
@@ -45,6 +50,19 @@ class TorchStart:
     thread: threading.Thread
     pages_queued: threading.Event
     record: Path | None
+    context: threading.Thread | None = None  # open_primary_context's, when it was started
+    context_made: threading.Event = field(default_factory=threading.Event)
+
+    def device_known_good(self, device: str) -> bool:
+        """Whether a run on `device` may end without torch (run/early.py wrote every weight): the CPU,
+        auto, or a CUDA device whose primary context the driver made, which torch's resolve_device takes
+        too. Else the run waits for torch, which refuses a device this machine does not have."""
+        if device in ("cpu", "auto"):
+            return True
+        if self.context is None or not re.fullmatch(r"cuda(:\d+)?", device):
+            return False
+        self.context.join(CONTEXT_WAIT_S)
+        return self.context_made.is_set()
 
     def join(self) -> None:
         self.thread.join()
@@ -54,12 +72,13 @@ class TorchStart:
         startup_pages.record(self.record)
 
 
-def open_primary_context(device: str) -> threading.Thread:
+def open_primary_context(device: str, made: threading.Event | None = None) -> threading.Thread:
     """Start CUDA's driver and make `device`'s primary context, the one torch's CUDA runtime takes, from a
     thread of its own through the driver's C API while torch is still importing: torch then finds it
     made. On an H200 box, all cold, torch and CUDA were ready 4.8-5.2 s into a process with this against
     5.6-5.9 s without (CUDA ready 0.02 s after torch's import against 0.33-0.44 s). With no driver, no
-    such device or a torch without CUDA nothing happens (and torch reports it, or runs on the CPU)."""
+    such device or a torch without CUDA nothing happens (and torch reports it, or runs on the CPU);
+    `made` is set once the context is made."""
     number = device.partition(":")[2]
     ordinal = int(number) if number.isdigit() else 0  # "cuda" and "auto" are torch's device 0
 
@@ -73,11 +92,24 @@ def open_primary_context(device: str) -> threading.Thread:
             return
         handle, context = ctypes.c_int(), ctypes.c_void_p()
         if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(handle), ordinal) == 0:
-            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle)  # kept for torch: never released
+            if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle) == 0:  # kept for torch: never released
+                if made is not None:
+                    made.set()
 
-    thread = threading.Thread(target=run, name="fp8convert-cuda", daemon=True)
+    thread = threading.Thread(target=run, name=CUDA_THREAD, daemon=True)
     thread.start()
     return thread
+
+
+def torch_starting() -> bool:
+    """Whether this process's threads that load torch or start CUDA (start_torch's) are still at it."""
+    return any(t.name in (TORCH_THREAD, CUDA_THREAD) and t.is_alive() for t in threading.enumerate())
+
+
+def cuda_missing(device: str) -> bool:
+    """Whether `device` asks for CUDA that the installed torch lacks (a CPU build): the run is refused
+    once torch is loaded, so nothing is worth starting before that."""
+    return device.startswith("cuda") and not torch_has_cuda()
 
 
 def torch_has_cuda() -> bool:
@@ -95,18 +127,24 @@ def record_path(device: str) -> Path | None:
     return startup_pages.record_path("cpu" if device == "cpu" else "cuda")
 
 
+def torch_loaded() -> bool:
+    """Whether this process has imported torch (an API caller's may have): then nothing waits for it."""
+    return "torch" in sys.modules
+
+
 def start_torch(device: str) -> TorchStart:
     """Import torch and, unless `device` is the CPU, start CUDA on it. Failures are left for the
     pipeline to report in its own words, when it resolves the device. In a process without torch yet,
     the pages an earlier run's start-up read are read ahead (startup_pages) and a GPU's primary context
     is made beside the import (open_primary_context)."""
-    fresh = "torch" not in sys.modules
+    fresh = not torch_loaded()
     record = record_path(device) if fresh else None
     pages_queued = startup_pages.read_ahead(record)
+    context, context_made = None, threading.Event()
     if device != "cpu":
         pin_by_registering()
         if fresh:
-            open_primary_context(device)
+            context = open_primary_context(device, context_made)
 
     def load() -> None:
         # Queue the recorded reads first: a thousand-odd posix_fadvise calls took 0.03-0.11 s alone and
@@ -122,6 +160,6 @@ def start_torch(device: str) -> TorchStart:
         except Exception:  # noqa: BLE001 - reported by the pipeline, which tries again
             pass
 
-    thread = threading.Thread(target=load, name="fp8convert-torch", daemon=True)
+    thread = threading.Thread(target=load, name=TORCH_THREAD, daemon=True)
     thread.start()
-    return TorchStart(thread, pages_queued, record)
+    return TorchStart(thread, pages_queued, record, context, context_made)

@@ -151,6 +151,19 @@ class ShardWriter:
             if not self.remaining[run.shard]:
                 self._finish(run.shard)
 
+    def written_elsewhere(self, run: Run) -> None:
+        """Another process (the early quantizer's, run/early.py) wrote `run` through a descriptor of this
+        shard's file it was handed: count it, and hand it to writeback, as write() does."""
+        with self.lock:
+            if run.shard not in self.remaining:
+                return
+            fd = self._fd(run.shard)
+        self.writeback.written(fd, run.start, run.nbytes)
+        with self.lock:
+            self.remaining[run.shard] -= run.nbytes
+            if not self.remaining[run.shard]:
+                self._finish(run.shard)
+
     def _submit(self, index: int, fd: int, host: memoryview, offset: int) -> Future:
         # The task holds `host` until it has run; the future's result is None, so the bytes are freed
         # as soon as they are written, not when the shard is finished.
