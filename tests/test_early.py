@@ -328,3 +328,21 @@ def test_the_children_die_with_a_killed_run(tmp_path):
     while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not os.path.exists(f"/proc/{child}")
+
+
+def test_a_run_that_fails_before_the_children_start_leaves_none(tmp_path, monkeypatch, capsys):
+    """The shard files cannot be made (here: refused at creation): the run fails with one line, and the
+    children, forked but never handed the files, are gone."""
+    from fp8convert.errors import FP8ConvertError
+    from fp8convert.run.writer import ShardWriter
+    src = write_checkpoint(tmp_path / "src", awkward_llama())
+
+    def refuse(writer, index):
+        raise FP8ConvertError(f"{writer.partial_path(index)}: cannot create (No space left on device)")
+    monkeypatch.setattr(ShardWriter, "_create", refuse)
+    harness = EarlyHarness(monkeypatch, never)
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--device", "cpu", "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot create (No space left on device)" in err[0]
+    quantizer = harness.quantizers[0]
+    assert quantizer.groups and not quantizer.children and quantizer.tasks is None and quantizer.reports is None

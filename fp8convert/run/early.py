@@ -124,7 +124,8 @@ class EarlyQuantizer:
                 last = at + FDS_PER_MESSAGE >= len(shards)
                 socket.send_fds(channel, [json.dumps({"shards": part, "last": last}).encode()], [files[s] for s in part])
             channel.close()
-        threading.Thread(target=self._feed, name="fp8convert-early-feed", daemon=True).start()
+        tasks, self.tasks = self.tasks, None  # the feeder's now: it closes it
+        threading.Thread(target=self._feed, args=(tasks,), name="fp8convert-early-feed", daemon=True).start()
         reports, self.reports = self.reports, None
         self.listener = threading.Thread(target=self._listen, args=(reports,), name="fp8convert-early", daemon=True)
         self.listener.start()
@@ -145,7 +146,7 @@ class EarlyQuantizer:
     def close(self) -> None:
         for _, channel in self.children:
             channel.close()  # never started: a child told nothing leaves
-        for name in ("stop_pipe", "reports"):
+        for name in ("tasks", "stop_pipe", "reports"):  # those not handed to a thread yet
             if getattr(self, name) is not None:
                 os.close(getattr(self, name))
                 setattr(self, name, None)
@@ -162,16 +163,16 @@ class EarlyQuantizer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _feed(self) -> None:
+    def _feed(self, tasks: int) -> None:
         """The group numbers, in order, into the pipe the children take them from (it holds 16k; a
         larger model's wait here for room)."""
         try:
             for index in range(len(self.groups)):
-                os.write(self.tasks, struct.pack("<I", index))
+                os.write(tasks, struct.pack("<I", index))
         except OSError:  # the children have left (stopped, or failed)
             pass
         finally:
-            os.close(self.tasks)
+            os.close(tasks)
 
     def _listen(self, reports: int) -> None:
         """The parent's thread: account for each group a child wrote, as they report them."""
