@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import fp8convert
@@ -358,3 +359,43 @@ def test_the_demo_leaves_the_start_up_record_for_the_first_real_conversion(tmp_p
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     first = cli_run("quantize", src, tmp_path / "out", "--device", "cpu", "-q", cache=cache)
     assert first["rc"] == 0 and any(Path(p).parent == torch_lib for p in first["asked"])
+
+
+@pytest.mark.parametrize("retain,made", [(0, True), (201, False)])
+def test_the_primary_context_says_whether_it_was_made(monkeypatch, retain, made):
+    """The driver's answer decides whether a run may end without torch on that GPU."""
+    import ctypes
+
+    from fp8convert.run import warmup
+
+    class Driver:
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGet(self, handle, ordinal):
+            return 0
+
+        def cuDevicePrimaryCtxRetain(self, context, handle):
+            return retain
+    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver())
+    event = threading.Event()
+    warmup.open_primary_context("cuda:0", event).join(30)
+    assert event.is_set() == made
+
+
+def test_a_run_ends_without_torch_only_on_a_device_known_good():
+    """The CPU and auto always; a CUDA device only once the driver made its context; anything else waits
+    for torch, which refuses what this machine does not have."""
+    from fp8convert.run.warmup import TorchStart
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    made, unmade = threading.Event(), threading.Event()
+    made.set()
+    with_context = TorchStart(done, threading.Event(), None, done, made)
+    without = TorchStart(done, threading.Event(), None, done, unmade)
+    no_thread = TorchStart(done, threading.Event(), None)
+    assert with_context.device_known_good("cpu") and no_thread.device_known_good("auto")
+    assert with_context.device_known_good("cuda") and with_context.device_known_good("cuda:0")
+    assert not without.device_known_good("cuda") and not no_thread.device_known_good("cuda:0")
+    assert not with_context.device_known_good("cuda:x") and not with_context.device_known_good("mps")
