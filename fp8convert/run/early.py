@@ -176,7 +176,7 @@ class EarlyQuantizer:
 
     def _listen(self, reports: int) -> None:
         """The parent's thread: account for each group a child wrote, as they report them."""
-        with os.fdopen(reports, "r") as lines:
+        with os.fdopen(reports, "r", errors="replace") as lines:  # a message cut inside a character
             for line in lines:
                 kind, _, rest = line.rstrip("\n").partition(" ")
                 if kind == "done":
@@ -218,7 +218,8 @@ class EarlyQuantizer:
                     quantizer.quantize_group(self.groups[index], files)
                 except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
                     text = str(e) if isinstance(e, FP8ConvertError) else f"{type(e).__name__}: {e}"
-                    os.write(reports, ("error " + text.replace("\n", " ")[:3000] + "\n").encode())
+                    # one write under PIPE_BUF (4096 bytes) is never interleaved with another child's
+                    os.write(reports, ("error " + text.replace("\n", " ")).encode()[:4000] + b"\n")
                     return
                 os.write(reports, f"done {index}\n".encode())
 
