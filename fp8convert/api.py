@@ -240,7 +240,7 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
         report.complete = _finish(the_plan, out_dir, spec, settings.progress)
 
 
-EARLY_MIN_CORES = 8  # early_processes: measured helping on 16 cores and hurting on 2, not in between
+EARLY_MIN_CORES = 8  # early_processes, per row or block: measured helping on 16 cores and hurting on 2
 
 
 def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
@@ -321,22 +321,25 @@ def _kept_copier(the_plan: Plan, kept: list, writer: ShardWriter, on_copied: Cal
 
 def _early_quantizer(the_plan: Plan, units: list[Unit], spec: workers.WorkerSpec):
     """The early quantizer of `units`' BF16 weights (run/early.py), its processes forked now. Off Linux,
-    and on machines of few cores, none."""
+    and where early_processes gives none, none."""
     from .run.early import EarlyQuantizer, early_groups
-    processes = early_processes(spec)
+    processes = early_processes(spec, the_plan.options.scheme)
     groups = early_groups(units, the_plan.options.scheme) if processes and sys.platform == "linux" else []
     quantizer = EarlyQuantizer(the_plan, groups, processes)
     quantizer.fork()
     return quantizer
 
 
-def early_processes(spec: workers.WorkerSpec) -> int:
-    """Half the cores, shared by the run's workers; none below EARLY_MIN_CORES. On 2 cores the one
-    process took from torch's start what it gave: first runs of a 2-layer MoE took 12.3-15.4 s with it
-    against 10.5-13.8 s without; on 16 (8 processes), dense first runs ended 1-3 s sooner
-    (docs/benchmarks.md)."""
+def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
+    """Half the cores, shared by the run's workers. Per row and per block, a dozen numpy passes over each
+    element (half torch's speed on a core), they need EARLY_MIN_CORES: on 2 cores the one process took
+    more from torch's start than it gave (first runs of a 2-layer MoE per row 14.6-16.3 s against
+    14.0-14.8 s without). Per tensor, one table lookup per element, it gave more there too (13.1-13.5 s
+    against 13.8-15.8 s; a 2-layer dense model 9.6-10.5 s against 11.3-11.9 s; docs/benchmarks.md)."""
     cores = os.cpu_count() or 1
-    return cores // 2 // spec.count if cores >= EARLY_MIN_CORES else 0
+    if scheme != "tensor" and cores < EARLY_MIN_CORES:
+        return 0
+    return cores // 2 // spec.count
 
 
 def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:

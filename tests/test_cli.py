@@ -347,7 +347,7 @@ EARLY_PROGRAM_WITH_ATEXIT_MARK = (
     "real = builtins.__import__; "
     "builtins.__import__ = lambda name, *a, **k: (time.sleep(5) if name == 'torch' and 'torch' not in sys.modules "
     "and threading.current_thread().name == 'fp8convert-torch' else None, real(name, *a, **k))[1]; "
-    "import fp8convert.api as api; api.early_processes = lambda spec: 1; "
+    "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1; "
     "from fp8convert.cli import run; run(sys.argv[1:])")
 
 

@@ -20,7 +20,7 @@ from fp8convert.options import Options
 from fp8convert.plan.plan import build_plan
 from fp8convert.plan.runs import output_runs
 from fp8convert.run import early, numpy_quantize
-from fp8convert.run.numerics import quantize_group
+from fp8convert.run.numerics import quantize_group, quantize_with_scale
 from fp8convert.run.warmup import TorchStart
 from fp8convert.source.local import open_local
 from tiny_ckpt import llama_tensors, tree_bytes, write_checkpoint
@@ -39,6 +39,19 @@ def test_e4m3_codes_are_torchs_cast():
     out = np.empty(values.size, dtype=np.uint8)
     numpy_quantize.e4m3_codes(values.copy(), out)
     assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -20, 3.7e-3, 0.0123, 5.5e2, 1e30])
+def test_the_per_tensor_table_codes_every_bf16_value_as_numerics_does(scale):
+    """Every finite BF16 bit pattern (Inf and NaN are refused before), divided by scales from tiny to
+    huge: the table's code is numerics.quantize_with_scale's."""
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    finite = patterns[(patterns & 0x7FFF) < 0x7F80]
+    scale32 = np.array([[scale]], dtype=np.float32)
+    table = numpy_quantize.codes_table(scale32)
+    weight = torch.from_numpy(finite.view(np.int16).copy()).view(torch.bfloat16).reshape(1, 1, -1)
+    expected = quantize_with_scale(weight, torch.from_numpy(scale32).reshape(1, 1, 1), "tensor", cpu_path=False)
+    assert np.array_equal(table[finite], expected.view(torch.uint8).reshape(-1).numpy())
 
 
 def awkward_weight(out: int, cols: int, seed: int) -> torch.Tensor:
@@ -141,7 +154,7 @@ class EarlyHarness:
             start.thread.join()
 
         monkeypatch.setattr(api, "torch_loaded", lambda: False)
-        monkeypatch.setattr(api, "early_processes", lambda spec: processes)  # whatever this machine's cores
+        monkeypatch.setattr(api, "early_processes", lambda spec, scheme: processes)  # whatever this machine's cores
         monkeypatch.setattr(api, "start_torch", start_torch)
         monkeypatch.setattr(early.EarlyQuantizer, "__init__", init)
         monkeypatch.setattr(early.EarlyQuantizer, "stop", stop)
@@ -244,15 +257,15 @@ def test_a_child_that_dies_leaves_its_group_to_the_pipeline(tmp_path, monkeypatc
     pipeline writes the group whole once torch is ready, and the output is still the pipeline's."""
     src = write_checkpoint(tmp_path / "src", four_layers())
     fp8convert.quantize(src, tmp_path / "plain", device="cpu", progress=False, scheme="channel")
-    real_quantize = numpy_quantize.GroupQuantizer._quantize
+    real_quantize = numpy_quantize.GroupQuantizer._quantize_by_rows
     victim = "model.layers.2.mlp.down_proj.weight"
 
-    def dying(quantizer, t, files, amax):
+    def dying(quantizer, t, files):
         if t.name == victim:
             quantizer.writer.write(output_runs(quantizer.plan, [t], merge=False)[0], b"\xff" * 100)
             os._exit(9)
-        real_quantize(quantizer, t, files, amax)
-    monkeypatch.setattr(numpy_quantize.GroupQuantizer, "_quantize", dying)
+        real_quantize(quantizer, t, files)
+    monkeypatch.setattr(numpy_quantize.GroupQuantizer, "_quantize_by_rows", dying)
     harness = EarlyHarness(monkeypatch, all_done, processes=1)
     report = fp8convert.quantize(src, tmp_path / "early", device="cpu", progress=False, scheme="channel")
     assert victim not in harness.done[0] and harness.joined == [True] and report.tensors_quantized_early > 0
@@ -282,12 +295,14 @@ def test_nothing_is_quantized_early_when_torch_is_already_loaded(tmp_path, monke
     assert report.tensors_quantized_early == 0 and report.device == "cpu"
 
 
-@pytest.mark.parametrize("cores,workers,processes", [(2, 1, 0), (4, 1, 0), (8, 1, 4), (16, 1, 8), (16, 2, 4),
-                                                     (16, 16, 0)])
-def test_half_the_cores_quantize_early_on_machines_of_eight_or_more(monkeypatch, cores, workers, processes):
+@pytest.mark.parametrize("cores,workers,scheme,processes", [
+    (2, 1, "tensor", 1), (2, 2, "tensor", 0), (1, 1, "tensor", 0), (16, 2, "tensor", 4),
+    (2, 1, "channel", 0), (4, 1, "block", 0), (8, 1, "channel", 4), (16, 1, "block", 8), (16, 16, "channel", 0)])
+def test_half_the_cores_quantize_early_per_row_and_block_only_on_eight_or_more(monkeypatch, cores, workers,
+                                                                                 scheme, processes):
     from fp8convert.cluster.workers import WorkerSpec
     monkeypatch.setattr(api.os, "cpu_count", lambda: cores)
-    assert api.early_processes(WorkerSpec(0, workers)) == processes
+    assert api.early_processes(WorkerSpec(0, workers), scheme) == processes
 
 
 # The CLI in a fresh interpreter, its early quantizer forced to one process writing slowly (chunks of two
@@ -297,7 +312,7 @@ import sys, time
 import fp8convert.api as api
 from fp8convert.run import numpy_quantize
 from fp8convert.run.early import DirectWriter
-api.early_processes = lambda spec: 1
+api.early_processes = lambda spec, scheme: 1
 numpy_quantize.TILE_ELEMENTS = 2 * 320
 write = DirectWriter.write
 DirectWriter.write = lambda self, *a: (time.sleep(0.2), write(self, *a))[1]
@@ -306,9 +321,16 @@ run(sys.argv[1:])
 """
 
 
-def children_of(pid: int) -> list[int]:
+def forked_children(pid: int) -> list[int]:
+    """`pid`'s children that are forks of it (its command line): not what its imports may spawn."""
+    def cmdline(p: int) -> bytes:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+        return [int(p) for p in f.read().split() if cmdline(int(p)) == cmdline(pid)]
 
 
 def test_the_children_die_with_a_killed_run(tmp_path):
@@ -318,9 +340,9 @@ def test_the_children_die_with_a_killed_run(tmp_path):
     run = subprocess.Popen([sys.executable, "-c", SLOW_EARLY, "quantize", str(src), str(tmp_path / "out"),
                             "--device", "cpu", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
-    while not children_of(run.pid) and time.monotonic() < deadline:
+    while not forked_children(run.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    (child,) = children_of(run.pid)
+    child = min(forked_children(run.pid))  # the first fork: the early quantizer's, made before torch starts
     time.sleep(0.5)  # it is writing now
     run.kill()
     run.wait()

@@ -49,7 +49,7 @@ def run_spy(script: str, *args, env: dict | None = None) -> dict:
 
 def who_imports_torch(*args, delay: float = 0.0, early: bool = False) -> dict:
     """`early`: with the early quantizer (run/early.py) on, however few this machine's cores."""
-    force = "import fp8convert.api as api; api.early_processes = lambda spec: 1\n" if early else ""
+    force = "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1\n" if early else ""
     return run_spy(force + SPY.replace("{delay}", str(delay)), *args)
 
 
