@@ -196,17 +196,17 @@ class EarlyQuantizer:
 
     def _child(self, channel: socket.socket, tasks: int, stop: int, reports: int) -> None:
         """A child: takes group numbers until none is left or the stop pipe is closed."""
-        files: dict[int, int] = {}
+        shard_files: dict[int, int] = {}
         while True:
             message, fds, _, _ = socket.recv_fds(channel, 1 << 16, FDS_PER_MESSAGE)
             if not message:  # the run ended before starting us
                 return
             part = json.loads(message)
-            files.update(zip(part["shards"], fds))
+            shard_files.update(zip(part["shards"], fds))
             if part["last"]:
                 break
         from .numpy_quantize import GroupQuantizer  # numpy: imported here, not before the run's first reads
-        quantizer = GroupQuantizer(self.plan, DirectWriter(files))
+        quantizer = GroupQuantizer(self.plan, DirectWriter(shard_files))
         os.set_blocking(stop, False)
         with SourceFiles(self.root) as files:
             while not stopped(stop):
