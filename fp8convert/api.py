@@ -241,6 +241,9 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
 
 
 EARLY_MIN_CORES = 8  # early_processes, per row or block: measured helping on 16 cores and hurting on 2
+# Each early process holds tens of MB of its own (74 MiB for a 27,000-tensor plan), and 8 (16 cores) is the
+# most measured: a 128-core node gets 8 too.
+EARLY_MAX_PROCESSES = 8
 
 
 def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
@@ -331,7 +334,7 @@ def _early_quantizer(the_plan: Plan, units: list[Unit], spec: workers.WorkerSpec
 
 
 def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
-    """Half the cores, shared by the run's workers. Per row and per block, a dozen numpy passes over each
+    """Half the cores, at most EARLY_MAX_PROCESSES, shared by the run's workers. Per row and per block, a dozen numpy passes over each
     element (half torch's speed on a core), they need EARLY_MIN_CORES: on 2 cores the one process took
     more from torch's start than it gave (first runs of a 2-layer MoE per row 14.6-16.3 s against
     14.0-14.8 s without). Per tensor, one table lookup per element, it gave more there too (13.1-13.5 s
@@ -339,7 +342,7 @@ def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
     cores = os.cpu_count() or 1
     if scheme != "tensor" and cores < EARLY_MIN_CORES:
         return 0
-    return cores // 2 // spec.count
+    return min(EARLY_MAX_PROCESSES, cores // 2) // spec.count
 
 
 def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:

@@ -297,9 +297,10 @@ def test_nothing_is_quantized_early_when_torch_is_already_loaded(tmp_path, monke
 
 @pytest.mark.parametrize("cores,workers,scheme,processes", [
     (2, 1, "tensor", 1), (2, 2, "tensor", 0), (1, 1, "tensor", 0), (16, 2, "tensor", 4),
-    (2, 1, "channel", 0), (4, 1, "block", 0), (8, 1, "channel", 4), (16, 1, "block", 8), (16, 16, "channel", 0)])
-def test_half_the_cores_quantize_early_per_row_and_block_only_on_eight_or_more(monkeypatch, cores, workers,
-                                                                                 scheme, processes):
+    (2, 1, "channel", 0), (4, 1, "block", 0), (8, 1, "channel", 4), (16, 1, "block", 8), (16, 16, "channel", 0),
+    (128, 1, "tensor", 8), (128, 2, "block", 4)])
+def test_half_the_cores_up_to_eight_quantize_early_per_row_and_block_from_eight(monkeypatch, cores, workers,
+                                                                              scheme, processes):
     from fp8convert.cluster.workers import WorkerSpec
     monkeypatch.setattr(api.os, "cpu_count", lambda: cores)
     assert api.early_processes(WorkerSpec(0, workers), scheme) == processes
