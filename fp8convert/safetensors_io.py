@@ -51,6 +51,35 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def open_read(path) -> int:
+    """A source file opened read-only; one that cannot be is an error naming it."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise FP8ConvertError(f"{path}: cannot open ({e.strerror})") from e
+
+
+class SourceFiles:
+    """A source's files under `root`, each opened read-only the first time `fd(name)` asks for it; all
+    closed on leaving."""
+
+    def __init__(self, root):
+        self.root, self.fds = root, {}
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = open_read(os.path.join(self.root, name))
+        return self.fds[name]
+
+    def __enter__(self) -> "SourceFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
     """Fill `view` from `offset` of an open file; a short file is an error naming `label`."""
     done = 0

@@ -26,6 +26,7 @@ from typing import Callable
 from ..errors import FP8ConvertError
 from ..plan.plan import Action, Plan, TensorPlan, Unit
 from ..plan.runs import Run, output_runs
+from ..safetensors_io import SourceFiles
 from .writer import pwrite_all
 
 SCHEMES = ("tensor", "channel", "block")
@@ -114,7 +115,7 @@ class EarlyQuantizer:
             self.finished.set()
             return
         self.writer, self.on_done = writer, on_done
-        shards = sorted({run.shard for g in self.groups for t in g for run in output_runs(self.plan, [t], merge=False)})
+        shards = sorted({self.plan.shard_of[t.name] for g in self.groups for t in g})  # a tensor's outputs share one
         with writer.lock:
             files = {s: writer._fd(s) for s in shards if s in writer.remaining}
         shards = list(files)
@@ -249,25 +250,3 @@ class DirectWriter:
     def write(self, run: Run, data) -> None:
         # every shard a group writes into was handed over: the run's units write only its own shards
         pwrite_all(self.fds[run.shard], memoryview(data).cast("B"), run.start)
-
-
-class SourceFiles:
-    """The source's files opened read-only as a group's members ask for them; closed on leaving."""
-
-    def __init__(self, root: Path):
-        self.root, self.fds = root, {}
-
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            try:
-                self.fds[name] = os.open(self.root / name, os.O_RDONLY)
-            except OSError as e:
-                raise FP8ConvertError(f"{self.root / name}: cannot open ({e.strerror})") from e
-        return self.fds[name]
-
-    def __enter__(self) -> "SourceFiles":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for fd in self.fds.values():
-            os.close(fd)

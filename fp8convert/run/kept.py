@@ -10,7 +10,6 @@ asks for them, leave kept tensors to the pipeline.
 """
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Callable
@@ -20,7 +19,7 @@ import numpy as np
 from ..errors import FP8ConvertError
 from ..plan.plan import Action, Plan, TensorPlan
 from ..plan.runs import Run, output_runs
-from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo, pread_into
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, SourceFiles, TensorInfo, pread_into
 from .writer import ShardWriter
 
 CHUNK_BYTES = 16 << 20
@@ -108,25 +107,17 @@ class KeptCopier:
         self.check()
 
     def _copy_all(self) -> None:
-        fds: dict[str, int] = {}
         root = Path(self.plan.source.root)
         try:
-            for t in self.tensors:
-                runs = {run.pieces[0].name: run for run in output_runs(self.plan, [t], merge=False)}
-                for info, name in t.copies:
-                    if self.stop.is_set():
-                        return
-                    if info.file not in fds:
-                        try:
-                            fds[info.file] = os.open(root / info.file, os.O_RDONLY)
-                        except OSError as e:
-                            raise FP8ConvertError(f"{root / info.file}: cannot open ({e.strerror})") from e
-                    self._copy(t, info, runs[name], fds[info.file], root)
+            with SourceFiles(root) as files:
+                for t in self.tensors:
+                    runs = {run.pieces[0].name: run for run in output_runs(self.plan, [t], merge=False)}
+                    for info, name in t.copies:
+                        if self.stop.is_set():
+                            return
+                        self._copy(t, info, runs[name], files.fd(info.file), root)
         except BaseException as e:  # raised in the main thread by check() or finish()
             self.error = e
-        finally:
-            for fd in fds.values():
-                os.close(fd)
 
     def _copy(self, t: TensorPlan, info: TensorInfo, run: Run, fd: int, root: Path) -> None:
         """Copy `info`'s bytes into `run` chunk by chunk, checked; errors name the file under `root`."""

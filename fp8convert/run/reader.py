@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import FP8ConvertError
-from ..safetensors_io import TensorInfo, pread_into
+from ..safetensors_io import TensorInfo, open_read, pread_into
 
 ALIGN = 64  # every tensor starts aligned in the batch buffer, so dtype views are always legal
 
@@ -139,10 +138,7 @@ class BatchReader:
     def _fd(self, file: str) -> int:
         with self.fds_lock:
             if file not in self.fds:
-                try:
-                    self.fds[file] = os.open(self.root / file, os.O_RDONLY)
-                except OSError as e:
-                    raise FP8ConvertError(f"{self.root / file}: cannot open ({e.strerror})") from e
+                self.fds[file] = open_read(self.root / file)
             return self.fds[file]
 
     @staticmethod
