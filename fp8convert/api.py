@@ -287,8 +287,9 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
         fetcher.start(need_order(units))
         early.start(writer, on_done=_copied(bar, prefetcher))
         early.wait_for(warmup.thread)
-        left = without(computed, early.stop())
-        report.tensors_quantized_early = sum(len(u.tensors) for u in computed) - sum(len(u.tensors) for u in left)
+        quantized_early = early.stop()
+        left = without(computed, quantized_early)
+        report.tensors_quantized_early = len(quantized_early)
         if left or not warmup.device_known_good(device):
             # Join torch's thread before importing the pipeline (which imports torch): on a small model the
             # main thread gets here first and would do torch's import itself.
