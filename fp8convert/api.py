@@ -13,7 +13,6 @@ seconds, which the disk spends better reading the checkpoint.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import sys
 import time
@@ -24,12 +23,13 @@ from typing import Callable
 from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError, PlanMismatchError
-from .options import Options, Settings
+from .options import Options, Settings, env_number
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
+from .run.cores import usable_cores
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch, torch_loaded
@@ -117,6 +117,7 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     if devices and len(devices) == 1:  # one device: no child process needed
         settings, devices = Settings.of(settings, device=devices[0], devices=None), None
     _refuse_conflicts(src, settings, spec, devices)
+    early_processes(spec, settings.scheme)  # a bad $FP8CONVERT_EARLY_PROCESSES fails before any I/O too
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
     out_dir = Path(out)
     head = _head_start(source, out_dir, settings, spec, devices)
@@ -244,6 +245,8 @@ EARLY_MIN_CORES = 8  # early_processes, per row or block: measured helping on 16
 # Each early process holds tens of MB of its own (74 MiB for a 27,000-tensor plan), and 8 (16 cores) is the
 # most measured: a 128-core node gets 8 too.
 EARLY_MAX_PROCESSES = 8
+# Sets the count per worker (0: none), for a node shared with other work or a benchmark of the pipeline alone
+EARLY_PROCESSES_ENV = "FP8CONVERT_EARLY_PROCESSES"
 
 
 def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
@@ -339,8 +342,14 @@ def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
     element (half torch's speed on a core), they need EARLY_MIN_CORES: on 2 cores the one process took
     more from torch's start than it gave (first runs of a 2-layer MoE per row 14.6-16.3 s against
     14.0-14.8 s without). Per tensor, one table lookup per element, it gave more there too (13.1-13.5 s
-    against 13.8-15.8 s; a 2-layer dense model 9.6-10.5 s against 11.3-11.9 s; docs/benchmarks.md)."""
-    cores = os.cpu_count() or 1
+    against 13.8-15.8 s; a 2-layer dense model 9.6-10.5 s against 11.3-11.9 s; docs/benchmarks.md).
+    $FP8CONVERT_EARLY_PROCESSES, where set, is the count."""
+    given = env_number(EARLY_PROCESSES_ENV, None, int)
+    if given is not None:
+        if given < 0:
+            raise FP8ConvertError(f"${EARLY_PROCESSES_ENV}={given}: not a number of processes (0 turns them off)")
+        return given
+    cores = usable_cores()
     if scheme != "tensor" and cores < EARLY_MIN_CORES:
         return 0
     return min(EARLY_MAX_PROCESSES, cores // 2) // spec.count

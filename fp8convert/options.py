@@ -6,6 +6,7 @@ dataclasses, so a run can be handed to another process whole (`--devices`) and n
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 
@@ -22,6 +23,17 @@ DTYPE_NAMES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F1
                "fp32": "F32", "float32": "F32", "float": "F32"}
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
+
+
+def env_number(name: str, default, kind):
+    """An environment setting as `kind` (int, float), or `default` where it is unset or blank."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise FP8ConvertError(f"${name}={text!r}: not a number") from None
 
 
 def parse_size(value: int | str, what: str = "size") -> int:

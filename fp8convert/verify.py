@@ -66,7 +66,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -83,6 +82,7 @@ from .plan.architectures import GENERIC, Architecture, architecture_of
 from .plan.cuts import Cut
 from .plan.rules import (UnsupportedLayout, default_keep_reason, expert_cuts, fused_group_key, is_linear_weight,
                          module_of)
+from .run.cores import usable_cores
 from .safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
 from .source.checkpoint import Source, index_files, parse_index
 from .source.hub import CARD_NAME
@@ -1019,7 +1019,7 @@ def checkers(device):
     caches): run side by side they pay no thread-pool synchronisation each, and a core busy with
     another program holds up one worker, not every operation."""
     import torch
-    workers = CPU_WORKERS or os.cpu_count() or 1
+    workers = CPU_WORKERS or usable_cores()
     if device.type != "cpu" or workers < 2:
         yield lambda jobs: [job() for job in jobs]
         return

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 import fp8convert
-from fp8convert.run import quantizer
+from fp8convert.run import device, quantizer
 from fp8convert.run.device import quantizing_threads
 from tiny_ckpt import llama_tensors, write_checkpoint
 
@@ -33,7 +36,7 @@ def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_p
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     monkeypatch.setattr(quantizer, "quantize_group", quantize_group)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(device, "usable_cores", lambda: 8)
     before = torch.get_num_threads()
     torch.set_num_threads(8)
     try:
@@ -46,3 +49,18 @@ def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_p
         assert seen and set(seen) == {8}
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this system")
+def test_a_run_counts_the_cores_it_may_run_on_not_the_machines():
+    """A cluster job pinned to one core of a bigger node (as Slurm and taskset do) gets threads and early
+    processes for one core."""
+    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+              "from fp8convert import api; from fp8convert.cluster.workers import WorkerSpec\n"
+              "from fp8convert.run import device, prefetch; from fp8convert.run.cores import usable_cores\n"
+              "print(usable_cores(), os.cpu_count() > 1, api.early_processes(WorkerSpec(0, 1), 'tensor'),"
+              " device.io_threads('cpu'), prefetch.default_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "FP8CONVERT_EARLY_PROCESSES"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1 True 0 (1, 1) 1"

@@ -302,8 +302,28 @@ def test_nothing_is_quantized_early_when_torch_is_already_loaded(tmp_path, monke
 def test_half_the_cores_up_to_eight_quantize_early_per_row_and_block_from_eight(monkeypatch, cores, workers,
                                                                               scheme, processes):
     from fp8convert.cluster.workers import WorkerSpec
-    monkeypatch.setattr(api.os, "cpu_count", lambda: cores)
+    monkeypatch.delenv(api.EARLY_PROCESSES_ENV, raising=False)
+    monkeypatch.setattr(api, "usable_cores", lambda: cores)
     assert api.early_processes(WorkerSpec(0, workers), scheme) == processes
+
+
+@pytest.mark.parametrize("text,processes", [("0", 0), ("1", 1), (" 3 ", 3)])
+def test_the_environment_sets_the_early_processes_on_any_cores(monkeypatch, text, processes):
+    from fp8convert.cluster.workers import WorkerSpec
+    monkeypatch.setenv(api.EARLY_PROCESSES_ENV, text)
+    for cores in (2, 16):  # per row: none on 2 cores by default, 8 on 16
+        monkeypatch.setattr(api, "usable_cores", lambda: cores)
+        assert api.early_processes(WorkerSpec(0, 1), "channel") == processes
+
+
+@pytest.mark.parametrize("text", ["-1", "two", "1.5"])
+def test_a_bad_early_processes_setting_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, text):
+    src = write_checkpoint(tmp_path / "src")
+    monkeypatch.setenv(api.EARLY_PROCESSES_ENV, text)
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--device", "cpu", "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$FP8CONVERT_EARLY_PROCESSES=" in err[0] and text in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 # The CLI in a fresh interpreter, its early quantizer forced to one process writing slowly (chunks of two

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fp8convert
+from fp8convert import api
 from fp8convert.run.warmup import PINNED_ALLOC_CONF
 from tiny_ckpt import llama_tensors, tree_bytes, write_checkpoint
 
@@ -47,10 +48,11 @@ def run_spy(script: str, *args, env: dict | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def who_imports_torch(*args, delay: float = 0.0, early: bool = False) -> dict:
-    """`early`: with the early quantizer (run/early.py) on, however few this machine's cores."""
+def who_imports_torch(*args, delay: float = 0.0, early: bool = False, env: dict | None = None) -> dict:
+    """`early`: with the early quantizer (run/early.py) on, however few this machine's cores. `env`: added
+    to the environment."""
     force = "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1\n" if early else ""
-    return run_spy(force + SPY.replace("{delay}", str(delay)), *args)
+    return run_spy(force + SPY.replace("{delay}", str(delay)), *args, env={**os.environ, **(env or {})})
 
 
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
@@ -82,6 +84,20 @@ def test_a_run_the_early_quantizer_finishes_ends_without_torch(tmp_path):
     assert result == {"rc": 0, "first_import": None}
     fp8convert.quantize(src, tmp_path / "pipeline", device="cpu", progress=False)
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "pipeline")
+
+
+def test_the_environment_sets_the_early_processes(tmp_path):
+    """FP8CONVERT_EARLY_PROCESSES=1 turns the early quantizer on per row, which 2 cores would not: it
+    writes every weight before torch's delayed import, so nobody imports torch. =0 turns it off: the
+    pipeline, and so torch, does the work, on any number of cores."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    on = who_imports_torch("quantize", src, tmp_path / "on", "--device", "cpu", "-q", "--scheme", "channel",
+                           delay=5, env={api.EARLY_PROCESSES_ENV: "1"})
+    assert on == {"rc": 0, "first_import": None}
+    off = who_imports_torch("quantize", src, tmp_path / "off", "--device", "cpu", "-q", "--scheme", "channel",
+                            delay=1, env={api.EARLY_PROCESSES_ENV: "0"})
+    assert off == {"rc": 0, "first_import": "fp8convert-torch"}
+    assert tree_bytes(tmp_path / "on") == tree_bytes(tmp_path / "off")
 
 
 def test_dequantize_imports_torch_in_the_background_thread(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from ..errors import FP8ConvertError
 from ..options import DEFAULT_MAX_RESIDENT
 from ..units import plural
+from .cores import usable_cores
 
 
 def resolve_device(device: str, option: str = "--device") -> torch.device:
@@ -47,7 +48,7 @@ def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
     on 16, 4 readers read 3.3x faster than 1)."""
     if device_type != "cpu":
         return 8, 8
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     return min(4, max(1, cores // 4)), 1 if cores <= 4 else 2
 
 
@@ -69,7 +70,7 @@ def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> in
 def cpu_threads_for_quantizing() -> Iterator[None]:
     """torch's thread count set by quantizing_threads for the run, the caller's restored after."""
     before = torch.get_num_threads()
-    threads = quantizing_threads(before, os.cpu_count() or 1)
+    threads = quantizing_threads(before, usable_cores())
     if threads is not None:
         torch.set_num_threads(threads)
     try:

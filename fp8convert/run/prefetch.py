@@ -19,11 +19,12 @@ from pathlib import Path
 
 from ..options import AUTO
 from ..safetensors_io import TensorInfo
+from .cores import usable_cores
 
 
 def default_threads() -> int:
     """Prefetch reads cost CPU time too: a quarter of the cores, from 1 to 4 (4 is plenty for a disk)."""
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
+    return min(4, max(1, usable_cores() // 4))
 
 
 WINDOW_CAP = 32 << 30       # the default window's largest

@@ -18,12 +18,12 @@ Only timeouts a request left open are filled in or, for reads, lowered to these:
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
+from ..options import env_number
 from ..units import format_size
 
 UPLOAD_READ_TIMEOUT_S = 300.0
@@ -46,18 +46,8 @@ class HubLimits:
     def current(cls) -> "HubLimits":
         from huggingface_hub import constants
         return cls(float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
-                   max(0, _env_number("FP8CONVERT_HUB_RETRIES", 2, int)),
-                   max(0.0, _env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float)))
-
-
-def _env_number(name: str, default, kind):
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return kind(text)
-    except ValueError:
-        raise FP8ConvertError(f"${name}={text!r}: not a number") from None
+                   max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int)),
+                   max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float)))
 
 
 _installed = threading.Lock()
