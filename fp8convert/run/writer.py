@@ -146,10 +146,7 @@ class ShardWriter:
                         self._submit(run.shard, fd, view[start:start + self.chunk], run.start + start)
         except OSError as e:
             self._raise_write_error(run.shard, e)
-        with self.lock:
-            self.remaining[run.shard] -= run.nbytes
-            if not self.remaining[run.shard]:
-                self._finish(run.shard)
+        self._count(run)
 
     def written_elsewhere(self, run: Run) -> None:
         """Another process (the early quantizer's, run/early.py) wrote `run` through a descriptor of this
@@ -159,6 +156,10 @@ class ShardWriter:
                 return
             fd = self._fd(run.shard)
         self.writeback.written(fd, run.start, run.nbytes)
+        self._count(run)
+
+    def _count(self, run: Run) -> None:
+        """`run` is written (or on its way): its shard is finished once every run of it is."""
         with self.lock:
             self.remaining[run.shard] -= run.nbytes
             if not self.remaining[run.shard]:
