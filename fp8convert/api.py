@@ -32,7 +32,7 @@ from .plan.summary import compatibility_warnings
 from .run.cores import usable_cores
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
-from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch, torch_loaded
+from .run.warmup import PAGES_WAIT_S, TorchStart, cuda_missing, start_torch, torch_loaded
 from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
@@ -272,13 +272,16 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     # starts (run/early.py); a process that has torch already has no start-up to fill
     early = _early_quantizer(the_plan, computed if copy_kept and not torch_loaded() and not cuda_missing(device)
                              else [], spec)
-    warmup = start_torch(device)
+    # Where it can write every weight, torch's start waits until the disk reads ahead of it (_torch_ready)
+    warmup = start_torch(device, begin=not early.takes_all(computed))
     bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.count)
+    if prefetcher is None:  # nothing tells how fast the disk reads
+        warmup.begin()
     # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback), unless
     # the early quantizer runs: its writes and theirs then go out at once. In first runs of a dense and a
     # MoE checkpoint on an H200 box that ended sooner than holding them (docs/benchmarks.md).
@@ -289,7 +292,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             early:
         fetcher.start(need_order(units))
         early.start(writer, on_done=_copied(bar, prefetcher))
-        early.wait_for(warmup.thread)
+        early.wait_for(_torch_ready(warmup, prefetcher))
         quantized_early = early.stop()
         left = without(computed, quantized_early)
         report.tensors_quantized_early = len(quantized_early)
@@ -310,6 +313,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             writer.writeback.release()
             copier.finish()
             report.stage_seconds, report.device = {"done_before_torch": round(time.monotonic() - started, 3)}, "cpu"
+        if warmup.began_at is not None:  # when torch's start began: with the run, or once the disk read ahead
+            report.stage_seconds["torch_began_at"] = round(warmup.began_at - started, 3)
         report.shards_written = len(todo)
         if settings.finalize:
             report.complete = _finish(the_plan, out_dir, spec, settings.progress)
@@ -353,6 +358,28 @@ def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
     if scheme != "tensor" and cores < EARLY_MIN_CORES:
         return 0
     return min(EARLY_MAX_PROCESSES, cores // 2) // spec.count
+
+
+# How far the disk's reads may run ahead of the early quantizer's processes before torch's deferred start
+# begins. A run that needs torch (cached input, a fast disk) begins it within a second or so; one the
+# processes keep up with (about 2 GB/s on 16 cores) never imports torch, whose start-up reads then never
+# share the disk with the checkpoint's. In first runs on H200 machines that ended dense 16 at 1.08-1.20x
+# the I/O floor and MoE 16 at 1.04-1.17x, against 1.30-1.31x and 1.18-1.21x with torch starting at once;
+# on the 2-core machine (one process) 10.4-10.8 s against 13.1-14.6 s (docs/benchmarks.md, session 17).
+# Large enough for the processes' own start (numpy's import, the first groups in hand) on such a disk.
+AHEAD_BEFORE_TORCH = 4 << 30
+
+
+def _torch_ready(warmup: TorchStart, prefetcher: Prefetcher | None) -> Callable[[], bool]:
+    """Whether torch is ready, for early.wait_for; asking begins its deferred start once the prefetcher
+    is AHEAD_BEFORE_TORCH (or half its window) ahead of what the run has written."""
+    ahead_limit = min(AHEAD_BEFORE_TORCH, prefetcher.window // 2) if prefetcher else 0
+
+    def ready() -> bool:
+        if prefetcher is None or prefetcher.ahead() >= ahead_limit:
+            warmup.begin()
+        return warmup.ready()
+    return ready
 
 
 def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:

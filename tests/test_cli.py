@@ -23,7 +23,7 @@ from fp8convert.cli import _failures, main
 from fp8convert.demo import make_demo_model
 from fp8convert.run.progress import Progress
 from fp8convert.units import format_size, plural, size_option, size_text
-from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes, write_checkpoint
+from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 COMMANDS = ["quantize", "dequantize", "inspect", "demo", "verify", "push", "finalize", "batch"]
 HUB_COMMANDS = ["quantize", "dequantize", "inspect", "verify", "push", "finalize", "batch"]
@@ -339,15 +339,16 @@ def program(mark: Path, *args, stdout=subprocess.PIPE) -> subprocess.CompletedPr
                           cwd=Path(__file__).parents[1], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
-# The same, with the early quantizer on (however few this machine's cores) and torch's import held back
-# 5 s in its thread: a run of a tiny BF16 model ends with torch still loading.
+# The same, with the early quantizer on (however few this machine's cores), torch's start begun with the
+# run (a tiny model's reads never run far enough ahead to begin it) and its import held back 5 s in its
+# thread: a run of a tiny BF16 model ends with torch still loading.
 EARLY_PROGRAM_WITH_ATEXIT_MARK = (
     "import atexit, builtins, pathlib, sys, threading, time; mark = pathlib.Path(sys.argv.pop(1)); "
     "atexit.register(lambda: mark.write_text('torn down')); "
     "real = builtins.__import__; "
     "builtins.__import__ = lambda name, *a, **k: (time.sleep(5) if name == 'torch' and 'torch' not in sys.modules "
     "and threading.current_thread().name == 'fp8convert-torch' else None, real(name, *a, **k))[1]; "
-    "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1; "
+    "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1; api.AHEAD_BEFORE_TORCH = 0; "
     "from fp8convert.cli import run; run(sys.argv[1:])")
 
 
@@ -367,7 +368,7 @@ def test_the_program_skips_teardown_while_torch_is_still_loading(tmp_path):
 def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp_path):
     """A conversion (torch loaded) exits without the teardown, its whole JSON report flushed down the
     pipe; a failure keeps its exit code and its one line; a command without torch exits as usual."""
-    src = write_checkpoint(tmp_path / "src")
+    src = write_checkpoint(tmp_path / "src", llama_tensors(dtype=torch.float16))  # FP16: only torch quantizes it
     done = program(tmp_path / "mark1", "quantize", src, tmp_path / "out", "--device", "cpu", "-q", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["tensors_quantized"] > 0 and looks_complete(tmp_path / "out")

@@ -119,30 +119,34 @@ def test_only_whole_bf16_weights_of_the_three_schemes_are_taken(tmp_path, zoo_so
 class EarlyHarness:
     """Makes a conversion in this process (torch already loaded) run as a fresh one does: the early
     quantizer's processes are forked, and torch "loads" in a thread until `ready(quantizer)` says so (at
-    most 30 s). Records the quantizers, what they wrote, and whether torch was waited for."""
+    most 30 s). Its start begins with the run unless `deferred` (then when the run begins it). Records
+    the quantizers, what they wrote, whether torch's start began and whether it was waited for."""
 
-    def __init__(self, monkeypatch, ready, processes: int = 2, tile: int | None = None):
+    def __init__(self, monkeypatch, ready, processes: int = 2, tile: int | None = None, deferred: bool = False):
         self.quantizers: list[early.EarlyQuantizer] = []
         self.done: list[list[str]] = []
+        self.at_once: list[bool] = []  # what the run asked of torch's start: begin at once, or wait
+        self.began: list[bool] = []
         self.joined: list[bool] = []
-        real_init, real_stop = early.EarlyQuantizer.__init__, early.EarlyQuantizer.stop
+        real_init, real_stop, real_start = early.EarlyQuantizer.__init__, early.EarlyQuantizer.stop, api.start_torch
+        real_join = TorchStart.join
         harness = self
 
         def init(quantizer, *args):
             real_init(quantizer, *args)
             harness.quantizers.append(quantizer)
 
-        def start_torch(device):
-            def load():
-                deadline = time.monotonic() + 30
-                while not ready(harness.quantizers[-1]) and time.monotonic() < deadline:
-                    time.sleep(0.002)
-            thread = threading.Thread(target=load, daemon=True)
-            thread.start()
-            pages_queued = threading.Event()
-            pages_queued.set()
+        def start_torch(device, begin=True):
+            harness.at_once.append(begin)
+            harness.began.append(False)
             harness.joined.append(False)
-            return TorchStart(thread, pages_queued, None)
+            return real_start(device, begin=begin or not deferred)
+
+        def load(start):
+            harness.began[-1] = True
+            deadline = time.monotonic() + 30
+            while not ready(harness.quantizers[-1]) and time.monotonic() < deadline:
+                time.sleep(0.002)
 
         def stop(quantizer):
             done = real_stop(quantizer)
@@ -151,11 +155,12 @@ class EarlyHarness:
 
         def join(start):
             harness.joined[-1] = True
-            start.thread.join()
+            real_join(start)
 
         monkeypatch.setattr(api, "torch_loaded", lambda: False)
         monkeypatch.setattr(api, "early_processes", lambda spec, scheme: processes)  # whatever this machine's cores
         monkeypatch.setattr(api, "start_torch", start_torch)
+        monkeypatch.setattr(TorchStart, "_load", load)
         monkeypatch.setattr(early.EarlyQuantizer, "__init__", init)
         monkeypatch.setattr(early.EarlyQuantizer, "stop", stop)
         monkeypatch.setattr(TorchStart, "join", join)
@@ -215,15 +220,20 @@ def four_layers():
     return llama_tensors(layers=4, hidden=144, inter=320, seed=5)
 
 
-def test_the_pipeline_takes_every_group_the_early_quantizer_did_not_finish(tmp_path, monkeypatch):
-    src = write_checkpoint(tmp_path / "src", four_layers())
-    fp8convert.quantize(src, tmp_path / "plain", device="cpu", progress=False, scheme="channel")
+def slowed(monkeypatch, seconds: float) -> None:
+    """Each group quantized early takes `seconds` longer."""
     real_group = numpy_quantize.GroupQuantizer.quantize_group
 
     def slow_group(quantizer, group, files):
-        time.sleep(0.05)
+        time.sleep(seconds)
         real_group(quantizer, group, files)
     monkeypatch.setattr(numpy_quantize.GroupQuantizer, "quantize_group", slow_group)
+
+
+def test_the_pipeline_takes_every_group_the_early_quantizer_did_not_finish(tmp_path, monkeypatch):
+    src = write_checkpoint(tmp_path / "src", four_layers())
+    fp8convert.quantize(src, tmp_path / "plain", device="cpu", progress=False, scheme="channel")
+    slowed(monkeypatch, 0.05)
     harness = EarlyHarness(monkeypatch, lambda q: len(q.done) >= 3, processes=1)
     report = fp8convert.quantize(src, tmp_path / "early", device="cpu", progress=False, scheme="channel")
     assert 3 <= len(harness.done[0]) < 28 and harness.joined == [True]
@@ -250,6 +260,69 @@ def test_the_processes_share_the_groups(tmp_path, monkeypatch):
     assert len({pid for pid, _ in lines}) == 3
     assert sorted(name for _, name in lines) == sorted(harness.done[0]) and len(lines) == 28
     assert tree_bytes(tmp_path / "early") == tree_bytes(tmp_path / "plain")
+
+
+def test_torch_never_starts_while_the_early_quantizer_keeps_up_with_the_disk(tmp_path, monkeypatch):
+    """It can take every weight, so torch's start waits until the disk's reads run AHEAD_BEFORE_TORCH
+    ahead of it; a small model's never do: the run ends without beginning torch's start."""
+    src = write_checkpoint(tmp_path / "src", four_layers())
+    fp8convert.quantize(src, tmp_path / "plain", device="cpu", progress=False, scheme="channel")
+    harness = EarlyHarness(monkeypatch, never, deferred=True)
+    report = fp8convert.quantize(src, tmp_path / "early", device="cpu", progress=False, scheme="channel")
+    assert harness.at_once == [False] and harness.began == [False] and harness.joined == [False]
+    assert report.tensors_quantized_early == 28 and report.device == "cpu"
+    assert "torch_began_at" not in report.stage_seconds
+    assert tree_bytes(tmp_path / "early") == tree_bytes(tmp_path / "plain")
+
+
+def test_torch_starts_once_the_disk_reads_ahead_of_the_early_quantizer(tmp_path, monkeypatch):
+    """The same run with the limit at one byte (a disk faster than the processes quantize): torch's start
+    begins as the first reads land, and once it is ready the pipeline takes the groups left."""
+    src = write_checkpoint(tmp_path / "src", four_layers())
+    fp8convert.quantize(src, tmp_path / "plain", device="cpu", progress=False, scheme="channel")
+    slowed(monkeypatch, 0.05)
+    monkeypatch.setattr(api, "AHEAD_BEFORE_TORCH", 1)
+    harness = EarlyHarness(monkeypatch, lambda q: len(q.done) >= 3, processes=1, deferred=True)
+    report = fp8convert.quantize(src, tmp_path / "early", device="cpu", progress=False, scheme="channel")
+    assert harness.at_once == [False] and harness.began == [True] and harness.joined == [True]
+    assert 3 <= report.tensors_quantized_early < 28
+    assert 0 < report.stage_seconds["torch_began_at"] < report.stage_seconds["torch_ready_at"]
+    assert tree_bytes(tmp_path / "early") == tree_bytes(tmp_path / "plain")
+
+
+def test_torch_starts_at_once_where_the_early_quantizer_cannot_take_every_weight(zoo_source, tmp_path, monkeypatch):
+    """llama4's experts are cut from fused tensors, which only the pipeline does; with --prefetch 0 nothing
+    tells how fast the disk reads."""
+    harness = EarlyHarness(monkeypatch, all_done, deferred=True)
+    fp8convert.quantize(zoo_source("llama4"), tmp_path / "llama4", device="cpu", progress=False)
+    assert harness.at_once == [True] and harness.began == [True] and harness.quantizers[0].groups
+    src = write_checkpoint(tmp_path / "src", four_layers())
+    report = fp8convert.quantize(src, tmp_path / "unread", device="cpu", progress=False, prefetch=0)
+    assert harness.at_once[1] is False and harness.began[1] and report.tensors_quantized_early == 28
+
+
+def test_the_limit_is_half_a_small_prefetch_window(monkeypatch):
+    """A window smaller than twice AHEAD_BEFORE_TORCH could never get that far ahead."""
+    began = []
+    monkeypatch.setattr(TorchStart, "_load", lambda start: began.append(start.device))
+
+    class Reads:
+        def __init__(self, window: int):
+            self.window, self.landed = window, 0
+
+        def ahead(self) -> int:
+            return self.landed
+
+    for window, limit in ((32 << 30, api.AHEAD_BEFORE_TORCH), (2 << 30, 1 << 30)):
+        reads, start = Reads(window), TorchStart("cpu", None)
+        ready = api._torch_ready(start, reads)
+        reads.landed = limit - 1
+        assert not ready() and start.thread is None
+        reads.landed = limit
+        ready()
+        start.thread.join()
+        assert ready() and began[-1] == "cpu"
+    assert len(began) == 2
 
 
 def test_a_child_that_dies_leaves_its_group_to_the_pipeline(tmp_path, monkeypatch):

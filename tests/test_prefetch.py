@@ -76,11 +76,12 @@ def covered(calls: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [tuple(r) for r in ranges]
 
 
-def run_to_the_end(tmp_path, chunks: int) -> None:
+def run_to_the_end(tmp_path, chunks: int) -> Prefetcher:
     prefetcher = Prefetcher(tmp_path, source(tmp_path, chunks), window_bytes=1 << 30, threads=2, chunk_bytes=4 * CHUNK)
     with prefetcher:
         prefetcher.thread.join(timeout=10)  # the dispatcher ends once every read is done
         assert not prefetcher.thread.is_alive()
+    return prefetcher
 
 
 def test_pages_are_pulled_into_the_cache_without_a_copy(tmp_path, monkeypatch):
@@ -100,7 +101,7 @@ def test_pages_are_pulled_into_the_cache_without_a_copy(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "sendfile", sendfile)
     monkeypatch.setattr(os, "preadv", preadv)
-    run_to_the_end(tmp_path, 10)
+    assert run_to_the_end(tmp_path, 10).landed == 10 * CHUNK
     assert covered(sent) == [(0, 10 * CHUNK)]
 
 
@@ -119,8 +120,32 @@ def test_where_sendfile_is_refused_the_prefetcher_preads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "sendfile", sendfile)
     monkeypatch.setattr(os, "preadv", preadv)
-    run_to_the_end(tmp_path, 10)
+    assert run_to_the_end(tmp_path, 10).landed == 10 * CHUNK
     assert covered(read) == [(0, 10 * CHUNK)]
+
+
+def test_ahead_is_what_has_landed_less_what_the_run_consumed(tmp_path):
+    """The run's sign of a disk faster than its quantizing (api._torch_ready): bytes whose reads have
+    returned and that nothing has consumed yet."""
+    prefetcher = Prefetcher(tmp_path, source(tmp_path, 10), window_bytes=4 * CHUNK, threads=2, chunk_bytes=CHUNK)
+    assert prefetcher.ahead() == 0
+    with prefetcher:
+        wait_until(lambda: prefetcher.ahead() == 4 * CHUNK)  # the window is full: nothing more is read
+        prefetcher.advance(3 * CHUNK)
+        assert prefetcher.ahead() <= 4 * CHUNK
+        wait_until(lambda: prefetcher.ahead() == 4 * CHUNK)  # three more chunks read
+        prefetcher.advance(7 * CHUNK)
+        wait_until(lambda: prefetcher.landed == 10 * CHUNK)
+        assert prefetcher.ahead() == 0
+
+
+def test_a_read_that_fails_lands_nothing(tmp_path, monkeypatch):
+    def fail(*args):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "sendfile", fail)
+    monkeypatch.setattr(os, "preadv", fail)
+    prefetcher = run_to_the_end(tmp_path, 3)
+    assert prefetcher.landed == 0 and prefetcher.ahead() == 0
 
 
 GiB = 1 << 30

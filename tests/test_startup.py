@@ -56,7 +56,7 @@ def who_imports_torch(*args, delay: float = 0.0, early: bool = False, env: dict 
 
 
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    src = torch_only_source(tmp_path / "src")
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q")
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
 
@@ -84,6 +84,19 @@ def test_a_run_the_early_quantizer_finishes_ends_without_torch(tmp_path):
     assert result == {"rc": 0, "first_import": None}
     fp8convert.quantize(src, tmp_path / "pipeline", device="cpu", progress=False)
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "pipeline")
+
+
+def test_torchs_import_waits_for_the_disk_to_read_ahead_of_the_early_quantizer(tmp_path):
+    """With no delay: the early quantizer can take every weight, so torch's start waits until the disk's
+    reads run ahead of it, which a small model's never do; nobody imports torch. With --prefetch 0
+    nothing tells how fast the disk reads, so torch's thread begins at once."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    waits = who_imports_torch("quantize", src, tmp_path / "waits", "--device", "cpu", "-q", early=True)
+    assert waits == {"rc": 0, "first_import": None}
+    unread = who_imports_torch("quantize", src, tmp_path / "unread", "--device", "cpu", "-q", "--prefetch", "0",
+                               early=True)
+    assert unread == {"rc": 0, "first_import": "fp8convert-torch"}
+    assert tree_bytes(tmp_path / "waits") == tree_bytes(tmp_path / "unread")
 
 
 def test_the_environment_sets_the_early_processes(tmp_path):
@@ -372,7 +385,7 @@ def test_the_demo_leaves_the_start_up_record_for_the_first_real_conversion(tmp_p
     files = [path for path, _, _, _ in json.loads(record.read_text())["files"]]
     torch_lib = Path(torch.__file__).parent / "lib"
     assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name for p in files)
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    src = torch_only_source(tmp_path / "src")  # a BF16 model's run on this machine might never start torch
     first = cli_run("quantize", src, tmp_path / "out", "--device", "cpu", "-q", cache=cache)
     assert first["rc"] == 0 and any(Path(p).parent == torch_lib for p in first["asked"])
 
@@ -408,9 +421,9 @@ def test_a_run_ends_without_torch_only_on_a_device_known_good():
     done.start()
     made, unmade = threading.Event(), threading.Event()
     made.set()
-    with_context = TorchStart(done, threading.Event(), None, done, made)
-    without = TorchStart(done, threading.Event(), None, done, unmade)
-    no_thread = TorchStart(done, threading.Event(), None)
+    with_context = TorchStart("cuda", None, context=done, context_made=made)
+    without = TorchStart("cuda", None, context=done, context_made=unmade)
+    no_thread = TorchStart("cuda", None)
     assert with_context.device_known_good("cpu") and no_thread.device_known_good("auto")
     assert with_context.device_known_good("cuda") and with_context.device_known_good("cuda:0")
     assert not without.device_known_good("cuda") and not no_thread.device_known_good("cuda:0")

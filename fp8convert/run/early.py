@@ -7,7 +7,8 @@ quantizes, in the pipeline's order and in forked processes, the scale groups tha
 does: BF16 weights, whole (not cut from a fused expert tensor), per tensor, per row or per 128x128 block.
 When torch is ready the run stops it (`stop`): the groups in hand are finished, and the pipeline takes
 every group not done. When it has written every tensor the pipeline would quantize, the run ends
-without waiting for torch (api.py).
+without waiting for torch; when it can take every one, torch's start waits until the disk's reads run
+ahead of it, so a disk it keeps up with never shares its time with torch's start-up reads (api.py).
 
 The math is in run/numpy_quantize.py, imported by the processes once forked.
 """
@@ -62,7 +63,7 @@ class EarlyQuantizer:
 
     The parent's steps: `fork()` before torch's thread starts (a small process forks quickly, and
     neither side then copies pages the other writes); `start(writer, on_done)` once the writer can make
-    the shard files (the children write through descriptors of them); `wait_for(thread)` until torch is
+    the shard files (the children write through descriptors of them); `wait_for(ready)` until torch is
     ready or every group is written; `stop()` (the groups in hand are finished) for the tensors written;
     `close()` (also on leaving it as a context manager) reaps the children."""
 
@@ -131,9 +132,13 @@ class EarlyQuantizer:
         self.listener = threading.Thread(target=self._listen, args=(reports,), name="fp8convert-early", daemon=True)
         self.listener.start()
 
-    def wait_for(self, thread: threading.Thread) -> None:
-        """Until `thread` (torch's start) has ended or every child has left."""
-        while thread.is_alive() and not self.finished.wait(0.01):
+    def takes_all(self, units: list[Unit]) -> bool:
+        """Whether its groups are every tensor `units` computes: the run may then need no torch."""
+        return bool(self.groups) and sum(map(len, self.groups)) == sum(t.computed for u in units for t in u.tensors)
+
+    def wait_for(self, ready: Callable[[], bool]) -> None:
+        """Until `ready()` (torch's start is done) or every child has left."""
+        while not ready() and not self.finished.wait(0.01):
             pass
 
     def stop(self) -> list[TensorPlan]:

@@ -128,6 +128,7 @@ class Prefetcher:
         self.spans = merge_spans(tensors)
         self.threads = threads
         self.consumed = 0
+        self.landed = 0  # bytes whose reads have returned: in the page cache
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._dispatch, name="fp8convert-prefetch", daemon=True)
@@ -149,6 +150,11 @@ class Prefetcher:
         with self.cond:
             self.consumed += nbytes
             self.cond.notify_all()
+
+    def ahead(self) -> int:
+        """Bytes read into the page cache and not consumed yet: how far the disk is ahead of the run."""
+        with self.cond:
+            return self.landed - self.consumed
 
     def stop(self, wait: bool = True) -> None:
         """Dispatch no more reads; with `wait`, also wait for those in flight (at most two per thread)."""
@@ -193,13 +199,14 @@ class Prefetcher:
         if self.stopped:
             return
         try:
-            if self.sink is not None and pull_into_cache(self.sink, fd, offset, length):
-                return
-            if not hasattr(self.local, "scratch"):
-                self.local.scratch = bytearray(self.chunk)
-            os.preadv(fd, [memoryview(self.local.scratch)[:length]], offset)
+            if self.sink is None or not pull_into_cache(self.sink, fd, offset, length):
+                if not hasattr(self.local, "scratch"):
+                    self.local.scratch = bytearray(self.chunk)
+                os.preadv(fd, [memoryview(self.local.scratch)[:length]], offset)
         except OSError:
-            pass
+            return
+        with self.cond:
+            self.landed += length
 
 
 def open_sink() -> int | None:

@@ -2,7 +2,8 @@
 
 Importing torch and creating a CUDA context take seconds (more with cold files). A thread does it while
 the main thread goes on with what needs neither (preparing OUT, copying kept tensors, reading ahead),
-and the pipeline's own `import torch` then finds it done, or waits for the rest.
+and the pipeline's own `import torch` then finds it done, or waits for the rest. A run whose weights
+the early quantizer may all write begins that thread only once the disk reads ahead of it (api.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,17 +43,39 @@ def pin_by_registering() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = PINNED_ALLOC_CONF
 
 
+def already_set() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class TorchStart:
-    """torch loading in `thread`. `pages_queued` is set once the reads of the pages an earlier run
-    recorded are queued (at once when there is no record); `record` is where this run records its own
-    (None when torch was loaded before: an API caller's process maps much else)."""
+    """torch's start on `device`, in `thread` once `begin` has been called (start_torch's caller may
+    defer it). `pages_queued` is set once the reads of the pages an earlier run recorded are queued (at
+    once when there is no record, or nothing has begun); `record` is where this run records its own (None
+    when torch was loaded before: an API caller's process maps much else)."""
 
-    thread: threading.Thread
-    pages_queued: threading.Event
+    device: str
     record: Path | None
+    pages_queued: threading.Event = field(default_factory=already_set)
+    thread: threading.Thread | None = None
     context: threading.Thread | None = None  # open_primary_context's, when it was started
     context_made: threading.Event = field(default_factory=threading.Event)
+    began_at: float | None = None  # time.monotonic() when `begin` was first called
+
+    def begin(self) -> None:
+        """Queue the recorded pages' reads, then import torch (and start CUDA) in a thread; once only."""
+        if self.thread is not None:
+            return
+        self.began_at = time.monotonic()
+        self.pages_queued = startup_pages.read_ahead(self.record)
+        self.thread = threading.Thread(target=self._load, name=TORCH_THREAD, daemon=True)
+        self.thread.start()
+
+    def ready(self) -> bool:
+        """Whether torch has begun and is ready (or failed: the pipeline then reports it)."""
+        return self.thread is not None and not self.thread.is_alive()
 
     def device_known_good(self, device: str) -> bool:
         """Whether a run on `device` may end without torch (run/early.py wrote every weight): the CPU,
@@ -65,11 +89,27 @@ class TorchStart:
         return self.context_made.is_set()
 
     def join(self) -> None:
+        """Until torch is ready, beginning its start if nothing has."""
+        self.begin()
         self.thread.join()
 
     def record_pages(self) -> None:
         """Call after the run's quantizing: CUDA reads a kernel's code only when it first runs."""
         startup_pages.record(self.record)
+
+    def _load(self) -> None:
+        # The recorded reads are all queued (begin) before the import: a thousand-odd posix_fadvise calls
+        # took 0.03-0.11 s alone and 0.3-0.5 s beside an import holding the GIL (2-core machine), and the
+        # checkpoint's reads wait for them. On an H200 box, cold MoE 8 runs with this (and the copy-free prefetcher) began
+        # reading the checkpoint 0.1-0.3 s sooner and ended 0.6-0.7 s sooner, though torch was ready
+        # 1.2-1.5 s later (docs/benchmarks.md).
+        self.pages_queued.wait(PAGES_WAIT_S)
+        try:
+            import torch
+            if self.device != "cpu" and torch.cuda.is_available():
+                torch.empty(1, device="cuda" if self.device == "auto" else self.device)
+        except Exception:  # noqa: BLE001 - reported by the pipeline, which tries again
+            pass
 
 
 def open_primary_context(device: str, made: threading.Event | None = None) -> threading.Thread:
@@ -132,34 +172,19 @@ def torch_loaded() -> bool:
     return "torch" in sys.modules
 
 
-def start_torch(device: str) -> TorchStart:
-    """Import torch and, unless `device` is the CPU, start CUDA on it. Failures are left for the
-    pipeline to report in its own words, when it resolves the device. In a process without torch yet,
-    the pages an earlier run's start-up read are read ahead (startup_pages) and a GPU's primary context
-    is made beside the import (open_primary_context)."""
+def start_torch(device: str, begin: bool = True) -> TorchStart:
+    """Import torch and, unless `device` is the CPU, start CUDA on it: now, or when the caller calls
+    `begin` (api.py defers it while the early quantizer may write every weight). Failures are left for
+    the pipeline to report in its own words, when it resolves the device. In a process without torch
+    yet, the pages an earlier run's start-up read are read ahead (startup_pages), and a GPU's primary
+    context is made now, beside whatever comes next (open_primary_context): a run that ends without torch
+    needs it to know the device is there."""
     fresh = not torch_loaded()
-    record = record_path(device) if fresh else None
-    pages_queued = startup_pages.read_ahead(record)
-    context, context_made = None, threading.Event()
+    start = TorchStart(device, record_path(device) if fresh else None)
     if device != "cpu":
         pin_by_registering()
         if fresh:
-            context = open_primary_context(device, context_made)
-
-    def load() -> None:
-        # Queue the recorded reads first: a thousand-odd posix_fadvise calls took 0.03-0.11 s alone and
-        # 0.3-0.5 s beside an import holding the GIL (2-core machine), and the checkpoint's reads wait
-        # for them. On an H200 box, cold MoE 8 runs with this (and the copy-free prefetcher) began
-        # reading the checkpoint 0.1-0.3 s sooner and ended 0.6-0.7 s sooner, though torch was ready
-        # 1.2-1.5 s later (docs/benchmarks.md).
-        pages_queued.wait(PAGES_WAIT_S)
-        try:
-            import torch
-            if device != "cpu" and torch.cuda.is_available():
-                torch.empty(1, device="cuda" if device == "auto" else device)
-        except Exception:  # noqa: BLE001 - reported by the pipeline, which tries again
-            pass
-
-    thread = threading.Thread(target=load, name=TORCH_THREAD, daemon=True)
-    thread.start()
-    return TorchStart(thread, pages_queued, record, context, context_made)
+            start.context = open_primary_context(device, start.context_made)
+    if begin:
+        start.begin()
+    return start
