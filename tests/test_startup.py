@@ -99,6 +99,42 @@ def test_torchs_import_waits_for_the_disk_to_read_ahead_of_the_early_quantizer(t
     assert tree_bytes(tmp_path / "waits") == tree_bytes(tmp_path / "unread")
 
 
+def test_a_worker_with_a_local_rank_picks_its_device_without_importing_torch(tmp_path):
+    """torchrun and srun give each process a LOCAL_RANK, and --device auto becomes that rank's GPU: it
+    is counted without torch (here, a CPU build: the CPU), so torch's import still waits for the disk
+    and a small model's run never imports it."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "auto", "-q", early=True, env=env)
+    assert result == {"rc": 0, "first_import": None}
+
+
+def test_the_drivers_device_count_picks_a_ranks_gpu(monkeypatch):
+    import ctypes
+
+    from fp8convert.cluster.workers import WorkerSpec, device_for
+    from fp8convert.run import warmup
+
+    class Driver:
+        def __init__(self, init: int):
+            self.init = init
+
+        def cuInit(self, flags):
+            return self.init
+
+        def cuDeviceGetCount(self, count):
+            ctypes.cast(count, ctypes.POINTER(ctypes.c_int)).contents.value = 4
+            return 0
+    monkeypatch.setattr(warmup, "torch_loaded", lambda: False)
+    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)
+    rank5 = WorkerSpec(5, 8, "torchrun", 5)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver(0))
+    assert device_for(rank5, "auto") == device_for(rank5, "cuda") == "cuda:1"
+    assert device_for(rank5, "cuda:0") == "cuda:0" and device_for(WorkerSpec(), "auto") == "auto"
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver(100))  # CUDA_ERROR_NO_DEVICE
+    assert device_for(rank5, "auto") == "cpu" and device_for(rank5, "cuda") == "cuda"  # refused later, by torch
+
+
 def test_the_environment_sets_the_early_processes(tmp_path):
     """FP8CONVERT_EARLY_PROCESSES=1 turns the early quantizer on per row, which 2 cores would not: it
     writes every weight before torch's delayed import, so nobody imports torch. =0 turns it off: the

@@ -131,13 +131,15 @@ def resolve_worker(worker: "str | tuple[int, int] | WorkerSpec | None", env=None
 
 
 def device_for(spec: WorkerSpec, device: str) -> str:
-    """One process per GPU (torchrun, srun --gpus-per-task...): 'auto'/'cuda' becomes cuda:LOCAL_RANK."""
+    """One process per GPU (torchrun, srun --gpus-per-task...): 'auto'/'cuda' becomes cuda:LOCAL_RANK.
+    The devices are counted without importing torch, whose import the run overlaps with its I/O."""
     if spec.local_rank is None or device not in ("auto", "cuda"):
         return device
-    import torch
-    if not torch.cuda.is_available():
+    from ..run.warmup import cuda_device_count
+    count = cuda_device_count()
+    if not count:
         return "cpu" if device == "auto" else device
-    return f"cuda:{spec.local_rank % torch.cuda.device_count()}"
+    return f"cuda:{spec.local_rank % count}"
 
 
 def log(message: str, enabled: bool = True) -> None:

@@ -141,6 +141,26 @@ def open_primary_context(device: str, made: threading.Event | None = None) -> th
     return thread
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies): torch's count once it is
+    loaded, else the driver's, without importing torch (seconds, which the early quantizer fills only
+    if nothing imports it first). 0 where the installed torch lacks CUDA or there is no driver."""
+    if torch_loaded():
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not torch_has_cuda():
+        return 0
+    import ctypes
+    try:
+        cuda = ctypes.CDLL(CUDA_DRIVER)
+    except OSError:
+        return 0
+    count = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
 def torch_starting() -> bool:
     """Whether this process's threads that load torch or start CUDA (start_torch's) are still at it."""
     return any(t.name in (TORCH_THREAD, CUDA_THREAD) and t.is_alive() for t in threading.enumerate())
