@@ -279,7 +279,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
-    prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.count)
+    prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.sharing)
     if prefetcher is None:  # nothing tells how fast the disk reads
         warmup.begin()
     # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback), unless
@@ -343,8 +343,9 @@ def _early_quantizer(the_plan: Plan, units: list[Unit], spec: workers.WorkerSpec
 
 
 def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
-    """Half the cores, at most EARLY_MAX_PROCESSES, shared by the run's workers. Per row and per block, a dozen numpy passes over each
-    element (half torch's speed on a core), they need EARLY_MIN_CORES: on 2 cores the one process took
+    """Half the cores, at most EARLY_MAX_PROCESSES, shared by the run's workers on this machine
+    (WorkerSpec.sharing). Per row and per block, a dozen numpy passes over each element (half torch's
+    speed on a core), they need EARLY_MIN_CORES: on 2 cores the one process took
     more from torch's start than it gave (first runs of a 2-layer MoE per row 14.6-16.3 s against
     14.0-14.8 s without). Per tensor, one table lookup per element, it gave more there too (13.1-13.5 s
     against 13.8-15.8 s; a 2-layer dense model 9.6-10.5 s against 11.3-11.9 s; docs/benchmarks.md).
@@ -357,7 +358,7 @@ def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
     cores = usable_cores()
     if scheme != "tensor" and cores < EARLY_MIN_CORES:
         return 0
-    return min(EARLY_MAX_PROCESSES, cores // 2) // spec.count
+    return min(EARLY_MAX_PROCESSES, cores // 2) // spec.sharing
 
 
 # How far the disk's reads may run ahead of the early quantizer's processes before torch's deferred start
@@ -403,8 +404,8 @@ def _ignore(nbytes: int) -> None:
 
 def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1) -> Prefetcher | None:
     """The page-cache read-ahead of `tensors`, in their order; None with --prefetch 0 or a streamed source
-    (nothing to read ahead: its shards arrive as needed). `workers`: how many processes convert shares of
-    this model, which --prefetch auto assumes share this machine's memory."""
+    (nothing to read ahead: its shards arrive as needed). `workers`: how many processes converting shares
+    of this model share this machine's memory (WorkerSpec.sharing), which --prefetch auto divides."""
     if not settings.prefetch or settings.stream_download:
         return None
     return Prefetcher(root, tensors, window_for(settings.prefetch, workers),

@@ -281,11 +281,19 @@ def test_refusals(ref, tmp_path, capsys):
     # arrays and indexed Jobs only with --worker auto
     ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, False, None),
     ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, True,
-     WorkerSpec(2, 4, "slurm-array")),
+     WorkerSpec(2, 4, "slurm-array", on_this_machine=1)),  # each array task is its own allocation
     ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2",
-      "SLURM_ARRAY_TASK_COUNT": "3"}, True, WorkerSpec(2, 3, "slurm-array")),
+      "SLURM_ARRAY_TASK_COUNT": "3"}, True, WorkerSpec(2, 3, "slurm-array", on_this_machine=1)),
     ({"JOB_COMPLETION_INDEX": "0", "JOB_COMPLETIONS": "3"}, False, None),
-    ({"JOB_COMPLETION_INDEX": "2", "JOB_COMPLETIONS": "3"}, True, WorkerSpec(2, 3, "k8s")),
+    ({"JOB_COMPLETION_INDEX": "2", "JOB_COMPLETIONS": "3"}, True, WorkerSpec(2, 3, "k8s", on_this_machine=1)),
+    # the workers on this node: torchrun's LOCAL_WORLD_SIZE, the most srun tasks on any node
+    ({"RANK": "9", "WORLD_SIZE": "32", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"}, False,
+     WorkerSpec(9, 32, "torchrun", 1, on_this_machine=8)),
+    ({"SLURM_PROCID": "9", "SLURM_NTASKS": "32", "SLURM_STEP_TASKS_PER_NODE": "8(x4)"}, False,
+     WorkerSpec(9, 32, "slurm", on_this_machine=8)),
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_TASKS_PER_NODE": "2(x3),1"}, False,
+     WorkerSpec(6, 7, "slurm", on_this_machine=2)),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "two"}, False, WorkerSpec(1, 2, "slurm")),
 ])
 def test_detect_worker(env, opt_in, expected):
     assert detect_worker(env, opt_in=opt_in) == expected
@@ -316,6 +324,17 @@ def test_resolve_worker_reads_the_process_environment(monkeypatch):
     assert resolve_worker((1, 2)) == WorkerSpec(1, 2, "explicit")
     assert WorkerSpec(1, 2).split(3, 2) == WorkerSpec(5, 6, "explicit")
     assert WorkerSpec(1, 3).owned(8) == {1, 4, 7}
+
+
+def test_the_workers_sharing_a_machine():
+    """What the prefetch window and the early quantizer's processes are divided by: every worker of the
+    split unless the launcher says how many run here; --devices' sub-workers all run here."""
+    assert WorkerSpec(1, 2).sharing == 2 and WorkerSpec(2, 4, "slurm-array", on_this_machine=1).sharing == 1
+    assert WorkerSpec(9, 32, "torchrun", 1, on_this_machine=8).sharing == 8
+    assert WorkerSpec(0, 2, "slurm", on_this_machine=8).sharing == 2  # never more than the split has
+    assert WorkerSpec(2, 4, "k8s", on_this_machine=1).split(3, 1).sharing == 3
+    assert WorkerSpec(9, 32, "torchrun", 1, on_this_machine=8).split(2, 0).sharing == 16
+    assert WorkerSpec(1, 2).split(3, 2).sharing == 6
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])

@@ -380,6 +380,17 @@ def test_half_the_cores_up_to_eight_quantize_early_per_row_and_block_from_eight(
     assert api.early_processes(WorkerSpec(0, workers), scheme) == processes
 
 
+def test_the_early_processes_are_shared_by_the_workers_on_this_machine(monkeypatch):
+    """A split over several nodes divides them by the workers on each node, not by all of them; an array
+    task or a pod, each its own allocation, shares them with nobody."""
+    from fp8convert.cluster.workers import WorkerSpec
+    monkeypatch.delenv(api.EARLY_PROCESSES_ENV, raising=False)
+    monkeypatch.setattr(api, "usable_cores", lambda: 16)
+    assert api.early_processes(WorkerSpec(9, 32, "slurm", on_this_machine=4), "tensor") == 2
+    assert api.early_processes(WorkerSpec(9, 32, "slurm"), "tensor") == 0
+    assert api.early_processes(WorkerSpec(3, 100, "slurm-array", on_this_machine=1), "block") == 8
+
+
 @pytest.mark.parametrize("text,processes", [("0", 0), ("1", 1), (" 3 ", 3)])
 def test_the_environment_sets_the_early_processes_on_any_cores(monkeypatch, text, processes):
     from fp8convert.cluster.workers import WorkerSpec

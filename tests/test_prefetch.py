@@ -11,6 +11,7 @@ import time
 import pytest
 
 import fp8convert
+from fp8convert.cluster.workers import WorkerSpec
 from fp8convert.errors import FP8ConvertError
 from fp8convert.options import AUTO, Settings
 from fp8convert.run import prefetch
@@ -219,8 +220,10 @@ def test_prefetch_option_reads_auto_sizes_and_zero():
         Settings(prefetch="lots")
 
 
-@pytest.mark.parametrize("overrides,window", [({}, 3 * GiB), ({"worker": "0/2"}, 3 * GiB // 2),
-                                              ({"prefetch": "5MiB"}, 5 << 20)])
+@pytest.mark.parametrize("overrides,window", [
+    ({}, 3 * GiB), ({"worker": "0/2"}, 3 * GiB // 2), ({"prefetch": "5MiB"}, 5 << 20),
+    ({"worker": WorkerSpec(0, 4, "slurm-array", on_this_machine=1)}, 3 * GiB),  # its own allocation
+    ({"worker": WorkerSpec(0, 32, "slurm", on_this_machine=2)}, 3 * GiB // 2)])  # two srun tasks on this node
 def test_a_conversion_reads_ahead_by_the_window_it_was_given_or_the_default(tmp_path, monkeypatch, overrides, window):
     monkeypatch.setattr(prefetch, "available_memory", lambda: 6 * GiB)
     windows, real_init = [], Prefetcher.__init__

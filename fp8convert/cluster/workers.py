@@ -13,6 +13,7 @@ Kubernetes indexed Jobs only with `--worker auto`, since an array also runs diff
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -35,10 +36,20 @@ class WorkerSpec:
     count: int = 1
     launcher: str = "single"          # single, explicit, torchrun, slurm, slurm-array, k8s
     local_rank: int | None = None     # picks the GPU when the launcher starts one process per GPU
+    # How many of the `count` workers share this machine's memory and cores, where the launcher says
+    # (torchrun's processes per node, srun's tasks per node; 1 for an array task or a pod, each its own
+    # allocation). None: assume all of them do.
+    on_this_machine: int | None = None
 
     @property
     def text(self) -> str:
         return f"{self.index}/{self.count}"
+
+    @property
+    def sharing(self) -> int:
+        """The workers that share this machine's memory and cores, this one included: what the prefetch
+        window and the early quantizer's processes are divided by."""
+        return min(self.on_this_machine or self.count, self.count)
 
     def owned(self, shard_count: int) -> set[int]:
         return {i for i in range(shard_count) if i % self.count == self.index}
@@ -47,7 +58,8 @@ class WorkerSpec:
         """Sub-worker `part` of `parts` within this worker's share (--devices): shard i with i % N == K
         goes to sub-worker (i // N) % parts, i.e. i % (N * parts) == K + N * part. The sub-workers own
         exactly this worker's shards, however many devices other workers split theirs over."""
-        return WorkerSpec(self.index + self.count * part, self.count * parts, "explicit")
+        here = self.on_this_machine * parts if self.on_this_machine else None  # the sub-workers run here
+        return WorkerSpec(self.index + self.count * part, self.count * parts, "explicit", on_this_machine=here)
 
 
 SINGLE = WorkerSpec()
@@ -61,10 +73,23 @@ def _int(env, name: str) -> int:
         raise FP8ConvertError(f"${name}={value!r}: not an integer") from None
 
 
-def _checked(index: int, count: int, launcher: str, where: str, local_rank: int | None = None) -> WorkerSpec:
+def _checked(index: int, count: int, launcher: str, where: str, local_rank: int | None = None,
+             on_this_machine: int | None = None) -> WorkerSpec:
     if count < 1 or not 0 <= index < count:
         raise FP8ConvertError(f"{where}: worker {index} of {count} is not a valid split (need 0 <= K < N)")
-    return WorkerSpec(index, count, launcher if count > 1 else "single", local_rank)
+    if count == 1:
+        return WorkerSpec(index, count, "single", local_rank)
+    return WorkerSpec(index, count, launcher, local_rank, on_this_machine)
+
+
+def tasks_per_node(env) -> int | None:
+    """The most tasks of this srun step on any one node, from $SLURM_STEP_TASKS_PER_NODE (else
+    $SLURM_TASKS_PER_NODE), written like '8(x4)' or '2(x3),1'; None where neither can be read."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = [re.fullmatch(r"(\d+)(\(x\d+\))?", part.strip()) for part in env.get(name, "").split(",")]
+        if counts and all(counts):
+            return max(int(match.group(1)) for match in counts)
+    return None
 
 
 def parse_worker(text: str) -> WorkerSpec:
@@ -87,12 +112,14 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     env = os.environ if env is None else env
     if all(env.get(v) for v in TORCHRUN_VARS):
         local = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else None
-        return _checked(_int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local)
+        per_node = _int(env, "LOCAL_WORLD_SIZE") if env.get("LOCAL_WORLD_SIZE") else None
+        return _checked(_int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local,
+                        per_node)
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
     if env.get("SLURM_PROCID") and env.get(tasks_var) and _int(env, tasks_var) > 1:
         local = _int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else None
         return _checked(_int(env, "SLURM_PROCID"), _int(env, tasks_var), "slurm",
-                        f"srun ($SLURM_PROCID/${tasks_var})", local)
+                        f"srun ($SLURM_PROCID/${tasks_var})", local, tasks_per_node(env))
     if not opt_in:
         return None
     if env.get("SLURM_ARRAY_TASK_ID"):
@@ -105,13 +132,14 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
             raise FP8ConvertError(f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; "
                                   "pass --worker K/N")
         return _checked(offset // step, _int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array",
-                        "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)")
+                        "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)",
+                        on_this_machine=1)
     if env.get("JOB_COMPLETION_INDEX"):
         if not env.get("JOB_COMPLETIONS"):
             raise FP8ConvertError("Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
                                   "completions, or pass --worker $JOB_COMPLETION_INDEX/N")
         return _checked(_int(env, "JOB_COMPLETION_INDEX"), _int(env, "JOB_COMPLETIONS"), "k8s",
-                        "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)")
+                        "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)", on_this_machine=1)
     raise FP8ConvertError("--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
                           "or a Kubernetes indexed Job); pass --worker K/N")
 
