@@ -280,8 +280,6 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.sharing)
-    if prefetcher is None:  # nothing tells how fast the disk reads
-        warmup.begin()
     # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback), unless
     # the early quantizer runs: its writes and theirs then go out at once. In first runs of a dense and a
     # MoE checkpoint on an H200 box that ended sooner than holding them (docs/benchmarks.md).
@@ -373,7 +371,8 @@ AHEAD_BEFORE_TORCH = 4 << 30
 
 def _torch_ready(warmup: TorchStart, prefetcher: Prefetcher | None) -> Callable[[], bool]:
     """Whether torch is ready, for early.wait_for; asking begins its deferred start once the prefetcher
-    is AHEAD_BEFORE_TORCH (or half its window) ahead of what the run has written."""
+    is AHEAD_BEFORE_TORCH (or half its window) ahead of what the run has written, or at once without a
+    prefetcher (nothing then tells how fast the disk reads)."""
     ahead_limit = min(AHEAD_BEFORE_TORCH, prefetcher.window // 2) if prefetcher else 0
 
     def ready() -> bool:
