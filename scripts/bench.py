@@ -596,6 +596,47 @@ def run_contender(c: dict, src: Path, info: dict, floor: dict | None, args, log:
     return r
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(all CPU time, of it stolen by the hypervisor) since boot, in ticks, from /proc/stat; None elsewhere."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already counted in user and nice]
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0.0
+
+
+def steal_percent(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The share of the machine's CPU time between the two readings that other guests of the host took."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return 100 * (after[1] - before[1]) / (after[0] - before[0])
+
+
+# Copies one GiB from one host buffer into another, with one thread and then with every core, best of three:
+# the memory bandwidth the machine gives at that moment (a ceiling run moves several bytes of host memory
+# per byte of input: the reads out of the page cache, the copies into the shards' pages)
+MEMORY_PROBE = """
+import os, sys, time, torch
+src = torch.ones(1 << 30, dtype=torch.uint8); dst = torch.empty_like(src)
+for n in (1, len(os.sched_getaffinity(0))):
+    torch.set_num_threads(n); best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter(); dst.copy_(src); best = min(best, time.perf_counter() - t)
+    print(src.numel() / best / 1e9)
+"""
+
+
+def host_copy_gbps() -> tuple[float | None, float | None]:
+    """GB/s of a host memory copy now, with one thread and with every core (None, None if the probe failed)."""
+    r = subprocess.run([PY, "-c", MEMORY_PROBE], capture_output=True, text=True)
+    try:
+        one, every = (float(v) for v in r.stdout.split())
+    except ValueError:
+        return None, None
+    return one, every
+
+
 def warm_page_cache(src: Path) -> float:
     """Read every file of `src` once, so the run after it reads from memory; returns seconds."""
     start = time.monotonic()
@@ -631,10 +672,13 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
     out = args.ceiling_out / f"out-{dev}"
     shutil.rmtree(out, ignore_errors=True)
     warm_page_cache(src)
+    copy_one, copy_all = host_copy_gbps()  # the run's spread between fresh processes is read against these
     cmd = fp8convert_cmd() + ["quantize", str(src), str(out), "--device", dev, "--max-shard-size",
                               args.max_shard_size, "--overwrite", "--json", "-q"]
+    cpu_before = cpu_seconds()
     r = run_measured(f"{src.name}-ceiling-{dev}-{mode}-{rep}", cmd, dict(fp8convert_env(args), **env),
                      args.work / "logs", log, gpu, args.timeout)
+    steal = steal_percent(cpu_before, cpu_seconds())
     report = parse_json_report(r["stdout"]) or {}
     stages = report.get("stage_seconds") or {}
     early = report.get("tensors_quantized_early") or 0
@@ -642,7 +686,8 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
            "rss_gib": r["rss_peak_gib"], "gpu_gib": (report.get("peak_device_bytes") or 0) / GiB or None,
            "stages": stages, "early": early, "ran_on": report.get("device"),
            "torch_began_s": stages.get("torch_began_at"), "torch_ready_s": stages.get("torch_ready_at"),
-           "pipeline_s": stages.get("pipeline")}
+           "pipeline_s": stages.get("pipeline"), "copy_one_gbps": copy_one, "copy_all_gbps": copy_all,
+           "steal_pct": steal}
     # the pipeline's stage covers every weight only where nothing was written early
     row["gbps_pipeline"] = info["bytes_in"] / row["pipeline_s"] / 1e9 if row["pipeline_s"] and not early else None
     row["gbps_whole"] = info["bytes_in"] / r["wall_s"] / 1e9 if r["rc"] == 0 else None
@@ -650,7 +695,8 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
     log.say(f"  ceiling {dev} {mode} #{rep + 1}: rc {r['rc']}, wall {r['wall_s']:.2f} s, torch ready "
             f"{fmt(row['torch_ready_s'], 2)} s, pipeline {fmt(row['pipeline_s'], 2)} s = "
             f"{fmt(row['gbps_pipeline'], 2)} GB/s, whole {fmt(row['gbps_whole'], 2)} GB/s, "
-            f"{early} tensors early, ran on {row['ran_on']}, stages {stages}")
+            f"{early} tensors early, ran on {row['ran_on']}, host copy {fmt(copy_one, 1)}/{fmt(copy_all, 1)} GB/s "
+            f"before it, steal {fmt(steal, 1)}%, stages {stages}")
     if r["rc"] != 0:
         log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
     return row
@@ -659,16 +705,19 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
 def ceiling_table(name: str, info: dict, rows: list[dict]) -> str:
     lines = [f"### {name}: pipeline ceiling ({info['bytes_in'] / 1e9:.2f} GB in the page cache, output on tmpfs)", "",
              "| device | way | run | wall s | torch began at s | torch ready at s | pipeline s | GB/s pipeline "
-             "| GB/s whole run | tensors early | ran on | peak RSS GiB | peak GPU GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GB/s whole run | tensors early | ran on | peak RSS GiB | peak GPU GiB | host copy GB/s | steal % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['device']} | {r['mode']} | {r['rep']} | {r['wall_s']:.2f} | {fmt(r['torch_began_s'], 2)} | "
               f"{fmt(r['torch_ready_s'], 2)} | "
               f"{fmt(r['pipeline_s'], 2)} | {fmt(r['gbps_pipeline'], 2)} | {fmt(r['gbps_whole'], 2)} | "
-              f"{r['early']} | {r['ran_on']} | {fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} |" for r in rows]
+              f"{r['early']} | {r['ran_on']} | {fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} | "
+              f"{fmt(r['copy_one_gbps'], 1)} / {fmt(r['copy_all_gbps'], 1)} | {fmt(r['steal_pct'], 1)} |" for r in rows]
     lines += ["", "way: `pipeline` with FP8CONVERT_EARLY_PROCESSES=0, so that the pipeline's stage takes every "
               "weight; `default` as a user runs it, the early quantizer writing weights while torch loads (its "
               "pipeline GB/s is left out: the stage did not take them all). torch began: when torch's import "
-              "began (it waits while the early quantizer keeps up with the disk; -: it never began)."]
+              "began (it waits while the early quantizer keeps up with the disk; -: it never began). host copy: a 1 GiB "
+              "memory copy just before the run, one thread / every core; steal: the share of the machine's CPU time "
+              "that the hypervisor gave other guests during the run."]
     return "\n".join(lines)
 
 
