@@ -274,7 +274,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
                              else [], spec)
     # Where it can write every weight, torch's start waits until the disk reads ahead of it (_torch_ready)
     warmup = start_torch(device, begin=not early.takes_all(computed))
-    bar = Progress(sum(u.in_bytes for u in units), f"quantize {the_plan.source.label}{_tag(spec)}",
+    command = "dequantize" if settings.dequantize else "quantize"
+    bar = Progress(sum(u.in_bytes for u in units), f"{command} {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)

@@ -108,6 +108,15 @@ def test_dequantize_summary_speaks_in_plurals_and_units(fp8_src, tmp_path, capsy
     assert "(s)" not in line and "0.00 GB" not in line
 
 
+@pytest.mark.parametrize("command", ["dequantize", "quantize"])
+def test_progress_lines_name_the_command_that_runs(command, fp8_src, tmp_path, capsys):
+    """Without a terminal, the progress line begins with the command: a dequantize is not called a quantize."""
+    rc, _, err = run(capsys, command, fp8_src, tmp_path / "out", "--device", "cpu")
+    assert rc == 0, err
+    progress = [line.split(" ", 1)[1] for line in err.splitlines() if " of " in line and "eta" in line]
+    assert progress and all(line.startswith(f"{command} {fp8_src}:") for line in progress), err
+
+
 def test_dequantize_takes_the_hub_options_and_base_model(fp8_src, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     rc, text, _ = run(capsys, "dequantize", "-h")
