@@ -440,7 +440,7 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
         "no_out.toml": ('[[job]]\nname = "m"\nsource = "a"\n', ["job 0 (m)", "'out'"]),
         "scheme.jsonl": ('{"source": "a", "out": "b"}\n{"source": "a", "out": "c", "scheme": "x"}\n',
                          ["job 1", "--scheme"]),
-        "twice.toml": ('[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "b"\nout = "o"\n', ["job 1", "job 0"]),
+        "twice.toml": ('[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "b"\nout = "o"\n', ["job 1 writes to o, as job 0 does"]),
         "types.toml": ('[[job]]\nsource = "a"\nout = "b"\nprivate = "yes"\n', ["job 0", "private"]),
         "push.toml": ('[[job]]\nsource = "a"\nout = "b"\npush_to_hub = "not a repo"\n', ["job 0", "push_to_hub"]),
         "defaults.toml": ('[defaults]\nout = "x"\n[[job]]\nsource = "a"\nout = "b"\n', ["[defaults]", "out"]),

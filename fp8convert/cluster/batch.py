@@ -41,6 +41,11 @@ class Job:
     private: bool = False
 
 
+def job_title(index: int, name: str) -> str:
+    """How logs and errors name a job: `job 3 (llama)`, or `job 3` where it has no name but its index."""
+    return f"job {index}" if name == str(index) else f"job {index} ({name})"
+
+
 @dataclass
 class JobResult:
     index: int
@@ -96,8 +101,8 @@ def read_jobs(path: str | Path) -> list[Job]:
     for job in jobs:
         key = os.path.abspath(job.out)
         if key in seen:
-            raise FP8ConvertError(f"{path}: job {job.index} ({job.name}) writes to {job.out}, as job "
-                                  f"{seen[key].index} ({seen[key].name}) does")
+            raise FP8ConvertError(f"{path}: {job_title(job.index, job.name)} writes to {job.out}, as "
+                                  f"{job_title(seen[key].index, seen[key].name)} does")
         seen[key] = job
     return jobs
 
@@ -182,7 +187,7 @@ def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir
     from .. import api, publish
     started = time.monotonic()
     result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
-    log(f"job {job.index} ({job.name}): {job.source} -> {job.out}", progress)
+    log(f"{job_title(job.index, job.name)}: {job.source} -> {job.out}", progress)
     try:
         report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token, cache_dir=cache_dir)
         result.report = asdict(report)
@@ -204,7 +209,7 @@ def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir
     except Exception as e:  # an unexpected failure in one job must not stop the others
         result.error = " ".join(f"{type(e).__name__}: {e}".split())
     result.seconds = time.monotonic() - started
-    log(f"job {job.index} ({job.name}): {result.status} in {result.seconds:.1f}s"
+    log(f"{job_title(job.index, job.name)}: {result.status} in {result.seconds:.1f}s"
         + (f": {result.error}" if result.error else ""), progress)
     return result
 
@@ -228,7 +233,7 @@ def render(results: list[JobResult]) -> str:
     lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [f"job {r.index} ({r.job}) failed: {r.error}" for r in results if r.status == "failed"]
+    lines += [f"{job_title(r.index, r.job)} failed: {r.error}" for r in results if r.status == "failed"]
     return "\n".join(line.rstrip() for line in lines)
 
 
