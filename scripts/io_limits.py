@@ -2,11 +2,14 @@
 """What this machine's I/O gives one process, for reading fp8convert's numbers against.
 
 In 32 MB pieces, with 1..N threads:
+  memory copy    from each thread's buffer into one large buffer already in memory: the host's own
+                 bandwidth, which page-cache reads and tmpfs writes share;
   pread          a file already in the page cache (read once first), into reusable buffers;
   pwrite         into one file, sparse (ftruncate) or with its blocks reserved first (fallocate), and
                  into one file per thread (the kernel serialises buffered writes to one file);
   mapped         copies into one reserved file through shared mappings, as fp8convert writes a shard
                  from the GPU (fp8convert/run/writeback.py: write_mapped), which the kernel does not serialise;
+                 and through one mapping of the whole file (no mmap and munmap per piece);
   O_DIRECT       (--direct) pwrites into one reserved file, bypassing the page cache;
   H2D / D2H      (--cuda) copies between pinned host buffers and the GPU, one stream per thread.
 Writes go to OUT_DIR (tmpfs for the pipeline's ceiling, a disk directory for a disk); on a disk each
@@ -81,8 +84,32 @@ def mapped_then_writeback(fd: int, buf, offset: int) -> None:
     start_writeback(fd, offset, buf.nbytes)
 
 
+def memory_copy_test(n: int, size: int, cuda: bool) -> None:
+    target = mmap.mmap(-1, size)
+    target.write(b"\x00" * size)  # its pages faulted in first: only the copies are timed
+    base = ctypes.addressof(ctypes.c_char.from_buffer(target))
+    jobs = [(offset,) for offset in range(0, size, CHUNK)]
+
+    def copy(buf, offset: int) -> None:
+        ctypes.memmove(base + offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), CHUNK)  # GIL released
+    line("memory copy", n, size, in_threads(n, jobs, copy, cuda))
+    del base
+    target.close()
+
+
+def whole_file_mapping(fd: int, size: int):
+    """A write function that copies each piece through one shared mapping of the whole file, and its close."""
+    view = mmap.mmap(fd, size)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+    def write(fd: int, buf, offset: int) -> None:
+        ctypes.memmove(base + offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes)
+        start_writeback(fd, offset, buf.nbytes)
+    return write, view.close
+
+
 def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bool, cuda: bool,
-               direct: bool = False, mapped: bool = False) -> None:
+               direct: bool = False, mapped: bool = False, one_mapping: bool = False) -> None:
     per_file = size // files // CHUNK * CHUNK
     paths = [out / f"io_limits.{i}" for i in range(files)]
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
@@ -91,8 +118,13 @@ def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bo
         for fd in fds:
             reserve(fd, per_file) if reserved else os.ftruncate(fd, per_file)
         jobs = [(fds[i % files], (i // files) * CHUNK) for i in range(files * (per_file // CHUNK))]
-        write = mapped_then_writeback if mapped else (lambda fd, buf, offset: os.pwrite(fd, buf, offset))
+        write, unmap = mapped_then_writeback if mapped else (lambda fd, buf, offset: os.pwrite(fd, buf, offset)), None
+        if one_mapping:
+            write, unmap = whole_file_mapping(fds[0], per_file)
         seconds = in_threads(n, jobs, lambda buf, fd, offset: write(fd, buf, offset), cuda)
+        if unmap:
+            write = None  # the mapping's address must go before the mapping can close
+            unmap()
         t0 = time.perf_counter()
         for fd in fds:
             os.fsync(fd)
@@ -122,6 +154,8 @@ def main() -> int:
             pass
     fd = os.open(args.src, os.O_RDONLY)
     for n in threads:
+        memory_copy_test(n, size, args.cuda)
+    for n in threads:
         jobs = [(offset,) for offset in range(0, src_size, CHUNK)]
         line("pread, page cache", n, src_size, in_threads(n, jobs, lambda b, o: os.preadv(fd, [b], o), args.cuda))
     os.close(fd)
@@ -130,6 +164,7 @@ def main() -> int:
         write_test(args.out, "pwrite, 1 file, reserved", n, 1, size, True, args.cuda)
         write_test(args.out, f"pwrite, {n} files, sparse", n, n, size, False, args.cuda)
         write_test(args.out, "mapped, 1 file, reserved", n, 1, size, True, args.cuda, mapped=True)
+        write_test(args.out, "one mapping, 1 file, reserved", n, 1, size, True, args.cuda, one_mapping=True)
         if args.direct:
             write_test(args.out, "O_DIRECT pwrite, 1 file, reserved", n, 1, size, True, args.cuda, direct=True)
     if args.cuda:
