@@ -141,6 +141,9 @@ def test_sigint_stops_cleanly_and_resumes(ref, tmp_path, capsys):
 
     assert quantize(src, out) == 0
     assert tree_bytes(out) == reference
+    # the summary counts the shards the rerun found written
+    written = sum(name.startswith("model-") and name.endswith(".safetensors") for name in before)
+    assert f", {written} already written, " in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- states a kill can leave, made directly
