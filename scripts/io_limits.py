@@ -86,14 +86,15 @@ def mapped_then_writeback(fd: int, buf, offset: int) -> None:
 
 def memory_copy_test(n: int, size: int, cuda: bool) -> None:
     target = mmap.mmap(-1, size)
-    target.write(b"\x00" * size)  # its pages faulted in first: only the copies are timed
+    zeros = b"\x00" * CHUNK
+    for _ in range(size // CHUNK):  # its pages faulted in first: only the copies are timed
+        target.write(zeros)
     base = ctypes.addressof(ctypes.c_char.from_buffer(target))
     jobs = [(offset,) for offset in range(0, size, CHUNK)]
 
     def copy(buf, offset: int) -> None:
         ctypes.memmove(base + offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), CHUNK)  # GIL released
     line("memory copy", n, size, in_threads(n, jobs, copy, cuda))
-    del base
     target.close()
 
 
@@ -118,12 +119,15 @@ def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bo
         for fd in fds:
             reserve(fd, per_file) if reserved else os.ftruncate(fd, per_file)
         jobs = [(fds[i % files], (i // files) * CHUNK) for i in range(files * (per_file // CHUNK))]
-        write, unmap = mapped_then_writeback if mapped else (lambda fd, buf, offset: os.pwrite(fd, buf, offset)), None
+        unmap = None
         if one_mapping:
             write, unmap = whole_file_mapping(fds[0], per_file)
+        elif mapped:
+            write = mapped_then_writeback
+        else:
+            write = lambda fd, buf, offset: os.pwrite(fd, buf, offset)  # noqa: E731
         seconds = in_threads(n, jobs, lambda buf, fd, offset: write(fd, buf, offset), cuda)
         if unmap:
-            write = None  # the mapping's address must go before the mapping can close
             unmap()
         t0 = time.perf_counter()
         for fd in fds:
