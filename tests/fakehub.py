@@ -1173,8 +1173,10 @@ def use_fake_hub(hub: FakeHub, monkeypatch: Any, hf_home: str | Path, *, block_n
             monkeypatch.setattr(constants, name, value)
     # `huggingface_hub.model_info` & co. are bound methods of this instance, created at import.
     monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub.url)
-    # Origins whose redirects keep the Authorization header (computed at import from ENDPOINT).
-    monkeypatch.setattr(hf_http, "_HUB_ORIGINS", hf_http._HUB_ORIGINS | {hf_http._url_origin(hub.url)})
+    # Origins whose redirects keep the Authorization header (computed at import from ENDPOINT; releases
+    # before that rule have no such set).
+    if hasattr(hf_http, "_HUB_ORIGINS"):
+        monkeypatch.setattr(hf_http, "_HUB_ORIGINS", hf_http._HUB_ORIGINS | {hf_http._url_origin(hub.url)})
     # The user-agent builder fetches an "agent harnesses" registry once per process: pin it empty.
     try:
         import huggingface_hub.utils._detect_agent as detect_agent
