@@ -660,9 +660,9 @@ def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
     devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
     warm_page_cache(src)
     for dev in devices:
-        # On a virtual machine, memory the guest has never touched is backed by the host on first touch, which
-        # made the first run's writes into tmpfs 2-2.5x slower than later runs' (docs/benchmarks.md, session
-        # 18); a machine that has run for a while has its memory backed. The warm-up run is in the table.
+        # Into tmpfs pages no run had used, the main thread waited 2.2-2.5x as long for the writer as into
+        # reused ones (docs/benchmarks.md, session 18): on a virtual machine the host backs a page on its
+        # first touch, which a machine that has run for a while has done. The warm-up run is in the table.
         if not out_of_time(log, f"ceiling {dev} warm-up"):
             rows.append(ceiling_run(src, info, args, log, gpu, dev, "warm-up", CEILING_MODES["pipeline"], -1))
         for mode, env in CEILING_MODES.items():
