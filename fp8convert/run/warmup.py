@@ -123,15 +123,12 @@ def open_primary_context(device: str, made: threading.Event | None = None) -> th
     ordinal = int(number) if number.isdigit() else 0  # "cuda" and "auto" are torch's device 0
 
     def run() -> None:
-        if not torch_has_cuda():  # a context that torch cannot use would only hold GPU memory
+        cuda = started_driver()  # here, off the main thread's start-up
+        if cuda is None:
             return
-        import ctypes  # here, off the main thread's start-up
-        try:
-            cuda = ctypes.CDLL(CUDA_DRIVER)
-        except OSError:
-            return
+        import ctypes
         handle, context = ctypes.c_int(), ctypes.c_void_p()
-        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(handle), ordinal) == 0:
+        if cuda.cuDeviceGet(ctypes.byref(handle), ordinal) == 0:
             if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle) == 0:  # kept for torch: never released
                 if made is not None:
                     made.set()
@@ -148,17 +145,25 @@ def cuda_device_count() -> int:
     if torch_loaded():
         import torch
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not torch_has_cuda():
+    cuda = started_driver()
+    if cuda is None:
         return 0
+    import ctypes
+    count = ctypes.c_int()
+    return count.value if cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 else 0
+
+
+def started_driver():
+    """CUDA's driver library, initialised (cuInit), through ctypes; None where the installed torch lacks
+    CUDA (a context or device count it cannot use would only mislead), or the driver is missing or fails."""
+    if not torch_has_cuda():
+        return None
     import ctypes
     try:
         cuda = ctypes.CDLL(CUDA_DRIVER)
     except OSError:
-        return 0
-    count = ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
+        return None
+    return cuda if cuda.cuInit(0) == 0 else None
 
 
 def torch_starting() -> bool:
