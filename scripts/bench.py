@@ -658,8 +658,7 @@ def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
     is the pipeline itself (and start-up): its GB/s is what the tool could do on a disk of any speed."""
     rows = []
     devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
-    warm_page_cache(src)
-    for dev in devices:
+    for dev in devices:  # (each run reads the input into the page cache first: ceiling_run)
         # Into tmpfs pages no run had used, the main thread waited 2.2-2.5x as long for the writer as into
         # reused ones (docs/benchmarks.md, session 18): on a virtual machine the host backs a page on its
         # first touch, which a machine that has run for a while has done. The warm-up run is in the table.
