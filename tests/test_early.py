@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -438,16 +439,31 @@ def forked_children(pid: int) -> list[int]:
         return [int(p) for p in f.read().split() if cmdline(int(p)) == cmdline(pid)]
 
 
+def first_fork(run: subprocess.Popen, log: Path, timeout: float = 60) -> int:
+    """The pid of `run`'s first forked child, once there is one; a run that ends first, or forks nothing
+    in `timeout` seconds, fails the test with what it printed into `log`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = forked_children(run.pid)
+        if children:
+            return min(children)
+        if run.poll() is not None:
+            pytest.fail(f"the run ended (exit {run.returncode}) before it forked: {log.read_text()[-2000:]}")
+        time.sleep(0.01)
+    run.kill()
+    run.wait()
+    pytest.fail(f"the run forked nothing in {timeout} s: {log.read_text()[-2000:]}")
+
+
 def test_the_children_die_with_a_killed_run(tmp_path):
     """A SIGKILL (or the OOM killer) leaves no child writing into the files a rerun rewrites: the child
     dies at once, not when it next reports to the dead run."""
     src = write_checkpoint(tmp_path / "src", four_layers())
-    run = subprocess.Popen([sys.executable, "-c", SLOW_EARLY, "quantize", str(src), str(tmp_path / "out"),
-                            "--device", "cpu", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not forked_children(run.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    child = min(forked_children(run.pid))  # the first fork: the early quantizer's, made before torch starts
+    log = tmp_path / "run.log"  # a file, not a pipe nobody reads: the run can never block on printing
+    with open(log, "wb") as out:
+        run = subprocess.Popen([sys.executable, "-c", SLOW_EARLY, "quantize", str(src), str(tmp_path / "out"),
+                                "--device", "cpu", "-q"], stdout=out, stderr=subprocess.STDOUT)
+    child = first_fork(run, log)  # the early quantizer's, made before torch starts
     time.sleep(0.5)  # it is writing now
     run.kill()
     run.wait()
