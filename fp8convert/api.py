@@ -25,6 +25,7 @@ from .cluster import workers
 from .errors import FP8ConvertError, PlanMismatchError
 from .options import Options, Settings, env_number
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
+from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
@@ -121,22 +122,25 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
     out_dir = Path(out)
     head = _head_start(source, out_dir, settings, spec, devices)
-    try:
-        the_plan = build_plan(source, settings.options)
-        if on_plan:
-            on_plan(the_plan)
-        done, complete = prepare_output(the_plan, out_dir, settings.overwrite, streamed=settings.stream_download,
-                                        base_model=settings.base_model)
-        report = _new_report(the_plan, out_dir, settings, spec, done, complete)
-    finally:
-        if head:
-            head.stop(wait=False)  # the run's own prefetcher takes over, in the pipeline's order
-    if complete:
-        pass  # an earlier run of this plan finished it
-    elif devices:
-        _quantize_on_devices(the_plan, str(src), out_dir, settings, spec, done, devices, report)
-    else:
-        _quantize_here(the_plan, src, out_dir, settings, spec, done, fetcher, started, report)
+    with OutputLock(out_dir, spec.index, spec.count) as lock:  # held while this run writes OUT
+        try:
+            the_plan = build_plan(source, settings.options)
+            if on_plan:
+                on_plan(the_plan)
+            done, complete = prepare_output(the_plan, out_dir, settings.overwrite,
+                                            streamed=settings.stream_download, base_model=settings.base_model,
+                                            lock=lock)
+            report = _new_report(the_plan, out_dir, settings, spec, done, complete)
+        finally:
+            if head:
+                head.stop(wait=False)  # the run's own prefetcher takes over, in the pipeline's order
+        if complete:
+            pass  # an earlier run of this plan finished it
+        elif devices:
+            lock.share()  # the workers it starts, one per device, hold it shared too
+            _quantize_on_devices(the_plan, str(src), out_dir, settings, spec, done, devices, report)
+        else:
+            _quantize_here(the_plan, src, out_dir, settings, spec, done, fetcher, started, report)
     report.seconds = time.monotonic() - started
     report.stage_seconds["total"] = round(report.seconds, 3)
     return report
@@ -497,9 +501,11 @@ def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str
     if changed:
         raise PlanMismatchError(f"{out_dir}: the source changed since the workers read it ({changed}); "
                                 + replace_advice(out_dir, "rerun the conversion with --overwrite"))
-    check_shards(the_plan, out_dir)
-    finalize(the_plan, out_dir)
-    workers.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing
+    with OutputLock(out_dir) as lock:
+        lock.acquire()  # refused while a worker still writes here
+        check_shards(the_plan, out_dir)
+        finalize(the_plan, out_dir)
+        workers.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing
     return FinalizeReport(str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes,
                           time.monotonic() - started)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from fp8convert.output.lock import is_lock_file
+
 INDEX = "model.safetensors.index.json"
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -90,9 +92,11 @@ def rewrite_index(root, edit) -> None:
 
 
 def tree_bytes(root) -> dict[str, bytes]:
-    """Every file under root (hidden ones included), by relative path."""
+    """Every file under root (hidden ones included), by relative path, but the work folder's empty lock
+    files: which of them exist says only how many workers wrote there."""
     root = Path(root)
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not (p.parent.name == ".fp8convert" and is_lock_file(p.name))}
 
 
 def looks_complete(out) -> bool:

@@ -18,6 +18,7 @@ from ..safetensors_io import INDEX_NAME, read_header
 from ..source.checkpoint import index_files, parse_index
 from .card import make_card, read_source_card
 from .files import json_bytes, write_atomic
+from .lock import OutputLock
 from .manifest import WORK_DIR, Manifest, plan_change, source_change
 from .ownership import foreign_entries, killed_before_manifest, refuse_foreign, replace_advice, replace_output
 
@@ -28,25 +29,29 @@ def is_inside(child: Path, parent: Path) -> bool:
 
 
 def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False,
-                   base_model: str | None = None) -> tuple[set[int], bool]:
+                   base_model: str | None = None, lock: OutputLock | None = None) -> tuple[set[int], bool]:
     """Make OUT ready. Returns (indices of shards finished by an earlier run of this plan, complete?).
     `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source.
-    `base_model`: --base-model, recorded for the model card (the first run's value stands)."""
+    `base_model`: --base-model, recorded for the model card (the first run's value stands). `lock`: this
+    run's lock of OUT (lock.py), taken once OUT is known to be fp8convert's, before anything in it is read
+    for resuming or changed; the caller holds it for the rest of the run."""
     out_dir = Path(out_dir)
+    lock = lock or OutputLock(out_dir)
     check_placement(plan, out_dir, streamed)
     manifest = Manifest(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir):
-        # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
-        # replacing it (--overwrite) needs every file in it to be fp8convert's.
-        if overwrite:
-            replace_output(out_dir)
-        elif (state := read_for_resume(manifest, out_dir)) is not None:
-            check_same_conversion(state, plan, out_dir)
-            done = finished_shards(plan, out_dir)
-            return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
-                and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
-        elif foreign := foreign_entries(out_dir):
-            refuse_foreign(out_dir, foreign, overwrite)
+    # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
+    # replacing it (--overwrite) needs every file in it to be fp8convert's.
+    occupied = out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir)
+    if occupied and (overwrite or read_for_resume(manifest, out_dir) is None) and (foreign := foreign_entries(out_dir)):
+        refuse_foreign(out_dir, foreign, overwrite)
+    lock.acquire()
+    if occupied and overwrite:
+        replace_output(out_dir)
+    elif occupied and (state := read_for_resume(manifest, out_dir)) is not None:
+        check_same_conversion(state, plan, out_dir)
+        done = finished_shards(plan, out_dir)
+        return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
+            and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / WORK_DIR).mkdir(exist_ok=True)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from .lock import is_lock_file
 from .manifest import MANIFEST, WORK_DIR, Manifest
 
 NAMED = 3  # foreign entries named in a refusal; the rest are counted
@@ -76,7 +77,13 @@ def replace_output(out_dir: Path) -> None:
     foreign = foreign_entries(out_dir)
     if foreign:
         refuse_foreign(out_dir, foreign, overwrite=True)
-    for entry in out_dir.iterdir():
+    work = out_dir / WORK_DIR
+    entries = [e for e in out_dir.iterdir() if e != work]
+    if work.is_dir() and not work.is_symlink():  # emptied but kept: it holds this run's lock (lock.py)
+        entries += [e for e in work.iterdir() if not is_lock_file(e.name)]
+    elif work.exists() or work.is_symlink():
+        entries.append(work)
+    for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:

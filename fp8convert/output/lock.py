@@ -1,0 +1,98 @@
+"""One writer per share of OUT at a time.
+
+Two runs writing one output at once would each take the other's shards for finished (or delete them,
+with --overwrite) and could leave an output that looks complete but is not. So a run holds a lock on
+OUT for as long as it writes there, and a second one is refused at once, before it changes anything:
+
+- a run that writes every shard (one worker; `finalize`) holds OUT/.fp8convert/lock exclusively;
+- a worker of several holds it shared (workers write different shards) and, exclusively, a lock of its
+  own share, lock-K-of-N: the same worker started twice is refused, and so is a whole run beside them.
+
+The locks are flock()s on files opened for writing: the kernel drops them when the process dies, however
+it dies, so a killed run never leaves OUT locked (forked children hold them while they live; they die
+with the run). A file system that has no locks (some network mounts) gets none: the run goes on as it
+did before locks existed.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+from .manifest import WORK_DIR
+
+LOCK = "lock"
+HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # what a non-blocking flock says when another holds it
+
+
+def lock_names(index: int, count: int) -> list[tuple[str, int]]:
+    """(file in the work folder, flock mode) for worker `index` of `count`; count 1 is the whole output."""
+    if count == 1:
+        return [(LOCK, fcntl.LOCK_EX)]
+    return [(LOCK, fcntl.LOCK_SH), (f"{LOCK}-{index}-of-{count}", fcntl.LOCK_EX)]
+
+
+def is_lock_file(name: str) -> bool:
+    """Whether a work-folder entry is one of the lock files (--overwrite empties the folder but them)."""
+    return name == LOCK or name.startswith(f"{LOCK}-")
+
+
+class OutputLock:
+    """The locks of one run's share of OUT, taken by `acquire` and dropped by `release` (or on exit)."""
+
+    def __init__(self, out_dir: Path, index: int = 0, count: int = 1):
+        self.out_dir, self.index, self.count = Path(out_dir), index, count
+        self.fds: list[int] = []
+
+    def acquire(self) -> None:
+        """Take the locks, making OUT and its work folder if needed; refuse, with one line, when another
+        run holds one of them."""
+        if self.fds:
+            return
+        work = self.out_dir / WORK_DIR
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FP8ConvertError(f"{self.out_dir}: cannot create ({e.strerror})") from e
+        for name, mode in lock_names(self.index, self.count):
+            path = work / name
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                self.release()
+                raise FP8ConvertError(f"{path}: cannot open ({e.strerror})") from e
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in HELD:
+                    continue  # no locks on this file system
+                self.release()
+                share = "" if self.count == 1 else f" (worker {self.index}/{self.count}, or a run of the whole output)"
+                raise FP8ConvertError(f"{self.out_dir}: another fp8convert run is writing it{share}; wait for that "
+                                      "run to end, or stop it, then run this command again") from None
+            self.fds.append(fd)
+
+    def share(self) -> None:
+        """Hold the whole output's lock shared from now on, so that workers this run starts (--devices)
+        can join it; refused if another run took it in the moment between (flock converts by dropping
+        and retaking)."""
+        for fd in self.fds if self.count == 1 else []:  # a worker holds it shared already
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in HELD:
+                    raise FP8ConvertError(f"{self.out_dir}: another fp8convert run started writing it") from None
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def __enter__(self) -> "OutputLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
