@@ -775,7 +775,8 @@ def tensor_check(pair: QuantizedPair) -> TensorCheck:
     sums = pair.sums
     err, norm = math.sqrt(sums.e2), math.sqrt(sums.w2)
     rel = err / norm if norm else (0.0 if err == 0 else math.inf)
-    snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm else -math.inf)
+    # An infinite error (a code and scale that read back as Inf) leaves no signal at all
+    snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm and math.isfinite(err) else -math.inf)
     bound = math.sqrt(sums.bound2) / norm if norm else math.inf
     ok = sums.off_grid == 0 and sums.off_rule == 0 and sums.inexact == 0 and sums.oversized == 0 and \
         sums.e2 <= sums.bound2 * (1 + FLOAT_SLACK) ** 2

@@ -359,6 +359,21 @@ def test_a_nan_weight_quantized_early_is_refused_by_name(tmp_path, monkeypatch, 
     assert not harness.quantizers[0].children  # every child reaped
 
 
+def test_a_weight_too_large_for_power_of_two_block_scales_is_refused_early_by_name(tmp_path, monkeypatch, capsys):
+    """248 * 2^120 (BF16 bits 0x7F78) would round to code 256 under scale 2^120: 2^128, Inf in float32."""
+    tensors = awkward_llama()
+    tensors["model.layers.1.mlp.up_proj.weight"].view(torch.int16)[5, 7] = 0x7F78
+    src = write_checkpoint(tmp_path / "src", tensors)
+    harness = EarlyHarness(monkeypatch, never)
+    args = ["quantize", str(src), str(tmp_path / "out"), "--device", "cpu", "-q", "--scheme", "block"]
+    assert main([*args, "--scale-format", "ue8m0"]) == 1
+    assert harness.quantizers[0].error is not None and harness.joined == [False]  # not the pipeline's find
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "tensor model.layers.1.mlp.up_proj.weight holds values within 3% of float32's maximum" in err[0]
+    assert main([*args, "--overwrite"]) == 0  # float scales write it
+
+
 def test_nothing_is_quantized_early_when_torch_is_already_loaded(tmp_path, monkeypatch):
     """An API caller's process with torch loaded has no start-up to fill: the pipeline does it all."""
     made = []

@@ -406,6 +406,42 @@ def rewrite(out, name, change) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+@pytest.mark.parametrize("args", [["--scheme", "mxfp8"], ["--scheme", "block", "--scale-format", "ue8m0"],
+                                  ["--format", "fp8", "--scheme", "block", "--scale-format", "ue8m0"]])
+def test_values_whose_power_of_two_codes_would_read_back_as_inf_are_refused(args, tmp_path, capsys):
+    """At 248 * 2^120 and above, a power-of-two scale (2^120) rounds the largest value to code 256, and
+    256 * 2^120 = 2^128 is Inf in float32: refused by name. One BF16 step below, code 240 reads back
+    finite, and the output verifies."""
+    name = "model.layers.1.mlp.up_proj.weight"
+    for bits, rc in ((0x7F77, 0), (0x7F78, 1)):
+        tensors = llama_tensors()
+        tensors[name].view(torch.int16)[5, 7] = bits
+        src = write_checkpoint(tmp_path / f"src{bits:x}", tensors)
+        out = tmp_path / f"out{bits:x}"
+        assert main(["quantize", str(src), str(out), "--device", "cpu", "-q", *args]) == rc
+        err = capsys.readouterr().err.strip().splitlines()
+        if rc:
+            assert len(err) == 1 and f"tensor {name} holds values within 3% of float32's maximum" in err[0], err
+            assert not (out / "config.json").exists()
+        else:
+            report = verify(src, out)
+            assert report.ok, report.failures[:3]
+            assert float(read_safetensors_dir(out)[name][5, 7].float()) == 240  # times 2^120: finite
+
+
+def test_quantize_group_refuses_the_overflow_on_both_paths():
+    w = torch.zeros(2, 128, 128, dtype=torch.bfloat16)
+    w[1, 3, 4] = torch.tensor(numerics.POW2_OVERFLOW_AMAX).to(torch.bfloat16)
+    assert float(w[1, 3, 4]) == numerics.POW2_OVERFLOW_AMAX  # exactly representable in BF16
+    for cpu_path in (True, False):
+        for scheme, fmt in (("mxfp8", "float"), ("block", "ue8m0")):
+            with pytest.raises(numerics.NonFiniteWeight) as caught:
+                numerics.quantize_group([w[:1], w], scheme, cpu_path, fmt)
+            assert (caught.value.member, caught.value.index, caught.value.overflows) == (1, 1, True)
+        codes, _ = numerics.quantize_group([w], "block", cpu_path)  # float scales: code 448, finite
+        assert codes[0].float().abs().max() == 448
+
+
 def test_verify_passes_mxfp8_and_ue8m0_with_exact_checks(mx_made):
     src, outs = mx_made
     for name, scheme in (("mx", "mxfp8"), ("ue8m0", "block")):
@@ -423,6 +459,7 @@ def test_verify_passes_mxfp8_and_ue8m0_with_exact_checks(mx_made):
     ("byte 255", "not finite and positive"),                # E8M0's NaN
     ("tie to odd", "not the round-to-nearest-even"),        # half a step off: only the exact check sees it
     ("scale F32", "expected U8 [64, 2]"),                   # MXFP8 scales as float32 values: vLLM wants uint8
+    ("byte 254", "not the smallest power of two"),          # 2^127: its codes read back as Inf
 ])
 def test_verify_catches_damaged_mxfp8(damage, what, mx_made, tmp_path):
     src, outs = mx_made
@@ -446,9 +483,10 @@ def test_verify_catches_damaged_mxfp8(damage, what, mx_made, tmp_path):
                 q[3, 32:64] = (w[3, 32:64] / scale).clamp(-448, 448).to(FP8)
                 return q
             rewrite(out, Q, requant)
-    elif damage == "byte 255":
+    elif damage.startswith("byte"):
+        byte = int(damage.split()[1])
         rewrite(out, Q + "_scale", lambda t: torch.where(torch.arange(t.numel()).view(t.shape) == 5,
-                                                        torch.tensor(255, dtype=torch.uint8), t))
+                                                        torch.tensor(byte, dtype=torch.uint8), t))
     elif damage == "tie to odd":
         rewrite(out, Q, lambda q: tie_to_odd(q, src, out))
     else:

@@ -35,12 +35,19 @@ FP8_MAX = 448.0
 UE8M0_MIN_AMAX = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamps block amax here (as float32)
 
 
-class NonFiniteWeight(ValueError):
-    """A weight holds NaN or Inf. `member` indexes the list given to quantize_group, `index` the stack."""
+# With power-of-two scales a group's largest value can round up to the next code: 248 * 2^120 and above
+# (within 3% of float32's maximum) give code 256 under scale 2^120, and 256 * 2^120 = 2^128 reads back as
+# Inf in float32. Scales of amax / 448 never exceed amax's magnitude when multiplied back.
+POW2_OVERFLOW_AMAX = 248.0 * 2.0 ** 120
 
-    def __init__(self, member: int, index: int):
+
+class NonFiniteWeight(ValueError):
+    """A weight holds NaN or Inf, or (`overflows`) values that its power-of-two scale would write as a
+    code that reads back as Inf. `member` indexes the list given to quantize_group, `index` the stack."""
+
+    def __init__(self, member: int, index: int, overflows: bool = False):
         super().__init__(member, index)
-        self.member, self.index = member, index
+        self.member, self.index, self.overflows = member, index, overflows
 
 
 def use_cpu_path(w: torch.Tensor, cpu_path: bool | None) -> bool:
@@ -261,13 +268,19 @@ def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | No
     scales rounded up to powers of two (module docstring).
 
     Raises NonFiniteWeight for NaN or Inf: amax propagates both, so checking the small amax tensor
-    finds them without another pass over the weights.
+    finds them without another pass over the weights. With power-of-two scales, also for an amax of
+    POW2_OVERFLOW_AMAX or more (its code would read back as Inf).
     """
     amaxes = [amax(w, scheme, cpu_path) for w in members]
+    pow2 = scheme == "mxfp8" or scale_format == "ue8m0"
     for j, a in enumerate(amaxes):
         finite = torch.isfinite(a).flatten(start_dim=1).all(dim=1)
         if not bool(finite.all()):
             raise NonFiniteWeight(j, int((~finite).nonzero()[0, 0]))
+        if pow2:
+            fits = (a < POW2_OVERFLOW_AMAX).flatten(start_dim=1).all(dim=1)
+            if not bool(fits.all()):
+                raise NonFiniteWeight(j, int((~fits).nonzero()[0, 0]), overflows=True)
     if scheme == "tensor" and len(members) > 1:
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import FP8ConvertError
+from ..errors import POW2_OVERFLOW, FP8ConvertError
 from ..options import BLOCK
 from ..plan.plan import Plan, TensorPlan
 from ..plan.runs import Run, output_runs
@@ -24,6 +24,7 @@ FP8_MAX = np.float32(448.0)
 UE8M0_MIN_AMAX = np.float32(1e-4)   # numerics.UE8M0_MIN_AMAX
 TILE_ELEMENTS = 1 << 18             # rows per step: a 1 MB float32 tile, which stays in a core's cache
 INF_BITS = 0x7F80                   # a BF16 magnitude at or above this is Inf or NaN
+POW2_OVERFLOW_BITS = 0x7F78         # 248 * 2^120 in BF16 bits: numerics.POW2_OVERFLOW_AMAX
 SMALLEST_NORMAL_BITS = 0x3C800000   # 2^-6 as float32 bits: e4m3's smallest normal
 
 
@@ -190,9 +191,13 @@ class GroupQuantizer:
         return largest
 
     def _refuse_non_finite(self, t: TensorPlan, largest_bits) -> None:
-        if np.any(np.asarray(largest_bits) >= INF_BITS):
+        """NaN or Inf; or, under power-of-two scales, values whose codes would read back as Inf."""
+        largest = np.asarray(largest_bits)
+        if np.any(largest >= INF_BITS):
             raise FP8ConvertError(f"{self.root / t.source.file}: tensor {t.source.name} contains NaN or Inf; "
                                   "refusing to quantize it")
+        if self.scale_format == "ue8m0" and np.any(largest >= POW2_OVERFLOW_BITS):
+            raise FP8ConvertError(f"{self.root / t.source.file}: tensor {t.source.name} {POW2_OVERFLOW}")
 
     def _runs(self, t: TensorPlan) -> tuple[Run, Run]:
         """`t`'s codes and scale runs in its shard."""

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from ..errors import FP8ConvertError
+from ..errors import POW2_OVERFLOW, FP8ConvertError
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
@@ -240,8 +240,9 @@ def quantize_steps(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         try:
             codes, scales = quantize_group(stacks, scheme, cpu_path, scale_format)
         except NonFiniteWeight as e:
-            raise FP8ConvertError(f"{where(members[e.member][e.index], root)} contains NaN or Inf; "
-                                  "refusing to quantize it") from None
+            raise FP8ConvertError(f"{where(members[e.member][e.index], root)} "
+                                  + (POW2_OVERFLOW if e.overflows else "contains NaN or Inf; refusing to quantize it")
+                                  ) from None
         return [out for tensors, q, s in zip(members, codes, scales) for n, t in enumerate(tensors)
                 for out in [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + carried_scale(buf, offsets, t, root)]
 
