@@ -118,6 +118,9 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     if devices and len(devices) == 1:  # one device: no child process needed
         settings, devices = Settings.of(settings, device=devices[0], devices=None), None
     _refuse_conflicts(src, settings, spec, devices)
+    if cuda_missing(settings.device):  # known without torch: refused before OUT is made or space reserved
+        raise FP8ConvertError(f"--device {settings.device}: CUDA is not available on this machine (the installed "
+                              "torch is a CPU build)")
     early_processes(spec, settings.scheme)  # a bad $FP8CONVERT_EARLY_PROCESSES fails before any I/O too
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
     out_dir = Path(out)

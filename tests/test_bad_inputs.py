@@ -524,3 +524,14 @@ def test_different_plan_refusal_names_what_changed(tmp_path, capsys):
     rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "20KB")
     assert rc == 1 and f"tensors (names, dtypes, shapes or offsets) changed in {SHARD2}" in err, err
     assert "config.json" not in err and tree_bytes(out) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.version.cuda is not None, reason="needs a CPU build of torch")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_asked_of_a_cpu_build_is_refused_before_out_exists(tmp_path, capsys, device):
+    """Known from the installed files alone: no OUT made and no shard space reserved for a run that
+    cannot start."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "--device", device)
+    assert_refused(rc, err, out, f"--device {device}", "CUDA is not available")

@@ -374,9 +374,12 @@ def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp
     assert json.loads(done.stdout)["tensors_quantized"] > 0 and looks_complete(tmp_path / "out")
     assert not (tmp_path / "mark1").exists()
 
-    failed = program(tmp_path / "mark2", "quantize", src, tmp_path / "out2", "--device", "cuda:99", "--json")
+    tensors = llama_tensors(dtype=torch.float16)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")  # found once torch quantizes
+    bad = write_checkpoint(tmp_path / "bad", tensors)
+    failed = program(tmp_path / "mark2", "quantize", bad, tmp_path / "out2", "--device", "cpu", "--json")
     assert failed.returncode != 0 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr
-    assert "cuda:99" in failed.stderr and "cuda:99" in json.loads(failed.stdout)["error"]
+    assert "up_proj" in failed.stderr and "NaN" in json.loads(failed.stdout)["error"]
     assert not (tmp_path / "mark2").exists()
 
     with open("/dev/full", "w") as full:  # every write to stdout fails (no space left): a failure, one line
