@@ -3,10 +3,13 @@ so a fresh install can run a real conversion end to end."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from .errors import FP8ConvertError
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
@@ -56,3 +59,24 @@ def make_demo_model(path: str | Path, seed: int = 0, shards: int = 2) -> Path:
     (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
     return path
+
+
+def demo_source(path: str | Path) -> Path:
+    """The demo checkpoint at `path`: written there when `path` is new or empty, kept when it holds the
+    demo already (an earlier `demo` into the same folder), refused, with nothing written, when it holds
+    anything else: the demo's file names are common ones (config.json, model-00001-of-00002.safetensors)."""
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return make_demo_model(path)
+    if path.is_dir():
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".demo-") as fresh:
+            demo = make_demo_model(Path(fresh) / "source")
+            if file_bytes(path) == file_bytes(demo):
+                return path
+    raise FP8ConvertError(f"{path}: holds files that are not the demo model's; choose another folder for the demo "
+                          "(it writes DIR/source and DIR/fp8)")
+
+
+def file_bytes(path: Path) -> dict[str, bytes | None]:
+    """Each entry's bytes by name (None for anything but a file)."""
+    return {p.name: p.read_bytes() if p.is_file() else None for p in path.iterdir()}

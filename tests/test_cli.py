@@ -75,6 +75,24 @@ def test_plurals_and_units_of_the_demo(tmp_path, capsys):
     assert "(s)" not in line and "0.00 GB" not in line
 
 
+def test_the_demo_reruns_into_its_own_folder_but_never_writes_over_other_files(tmp_path, capsys):
+    """DIR/source holding the demo (an earlier `demo DIR`) is kept; holding anything else under the demo's
+    common file names, it is refused with one line and left as it was."""
+    assert run(capsys, "demo", tmp_path / "d", "--device", "cpu")[0] == 0
+    before = tree_bytes(tmp_path / "d" / "source")
+    rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu")
+    assert rc == 0, err
+    assert tree_bytes(tmp_path / "d" / "source") == before and looks_complete(tmp_path / "d" / "fp8")
+    mine = tmp_path / "mine" / "source"
+    mine.mkdir(parents=True)
+    (mine / "config.json").write_text('{"mine": 1}')
+    (mine / "model-00001-of-00002.safetensors").write_text("precious")
+    rc, out, err = run(capsys, "demo", tmp_path / "mine", "--device", "cpu")
+    assert rc == 1 and err.count("\n") == 1 and f"{mine}: holds files that are not the demo model's" in err, err
+    assert tree_bytes(mine) == {"config.json": b'{"mine": 1}', "model-00001-of-00002.safetensors": b"precious"}
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["source"]
+
+
 def test_inspect_speaks_in_singulars_where_there_is_one(tmp_path, capsys):
     src = make_demo_model(tmp_path / "src")
     rc, out, err = run(capsys, "inspect", src, "--device", "cpu")

@@ -222,9 +222,9 @@ def demo(
 
       fp8convert demo /tmp/fp8demo
     """
-    from ..demo import make_demo_model
+    from ..demo import demo_source
     from ..run import startup_pages, warmup
-    src = make_demo_model(directory / "source")
+    src = demo_source(directory / "source")
     print(f"built demo model {src}")
     quantize(str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True)
     # Building the model imported torch before the conversion, which then records no start-up pages (a
