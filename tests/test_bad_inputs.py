@@ -229,13 +229,42 @@ def pickle_only(src):
     return str(src), "pickle"
 
 
+def numbered_shard_missing_without_index(src):
+    os.remove(src / INDEX)  # the folder's files are then the checkpoint: 1 and 3 of 3
+    os.remove(src / SHARD2)
+    return SHARD2, "is missing"
+
+
+def layer_numbering_gap(src):
+    """Layer 1's tensors renamed to layer 2: layers 0 and 2 of model.layers, no 1."""
+    tensors = load_file(str(src / SHARD2))
+    save_file({k.replace("layers.1.", "layers.2."): v for k, v in tensors.items()}, str(src / SHARD2))
+    rewrite_index(src, lambda ix: ix.update(weight_map={k.replace("layers.1.", "layers.2."): f
+                                                        for k, f in ix["weight_map"].items()}))
+    return "model.layers 0 and 2 but not 1",
+
+
+def config_declares_more_layers(src):
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] += 2
+    (src / "config.json").write_text(json.dumps(config))
+    return "num_hidden_layers 4", "2 layers of model.layers"
+
+
+def shard_is_a_directory(src):
+    os.remove(src / SHARD2)
+    (src / SHARD2).mkdir()
+    return SHARD2, "not a regular file"
+
+
 BROKEN = [truncated_shard, trailing_bytes, corrupt_header_json, oversized_header, header_longer_than_file, short_file,
           shape_disagrees_with_bytes, overlapping_tensors, non_integer_shape, unsupported_dtype,
           named_twice_in_one_header, named_twice_in_two_shards, index_names_missing_file, index_dotdot,
           index_dotdot_inside, index_absolute, index_names_absent_tensor, index_wrong_file, index_omits_tensor,
           index_not_json, index_without_weight_map, config_missing, config_not_json, fp8_config_without_fp8_tensors,
           already_quantized_tensors, scale_tensor_in_source, three_d_linear, empty_shard, no_weights_at_all,
-          pickle_only]
+          pickle_only, numbered_shard_missing_without_index, layer_numbering_gap, config_declares_more_layers,
+          shard_is_a_directory]
 
 
 @pytest.mark.parametrize("breaker", BROKEN, ids=lambda f: f.__name__)

@@ -20,6 +20,7 @@ from ..formats.sources import SourceQuantization
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
+from ..units import plural
 from .architectures import GENERIC, Architecture, architecture_of, mtp_layers
 from .cuts import Cut
 from .rules import Decision, decide, experts_of, is_linear_weight, module_of
@@ -322,7 +323,46 @@ def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], opti
     return notes
 
 
+def check_layers(source: Source) -> None:
+    """Refuse a checkpoint whose weights lack decoder layers: a numbering gap in a stack of layers, or
+    fewer layers in every stack than config.json's num_hidden_layers (its text_config's for a
+    multimodal model). A shard left out of a download does this, and the output would load with those
+    layers missing or randomly initialised. More layers than the config says are fine (DeepSeek's MTP
+    layer follows the decoder's)."""
+    stacks: dict[str, set[int]] = {}
+    for t in source.tensors:
+        if m := LAYER_PATTERN.match(t.name):
+            prefix, _, index = m.group(1).rpartition(".")
+            stacks.setdefault(prefix, set()).add(int(index))
+    for prefix, indices in sorted(stacks.items()):
+        missing = sorted(set(range(max(indices) + 1)) - indices)
+        if missing:
+            raise FP8ConvertError(f"{source.label}: the weights hold {prefix} {describe_numbers(sorted(indices))} but "
+                                  f"not {describe_numbers(missing)}; a shard or its tensors are missing")
+    declared, text = source.config.get("num_hidden_layers"), source.config.get("text_config")
+    if declared is None and isinstance(text, dict):
+        declared = text.get("num_hidden_layers")
+    if isinstance(declared, int) and not isinstance(declared, bool) and stacks and \
+            max(len(i) for i in stacks.values()) < declared:
+        prefix, indices = max(stacks.items(), key=lambda item: len(item[1]))
+        raise FP8ConvertError(f"{source.label}: config.json says num_hidden_layers {declared}, but the weights hold "
+                              f"{plural(len(indices), 'layer')} of {prefix}; a shard or its tensors are missing")
+
+
+def describe_numbers(numbers: list[int]) -> str:
+    """'1', '0-4', '0-4 and 7', '1, 3 and 5' (sorted, distinct)."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def build_plan(source: Source, options: Options) -> Plan:
+    check_layers(source)
     quant = source.quant
     if options.dequantize and quant is None:
         raise FP8ConvertError(f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); "

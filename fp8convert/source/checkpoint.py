@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..formats.sources import SourceQuantization
 from ..safetensors_io import INDEX_NAME, TensorInfo
+from ..units import plural
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES)
@@ -70,6 +72,23 @@ def parse_index(text: str | bytes, where: str) -> dict[str, str]:
 def index_files(weight_map: dict[str, str]) -> list[str]:
     """The shard files an index names, sorted."""
     return sorted(set(weight_map.values()))
+
+
+NUMBERED_SHARD = re.compile(r"^(.+)-(\d+)-of-(\d+)\.safetensors$")  # model-00001-of-00003.safetensors
+
+
+def refuse_missing_numbered(names: list[str], where: str) -> None:
+    """Without an index, the shard files are what the folder holds: a numbered set with one missing
+    (an interrupted copy or download) would silently lose its layers, so it is refused by name."""
+    sets: dict[tuple[str, str], set[int]] = {}
+    for name in names:
+        if m := NUMBERED_SHARD.match(name):
+            sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    missing = [f"{stem}-{i:0{len(total)}d}-of-{total}.safetensors"
+               for (stem, total), have in sorted(sets.items()) for i in range(1, int(total) + 1) if i not in have]
+    if missing:
+        raise FP8ConvertError(f"{where}: {missing[0]} is missing ({plural(len(missing), 'numbered shard')} of the set, "
+                              f"and no {INDEX_NAME} says which files hold the weights)")
 
 
 def refuse_pickle_only(names: list[str], where: str) -> None:

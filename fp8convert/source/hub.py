@@ -23,7 +23,7 @@ from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
 from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
-                         refuse_pickle_only)
+                         refuse_missing_numbered, refuse_pickle_only)
 from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
 from .local import open_local
 
@@ -124,6 +124,7 @@ def remote_layout(repo: RemoteRepo) -> RemoteLayout:
             raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
     else:
         shards = sorted(n for n in repo.sizes if n.endswith(".safetensors") and "/" not in n)
+        refuse_missing_numbered(shards, where)
     if not shards:
         refuse_pickle_only(list(repo.sizes), where)
     side = sorted(n for n in repo.sizes if is_copied_file(n))

@@ -9,7 +9,7 @@ from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, read_header
 from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
-                         refuse_pickle_only)
+                         refuse_missing_numbered, refuse_pickle_only)
 
 
 def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
@@ -25,6 +25,7 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
         shards = index_files(index_map)
     else:
         shards = [n for n in listing if n.endswith(".safetensors")]
+        refuse_missing_numbered(shards, str(root))
     if not shards:
         refuse_pickle_only(listing, str(root))
     config = load_config(root)
@@ -32,7 +33,10 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
     for name in shards:
         path = root / name
         if not path.is_file():
-            raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
+            if index_map is not None and not path.exists() and not path.is_symlink():
+                raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
+            raise FP8ConvertError(f"{path}: not a regular file (a directory, pipe, device or broken link), so it "
+                                  "cannot be read as a shard")
         headers[name], _ = read_header(str(path), name)
     tensors = collect_tensors(headers, index_map, str(root))
     copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
