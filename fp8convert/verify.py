@@ -1307,6 +1307,7 @@ def record_in_card(report: VerifyReport, out: str | Path) -> str | None:
                                                                   "lowest SNR (dB)")}
     try:
         write_atomic(card, with_verification(card.read_text(), figures).encode())
-    except OSError as e:
-        return f"{card}: the verification figures were not added to the model card ({e.strerror or e})"
+    except (OSError, FP8ConvertError) as e:  # write_atomic says what failed in the OSError it was raised from
+        cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+        return f"{card}: the verification figures were not added to the model card ({cause.strerror or cause})"
     return None

@@ -3,6 +3,7 @@ finalize, several devices, and batch jobs files. Every split run must give the b
 every file of OUT included (shards, index, config, card, manifest)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -84,6 +85,33 @@ def test_explicit_workers_then_finalize(ref, tmp_path, capsys):
     assert "finalized" in stdout
     assert tree_bytes(out) == reference
     assert run_cli(capsys, "finalize", out)[0] == 0  # idempotent
+    assert tree_bytes(out) == reference
+
+
+def test_finalizing_a_complete_output_writes_nothing_so_a_read_only_copy_finalizes(ref, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Every file already holds its bytes: none is rewritten (a read-only model store finalizes too, its
+    lock folder unwritable)."""
+    src, reference = ref
+    out = tmp_path / "out"
+    assert api.quantize(src, out, device="cpu", max_shard_size="1MB").complete
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+
+    real_open = os.open
+
+    def read_only(path, *args):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    def open_for_reading_only(path, flags, *args):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            read_only(path)
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(os, "replace", read_only)
+    monkeypatch.setattr(os, "open", open_for_reading_only)
+    rc, _, err = run_cli(capsys, "finalize", out)
+    monkeypatch.undo()
+    assert rc == 0, err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
     assert tree_bytes(out) == reference
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8convert import verify as verify_mod
 from fp8convert.cli import main
+from fp8convert.output import files as files_mod
 from fp8convert.verify import verify
 from tiny_ckpt import INDEX, llama_tensors, write_checkpoint
 
@@ -387,14 +388,19 @@ def test_passing_verify_of_an_output_it_cannot_write_still_passes(tmp_path, caps
     assert main(["quantize", str(src), str(out), "-q", "--device", "cpu"]) == 0
     capsys.readouterr()
 
-    def read_only(path, data):
-        raise OSError(30, "Read-only file system", str(path))
-    monkeypatch.setattr(verify_mod, "write_atomic", read_only)
+    card = (out / "README.md").read_bytes()
+
+    def read_only(source, target):  # the rename that puts a rewritten file in place (files.write_atomic)
+        raise OSError(30, "Read-only file system", str(target))
+    monkeypatch.setattr(files_mod.os, "replace", read_only)
     assert main(["verify", str(src), str(out), "-q", "--json"]) == 0
+    monkeypatch.undo()
     captured = capsys.readouterr()
     assert json.loads(captured.out)["ok"] is True
-    assert "warning:" in captured.err and "README.md" in captured.err and "error:" not in captured.err
-    monkeypatch.undo()
+    assert captured.err.count("\n") == 1 and "error:" not in captured.err, captured.err
+    assert captured.err.startswith("warning:") and "README.md" in captured.err and "Read-only file system" in captured.err
+    assert "rerun" not in captured.err  # verify has nothing to resume
+    assert (out / "README.md").read_bytes() == card and not list(out.glob(".*.tmp"))
     other = tmp_path / "other"  # the same files, without fp8convert's work folder: someone else's checkpoint
     shutil.copytree(out, other, ignore=shutil.ignore_patterns(".fp8convert"))
     card = (other / "README.md").read_bytes()

@@ -10,7 +10,11 @@ from ..errors import FP8ConvertError
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write under a temporary name, fsync, rename. A failure (disk full) is one resumable error."""
+    """Write under a temporary name, fsync, rename. A failure (disk full) is one resumable error. A file
+    that holds these bytes already is left as it is: finishing or verifying a complete output again
+    writes nothing, so it works on a read-only copy too."""
+    if holds(path, data):
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -23,6 +27,15 @@ def write_atomic(path: Path, data: bytes) -> None:
             tmp.unlink()
         raise FP8ConvertError(f"{path}: cannot write ({e.strerror}); rerun the same command to resume once "
                               "the problem is fixed") from e
+
+
+def holds(path: Path, data: bytes) -> bool:
+    """Whether `path` is a file (not a link) of exactly `data`."""
+    try:
+        return path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) \
+            and path.read_bytes() == data
+    except OSError:
+        return False
 
 
 def json_bytes(obj) -> bytes:

@@ -11,7 +11,7 @@ OUT for as long as it writes there, and a second one is refused at once, before 
 The locks are flock()s on files opened for writing: the kernel drops them when the process dies, however
 it dies, so a killed run never leaves OUT locked (forked children hold them while they live; they die
 with the run). A file system that has no locks (some network mounts) gets none: the run goes on as it
-did before locks existed.
+did before locks existed; nor does a read-only one, where no run can write.
 """
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ class OutputLock:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
+                if e.errno == errno.EROFS:  # no run can write here either; what reads it (finalize) goes on
+                    continue
                 self.release()
                 raise FP8ConvertError(f"{path}: cannot open ({e.strerror})") from e
             try:
