@@ -311,6 +311,7 @@ def test_fp8_ignored_layers_checked(damaged):
     (lambda c: c.update(hidden_size=65), "hidden_size"),
     (lambda c: c.pop("quantization_config"), "quantization_config"),
     (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="channel"), "weight_scale"),
+    (lambda c: c["quantization_config"]["ignore"].append("re:("), "ignore entry 're:(' is not a valid regular"),
 ])
 def test_config_inconsistent_fails(damaged, edit, what):
     src, copy = damaged

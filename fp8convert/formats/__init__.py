@@ -48,6 +48,12 @@ def read_quantization_config(config: dict, where: str) -> QuantizedLayout:
     for name, module in FORMATS.items():
         if method == module.QUANT_METHOD:
             scheme, ignore = module.read_config(qc, where)
+            for pattern in ignore:
+                try:
+                    re.compile(pattern[3:]) if pattern.startswith("re:") else None
+                except re.error as e:
+                    raise FP8ConvertError(f"{where}: quantization_config's ignore entry {pattern!r} is not a valid "
+                                          f"regular expression ({e})") from None
             scale_format = module.read_scale_format(qc)
             if scale_format == "ue8m0" and scheme != "block":
                 raise FP8ConvertError(f"{where}: scale_fmt ue8m0 with {scheme} scales (it describes block scales)")
