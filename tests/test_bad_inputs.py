@@ -564,3 +564,14 @@ def test_cuda_asked_of_a_cpu_build_is_refused_before_out_exists(tmp_path, capsys
     out = tmp_path / "out"
     rc, err = run_cli(capsys, "quantize", src, out, "--device", device)
     assert_refused(rc, err, out, f"--device {device}", "CUDA is not available")
+
+
+def test_kept_reasons_name_an_unquantized_dtype_and_a_scalar(tmp_path, capsys):
+    tensors = llama_tensors()
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].double()
+    tensors["model.layers.0.self_attn.softmax_scale"] = torch.tensor(0.125, dtype=torch.bfloat16)
+    src = write_checkpoint(tmp_path / "src", tensors)
+    assert main(["inspect", str(src), "--json", "--tensors"]) == 0
+    reasons = {t["name"]: t["reason"] for t in json.loads(capsys.readouterr().out)["tensor_plan"]}
+    assert reasons["model.layers.0.mlp.up_proj.weight"] == "F64, not a dtype fp8convert quantizes (BF16, F16, F32)"
+    assert reasons["model.layers.0.self_attn.softmax_scale"] == "0-D (a scalar)"

@@ -56,9 +56,9 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
     """Why a tensor stays in high precision by default, or None if it is a candidate for FP8 (an FP8
     source's weights are judged alike). Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
     if info.dtype not in FLOAT_SOURCE_DTYPES and info.dtype != FP8:
-        return f"not floating point ({info.dtype})"
+        return f"{info.dtype}, not a dtype fp8convert quantizes (BF16, F16, F32)"
     if len(info.shape) < 2:
-        return "1-D (norm or bias)"
+        return "1-D (norm or bias)" if info.shape else "0-D (a scalar)"
     if info.numel == 0:
         return "empty"
     module = module_of(info.name)
