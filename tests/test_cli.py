@@ -357,6 +357,25 @@ def program(mark: Path, *args, stdout=subprocess.PIPE) -> subprocess.CompletedPr
                           cwd=Path(__file__).parents[1], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
+# The program, as `fp8convert` starts it, with Ctrl-C landing while the command line is imported (typer is
+# its first import)
+CTRL_C_DURING_IMPORTS = (
+    "import builtins, sys; real = builtins.__import__\n"
+    "def interrupted(name, *a, **k):\n"
+    "    if name == 'typer':\n"
+    "        raise KeyboardInterrupt\n"
+    "    return real(name, *a, **k)\n"
+    "builtins.__import__ = interrupted\n"
+    "from fp8convert.__main__ import main; sys.argv[1:] = ['inspect', 'anything']; main()")
+
+
+def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
+    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == "interrupted before the command started: nothing was read or written\n"
+
+
 # The same, with the early quantizer on (however few this machine's cores), torch's start begun with the
 # run (a tiny model's reads never run far enough ahead to begin it) and its import held back 5 s in its
 # thread: a run of a tiny BF16 model ends with torch still loading.
