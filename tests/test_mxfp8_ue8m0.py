@@ -59,7 +59,10 @@ def edge_groups(dtype: torch.dtype) -> torch.Tensor:
     w[0, 2, 3] = 1.7578125 * 2.0**-4            # just above (next bf16 value)
     w[0, 3, :32] = 0.0
     w[0, 3, 9] = finfo.tiny / 4 if dtype != torch.float16 else 2.0**-24   # subnormal amax
-    w[0, 4, 33] = finfo.max                     # huge amax (bf16/f32: ~3.4e38; f16: 65504)
+    # huge amax: f16's largest; in bf16 and f32 the largest below 248 * 2^120, whose code 256 under scale
+    # 2^120 would read back as Inf (numerics.POW2_OVERFLOW_AMAX): 3.28e38 in bf16, code 240
+    w[0, 4, 33] = finfo.max if dtype == torch.float16 else \
+        torch.nextafter(torch.tensor(numerics.POW2_OVERFLOW_AMAX, dtype=dtype), torch.tensor(0.0, dtype=dtype))
     w[0, 5, 0] = 448.0                          # code 448 exactly at scale 1
     w[1, 0, 60] = 1000.0                        # an outlier among small values
     w[1, 2, :] = -w[1, 2, :].abs()              # every value negative
@@ -89,7 +92,7 @@ def test_mxfp8_edges_match_the_reference_on_both_paths(dtype, path, tile_rows, m
         assert scales[0, 1, 1] == 127 - 12 and q[0, 1, 40] == 448        # 446 rounds to 448, never over
         assert scales[0, 2, 0] == 127 - 11 and q[0, 2, 3] == 224         # just above: one exponent up
         assert scales[0, 3, 0] == 0 and q[0, 3, 9] == 0.5                # subnormal amax 2^-128: the lowest exponent
-        assert scales[0, 4, 1] == 127 + 120                             # 2^128 - 2^120 fits 448 * 2^120
+        assert scales[0, 4, 1] == 127 + 120 and q[0, 4, 33] == 240       # 240 * 2^120: finite
         assert scales[0, 5, 0] == 127 and q[0, 5, 0] == 448
     if dtype == torch.float32:  # the exact rule: one exponent up, not a code clipped to 448
         assert scales[1, 4, 0] == 127 - 9
