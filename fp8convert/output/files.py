@@ -13,9 +13,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write under a temporary name, fsync, rename. A failure (disk full) is one resumable error. A file
     that holds these bytes already is left as it is: finishing or verifying a complete output again
     writes nothing, so it works on a read-only copy too."""
-    if holds(path, data):
-        return
     tmp = path.with_name(f".{path.name}.tmp")
+    if holds(path, data):
+        with contextlib.suppress(OSError):  # what a run killed mid-write left
+            tmp.unlink()
+        return
     try:
         with open(tmp, "wb") as f:
             f.write(data)
