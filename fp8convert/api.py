@@ -39,6 +39,7 @@ from .source.checkpoint import Source
 from .source.local import open_local
 from .source.resolve import looks_like_repo_id, open_source, plan_source
 from .source.streaming import NoFetcher, need_order
+from .units import format_size
 
 
 @dataclass
@@ -473,8 +474,8 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
     free = shutil.disk_usage(out_dir).free
     if free < needed:
         what = " and the streamed source shards" if streamed_bytes else ""
-        raise FP8ConvertError(f"{out_dir}: needs {needed / 1e9:.2f} GB free for the output{what}, only "
-                              f"{free / 1e9:.2f} GB available")
+        raise FP8ConvertError(f"{out_dir}: needs {format_size(needed)} free for the output{what}, only "
+                              f"{format_size(free)} available")
 
 
 def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str | None = None) -> FinalizeReport:

@@ -295,6 +295,7 @@ def test_non_finite_weight_names_the_tensor(tmp_path, capsys, value):
     write_checkpoint(tmp_path / "src", llama_tensors())
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
     assert rc == 1 and "changed since the output was started" in err and "--overwrite" in err, err
+    assert "size and modification time, not its bytes" in err, err  # what it knows, and what it does not
     assert run_cli(capsys, "quantize", src, out, "-q", "--overwrite")[0] == 0
     assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q")[0] == 0
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
@@ -474,7 +475,8 @@ def test_not_enough_free_space_fails_before_writing_then_resumes(tmp_path, capsy
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
-    assert_refused(rc, err, out, str(out), "free", preflight=False)
+    line = assert_refused(rc, err, out, str(out), "free", preflight=False)
+    assert "only 1.00 KB available" in line and " KB free for the output" in line, line  # not "0.00 GB"
     assert not list(out.rglob("*.safetensors*")), "wrote shards despite too little space"
     monkeypatch.undo()
     assert run_cli(capsys, "quantize", src, out, "-q")[0] == 0

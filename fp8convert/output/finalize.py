@@ -90,7 +90,8 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
                                 + replace_advice(out_dir, "pass --overwrite to replace it"))
     changed = source_change(state, plan.source)
     if changed:
-        raise PlanMismatchError(f"{out_dir}: holds a conversion of other source weights ({changed}); "
+        how = "" if plan.source.revision else "; fp8convert records each file's size and modification time, not its bytes"
+        raise PlanMismatchError(f"{out_dir}: was started from another state of the source ({changed}{how}); "
                                 + replace_advice(out_dir, "pass --overwrite to start again from the source as "
                                                           "it is now"))
 
