@@ -91,16 +91,17 @@ def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
 
 
 def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one safetensors header. Returns (tensors by name, metadata)."""
+    """Parse and validate one safetensors header. Returns (tensors by name, metadata). The tensors'
+    `file` is `file_name` (the shard's name in its checkpoint); errors name the whole `path`."""
     label = file_name or os.path.basename(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb", buffering=0) as f:  # unbuffered: read the header, not the data after it
-            header_len = header_length(f.read(8), size, label)
+            header_len = header_length(f.read(8), size, path)
             raw = f.read(header_len)
     except OSError as e:
-        raise FP8ConvertError(f"{label}: cannot read ({e.strerror})") from e
-    return parse_header(decode_header(raw, label), label, data_start=8 + header_len, file_size=size)
+        raise FP8ConvertError(f"{path}: cannot read ({e.strerror})") from e
+    return parse_header(decode_header(raw, path), label, data_start=8 + header_len, file_size=size, where=path)
 
 
 def header_length(first8: bytes, file_size: int | None, label: str) -> int:
@@ -144,27 +145,29 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(header: dict, label: str, data_start: int, file_size: int | None
+def parse_header(header: dict, label: str, data_start: int, file_size: int | None, where: str | None = None
                  ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the buffer."""
+    """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the buffer.
+    `label` is the tensors' file; errors name `where` (by default the label)."""
+    where = where or label
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
-        raise FP8ConvertError(f"{label}: corrupt safetensors header (__metadata__ is not an object)")
+        raise FP8ConvertError(f"{where}: corrupt safetensors header (__metadata__ is not an object)")
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
-            raise FP8ConvertError(f"{label}: corrupt header entry for tensor {name}") from e
+            raise FP8ConvertError(f"{where}: corrupt header entry for tensor {name}") from e
         if dtype not in DTYPE_SIZES:
-            raise FP8ConvertError(f"{label}: tensor {name} has unsupported dtype {dtype}")
+            raise FP8ConvertError(f"{where}: tensor {name} has unsupported dtype {dtype}")
         if not all(_is_int(d) and d >= 0 for d in shape) or not (_is_int(begin) and _is_int(end)) \
                 or not 0 <= begin <= end:
-            raise FP8ConvertError(f"{label}: tensor {name} has invalid shape {entry['shape']} or "
+            raise FP8ConvertError(f"{where}: tensor {name} has invalid shape {entry['shape']} or "
                                   f"offsets {entry['data_offsets']}")
         if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise FP8ConvertError(f"{label}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
+            raise FP8ConvertError(f"{where}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
                                   f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}")
         tensors[name] = TensorInfo(name, dtype, shape, label, data_start + begin, end - begin)
         spans.append((begin, end, name))
@@ -172,11 +175,11 @@ def parse_header(header: dict, label: str, data_start: int, file_size: int | Non
     cursor = 0
     for begin, end, name in spans:
         if begin != cursor:
-            raise FP8ConvertError(f"{label}: tensor {name} overlaps another or leaves a gap in the data")
+            raise FP8ConvertError(f"{where}: tensor {name} overlaps another or leaves a gap in the data")
         cursor = end
     if file_size is not None and data_start + cursor != file_size:
         what = "truncated" if data_start + cursor > file_size else "has trailing bytes"
-        raise FP8ConvertError(f"{label}: file is {what} (header describes {data_start + cursor} bytes, "
+        raise FP8ConvertError(f"{where}: file is {what} (header describes {data_start + cursor} bytes, "
                               f"file has {file_size})")
     return tensors, metadata
 

@@ -255,7 +255,7 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
         try:
             header, _ = read_header(str(path), file)
         except FP8ConvertError as e:
-            report.fail(file, str(e).removeprefix(f"{file}: "))
+            report.fail(file, str(e).removeprefix(f"{path}: "))
             layout.unreadable.add(file)
             continue
         for name, info in header.items():

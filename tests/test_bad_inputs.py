@@ -43,7 +43,7 @@ def assert_refused(rc: int, err: str, out, *names: str, preflight: bool = True) 
 def truncated_shard(src):
     path = src / SHARD2
     path.write_bytes(path.read_bytes()[:-10])
-    return SHARD2, "truncated"
+    return str(src / SHARD2), "truncated"  # the whole path: a batch converts many models
 
 
 def trailing_bytes(src):
@@ -56,7 +56,7 @@ def corrupt_header_json(src):
     data = bytearray((src / SHARD2).read_bytes())
     data[8:20] = b"#" * 12
     (src / SHARD2).write_bytes(bytes(data))
-    return SHARD2, "corrupt safetensors header"
+    return str(src / SHARD2), "corrupt safetensors header"
 
 
 def oversized_header(src):
@@ -75,7 +75,7 @@ def header_longer_than_file(src):
 
 def short_file(src):
     (src / SHARD2).write_bytes(b"\x01\x02")
-    return SHARD2, "not a safetensors file"
+    return str(src / SHARD2), "not a safetensors file"
 
 
 def shape_disagrees_with_bytes(src):

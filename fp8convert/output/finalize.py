@@ -196,5 +196,5 @@ def check_output_complete(out: str | Path, action: str = "push") -> dict:
         try:
             read_header(str(out / name), name)  # a truncated or padded shard fails here
         except FP8ConvertError as e:
-            raise FP8ConvertError(f"{out}: {e}; refusing to {action}") from e
+            raise FP8ConvertError(f"{e}; refusing to {action}") from e  # the error names the shard's path
     return config
