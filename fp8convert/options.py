@@ -87,6 +87,9 @@ class Options:
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.dtype and not self.dequantize:
+            raise FP8ConvertError(f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
+                                  f"rest in the model's dtype), got {self.dtype}")
         if self.dequantize and self.ignore:
             raise FP8ConvertError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
         for pattern in self.ignore:

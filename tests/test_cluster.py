@@ -474,6 +474,7 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
         "defaults.toml": ('[defaults]\nout = "x"\n[[job]]\nsource = "a"\nout = "b"\n', ["[defaults]", "out"]),
         "empty.toml": ("", ["no jobs"]),
         "broken.jsonl": ('{"source": \n', ["broken.jsonl:1"]),
+        "dtype.toml": ('[[job]]\nsource = "a"\nout = "b"\ndtype = "fp16"\n', ["job 0", "--dtype applies to dequantize"]),
     }
     for name, (text, needles) in bad.items():
         (tmp_path / name).write_text(text)

@@ -118,6 +118,8 @@ def test_good_conversion_verifies(made, capsys, fmt, scheme):
     assert next(t for t in report.tensors if t.name == Q).rel_error == pytest.approx(expected, rel=1e-5)
 
     # the CLI: exit 0, strict JSON, worst tensors first
+    assert main(["verify", str(src), str(out), "--worst", "-1"]) == 2  # a usage error, before any reading
+    capsys.readouterr()
     assert main(["verify", str(src), str(out), "--json", "--worst", "3"]) == 0
     doc = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert doc["ok"] is True and doc["failures"] == [] and len(doc["worst"]) == 3
