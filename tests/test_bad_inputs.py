@@ -251,6 +251,12 @@ def config_declares_more_layers(src):
     return "num_hidden_layers 4", "2 layers of model.layers"
 
 
+def index_is_a_directory(src):
+    os.remove(src / INDEX)
+    (src / INDEX).mkdir()
+    return str(src / INDEX), "not a regular file"
+
+
 def shard_is_a_directory(src):
     os.remove(src / SHARD2)
     (src / SHARD2).mkdir()
@@ -264,7 +270,7 @@ BROKEN = [truncated_shard, trailing_bytes, corrupt_header_json, oversized_header
           index_not_json, index_without_weight_map, config_missing, config_not_json, fp8_config_without_fp8_tensors,
           already_quantized_tensors, scale_tensor_in_source, three_d_linear, empty_shard, no_weights_at_all,
           pickle_only, numbered_shard_missing_without_index, layer_numbering_gap, config_declares_more_layers,
-          shard_is_a_directory]
+          shard_is_a_directory, index_is_a_directory]
 
 
 @pytest.mark.parametrize("breaker", BROKEN, ids=lambda f: f.__name__)

@@ -20,7 +20,10 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
         raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
     listing = sorted(os.listdir(root))
     index_map = None
-    if (root / INDEX_NAME).is_file():
+    index = root / INDEX_NAME
+    if (index.exists() or index.is_symlink()) and not index.is_file():  # not silently a folder without one
+        raise FP8ConvertError(f"{index}: not a regular file (a directory, pipe, device or broken link)")
+    if index.is_file():
         index_map = parse_index((root / INDEX_NAME).read_bytes(), str(root / INDEX_NAME))
         shards = index_files(index_map)
     else:
