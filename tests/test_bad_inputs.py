@@ -583,3 +583,10 @@ def test_kept_reasons_name_an_unquantized_dtype_and_a_scalar(tmp_path, capsys):
     reasons = {t["name"]: t["reason"] for t in json.loads(capsys.readouterr().out)["tensor_plan"]}
     assert reasons["model.layers.0.mlp.up_proj.weight"] == "F64, not a dtype fp8convert quantizes (BF16, F16, F32)"
     assert reasons["model.layers.0.self_attn.softmax_scale"] == "0-D (a scalar)"
+    # kept, the F64 linear is named in the ignore list: unnamed, engines would build it as an FP8 layer and
+    # cast its float64 values into that (transformers did, with a missing scale: garbage logits)
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "-q"]) == 0
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.0.mlp.up_proj" in ignore, ignore
+    assert main(["verify", str(src), str(out), "-q"]) == 0

@@ -282,6 +282,8 @@ def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:
-    """Kept 2-D weights that engines build as linear layers, so the ignore list must name them."""
+    """Kept 2-D weights that engines build as linear layers, so the ignore list must name them. F64 too:
+    fp8convert does not quantize it, but engines load it into a linear layer all the same (unlisted, they
+    would build that layer for FP8 and cast the float64 values into it)."""
     return (name.endswith(".weight") and len(shape) == 2
-            and reason not in ("embedding",) and dtype in FLOAT_SOURCE_DTYPES)
+            and reason not in ("embedding",) and (dtype in FLOAT_SOURCE_DTYPES or dtype == "F64"))
