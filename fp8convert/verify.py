@@ -298,6 +298,9 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
     except FP8ConvertError as e:
         report.fail(str(config_path), str(e).removeprefix(f"{config_path}: "))
         return False, None
+    if fmt is not None:
+        for promise in unkept_promises(config["quantization_config"]):
+            report.fail(str(config_path), promise)
     rest = {k: v for k, v in config.items() if k != "quantization_config"}
     source_rest = {k: v for k, v in source.config.items() if k not in ("quantization_config", "compression_config")}
     if rest != source_rest:
@@ -305,6 +308,33 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
         report.fail(str(config_path), f"differs from the source's config.json beyond quantization_config "
                                       f"(keys: {', '.join(keys)})")
     return True, fmt
+
+
+def unkept_promises(qc: dict) -> list[str]:
+    """What a quantization_config declares that no fp8convert output holds, and loaders act on: a KV-cache
+    scheme (k_scale, v_scale), asymmetric weights (zero points), weights not stored compressed. Static
+    input activations are checked against the tensors (pair_tensors). transformers ran such configs
+    into NaN logits."""
+    found = []
+    if qc.get("kv_cache_scheme"):
+        found.append("declares a kv_cache_scheme, but fp8convert writes no KV-cache scales")
+    if qc.get("quantization_status") not in (None, "compressed"):
+        found.append(f"quantization_status is {qc.get('quantization_status')!r}, not 'compressed'")
+    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("symmetric") is False:
+            found.append(f"config group {name} declares asymmetric weights, but the output has no zero points")
+    return found
+
+
+def declares_static_activations(qc: dict) -> bool:
+    """Static input activations, in either format: each quantized weight then needs its input_scale."""
+    if qc.get("activation_scheme") == "static":
+        return True
+    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    return any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
+               and g["input_activations"].get("dynamic") is False for g in groups.values())
 
 
 def is_dequantized_output(source: Source, config: dict) -> bool:
@@ -842,11 +872,20 @@ def verify(src: str | Path, out: str | Path, *, revision: str | None = None, tok
     return report
 
 
+def read_quantization_config_dict(out: Path) -> dict:
+    """OUT's quantization_config as written (check_config has read config.json already)."""
+    return json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+
+
 def pair_tensors(source: Source, out: Path, fmt: QuantizedLayout | None, report: VerifyReport) -> list:
     """Each output the source implies with what the output holds for it (structure checked); missing
     outputs and output tensors nothing in the source explains are problems."""
     layout = read_output_layout(out, report)
     outputs = layout.tensors
+    if fmt is not None and declares_static_activations(read_quantization_config_dict(out)) and \
+            not any(name.endswith((".input_scale", ".activation_scale")) for name in outputs):
+        report.fail(str(out / "config.json"), "declares static input activations, but the output holds no "
+                                              "input_scale tensors (engines would read scales that are not there)")
     arch = architecture_of(source.config) or GENERIC
     accounted: set[str] = set()
     pairs: list = []

@@ -314,6 +314,12 @@ def test_fp8_ignored_layers_checked(damaged):
     (lambda c: c.pop("quantization_config"), "quantization_config"),
     (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="channel"), "weight_scale"),
     (lambda c: c["quantization_config"]["ignore"].append("re:("), "ignore entry 're:(' is not a valid regular"),
+    # what loaders act on though no tensor backs it (transformers ran the first into NaN logits)
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     "declares static input activations, but the output holds no input_scale"),
+    (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric"),
+    (lambda c: c["quantization_config"].update(quantization_status="frozen"), "quantization_status is 'frozen'"),
 ])
 def test_config_inconsistent_fails(damaged, edit, what):
     src, copy = damaged
