@@ -34,9 +34,8 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
     `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source.
     `base_model`: --base-model, recorded for the model card (the first run's value stands). `lock`: this
     run's lock of OUT (lock.py), taken once OUT is known to be fp8convert's, before anything in it is read
-    for resuming or changed; the caller holds it for the rest of the run."""
+    for resuming or changed; the caller holds it for the rest of the run (None: the caller takes none)."""
     out_dir = Path(out_dir)
-    lock = lock or OutputLock(out_dir)
     check_placement(plan, out_dir, streamed)
     manifest = Manifest(out_dir)
     # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
@@ -44,7 +43,8 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
     occupied = out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir)
     if occupied and (overwrite or read_for_resume(manifest, out_dir) is None) and (foreign := foreign_entries(out_dir)):
         refuse_foreign(out_dir, foreign, overwrite)
-    lock.acquire()
+    if lock is not None:
+        lock.acquire()
     if occupied and overwrite:
         replace_output(out_dir)
     elif occupied and (state := read_for_resume(manifest, out_dir)) is not None:
