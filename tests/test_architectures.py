@@ -26,6 +26,7 @@ import zoo
 from checks import FP8, assert_codes_and_scales, assert_names_shapes_dtypes, ignore_lists, same_bytes
 from conftest import FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
 from test_vllm_contract import CONTRACTS, ZOO_TWO_COMBOS, vllm_name
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 ZOO_ARCHS = (
     # dense
@@ -445,6 +446,14 @@ def test_experts_kept_by_the_user_load_in_transformers(arch, ignore, zoo_source,
 def plan_warnings_with(src: Path, **options):
     from fp8convert.plan.summary import compatibility_warnings
     return compatibility_warnings(fp8convert_module().make_plan(str(src), **options))
+
+
+def test_the_fused_block_warning_names_the_member_that_breaks_the_rule(tmp_path):
+    """q_proj [128, 128] meets vLLM's rule; k_proj [32, 128] does not: the example is k_proj."""
+    from fp8convert.plan.summary import Caveat
+    src = write_checkpoint(tmp_path / "src", llama_tensors(hidden=128, inter=256))
+    (warning,) = [w for w in plan_warnings_with(src, scheme="block") if w.caveat is Caveat.VLLM_CANNOT_LOAD]
+    assert "(e.g. model.layers.0.self_attn.k_proj.weight [32, 128])" in warning.text, warning.text
 
 
 # ------------------------------------------------------------------ tensor parallelism

@@ -105,11 +105,11 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     for group, members in fused.items():
         order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
         members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
-        if any(t.shape[0] % BLOCK for t in members[:-1]):
+        if offending := [t for t in members[:-1] if t.shape[0] % BLOCK]:
             warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD,
                                         f"vLLM's fused block GEMM needs every member but the last to have an output "
-                                        f"size divisible by {BLOCK}; {group} does not (e.g. {members[0].name} "
-                                        f"{list(members[0].shape)})"))
+                                        f"size divisible by {BLOCK}; {group} does not (e.g. {offending[0].name} "
+                                        f"{list(offending[0].shape)})"))
             break
     return warnings
 
