@@ -93,11 +93,20 @@ class Options:
         if self.dequantize and self.ignore:
             raise FP8ConvertError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
         for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                try:
-                    re.compile(pattern[3:])
-                except re.error as e:
-                    raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({e})") from e
+            if problem := regex_error(pattern):
+                raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({problem})")
+
+
+def regex_error(pattern: str) -> str | None:
+    """Why an ignore entry's `re:` pattern does not compile (None when it does, or is no regex): for
+    --ignore and for the ignore list of a checkpoint's quantization_config alike."""
+    if not pattern.startswith("re:"):
+        return None
+    try:
+        re.compile(pattern[3:])
+    except re.error as e:
+        return str(e)
+    return None
 
 
 def parse_dtype(value: str | None) -> str | None:

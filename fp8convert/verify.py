@@ -328,15 +328,6 @@ def unkept_promises(qc: dict) -> list[str]:
     return found
 
 
-def declares_static_activations(qc: dict) -> bool:
-    """Static input activations, in either format: each quantized weight then needs its input_scale."""
-    if qc.get("activation_scheme") == "static":
-        return True
-    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
-    return any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
-               and g["input_activations"].get("dynamic") is False for g in groups.values())
-
-
 def is_dequantized_output(source: Source, config: dict) -> bool:
     """An FP8 source's output without a quantization_config: written by `dequantize`."""
     return source.quant is not None and "quantization_config" not in config
@@ -872,17 +863,12 @@ def verify(src: str | Path, out: str | Path, *, revision: str | None = None, tok
     return report
 
 
-def read_quantization_config_dict(out: Path) -> dict:
-    """OUT's quantization_config as written (check_config has read config.json already)."""
-    return json.loads((out / "config.json").read_text()).get("quantization_config") or {}
-
-
 def pair_tensors(source: Source, out: Path, fmt: QuantizedLayout | None, report: VerifyReport) -> list:
     """Each output the source implies with what the output holds for it (structure checked); missing
     outputs and output tensors nothing in the source explains are problems."""
     layout = read_output_layout(out, report)
     outputs = layout.tensors
-    if fmt is not None and declares_static_activations(read_quantization_config_dict(out)) and \
+    if fmt is not None and fmt.static_activations and \
             not any(name.endswith((".input_scale", ".activation_scale")) for name in outputs):
         report.fail(str(out / "config.json"), "declares static input activations, but the output holds no "
                                               "input_scale tensors (engines would read scales that are not there)")
@@ -1348,5 +1334,6 @@ def record_in_card(report: VerifyReport, out: str | Path) -> str | None:
         write_atomic(card, with_verification(card.read_text(), figures).encode())
     except (OSError, FP8ConvertError) as e:  # write_atomic says what failed in the OSError it was raised from
         cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
-        return f"{card}: the verification figures were not added to the model card ({cause.strerror or cause})"
+        return (f"{card}: the verification figures were not added to the model card "
+                f"({getattr(cause, 'strerror', None) or cause})")
     return None

@@ -274,13 +274,13 @@ def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | No
     amaxes = [amax(w, scheme, cpu_path) for w in members]
     pow2 = scheme == "mxfp8" or scale_format == "ue8m0"
     for j, a in enumerate(amaxes):
-        finite = torch.isfinite(a).flatten(start_dim=1).all(dim=1)
-        if not bool(finite.all()):
-            raise NonFiniteWeight(j, int((~finite).nonzero()[0, 0]))
-        if pow2:
-            fits = (a < POW2_OVERFLOW_AMAX).flatten(start_dim=1).all(dim=1)
-            if not bool(fits.all()):
-                raise NonFiniteWeight(j, int((~fits).nonzero()[0, 0]), overflows=True)
+        unwritable = ~torch.isfinite(a)
+        if pow2:  # in the same test: one wait for the device per member, as without it
+            unwritable |= a >= POW2_OVERFLOW_AMAX
+        per_weight = unwritable.flatten(start_dim=1).any(dim=1)
+        if bool(per_weight.any()):
+            index = int(per_weight.nonzero()[0, 0])
+            raise NonFiniteWeight(j, index, overflows=bool(torch.isfinite(a[index]).all()))
     if scheme == "tensor" and len(members) > 1:
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)
