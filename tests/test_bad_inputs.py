@@ -546,7 +546,7 @@ def test_different_plan_refusal_names_what_changed(tmp_path, capsys):
     assert run_cli(capsys, "quantize", src, out, "-q", "--worker", "0/2", "--max-shard-size", "20KB")[0] == 0
     before = tree_bytes(out)
     rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "30KB")
-    assert rc == 1 and "--max-shard-size was 20000, now 30000" in err, err
+    assert rc == 1 and "--max-shard-size was 20KB, now 30KB" in err, err
 
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(dict(config, rope_theta=10000.0, vocab_size=96)))
