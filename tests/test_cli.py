@@ -362,6 +362,28 @@ def test_plain_progress_lines_use_the_units_of_the_sizes():
     assert re.fullmatch(r"\S+ quantize demo: 5\.77 MB of 5\.77 MB \(100%\), \d+\.\d\d [KMGT]B/s, eta 0s", line), line
 
 
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("columns", [80, 60])
+def test_the_progress_bar_fits_the_terminal_on_one_line(monkeypatch, columns):
+    """A long source path and layer name are shortened; the bar and its sizes stay on one line."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    stream = FakeTerminal()
+    bar = Progress(456_700_000_000, "quantize /models/meta-llama/Llama-3.1-405B-Instruct", stream=stream)
+    layer = "model.layers.125.mlp.experts.gate_up_proj (part 12/16)"
+    bar.advance(123_400_000_000, layer)
+    bar.close()
+    frames = [line for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n").split("\n")
+              if line.strip()]
+    assert frames and all(len(line) <= columns for line in frames), frames
+    assert all(re.search(r" ━[━╸╺]+ \d+\.\d/456\.7 GB ", line) for line in frames), frames
+    start, end = frames[-1].split(" ━")[0].split("…")  # shortened in the middle: which run, which layer
+    assert bar.label.startswith(start) and layer.endswith(end) and len(start + end) >= 10, frames
+
+
 # The program as installed (`run`), with an atexit hook that leaves a file: it shows whether the
 # interpreter's teardown ran.
 PROGRAM_WITH_ATEXIT_MARK = (
