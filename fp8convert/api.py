@@ -23,7 +23,7 @@ from typing import Callable
 from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError, PlanMismatchError
-from .options import Options, Settings, env_number
+from .options import Options, Settings, env_number, python_spelling
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
@@ -86,6 +86,7 @@ class FinalizeReport:
     seconds: float
 
 
+@python_spelling
 def make_plan(src: str | Path, settings: Settings | None = None, **overrides) -> Plan:
     """Plan a conversion from headers and config alone; reads no tensor data (a Hub repo id is planned
     from remote headers)."""
@@ -93,12 +94,14 @@ def make_plan(src: str | Path, settings: Settings | None = None, **overrides) ->
     return build_plan(plan_source(src, settings.revision, settings.token, settings.cache_dir), settings.options)
 
 
+@python_spelling
 def verify(src: str | Path, out: str | Path, **options):
     """Check the FP8 checkpoint in `out` against its source (fp8convert.verify.verify takes the options)."""
     from .verify import verify as verify_output
     return verify_output(src, out, **options)
 
 
+@python_spelling
 def quantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
              on_plan: Callable[[Plan], None] | None = None, **overrides) -> Report:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`.
@@ -150,6 +153,7 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     return report
 
 
+@python_spelling
 def dequantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
                on_plan: Callable[[Plan], None] | None = None, **overrides) -> Report:
     """Convert an FP8 checkpoint (native fp8 or compressed-tensors, directory or Hub repo id) to high
@@ -227,8 +231,9 @@ def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers
 
 
 def _device_worker(src: str, out: str, settings: Settings) -> Report:
-    """One --devices child (spawned; must be importable by name)."""
-    return quantize(src, out, settings)
+    """One --devices child (spawned; must be importable by name). Its errors keep the CLI's spelling:
+    the parent's `quantize` respells them for a Python caller."""
+    return quantize.__wrapped__(src, out, settings)
 
 
 def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
@@ -478,6 +483,7 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
                               f"{format_size(free)} available")
 
 
+@python_spelling
 def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str | None = None) -> FinalizeReport:
     """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
     records (source, revision, scheme, format, ignore patterns, shard size, target TP sizes, scale format;

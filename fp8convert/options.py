@@ -6,6 +6,9 @@ dataclasses, so a run can be handed to another process whole (`--devices`) and n
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -132,6 +135,49 @@ def parse_target_tp(sizes) -> tuple[int, ...]:
     return tuple(values)
 
 
+# Errors name options as the command line spells them (--max-shard-size, --overwrite). Raised through the
+# Python API they name its keywords instead (max_shard_size, overwrite=True); the CLI keeps its flags.
+_COMMAND_LINE = contextvars.ContextVar("fp8convert_command_line", default=False)
+FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+@contextlib.contextmanager
+def command_line():
+    """While the CLI runs a command: errors keep naming its flags."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+def keyword_spelling(message: str) -> str:
+    """`message` with each flag that is a Settings field as its keyword: `--max-shard-size` ->
+    `max_shard_size`, a flag that takes no value (`--overwrite`) -> `overwrite=True`."""
+    known = {f.name: f.default for f in fields(Settings)}
+
+    def keyword(match: re.Match) -> str:
+        name = match.group(1).replace("-", "_")
+        if name not in known:
+            return match.group(0)
+        return f"{name}=True" if known[name] is False else name
+    return FLAG.sub(keyword, message)
+
+
+def python_spelling(function):
+    """For the API's entry points: an FP8ConvertError leaving `function` names keywords, not flags,
+    unless the CLI called it."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except FP8ConvertError as e:
+            if not _COMMAND_LINE.get():
+                e.args = (keyword_spelling(str(e)),)
+            raise
+    return call
+
+
 DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
 AUTO = "auto"
 
@@ -165,6 +211,7 @@ class Settings:
     progress: bool = False
     finalize: bool = True                 # False: write this worker's shards only
 
+    @python_spelling
     def __post_init__(self):
         self.options  # noqa: B018 - validates scheme, format, ignore and shard size now
         if not DEVICE_TEXT.match(str(self.device)):  # spelling only: whether CUDA is there needs torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import FP8ConvertError
-from .options import REPO_ID
+from .options import REPO_ID, python_spelling
 from .output.card import card_from_output, retarget_card
 from .output.finalize import check_output_complete
 from .output.manifest import WORK_DIR
@@ -17,6 +17,7 @@ UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
 RESUME_PUSH = "rerun the same push to resume it (files that arrived are not sent again)"
 
 
+@python_spelling
 def push(out: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
          commit_message: str | None = None, token: str | None = None, create_pr: bool = False) -> str:
     """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL, or

@@ -74,7 +74,7 @@ from pathlib import Path
 from .errors import FP8ConvertError
 from .formats import QuantizedLayout, read_quantization_config
 from .formats.sources import FP8Weight
-from .options import AUTO, BLOCK
+from .options import AUTO, BLOCK, python_spelling
 from .output.card import with_verification
 from .output.files import write_atomic
 from .output.manifest import Manifest
@@ -834,6 +834,7 @@ def numbers_problem(check: TensorCheck, scheme: str) -> str:
 
 # ---------------------------------------------------------------- the run
 
+@python_spelling
 def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None,
            cache_dir: str | None = None, device: str = "auto", max_resident: int | str | None = None,
            prefetch: int | str = AUTO, progress: bool = False) -> VerifyReport:

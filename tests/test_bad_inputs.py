@@ -409,6 +409,26 @@ def test_overwrite_replaces_an_earlier_output_but_not_files_added_to_it(tmp_path
     assert "pass --overwrite" not in err and tree_bytes(out) == before
 
 
+def test_errors_through_the_python_api_name_keywords_not_flags(tmp_path, capsys):
+    """The same refusal names `--overwrite` on the command line and `overwrite=True` from Python."""
+    import fp8convert
+    from fp8convert.errors import PlanMismatchError
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    fp8convert.quantize(src, out, max_shard_size="20KB")
+    before = tree_bytes(out)
+    with pytest.raises(PlanMismatchError) as refused:
+        fp8convert.quantize(src, out, max_shard_size="30KB")
+    assert "pass overwrite=True to replace it" in str(refused.value) and "--" not in str(refused.value)
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "30KB")
+    assert rc == 1 and "pass --overwrite to replace it" in err, err
+    assert tree_bytes(out) == before
+    with pytest.raises(fp8convert.FP8ConvertError, match=r"^max_resident must be positive"):
+        fp8convert.Settings(max_resident="0")
+    with pytest.raises(fp8convert.FP8ConvertError, match=r"^stream_download=True applies to Hub repo ids"):
+        fp8convert.quantize(src, tmp_path / "streamed", stream_download=True)
+
+
 @pytest.mark.parametrize("manifest", ["unreadable", "older"])
 def test_overwrite_never_guesses_whose_files_an_unknown_manifest_covers(tmp_path, capsys, manifest):
     """A manifest that cannot be read, or one from before fp8convert recorded its outputs, cannot tell
@@ -546,7 +566,7 @@ def test_different_plan_refusal_names_what_changed(tmp_path, capsys):
     assert run_cli(capsys, "quantize", src, out, "-q", "--worker", "0/2", "--max-shard-size", "20KB")[0] == 0
     before = tree_bytes(out)
     rc, err = run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "30KB")
-    assert rc == 1 and "--max-shard-size was 20000, now 30000" in err, err
+    assert rc == 1 and "--max-shard-size was 20KB, now 30KB" in err, err
 
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(dict(config, rope_theta=10000.0, vocab_size=96)))

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -70,9 +71,26 @@ def test_plurals_and_units_of_the_demo(tmp_path, capsys):
     """The demo's summary line: no '1 shards', no '0.01 GB -> 0.00 GB'."""
     rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu")
     assert rc == 0, err
-    line = out.strip().splitlines()[-1]
+    (line,) = [line for line in out.splitlines() if line.startswith("wrote ")]
     assert re.match(r"wrote \S+: 1 shard, 28 tensors quantized, 11 kept, \d+\.\d\d MB -> \d+\.\d\d MB in ", line), line
     assert "(s)" not in line and "0.00 GB" not in line
+
+
+def test_the_demo_ends_with_what_to_try_next_and_each_of_it_works(tmp_path, capsys):
+    """After the summary: a verify and an inspect command, and three lines of Python that load the output
+    with transformers; each runs as printed."""
+    rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu")
+    assert rc == 0, err
+    after = out.split("\nnext:\n", 1)[1].splitlines()
+    commands = [shlex.split(line.split("#")[0])[1:] for line in after if line.startswith("  fp8convert ")]
+    assert [c[0] for c in commands] == ["verify", "inspect"] and after[2] == "  in Python (pip install transformers compressed-tensors):"
+    for command in commands:
+        assert run(capsys, *command, "--device", "cpu")[0] == 0, command
+    snippet = [line.strip() for line in after[3:]]
+    assert len(snippet) == 3 and str(tmp_path / "d" / "fp8") in snippet[1]
+    exec("\n".join(snippet), {})
+    printed = capsys.readouterr().out
+    assert re.fullmatch(r"tensor\(\[\[ +1, +2, +3(, +\d+){1,8}\]\]\)\n", printed), printed  # prompt, then up to 8 new tokens
 
 
 def test_the_demo_reruns_into_its_own_folder_but_never_writes_over_other_files(tmp_path, capsys):
@@ -342,6 +360,28 @@ def test_plain_progress_lines_use_the_units_of_the_sizes():
     bar.advance(5_770_000)
     line = stream.getvalue().strip()
     assert re.fullmatch(r"\S+ quantize demo: 5\.77 MB of 5\.77 MB \(100%\), \d+\.\d\d [KMGT]B/s, eta 0s", line), line
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("columns", [80, 60])
+def test_the_progress_bar_fits_the_terminal_on_one_line(monkeypatch, columns):
+    """A long source path and layer name are shortened; the bar and its sizes stay on one line."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    stream = FakeTerminal()
+    bar = Progress(456_700_000_000, "quantize /models/meta-llama/Llama-3.1-405B-Instruct", stream=stream)
+    layer = "model.layers.125.mlp.experts.gate_up_proj (part 12/16)"
+    bar.advance(123_400_000_000, layer)
+    bar.close()
+    frames = [line for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n").split("\n")
+              if line.strip()]
+    assert frames and all(len(line) <= columns for line in frames), frames
+    assert all(re.search(r" ━[━╸╺]+ \d+\.\d/456\.7 GB ", line) for line in frames), frames
+    start, end = frames[-1].split(" ━")[0].split("…")  # shortened in the middle: which run, which layer
+    assert bar.label.startswith(start) and layer.endswith(end) and len(start + end) >= 10, frames
 
 
 # The program as installed (`run`), with an atexit hook that leaves a file: it shows whether the

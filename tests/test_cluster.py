@@ -433,6 +433,19 @@ def test_batch_goes_on_after_a_failure(ref, tmp_path, capsys, monkeypatch):
     assert "no-such-model" in summary["jobs"][1]["error"]
 
 
+def test_batch_names_an_unnamed_failed_job_by_what_it_converts(tmp_path, capsys, monkeypatch):
+    """A job without a name is named by its source and output, not by its index twice (`job 0 (0)`)."""
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    missing, out = tmp_path / "no-such-model", tmp_path / "out"
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[job]]\nsource = "{missing}"\nout = "{out}"\n')
+    rc, stdout, err = run_cli(capsys, "batch", jobs, "-q")
+    title = f"job 0 ({missing} -> {out})"
+    assert f"(first: {title}: {missing}: " in one_error_line(rc, err), err
+    assert f"{title} failed: {missing}: " in stdout, stdout
+    assert not out.exists()
+
+
 def test_batch_task_index_runs_one_job(ref, tmp_path, capsys, monkeypatch):
     src, reference = ref
     jobs = write_jobs(tmp_path / "jobs.toml", src, tmp_path)

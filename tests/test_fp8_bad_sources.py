@@ -269,7 +269,7 @@ def test_mxfp8_checkpoints_are_refused_as_sources(tmp_path, capsys):
 def test_dequantize_takes_no_scale_format():
     from fp8convert import Settings
     from fp8convert.errors import FP8ConvertError
-    with pytest.raises(FP8ConvertError, match="--scale-format does not apply to dequantize"):
+    with pytest.raises(FP8ConvertError, match="^scale_format does not apply to dequantize"):
         Settings(dequantize=True, scheme="block", scale_format="ue8m0")
 
 

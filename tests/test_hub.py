@@ -683,7 +683,7 @@ def test_rerun_after_the_branch_moved_is_refused(fake_hub, tiny_repo, tmp_path, 
     with pytest.raises(FP8ConvertError) as e:
         api.quantize(REPO, out, device="cpu")
     msg = str(e.value)
-    assert "another state of the source" in msg and new[:12] in msg and "--overwrite" in msg, msg
+    assert "another state of the source" in msg and new[:12] in msg and "pass overwrite=True" in msg, msg
     assert not (out / "config.json").exists()
     assert main(["quantize", REPO, str(out), "--device", "cpu", "-q", "--overwrite"]) == 0
     assert json.loads((out / ".fp8convert" / "manifest.json").read_text())["revision"] == new

@@ -373,7 +373,7 @@ def test_batch_jobs_take_the_scale_format(tmp_path):
     first, second = read_jobs(jobs)
     assert first.settings.options.scale_format == "ue8m0" and second.settings.options.scheme == "mxfp8"
     jobs.write_text('[[job]]\nsource = "a"\nout = "b"\nscale_format = "ue8m0"\n')
-    with pytest.raises(FP8ConvertError, match="job.*--scale-format ue8m0 applies to --scheme block"):
+    with pytest.raises(FP8ConvertError, match="job.*: scale_format ue8m0 applies to scheme block"):
         read_jobs(jobs)
 
 

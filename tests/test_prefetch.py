@@ -216,7 +216,7 @@ def test_prefetch_option_reads_auto_sizes_and_zero():
     assert Settings(prefetch="AUTO").prefetch == AUTO
     assert Settings(prefetch="0").prefetch == 0
     assert Settings(prefetch="1GiB").prefetch == GiB
-    with pytest.raises(FP8ConvertError, match="--prefetch"):
+    with pytest.raises(FP8ConvertError, match="^prefetch: cannot read .lots."):
         Settings(prefetch="lots")
 
 

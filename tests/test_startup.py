@@ -399,6 +399,23 @@ def test_no_read_before_the_plan_for_a_resumed_output_or_one_worker_of_several(t
     assert spy.before_plan == [False, False]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA records")
+def test_an_auto_device_run_without_cuda_records_under_cpu(tmp_path):
+    """--device auto (the default) runs on the CPU here, so its record is the CPU's, not `-cuda-`."""
+    cache = tmp_path / "cache"
+    assert cli_run("quantize", torch_only_source(tmp_path / "src"), tmp_path / "out", "-q", cache=cache)["rc"] == 0
+    assert [p.name.split("-")[2] for p in (cache / "fp8convert").glob("startup-pages-*.json")] == ["cpu"]
+
+
+def test_auto_names_the_cuda_record_only_where_the_driver_loads(monkeypatch):
+    from fp8convert.run import warmup
+    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)  # a CUDA build of torch
+    monkeypatch.setattr(warmup, "CUDA_DRIVER", "libfp8convert-no-such-driver.so.1")
+    assert "-cpu-" in warmup.record_path("auto").name and "-cuda-" in warmup.record_path("cuda:1").name
+    monkeypatch.setattr(warmup, "CUDA_DRIVER", "libc.so.6")  # a library that loads, standing in for libcuda
+    assert "-cuda-" in warmup.record_path("auto").name and "-cpu-" in warmup.record_path("cpu").name
+
+
 def test_the_demo_leaves_the_start_up_record_for_the_first_real_conversion(tmp_path):
     """The README's first command builds its model with torch, so its conversion records nothing itself;
     the demo writes the record, and the next conversion reads torch's pages ahead."""

@@ -16,6 +16,7 @@ from .._version import __version__
 from . import _failures, cluster, convert, publish, verify
 from ._options import Group
 from ._output import printed
+from ..options import command_line
 from ..run.warmup import torch_starting
 
 app = typer.Typer(name="fp8convert", cls=Group, no_args_is_help=True, add_completion=False,
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # With standalone_mode=False typer returns exit codes instead of raising them; in particular
             # it turns Ctrl-C (and so SIGTERM, raised as a KeyboardInterrupt) inside a command into 130.
-            rc = app(args=argv, standalone_mode=False, prog_name="fp8convert")
+            with command_line():
+                rc = app(args=argv, standalone_mode=False, prog_name="fp8convert")
         except (KeyboardInterrupt, typer.Abort):
             rc = _failures.SIGINT_EXIT
         except typer.Exit as e:

@@ -72,9 +72,8 @@ def batch(
         print(batch_mod.render(results))
     failed = [r for r in results if r.status == "failed"]
     if failed:
-        raise FP8ConvertError(f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: job "
-                              f"{failed[0].index} "
-                              f"({failed[0].job}): {failed[0].error})")
+        raise FP8ConvertError(f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: "
+                              f"{batch_mod.result_title(failed[0])}: {failed[0].error})")
     sys.stdout.flush()
 
 

@@ -1,6 +1,8 @@
 """quantize, dequantize, inspect and demo."""
 from __future__ import annotations
 
+import json
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -231,6 +233,22 @@ def demo(
     # caller's process maps much else); this process is the program's own, so it leaves the record, and
     # the first real conversion on this device starts torch as every later one does.
     startup_pages.record(warmup.record_path(device))
+    print(next_steps(src, directory / "fp8", scheme, format))
+
+
+def next_steps(src: Path, out: Path, scheme: str, fmt: str) -> str:
+    """What to try after the demo: verify the output, inspect a plan, load it in transformers."""
+    from ..output.card import TRANSFORMERS_NEEDS, transformers_support
+    source, target = shlex.quote(str(src)), shlex.quote(str(out))
+    lines = ["next:", f"  fp8convert verify {source} {target}    # compare every weight with the source",
+             f"  fp8convert inspect {source} --scheme block    # what a conversion would do, from headers only"]
+    loads, why = transformers_support(fmt, scheme, None)
+    if not loads:
+        return "\n".join(lines + [f"  (not loadable in transformers: {why}; vLLM and SGLang serve it)"])
+    return "\n".join(lines + [f"  in Python (pip install {TRANSFORMERS_NEEDS[fmt]}):",
+                               "    import torch, transformers",
+                               f"    model = transformers.AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})",
+                               "    print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8))"])
 
 
 def register(app: typer.Typer) -> None:

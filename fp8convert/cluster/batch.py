@@ -61,6 +61,13 @@ class JobResult:
     report: dict = field(default_factory=dict)
 
 
+def result_title(result: JobResult) -> str:
+    """How the summary names a job that ran: by its name, else by what it converts (`job 1 (a -> b)`)."""
+    if result.job != str(result.index):
+        return job_title(result.index, result.job)
+    return f"job {result.index} ({result.source} -> {result.out})"
+
+
 def read_jobs(path: str | Path) -> list[Job]:
     """Parse and validate a jobs file; every problem is one line naming the file and the job."""
     path = Path(path)
@@ -233,7 +240,7 @@ def render(results: list[JobResult]) -> str:
     lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [f"{job_title(r.index, r.job)} failed: {r.error}" for r in results if r.status == "failed"]
+    lines += [f"{result_title(r)} failed: {r.error}" for r in results if r.status == "failed"]
     return "\n".join(line.rstrip() for line in lines)
 
 

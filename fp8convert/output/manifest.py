@@ -25,6 +25,7 @@ from ..plan.plan import Plan
 from ..run.writeback import fsync_dir
 from ..safetensors_io import INDEX_NAME
 from ..source.checkpoint import Source
+from ..units import size_text
 from .files import json_bytes, write_atomic
 
 WORK_DIR = ".fp8convert"      # OUT's work folder: never uploaded, never part of the result
@@ -146,12 +147,19 @@ OPTION_NAMES = {"source": "source", "scheme": "--scheme", "format": "--format", 
                 "dequantize": "dequantize", "dtype": "--dtype", "version": "fp8convert version"}
 
 
+def option_value(key: str, value) -> str:
+    """A recorded option's value as the user would type it: a shard size as '50MB', not its bytes."""
+    if key == "max_shard_size" and isinstance(value, int):
+        return size_text(value)
+    return repr(value)
+
+
 def plan_change(state: dict, plan: Plan) -> str:
     """What differs between the recorded run and this one: each option with both values, then the
     source's config.json keys or the shard files whose tensors changed."""
     now = new_manifest(plan)
-    diffs = [f"{OPTION_NAMES[key]} was {state.get(key)!r}, now {now[key]!r}" for key in OPTION_NAMES
-             if key in state and state.get(key) != now[key]]
+    diffs = [f"{OPTION_NAMES[key]} was {option_value(key, state.get(key))}, now {option_value(key, now[key])}"
+             for key in OPTION_NAMES if key in state and state.get(key) != now[key]]
     if not diffs:
         diffs = source_layout_change(state, now)
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"

@@ -6,6 +6,11 @@ import time
 
 from ..units import format_size
 
+# The most the columns right of the bar take ('123.4/456.7 GB', '123.4 MB/s', '0:00:12') and the spaces
+# between the five columns; the description and the bar share the rest of the terminal's width.
+NUMBERS_WIDTH = 14 + 10 + 7 + 4
+BAR_WIDTH = (10, 40)  # least, most
+
 
 class Progress:
     def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, interval_s: float = 10.0,
@@ -22,16 +27,31 @@ class Progress:
             from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
                                        TransferSpeedColumn)
             from rich.console import Console
-            self.bar = RichProgress("[bold]{task.description}", BarColumn(), DownloadColumn(),
+            self.bar_column = BarColumn()
+            self.bar = RichProgress("[bold]{task.description}", self.bar_column, DownloadColumn(),
                                     TransferSpeedColumn(), TimeRemainingColumn(),
                                     console=Console(file=self.stream), transient=False)
             self.bar.start()
-            self.task = self.bar.add_task(label, total=total_bytes)
+            self.task = self.bar.add_task(self.fit(""), total=total_bytes)
+
+    def fit(self, what: str) -> str:
+        """The description (label, then what is being converted) and the bar's width, to fit the terminal
+        on one line: a long description is shortened in the middle (its start says which run, its end
+        which layer), then the bar narrows to what is left."""
+        text = f"{self.label} {what}".strip()
+        room = self.bar.console.width - NUMBERS_WIDTH
+        most = max(room - BAR_WIDTH[0], 10)
+        if len(text) > most:
+            head = text.find(" ") + 1  # the command word, where it leaves room for the layer
+            head = head if 0 < head <= most // 3 else most // 3
+            text = text[:head] + "…" + text[len(text) - (most - head - 1):]
+        self.bar_column.bar_width = max(BAR_WIDTH[0], min(BAR_WIDTH[1], room - len(text)))
+        return text
 
     def advance(self, nbytes: int, what: str = "") -> None:
         self.done += nbytes
         if self.bar is not None:
-            self.bar.update(self.task, completed=self.done, description=f"{self.label} {what}".strip())
+            self.bar.update(self.task, completed=self.done, description=self.fit(what))
         elif self.enabled:
             now = time.monotonic()
             if now - self.last_log >= self.interval or self.done >= self.total:

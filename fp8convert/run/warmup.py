@@ -188,8 +188,23 @@ def torch_has_cuda() -> bool:
 
 
 def record_path(device: str) -> Path | None:
-    """Where the start-up record of a run on `device` ("cpu", "auto", "cuda:1"...) lives."""
-    return startup_pages.record_path("cpu" if device == "cpu" else "cuda")
+    """Where the start-up record of a run on `device` ("cpu", "auto", "cuda:1"...) lives: named after
+    the device type the run uses ("auto" is the CPU where there is no CUDA driver to use)."""
+    cuda = device.startswith("cuda") or (device == "auto" and cuda_driver_present())
+    return startup_pages.record_path("cuda" if cuda else "cpu")
+
+
+def cuda_driver_present() -> bool:
+    """Whether the installed torch has CUDA and the driver library loads: what "auto" needs to choose
+    CUDA, found without starting the driver (that takes a while, and open_primary_context's thread does it)."""
+    if not torch_has_cuda():
+        return False
+    import ctypes
+    try:
+        ctypes.CDLL(CUDA_DRIVER)
+    except OSError:
+        return False
+    return True
 
 
 def torch_loaded() -> bool:
