@@ -533,19 +533,19 @@ def test_target_tp_option_in_inspect_and_quantize(source_model, capsys, tmp_path
     assert "at TP 4" in (out / "README.md").read_text()  # the card reports the sizes asked for
 
 
-# ------------------------------------------------------------------ the README
+# ------------------------------------------------------------------ docs/architectures.md
 
 
-def test_readme_architecture_table_is_the_registry():
+def test_docs_architecture_table_is_the_registry():
     from conftest import REPO_ROOT
     from fp8convert.plan.architectures import ARCHITECTURES, architectures_table
 
-    readme = (REPO_ROOT / "README.md").read_text()
+    page = (REPO_ROOT / "docs" / "architectures.md").read_text()
     start = "<!-- architectures table: fp8convert.plan.architectures.architectures_table() -->\n"
     end = "\n<!-- end of architectures table -->"
-    assert start in readme and end in readme
-    assert readme[readme.index(start) + len(start):readme.index(end)] == architectures_table(), \
-        "README's supported-architectures table differs from the registry: paste architectures_table()"
+    assert start in page and end in page
+    assert page[page.index(start) + len(start):page.index(end)] == architectures_table(), \
+        "docs/architectures.md's supported-architectures table differs from the registry: paste architectures_table()"
     listed = {t for arch in ARCHITECTURES for t in arch.model_types}
     assert listed <= set(ZOO_ARCHS + MORE_ARCHS), f"registered but never converted in the tests: {listed - set(ZOO_ARCHS + MORE_ARCHS)}"
 
