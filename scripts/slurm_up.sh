@@ -3,7 +3,7 @@
 # slurm-wlm and munge, run as root. Every address is loopback: nothing of it listens for or talks to
 # another machine. Safe to run again: what already runs is left running.
 #
-#   bash scripts/slurm_up.sh         # install what is missing, start, wait until the node is idle
+#   bash scripts/slurm_up.sh         # install what is missing, start, wait until the node is idle and runs a job
 #   bash scripts/slurm_up.sh stop    # stop the daemons this script started
 #
 # State, spool, logs and pid files live in $FP8CONVERT_SLURM_DIR (default /var/tmp/fp8convert-slurm);
