@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,17 +22,16 @@ from typing import Callable
 from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError, PlanMismatchError
-from .options import Options, Settings, env_number, python_spelling
+from .options import Options, Settings, python_spelling
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
-from .run.cores import usable_cores
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
-from .run.warmup import PAGES_WAIT_S, TorchStart, cuda_missing, start_torch, torch_loaded
+from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
 from .run.writer import ShardWriter
 from .source.checkpoint import Source
 from .source.local import open_local
@@ -71,7 +69,6 @@ class Report:
     tensors_dequantized: int = 0          # FP8 source weights written in high precision
     tensors_requantized: int = 0          # FP8 source weights quantized again in the output's scheme
     tensors_passed_through: int = 0       # FP8 source weights whose codes and scales are the output's
-    tensors_quantized_early: int = 0      # by the numpy quantizer while torch was loading (run/early.py)
     dequantize: bool = False              # the run was a dequantize (no FP8 in the output)
 
 
@@ -125,7 +122,6 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     if cuda_missing(settings.device):  # known without torch: refused before OUT is made or space reserved
         raise FP8ConvertError(f"--device {settings.device}: CUDA is not available on this machine (the installed "
                               "torch is a CPU build)")
-    early_processes(spec, settings.scheme)  # a bad $FP8CONVERT_EARLY_PROCESSES fails before any I/O too
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
     out_dir = Path(out)
     head = _head_start(source, out_dir, settings, spec, devices)
@@ -254,14 +250,6 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
         report.complete = _finish(the_plan, out_dir, spec, settings.progress)
 
 
-EARLY_MIN_CORES = 8  # early_processes, per row or block: measured helping on 16 cores and hurting on 2
-# Each early process holds tens of MB of its own (74 MiB for a 27,000-tensor plan), and 8 (16 cores) is the
-# most measured: a 128-core node gets 8 too.
-EARLY_MAX_PROCESSES = 8
-# Sets the count per worker (0: none), for a node shared with other work or a benchmark of the pipeline alone
-EARLY_PROCESSES_ENV = "FP8CONVERT_EARLY_PROCESSES"
-
-
 def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
                    done: set[int], fetcher, started: float, report: Report) -> None:
     """This process writes its share of the shards (all of them when it is the only worker)."""
@@ -277,16 +265,11 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
                            settings.token, settings.cache_dir)
     device = workers.device_for(spec, settings.device)
     copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
-    # kept and passed-through tensors copied as they are (not cuts of fused experts, which need the
-    # device's reshaping)
+    # kept and passed-through tensors copied as they are while torch loads (not cuts of fused experts,
+    # which need the device's reshaping)
     kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
     computed = without(units, kept)
-    # BF16 weights quantized with numpy while torch loads, by processes forked before torch's thread
-    # starts (run/early.py); a process that has torch already has no start-up to fill
-    early = _early_quantizer(the_plan, computed if copy_kept and not torch_loaded() and not cuda_missing(device)
-                             else [], spec)
-    # Where it can write every weight, torch's start waits until the disk reads ahead of it (_torch_ready)
-    warmup = start_torch(device, begin=not early.takes_all(computed))
+    warmup = start_torch(device)
     command = "dequantize" if settings.dequantize else "quantize"
     bar = Progress(sum(u.in_bytes for u in units), f"{command} {the_plan.source.label}{_tag(spec)}",
                    enabled=settings.progress, plain=spec.count > 1)
@@ -294,39 +277,25 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.sharing)
-    # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback), unless
-    # the early quantizer runs: its writes and theirs then go out at once. In first runs of a dense and a
-    # MoE checkpoint on an H200 box that ended sooner than holding them (docs/benchmarks.md).
+    # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback): a
+    # cold import of torch is thousands of page faults, which writes on the same disk slow down.
     with fetcher, prefetcher or contextlib.nullcontext(), \
             contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=not early.groups) as writer, \
-            _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier, \
-            early:
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True) as writer, \
+            _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
-        early.start(writer, on_done=_copied(bar, prefetcher))
-        early.wait_for(_torch_ready(warmup, prefetcher))
-        quantized_early = early.stop()
-        left = without(computed, quantized_early)
-        report.tensors_quantized_early = len(quantized_early)
-        if left or not warmup.device_known_good(device):
-            # Join torch's thread before importing the pipeline (which imports torch): on a small model the
-            # main thread gets here first and would do torch's import itself.
-            warmup.join()
-            writer.writeback.release()
-            from .run.pipeline import convert
-            result = convert(the_plan, left, writer, device, settings.max_resident, fetcher, bar,
-                             read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
-                             started=started, check=copier.check)
-            copier.finish()
-            warmup.record_pages()
-            report.stage_seconds, report.device, report.peak_device_bytes = (
-                result.stage_seconds, result.device, result.peak_device_bytes)
-        else:  # every weight was written before torch was ready: the run ends without it
-            writer.writeback.release()
-            copier.finish()
-            report.stage_seconds, report.device = {"done_before_torch": round(time.monotonic() - started, 3)}, "cpu"
-        if warmup.began_at is not None:  # when torch's start began: with the run, or once the disk read ahead
-            report.stage_seconds["torch_began_at"] = round(warmup.began_at - started, 3)
+        # Join torch's thread before importing the pipeline (which imports torch): on a small model the
+        # main thread gets here first and would do torch's import itself.
+        warmup.join()
+        writer.writeback.release()
+        from .run.pipeline import convert
+        result = convert(the_plan, computed, writer, device, settings.max_resident, fetcher, bar,
+                         read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
+                         started=started, check=copier.check)
+        copier.finish()
+        warmup.record_pages()
+        report.stage_seconds, report.device, report.peak_device_bytes = (
+            result.stage_seconds, result.device, result.peak_device_bytes)
         report.shards_written = len(todo)
         if settings.finalize:
             report.complete = _finish(the_plan, out_dir, spec, settings.progress)
@@ -341,59 +310,6 @@ def _kept_copier(the_plan: Plan, kept: list, writer: ShardWriter, on_copied: Cal
     and by now the prefetcher is reading."""
     from .run.kept import KeptCopier
     return KeptCopier(the_plan, kept, writer, on_copied=on_copied)
-
-
-def _early_quantizer(the_plan: Plan, units: list[Unit], spec: workers.WorkerSpec):
-    """The early quantizer of `units`' BF16 weights (run/early.py), its processes forked now. Off Linux,
-    and where early_processes gives none, none."""
-    from .run.early import EarlyQuantizer, early_groups
-    processes = early_processes(spec, the_plan.options.scheme)
-    groups = early_groups(units, the_plan.options.scheme) if processes and sys.platform == "linux" else []
-    quantizer = EarlyQuantizer(the_plan, groups, processes)
-    quantizer.fork()
-    return quantizer
-
-
-def early_processes(spec: workers.WorkerSpec, scheme: str) -> int:
-    """Half the cores, at most EARLY_MAX_PROCESSES, shared by the run's workers on this machine
-    (WorkerSpec.sharing). Per row and per block, a dozen numpy passes over each element (half torch's
-    speed on a core), they need EARLY_MIN_CORES: on 2 cores the one process took
-    more from torch's start than it gave (first runs of a 2-layer MoE per row 14.6-16.3 s against
-    14.0-14.8 s without). Per tensor, one table lookup per element, it gave more there too (13.1-13.5 s
-    against 13.8-15.8 s; a 2-layer dense model 9.6-10.5 s against 11.3-11.9 s; docs/benchmarks.md).
-    $FP8CONVERT_EARLY_PROCESSES, where set, is the count."""
-    given = env_number(EARLY_PROCESSES_ENV, None, int)
-    if given is not None:
-        if given < 0:
-            raise FP8ConvertError(f"${EARLY_PROCESSES_ENV}={given}: not a number of processes (0 turns them off)")
-        return given
-    cores = usable_cores()
-    if scheme != "tensor" and cores < EARLY_MIN_CORES:
-        return 0
-    return min(EARLY_MAX_PROCESSES, cores // 2) // spec.sharing
-
-
-# How far the disk's reads may run ahead of the early quantizer's processes before torch's deferred start
-# begins. A run that needs torch (cached input, a fast disk) begins it within a second or so; one the
-# processes keep up with (about 2 GB/s on 16 cores) never imports torch, whose start-up reads then never
-# share the disk with the checkpoint's. In first runs on H200 machines that ended dense 16 at 1.08-1.20x
-# the I/O floor and MoE 16 at 1.04-1.17x, against 1.30-1.31x and 1.18-1.21x with torch starting at once;
-# on the 2-core machine (one process) 10.4-10.8 s against 13.1-14.6 s (docs/benchmarks.md, session 17).
-# Large enough for the processes' own start (numpy's import, the first groups in hand) on such a disk.
-AHEAD_BEFORE_TORCH = 4 << 30
-
-
-def _torch_ready(warmup: TorchStart, prefetcher: Prefetcher | None) -> Callable[[], bool]:
-    """Whether torch is ready, for early.wait_for; asking begins its deferred start once the prefetcher
-    is AHEAD_BEFORE_TORCH (or half its window) ahead of what the run has written, or at once without a
-    prefetcher (nothing then tells how fast the disk reads)."""
-    ahead_limit = min(AHEAD_BEFORE_TORCH, prefetcher.window // 2) if prefetcher else 0
-
-    def ready() -> bool:
-        if prefetcher is None or prefetcher.ahead() >= ahead_limit:
-            warmup.begin()
-        return warmup.ready()
-    return ready
 
 
 def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:

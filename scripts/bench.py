@@ -648,9 +648,6 @@ def warm_page_cache(src: Path) -> float:
     return time.monotonic() - start
 
 
-# The ceiling's two ways of running: the pipeline alone, so that its stage's GB/s covers every weight; and
-# as a user runs it, with the early quantizer (run/early.py) writing weights while torch loads
-CEILING_MODES = {"pipeline": {"FP8CONVERT_EARLY_PROCESSES": "0"}, "default": {}}
 
 
 def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
@@ -663,16 +660,15 @@ def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
         # reused ones (docs/benchmarks.md, session 18): on a virtual machine the host backs a page on its
         # first touch, which a machine that has run for a while has done. The warm-up run is in the table.
         if not out_of_time(log, f"ceiling {dev} warm-up"):
-            rows.append(ceiling_run(src, info, args, log, gpu, dev, "warm-up", CEILING_MODES["pipeline"], -1))
-        for mode, env in CEILING_MODES.items():
-            for rep in range(args.ceiling_repeat):
-                if out_of_time(log, f"ceiling {dev} {mode} #{rep + 1}"):
-                    return rows
-                rows.append(ceiling_run(src, info, args, log, gpu, dev, mode, env, rep))
+            rows.append(ceiling_run(src, info, args, log, gpu, dev, "warm-up", -1))
+        for rep in range(args.ceiling_repeat):
+            if out_of_time(log, f"ceiling {dev} #{rep + 1}"):
+                return rows
+            rows.append(ceiling_run(src, info, args, log, gpu, dev, "run", rep))
     return rows
 
 
-def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str, env: dict, rep: int) -> dict:
+def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str, rep: int) -> dict:
     out = args.ceiling_out / f"out-{dev}"
     shutil.rmtree(out, ignore_errors=True)
     warm_page_cache(src)
@@ -680,26 +676,23 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
     cmd = fp8convert_cmd() + ["quantize", str(src), str(out), "--device", dev, "--max-shard-size",
                               args.max_shard_size, "--overwrite", "--json", "-q"]
     cpu_before = cpu_seconds()
-    r = run_measured(f"{src.name}-ceiling-{dev}-{mode}-{rep}", cmd, dict(fp8convert_env(args), **env),
+    r = run_measured(f"{src.name}-ceiling-{dev}-{mode}-{rep}", cmd, fp8convert_env(args),
                      args.work / "logs", log, gpu, args.timeout)
     steal = steal_percent(cpu_before, cpu_seconds())
     report = parse_json_report(r["stdout"]) or {}
     stages = report.get("stage_seconds") or {}
-    early = report.get("tensors_quantized_early") or 0
     row = {"device": dev, "mode": mode, "rep": rep + 1 if rep >= 0 else "-", "rc": r["rc"], "wall_s": r["wall_s"],
            "rss_gib": r["rss_peak_gib"], "gpu_gib": (report.get("peak_device_bytes") or 0) / GiB or None,
-           "stages": stages, "early": early, "ran_on": report.get("device"),
-           "torch_began_s": stages.get("torch_began_at"), "torch_ready_s": stages.get("torch_ready_at"),
+           "stages": stages, "ran_on": report.get("device"), "torch_ready_s": stages.get("torch_ready_at"),
            "pipeline_s": stages.get("pipeline"), "copy_one_gbps": copy_one, "copy_all_gbps": copy_all,
            "steal_pct": steal}
-    # the pipeline's stage covers every weight only where nothing was written early
-    row["gbps_pipeline"] = info["bytes_in"] / row["pipeline_s"] / 1e9 if row["pipeline_s"] and not early else None
+    row["gbps_pipeline"] = info["bytes_in"] / row["pipeline_s"] / 1e9 if row["pipeline_s"] else None
     row["gbps_whole"] = info["bytes_in"] / r["wall_s"] / 1e9 if r["rc"] == 0 else None
     shutil.rmtree(out, ignore_errors=True)
     log.say(f"  ceiling {dev} {mode} #{row['rep']}: rc {r['rc']}, wall {r['wall_s']:.2f} s, torch ready "
             f"{fmt(row['torch_ready_s'], 2)} s, pipeline {fmt(row['pipeline_s'], 2)} s = "
             f"{fmt(row['gbps_pipeline'], 2)} GB/s, whole {fmt(row['gbps_whole'], 2)} GB/s, "
-            f"{early} tensors early, ran on {row['ran_on']}, host copy {fmt(copy_one, 1)}/{fmt(copy_all, 1)} GB/s "
+            f"ran on {row['ran_on']}, host copy {fmt(copy_one, 1)}/{fmt(copy_all, 1)} GB/s "
             f"before it, steal {fmt(steal, 1)}%, stages {stages}")
     if r["rc"] != 0:
         log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
@@ -708,20 +701,16 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
 
 def ceiling_table(name: str, info: dict, rows: list[dict]) -> str:
     lines = [f"### {name}: pipeline ceiling ({info['bytes_in'] / 1e9:.2f} GB in the page cache, output on tmpfs)", "",
-             "| device | way | run | wall s | torch began at s | torch ready at s | pipeline s | GB/s pipeline "
-             "| GB/s whole run | tensors early | ran on | peak RSS GiB | peak GPU GiB | host copy GB/s | steal % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['device']} | {r['mode']} | {r['rep']} | {r['wall_s']:.2f} | {fmt(r['torch_began_s'], 2)} | "
+             "| device | way | run | wall s | torch ready at s | pipeline s | GB/s pipeline "
+             "| GB/s whole run | ran on | peak RSS GiB | peak GPU GiB | host copy GB/s | steal % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['device']} | {r['mode']} | {r['rep']} | {r['wall_s']:.2f} | "
               f"{fmt(r['torch_ready_s'], 2)} | "
               f"{fmt(r['pipeline_s'], 2)} | {fmt(r['gbps_pipeline'], 2)} | {fmt(r['gbps_whole'], 2)} | "
-              f"{r['early']} | {r['ran_on']} | {fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} | "
+              f"{r['ran_on']} | {fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} | "
               f"{fmt(r['copy_one_gbps'], 1)} / {fmt(r['copy_all_gbps'], 1)} | {fmt(r['steal_pct'], 1)} |" for r in rows]
     lines += ["", "way: `warm-up` the pipeline alone once, first, so that the memory tmpfs takes for the outputs "
-              "has been touched (on a virtual machine the host backs a page on its first touch); "
-              "`pipeline` with FP8CONVERT_EARLY_PROCESSES=0, so that the pipeline's stage takes every "
-              "weight; `default` as a user runs it, the early quantizer writing weights while torch loads (its "
-              "pipeline GB/s is left out: the stage did not take them all). torch began: when torch's import "
-              "began (it waits while the early quantizer keeps up with the disk; -: it never began). host copy: a 1 GiB "
+              "has been touched (on a virtual machine the host backs a page on its first touch). host copy: a 1 GiB "
               "memory copy just before the run, one thread / every core; steal: the share of the machine's CPU time "
               "that the hypervisor gave other guests during the run."]
     return "\n".join(lines)

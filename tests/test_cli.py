@@ -416,32 +416,6 @@ def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
     assert done.stderr == "interrupted before the command started: nothing was read or written\n"
 
 
-# The same, with the early quantizer on (however few this machine's cores), torch's start begun with the
-# run (a tiny model's reads never run far enough ahead to begin it) and its import held back 5 s in its
-# thread: a run of a tiny BF16 model ends with torch still loading.
-EARLY_PROGRAM_WITH_ATEXIT_MARK = (
-    "import atexit, builtins, pathlib, sys, threading, time; mark = pathlib.Path(sys.argv.pop(1)); "
-    "atexit.register(lambda: mark.write_text('torn down')); "
-    "real = builtins.__import__; "
-    "builtins.__import__ = lambda name, *a, **k: (time.sleep(5) if name == 'torch' and 'torch' not in sys.modules "
-    "and threading.current_thread().name == 'fp8convert-torch' else None, real(name, *a, **k))[1]; "
-    "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1; api.AHEAD_BEFORE_TORCH = 0; "
-    "from fp8convert.cli import run; run(sys.argv[1:])")
-
-
-def test_the_program_skips_teardown_while_torch_is_still_loading(tmp_path):
-    """A run the early quantizer finished returns while torch's thread imports: a teardown beside that
-    import can abort the process, so the exit skips it, report flushed."""
-    src = write_checkpoint(tmp_path / "src")
-    done = subprocess.run([sys.executable, "-c", EARLY_PROGRAM_WITH_ATEXIT_MARK, str(tmp_path / "mark"), "quantize",
-                           str(src), str(tmp_path / "out"), "--device", "cpu", "-q", "--json"],
-                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    assert report["tensors_quantized_early"] == report["tensors_quantized"] > 0 and looks_complete(tmp_path / "out")
-    assert not (tmp_path / "mark").exists()
-
-
 def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp_path):
     """A conversion (torch loaded) exits without the teardown, its whole JSON report flushed down the
     pipe; a failure keeps its exit code and its one line; a command without torch exits as usual."""

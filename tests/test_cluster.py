@@ -355,7 +355,7 @@ def test_resolve_worker_reads_the_process_environment(monkeypatch):
 
 
 def test_the_workers_sharing_a_machine():
-    """What the prefetch window and the early quantizer's processes are divided by: every worker of the
+    """What the prefetch window is divided by: every worker of the
     split unless the launcher says how many run here; --devices' sub-workers all run here."""
     assert WorkerSpec(1, 2).sharing == 2 and WorkerSpec(2, 4, "slurm-array", on_this_machine=1).sharing == 1
     assert WorkerSpec(9, 32, "torchrun", 1, on_this_machine=8).sharing == 8

@@ -54,14 +54,11 @@ def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_p
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this system")
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing to pin away")
 def test_a_run_counts_the_cores_it_may_run_on_not_the_machines():
-    """A cluster job pinned to one core of a bigger node (as Slurm and taskset do) gets threads and early
-    processes for one core."""
+    """A cluster job pinned to one core of a bigger node (as Slurm and taskset do) gets threads for one core."""
     script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-              "from fp8convert import api; from fp8convert.cluster.workers import WorkerSpec\n"
               "from fp8convert.run import device, prefetch; from fp8convert.run.cores import usable_cores\n"
-              "print(usable_cores(), api.early_processes(WorkerSpec(0, 1), 'tensor'),"
+              "print(usable_cores(),"
               " device.io_threads('cpu'), prefetch.default_threads())")
-    env = {k: v for k, v in os.environ.items() if k != "FP8CONVERT_EARLY_PROCESSES"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "1 0 (1, 1) 1"  # the machine's 2 or more cores would give 1 early process
+    assert out.stdout.strip() == "1 (1, 1) 1"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,7 +53,6 @@ def test_cuda_split_batches_change_nothing(source_model, tmp_path, max_resident)
 
 def test_cuda_refuses_nan_naming_the_tensor(tmp_path):
     from safetensors.torch import save_file
-    import json
     src = tmp_path / "src"
     src.mkdir()
     w = torch.randn(64, 64, dtype=torch.bfloat16)
@@ -89,7 +86,6 @@ def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fm
 
 
 def test_cuda_verify_finds_one_corrupted_code(source_model, tmp_path):
-    import json
     import struct
     from fp8convert import verify as verify_mod
     src = source_model("llama")
@@ -188,28 +184,3 @@ def test_cuda_mxfp8_experts_cut_from_fused_tensors_like_cpu(tmp_path, arch):
     fp8convert.quantize(src, tmp_path / "cpu", scheme="mxfp8", device="cpu")
     fp8convert.quantize(src, tmp_path / "cuda", scheme="mxfp8", device="cuda")
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
-
-
-# A fresh interpreter makes device 0's primary context through the driver, then imports torch.
-PRIMARY_CONTEXT = """
-import ctypes, json, sys
-from fp8convert.run import warmup
-warmup.open_primary_context("cuda:0").join()
-cuda = ctypes.CDLL("libcuda.so.1")
-device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-cuda.cuDeviceGet(ctypes.byref(device), 0)
-cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
-before = {"active": active.value, "torch_loaded": "torch" in sys.modules}
-import torch
-torch.empty(1, device="cuda:0")
-current, primary = ctypes.c_void_p(), ctypes.c_void_p()
-cuda.cuCtxGetCurrent(ctypes.byref(current))
-cuda.cuDevicePrimaryCtxRetain(ctypes.byref(primary), device)
-print(json.dumps({**before, "torch_uses_it": primary.value is not None and current.value == primary.value}))
-"""
-
-
-def test_the_primary_context_made_before_torch_is_the_one_torch_uses():
-    run = subprocess.run([sys.executable, "-c", PRIMARY_CONTEXT], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert json.loads(run.stdout) == {"active": 1, "torch_loaded": False, "torch_uses_it": True}

@@ -12,13 +12,12 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import fp8convert
 from fp8convert import api
 from fp8convert.run.warmup import PINNED_ALLOC_CONF
-from tiny_ckpt import llama_tensors, tree_bytes, write_checkpoint
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 # Runs the CLI in a fresh interpreter and reports which thread imported torch first (None: nobody).
 # The torch thread's first import of torch is held back by DELAY seconds.
@@ -48,93 +47,36 @@ def run_spy(script: str, *args, env: dict | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def who_imports_torch(*args, delay: float = 0.0, early: bool = False, env: dict | None = None) -> dict:
-    """`early`: with the early quantizer (run/early.py) on, however few this machine's cores. `env`: added
-    to the environment."""
-    force = "import fp8convert.api as api; api.early_processes = lambda spec, scheme: 1\n" if early else ""
-    return run_spy(force + SPY.replace("{delay}", str(delay)), *args, env={**os.environ, **(env or {})})
+def who_imports_torch(*args, delay: float = 0.0, env: dict | None = None) -> dict:
+    """`env`: added to the environment."""
+    return run_spy(SPY.replace("{delay}", str(delay)), *args, env={**os.environ, **(env or {})})
 
 
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
-    src = torch_only_source(tmp_path / "src")
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q")
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
-
-
-def torch_only_source(path: Path) -> Path:
-    """A checkpoint whose weights only the pipeline quantizes (FP16: the early quantizer, run/early.py,
-    takes BF16 only), so the run needs torch."""
-    return write_checkpoint(path, llama_tensors(dtype=torch.float16))
 
 
 def test_main_thread_waits_for_a_late_torch_thread(tmp_path):
     """The main thread reaches the pipeline in milliseconds on a small model; it must then wait for the
     torch thread rather than import torch itself, however late that thread gets to its import (the
     dequantize test below failed once on a 16-core machine, most likely so)."""
-    src = torch_only_source(tmp_path / "src")
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q", delay=1.5)
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
 
 
-def test_a_run_the_early_quantizer_finishes_ends_without_torch(tmp_path):
-    """The early quantizer can take every BF16 weight, so torch's start waits until the disk's reads run
-    ahead of it, which a small model's never do (no delay needed): nobody imports torch, and the output
-    is the pipeline's. (In-process tests in test_early.py show it beginning: a disk ahead, --prefetch 0.)"""
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
-    result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q", early=True)
-    assert result == {"rc": 0, "first_import": None}
-    fp8convert.quantize(src, tmp_path / "pipeline", device="cpu", progress=False)
-    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "pipeline")
-
-
-def test_a_worker_with_a_local_rank_picks_its_device_without_importing_torch(tmp_path):
-    """torchrun and srun give each process a LOCAL_RANK, and --device auto becomes that rank's GPU: it
-    is counted without torch (here, a CPU build: the CPU), so torch's import still waits for the disk
-    and a small model's run never imports it."""
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "auto", "-q", early=True, env=env)
-    assert result == {"rc": 0, "first_import": None}
-
-
-def test_the_drivers_device_count_picks_a_ranks_gpu(monkeypatch):
-    import ctypes
-
+def test_a_ranks_gpu_is_its_local_rank_among_the_visible_devices(monkeypatch):
     from fp8convert.cluster.workers import WorkerSpec, device_for
     from fp8convert.run import warmup
 
-    class Driver:
-        def __init__(self, init: int):
-            self.init = init
-
-        def cuInit(self, flags):
-            return self.init
-
-        def cuDeviceGetCount(self, count):
-            ctypes.cast(count, ctypes.POINTER(ctypes.c_int)).contents.value = 4
-            return 0
-    monkeypatch.setattr(warmup, "torch_loaded", lambda: False)
-    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)
     rank5 = WorkerSpec(5, 8, "torchrun", 5)
-    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver(0))
+    monkeypatch.setattr(warmup, "cuda_device_count", lambda: 4)
     assert device_for(rank5, "auto") == device_for(rank5, "cuda") == "cuda:1"
     assert device_for(rank5, "cuda:0") == "cuda:0" and device_for(WorkerSpec(), "auto") == "auto"
-    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver(100))  # CUDA_ERROR_NO_DEVICE
+    monkeypatch.setattr(warmup, "cuda_device_count", lambda: 0)
     assert device_for(rank5, "auto") == "cpu" and device_for(rank5, "cuda") == "cuda"  # refused later, by torch
-
-
-def test_the_environment_sets_the_early_processes(tmp_path):
-    """FP8CONVERT_EARLY_PROCESSES=1 turns the early quantizer on per row, which 2 cores would not: it
-    writes every weight before torch's delayed import, so nobody imports torch. =0 turns it off: the
-    pipeline, and so torch, does the work, on any number of cores."""
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
-    on = who_imports_torch("quantize", src, tmp_path / "on", "--device", "cpu", "-q", "--scheme", "channel",
-                           delay=5, env={api.EARLY_PROCESSES_ENV: "1"})
-    assert on == {"rc": 0, "first_import": None}
-    off = who_imports_torch("quantize", src, tmp_path / "off", "--device", "cpu", "-q", "--scheme", "channel",
-                            delay=1, env={api.EARLY_PROCESSES_ENV: "0"})
-    assert off == {"rc": 0, "first_import": "fp8convert-torch"}
-    assert tree_bytes(tmp_path / "on") == tree_bytes(tmp_path / "off")
 
 
 def test_dequantize_imports_torch_in_the_background_thread(tmp_path):
@@ -232,7 +174,7 @@ def cli_run(*args, cache: Path) -> dict:
 
 
 def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
-    src = torch_only_source(tmp_path / "src")
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
     cache = tmp_path / "cache"
     first = cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)
     assert first == {"rc": 0, "asked": []}  # nothing recorded yet
@@ -273,7 +215,7 @@ print(json.dumps({"rc": rc, "asked": len(asked), "last_asked": max(asked, defaul
 def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
     """Asking for them beside the import (which holds the GIL) took ten times as long, and the
     checkpoint's reads wait until they are all asked for."""
-    src = torch_only_source(tmp_path / "src")
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
     cache = tmp_path / "cache"
     assert cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)["rc"] == 0  # records
     result = run_spy(ORDER_SPY, "quantize", src, tmp_path / "b", "--device", "cpu", "-q",
@@ -285,69 +227,9 @@ def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
 
 # Runs the CLI in a fresh interpreter with a stand-in for CUDA's driver library; reports the calls made to
 # it, each with the thread that made it.
-DRIVER_SPY = """
-import ctypes, json, sys, threading
-calls = []
-real_cdll = ctypes.CDLL
-class Driver:
-    def cuInit(self, flags):
-        calls.append(["cuInit", flags, threading.current_thread().name])
-        return {init}
-    def cuDeviceGet(self, handle, ordinal):
-        handle._obj.value = 40 + ordinal
-        calls.append(["cuDeviceGet", ordinal])
-        return 0
-    def cuDevicePrimaryCtxRetain(self, context, handle):
-        calls.append(["cuDevicePrimaryCtxRetain", handle.value])
-        return 0
-ctypes.CDLL = lambda name, *a, **k: Driver() if name == "libcuda.so.1" else real_cdll(name, *a, **k)
-from fp8convert.run import warmup
-warmup.torch_has_cuda = lambda: {has_cuda}
-from fp8convert.cli import main
-rc = main(sys.argv[1:])
-for thread in threading.enumerate():
-    if thread.name == "fp8convert-cuda":
-        thread.join()
-print(json.dumps({"rc": rc, "calls": calls}))
-"""
-
-
-def driver_calls(*args, init: int = 0, has_cuda: bool = True) -> list:
-    script = DRIVER_SPY.replace("{init}", str(init)).replace("{has_cuda}", str(has_cuda))
-    return run_spy(script, *args)["calls"]
-
-
-def test_a_gpu_run_makes_the_devices_primary_context_beside_torchs_import(tmp_path):
-    """torch's CUDA runtime takes the device's primary context; made by the driver in a thread of its own,
-    it is ready when torch's import ends instead of being made after it."""
-    src = write_checkpoint(tmp_path / "src", llama_tensors())
-    made = [["cuInit", 0, "fp8convert-cuda"], ["cuDeviceGet", 1], ["cuDevicePrimaryCtxRetain", 41]]
-    assert driver_calls("quantize", src, tmp_path / "a", "--device", "cuda:1", "-q") == made
-    assert driver_calls("quantize", src, tmp_path / "b", "--device", "auto", "-q")[1:] == [
-        ["cuDeviceGet", 0], ["cuDevicePrimaryCtxRetain", 40]]  # torch's device 0
-    assert driver_calls("quantize", src, tmp_path / "c", "--device", "cpu", "-q") == []
-    # a driver that cannot start (no device): nothing more is asked of it
-    assert driver_calls("quantize", src, tmp_path / "d", "--device", "auto", "-q", init=100) == [
-        ["cuInit", 0, "fp8convert-cuda"]]
-    # a torch built without CUDA could not use the context: none is made
-    assert driver_calls("quantize", src, tmp_path / "e", "--device", "auto", "-q", has_cuda=False) == []
-
-
 def test_whether_torch_has_cuda_is_known_without_importing_it():
     from fp8convert.run import warmup
     assert warmup.torch_has_cuda() == (torch.version.cuda is not None)
-
-
-def test_no_driver_library_is_no_error(monkeypatch):
-    """A machine without CUDA's driver: the thread ends quietly (torch reports what is missing)."""
-    from fp8convert.run import warmup
-    raised = []
-    monkeypatch.setattr("threading.excepthook", raised.append)
-    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)
-    monkeypatch.setattr(warmup, "CUDA_DRIVER", "libfp8convert-no-such-driver.so")
-    thread = warmup.open_primary_context("cuda")
-    thread.join(30)
-    assert not thread.is_alive() and raised == []
 
 
 class PullSpy:
@@ -355,7 +237,6 @@ class PullSpy:
     pull came before the plan was made."""
 
     def __init__(self, monkeypatch, wait: float):
-        from fp8convert import api
         from fp8convert.run import prefetch
         self.pulled, self.calls, self.before_plan = threading.Event(), [], []
         real_pull, real_plan = prefetch.pull_into_cache, api.build_plan
@@ -426,46 +307,6 @@ def test_the_demo_leaves_the_start_up_record_for_the_first_real_conversion(tmp_p
     files = [path for path, _, _, _ in json.loads(record.read_text())["files"]]
     torch_lib = Path(torch.__file__).parent / "lib"
     assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name for p in files)
-    src = torch_only_source(tmp_path / "src")  # a BF16 model's run on this machine might never start torch
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
     first = cli_run("quantize", src, tmp_path / "out", "--device", "cpu", "-q", cache=cache)
     assert first["rc"] == 0 and any(Path(p).parent == torch_lib for p in first["asked"])
-
-
-@pytest.mark.parametrize("retain,made", [(0, True), (201, False)])
-def test_the_primary_context_says_whether_it_was_made(monkeypatch, retain, made):
-    """The driver's answer decides whether a run may end without torch on that GPU."""
-    import ctypes
-
-    from fp8convert.run import warmup
-
-    class Driver:
-        def cuInit(self, flags):
-            return 0
-
-        def cuDeviceGet(self, handle, ordinal):
-            return 0
-
-        def cuDevicePrimaryCtxRetain(self, context, handle):
-            return retain
-    monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)
-    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver())
-    event = threading.Event()
-    warmup.open_primary_context("cuda:0", event).join(30)
-    assert event.is_set() == made
-
-
-def test_a_run_ends_without_torch_only_on_a_device_known_good():
-    """The CPU and auto always; a CUDA device only once the driver made its context; anything else waits
-    for torch, which refuses what this machine does not have."""
-    from fp8convert.run.warmup import TorchStart
-    done = threading.Thread(target=lambda: None)
-    done.start()
-    made, unmade = threading.Event(), threading.Event()
-    made.set()
-    with_context = TorchStart("cuda", None, context=done, context_made=made)
-    without = TorchStart("cuda", None, context=done, context_made=unmade)
-    no_thread = TorchStart("cuda", None)
-    assert with_context.device_known_good("cpu") and no_thread.device_known_good("auto")
-    assert with_context.device_known_good("cuda") and with_context.device_known_good("cuda:0")
-    assert not without.device_known_good("cuda") and not no_thread.device_known_good("cuda:0")
-    assert not with_context.device_known_good("cuda:x") and not with_context.device_known_good("mps")

@@ -105,14 +105,11 @@ def looks_complete(out) -> bool:
 
 
 CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
-# The same, with every tensor write slowed by argv[1] seconds (the early quantizer's too: a write of a
-# chunk of rows), so a test can stop a run of a tiny model at a chosen moment. The slowing lives here, in
+# The same, with every tensor write slowed by argv[1] seconds, so a test can stop a run of a tiny model at a chosen moment. The slowing lives here, in
 # the tests, not in the product.
 SLOW_CLI = ("import sys, time; from fp8convert.run.writer import ShardWriter; write = ShardWriter.write; "
-            "from fp8convert.run.early import DirectWriter; direct = DirectWriter.write; "
             "delay = float(sys.argv.pop(1)); "
             "ShardWriter.write = lambda self, *a, **k: (time.sleep(delay), write(self, *a, **k))[1]; "
-            "DirectWriter.write = lambda self, *a, **k: (time.sleep(delay), direct(self, *a, **k))[1]; "
             "from fp8convert.cli import run; run(sys.argv[1:])")
 
 

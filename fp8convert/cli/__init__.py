@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The program: main(), then exit with its code. Once torch is loaded, or still loading (a run that the
-    early quantizer finished does not wait for it), the exit skips the interpreter's teardown: unloading
+    """The program: main(), then exit with its code. Once torch is loaded, or still loading (a run refused
+    before the pipeline started does not wait for it), the exit skips the interpreter's teardown: unloading
     torch and destroying the CUDA context took 1.0-1.3 s after a cold conversion had returned, every
     output already fsynced and renamed (docs/benchmarks.md), and a teardown beside an import in
     progress can abort. main() has closed every file and joined every thread of its own by then; only

@@ -48,7 +48,7 @@ class WorkerSpec:
     @property
     def sharing(self) -> int:
         """The workers that share this machine's memory and cores, this one included: what the prefetch
-        window and the early quantizer's processes are divided by."""
+        window is divided by."""
         return min(self.on_this_machine or self.count, self.count)
 
     def owned(self, shard_count: int) -> set[int]:
@@ -159,8 +159,7 @@ def resolve_worker(worker: "str | tuple[int, int] | WorkerSpec | None", env=None
 
 
 def device_for(spec: WorkerSpec, device: str) -> str:
-    """One process per GPU (torchrun, srun --gpus-per-task...): 'auto'/'cuda' becomes cuda:LOCAL_RANK.
-    The devices are counted without importing torch, whose import the run overlaps with its I/O."""
+    """One process per GPU (torchrun, srun --gpus-per-task...): 'auto'/'cuda' becomes cuda:LOCAL_RANK."""
     if spec.local_rank is None or device not in ("auto", "cuda"):
         return device
     from ..run.warmup import cuda_device_count

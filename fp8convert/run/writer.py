@@ -148,16 +148,6 @@ class ShardWriter:
             self._raise_write_error(run.shard, e)
         self._count(run)
 
-    def written_elsewhere(self, run: Run) -> None:
-        """Another process (the early quantizer's, run/early.py) wrote `run` through a descriptor of this
-        shard's file it was handed: count it, and hand it to writeback, as write() does."""
-        with self.lock:
-            if run.shard not in self.remaining:
-                return
-            fd = self._fd(run.shard)
-        self.writeback.written(fd, run.start, run.nbytes)
-        self._count(run)
-
     def _count(self, run: Run) -> None:
         """`run` is written (or on its way): its shard is finished once every run of it is."""
         with self.lock:
