@@ -514,6 +514,23 @@ def parse_json_report(stdout: str) -> dict | None:
         return None
 
 
+# Start-up mechanisms switched off one at a time (--startup-ablation), by patching the program before it
+# runs: what each one gains is the default run's wall time against these.
+ABLATIONS = {
+    # torch and CUDA loaded first, in the main thread (so no start-up record is read ahead either)
+    "torch-first": "import torch; torch.empty(1, device='{dev}')\n",
+    # kept tensors written by the pipeline after torch is ready, not copied while it loads
+    "no-kept-copier": "import fp8convert.api as api; from fp8convert.run.kept import KeptCopier\n"
+                      "api.without = lambda units, kept: units\n"
+                      "api._kept_copier = lambda plan, kept, writer, on_copied: KeptCopier(plan, [], writer, "
+                      "on_copied=on_copied)\n",
+    # written bytes handed to the disk at once, also while torch loads
+    "no-writeback-hold": "from fp8convert.run import writeback; init = writeback.Writeback.__init__\n"
+                         "writeback.Writeback.__init__ = lambda self, holding=False: init(self, False)\n",
+}
+ABLATED_CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
+
+
 def contenders(args) -> list[dict]:
     """label, command (SRC and OUT filled in later), environment, how it reports itself."""
     plan = []
@@ -543,6 +560,10 @@ def contenders(args) -> list[dict]:
         if args.warm_libs:  # same run, but torch's own files already in the page cache (checkpoint still cold)
             plan.append(dict(plan[-1], label=f"fp8convert-{dev}-libs-warm",
                              warmup=[PY, "-c", f"import torch; torch.empty(1, device='{dev}')"]))
+        if args.startup_ablation:  # the same run with one start-up mechanism switched off
+            for name, patch in ABLATIONS.items():
+                plan.append(dict(fp8, label=f"fp8convert-{dev}-{name}",
+                                 cmd=[PY, "-c", patch.format(dev=dev) + ABLATED_CLI] + fp8["cmd"][3:]))
     if not args.skip_naive:
         plan.append({"label": "naive", "kind": "script", "durable": False,
                      "cmd": [PY, str(BENCH / "naive_convert.py"), "{src}", "{out}"], "env": child_env()})
@@ -1059,6 +1080,8 @@ def parse_args(argv=None):
     p.add_argument("--dequantize", action="store_true",
                    help="benchmark `fp8convert dequantize` on a native fp8 block copy of each checkpoint against the "
                         "naive whole-shard dequantizer (anchor/naive_dequant.py); llm-compressor is not run")
+    p.add_argument("--startup-ablation", action="store_true",
+                   help="also run fp8convert with each start-up mechanism switched off (ABLATIONS)")
     p.add_argument("--warm-libs", action="store_true",
                    help="also run fp8convert with torch's files warm in the page cache (checkpoint still cold)")
     p.add_argument("--llmc-workers", type=int, action="append", help="model_free_ptq max_workers, repeatable (default 1)")
