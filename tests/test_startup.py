@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import fp8convert
@@ -284,7 +285,7 @@ def test_no_read_before_the_plan_for_a_resumed_output_or_one_worker_of_several(t
 def test_an_auto_device_run_without_cuda_records_under_cpu(tmp_path):
     """--device auto (the default) runs on the CPU here, so its record is the CPU's, not `-cuda-`."""
     cache = tmp_path / "cache"
-    assert cli_run("quantize", torch_only_source(tmp_path / "src"), tmp_path / "out", "-q", cache=cache)["rc"] == 0
+    assert cli_run("quantize", write_checkpoint(tmp_path / "src", llama_tensors()), tmp_path / "out", "-q", cache=cache)["rc"] == 0
     assert [p.name.split("-")[2] for p in (cache / "fp8convert").glob("startup-pages-*.json")] == ["cpu"]
 
 
