@@ -368,7 +368,8 @@ def test_a_weight_too_large_for_power_of_two_block_scales_is_refused_early_by_na
     args = ["quantize", str(src), str(tmp_path / "out"), "--device", "cpu", "-q", "--scheme", "block"]
     assert main([*args, "--scale-format", "ue8m0"]) == 1
     assert harness.quantizers[0].error is not None and harness.joined == [False]  # not the pipeline's find
-    err = capsys.readouterr().err.strip().splitlines()
+    # the plan's warnings (these block shapes do not load everywhere), then the one error line
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning: ")]
     assert len(err) == 1
     assert "tensor model.layers.1.mlp.up_proj.weight holds values within 3% of float32's maximum" in err[0]
     assert main([*args, "--overwrite"]) == 0  # float scales write it
