@@ -21,14 +21,14 @@ from typing import Callable
 
 from .cluster import devices as device_split
 from .cluster import workers
-from .errors import FP8ConvertError, PlanMismatchError
+from .errors import FP8ConvertError, PlanMismatchError, UsageError
 from .options import Options, Settings, python_spelling
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
-from .plan.summary import compatibility_warnings
+from .plan.summary import plan_warnings
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
@@ -165,7 +165,7 @@ def _device_list(settings: Settings) -> list[str] | None:
         return None
     devices = device_split.parse_devices(settings.devices)
     if settings.device != "auto":
-        raise FP8ConvertError(f"--device {settings.device} and --devices {','.join(devices)}: give only one of them")
+        raise UsageError(f"--device {settings.device} and --devices {','.join(devices)}: give only one of them")
     from .run.device import resolve_device
     for d in devices:  # a GPU this machine lacks fails now, named as --devices, not later as --device
         resolve_device(d, "--devices")
@@ -219,7 +219,7 @@ def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers
     return Report(str(out_dir), the_plan.source.label, settings.scheme, settings.format, settings.device,
                   len(the_plan.shards), len(done), sum(t.quantize for t in tensors),
                   count[Action.KEEP], the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None,
-                  the_plan.ignore_list, list(the_plan.notes), [w.text for w in compatibility_warnings(the_plan)],
+                  the_plan.ignore_list, list(the_plan.notes), plan_warnings(the_plan),
                   complete, worker=spec.text, complete=complete,
                   source_quantization=quant.describe() if quant else None,
                   tensors_dequantized=count[Action.DEQUANTIZE], tensors_requantized=count[Action.REQUANTIZE],

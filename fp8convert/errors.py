@@ -19,3 +19,10 @@ class PlanMismatchError(FP8ConvertError):
 POW2_OVERFLOW = ("holds values within 3% of float32's maximum (3.3e38 or more), which power-of-two scales would "
                  "write as codes that read back as Inf; refusing it (--scheme tensor, channel or block with float "
                  "scales can write them)")
+
+
+class UsageError(FP8ConvertError):
+    """An option that is wrong in itself (a misspelt value, options that do not go together): the
+    command line is wrong, whatever the checkpoint and the machine."""
+
+    exit_code = 2

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
 import os
 import re
 from dataclasses import dataclass, field, fields
 
-from .errors import FP8ConvertError
+from .errors import FP8ConvertError, UsageError
 
 SCHEMES = ("tensor", "channel", "block", "mxfp8")
+# llm-compressor's preset names, accepted for --scheme in any case: its FP8 preset has per-tensor weights
+# (and static activation scales, which fp8convert does not write), FP8_DYNAMIC per-channel, FP8_BLOCK blocks
+SCHEME_ALIASES = {"fp8": "tensor", "fp8_dynamic": "channel", "fp8_block": "block"}
 FORMATS = ("compressed-tensors", "fp8")
 SCALE_FORMATS = ("float", "ue8m0")  # block scales: amax / 448 as is, or rounded up to a power of two
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
@@ -46,11 +50,11 @@ def parse_size(value: int | str, what: str = "size") -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(I?)B?\s*", str(value).upper())
         if not m or (m.group(3) and not m.group(2)):
-            raise FP8ConvertError(f"{what}: cannot read {value!r} as a size (examples: 500MB, 5GB, 2GiB)")
+            raise UsageError(f"{what}: cannot read {value!r} as a size (examples: 500MB, 5GB, 2GiB)")
         power = " KMGT".index(m.group(2) or " ")
         size = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
     if size <= 0:
-        raise FP8ConvertError(f"{what} must be positive, got {value!r}")
+        raise UsageError(f"{what} must be positive, got {value!r}")
     return size
 
 
@@ -68,36 +72,53 @@ class Options:
     dtype: str | None = None        # dequantized weights' dtype (BF16, F16, F32); None: the model's own
 
     def __post_init__(self):
-        if self.scheme not in SCHEMES:
-            raise FP8ConvertError(f"--scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
-        if self.format not in FORMATS:
-            raise FP8ConvertError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.scale_format not in SCALE_FORMATS:
-            raise FP8ConvertError(f"--scale-format must be one of {', '.join(SCALE_FORMATS)}, "
-                                  f"got {self.scale_format!r}")
+        object.__setattr__(self, "scheme", parse_scheme(self.scheme))
+        object.__setattr__(self, "format", one_of(self.format, "--format", FORMATS))
+        object.__setattr__(self, "scale_format", one_of(self.scale_format, "--scale-format", SCALE_FORMATS))
         if self.dequantize and self.scale_format != "float":
-            raise FP8ConvertError("--scale-format does not apply to dequantize: it writes no FP8 scales")
+            raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
         if self.format == "fp8" and self.scheme == "channel":
-            raise FP8ConvertError("--format fp8 has no per-channel scheme; use --scheme tensor or block, "
-                                  "or --format compressed-tensors --scheme channel")
+            raise UsageError("--format fp8 has no per-channel scheme; use --scheme tensor or block, "
+                             "or --format compressed-tensors --scheme channel")
         if self.format == "fp8" and self.scheme == "mxfp8":
-            raise FP8ConvertError("--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
-                                  "checkpoints); use --format compressed-tensors --scheme mxfp8")
+            raise UsageError("--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
+                             "checkpoints); use --format compressed-tensors --scheme mxfp8")
         if self.scale_format == "ue8m0" and self.scheme != "block":
-            raise FP8ConvertError(f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
-                                  + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else ""))
+            raise UsageError(f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
+                             + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else ""))
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.dtype and not self.dequantize:
-            raise FP8ConvertError(f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
-                                  f"rest in the model's dtype), got {self.dtype}")
+            raise UsageError(f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
+                             f"rest in the model's dtype), got {self.dtype}")
         if self.dequantize and self.ignore:
-            raise FP8ConvertError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
+            raise UsageError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
         for pattern in self.ignore:
             if problem := regex_error(pattern):
-                raise FP8ConvertError(f"--ignore {pattern!r}: bad regular expression ({problem})")
+                raise UsageError(f"--ignore {pattern!r}: bad regular expression ({problem})")
+
+
+def did_you_mean(text: str, names) -> str:
+    """'; did you mean 'channel'?' for 'chanel' among `names`, or '' when none is close."""
+    close = difflib.get_close_matches(str(text).strip().lower(), list(names), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def one_of(value: str, option: str, choices: tuple[str, ...], aliases: dict[str, str] | None = None) -> str:
+    """`value` as one of `choices`, in any case (`aliases` maps other names to a choice), else a usage
+    error that offers the close match."""
+    names = {c: c for c in choices} | (aliases or {})
+    text = str(value).strip().lower()
+    if text not in names:
+        raise UsageError(f"{option} {value!r}: expected one of {', '.join(choices)}{did_you_mean(text, names)}")
+    return names[text]
+
+
+def parse_scheme(value: str) -> str:
+    """A --scheme as fp8convert names it: 'channel' for 'channel', 'Channel' or 'FP8_DYNAMIC'."""
+    return one_of(value, "--scheme", SCHEMES, SCHEME_ALIASES)
 
 
 def regex_error(pattern: str) -> str | None:
@@ -120,7 +141,7 @@ def parse_dtype(value: str | None) -> str | None:
     if text.upper() in DTYPE_NAMES.values():
         return text.upper()
     if text not in DTYPE_NAMES:
-        raise FP8ConvertError(f"--dtype {value!r}: expected bf16, fp16 or fp32")
+        raise UsageError(f"--dtype {value!r}: expected bf16, fp16 or fp32{did_you_mean(text, DTYPE_NAMES)}")
     return DTYPE_NAMES[text]
 
 
@@ -129,9 +150,9 @@ def parse_target_tp(sizes) -> tuple[int, ...]:
     try:
         values = sorted({int(v) for v in sizes})
     except (TypeError, ValueError):
-        raise FP8ConvertError(f"--target-tp: expected whole numbers, got {list(sizes)!r}") from None
+        raise UsageError(f"--target-tp: expected whole numbers, got {list(sizes)!r}") from None
     if not values or values[0] < 1:
-        raise FP8ConvertError(f"--target-tp: sizes must be 1 or more, got {list(sizes)!r}")
+        raise UsageError(f"--target-tp: sizes must be 1 or more, got {list(sizes)!r}")
     return tuple(values)
 
 
@@ -213,9 +234,12 @@ class Settings:
 
     @python_spelling
     def __post_init__(self):
-        self.options  # noqa: B018 - validates scheme, format, ignore and shard size now
+        options = self.options  # validates scheme, format, ignore and shard size now
+        for name in ("scheme", "format", "scale_format"):  # as fp8convert names them (an alias gives its scheme)
+            object.__setattr__(self, name, getattr(options, name))
         if not DEVICE_TEXT.match(str(self.device)):  # spelling only: whether CUDA is there needs torch
-            raise FP8ConvertError(f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N")
+            raise UsageError(f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N"
+                             + did_you_mean(self.device, ("auto", "cpu", "cuda")))
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         if self.max_resident:
@@ -226,7 +250,7 @@ class Settings:
         if isinstance(self.devices, list):
             object.__setattr__(self, "devices", tuple(self.devices))
         if self.base_model is not None and not REPO_ID.match(self.base_model):
-            raise FP8ConvertError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
+            raise UsageError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
 
     @property
     def options(self) -> Options:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import FP8ConvertError
+from .errors import UsageError
 from .options import REPO_ID, python_spelling
 from .output.card import card_from_output, retarget_card
 from .output.finalize import check_output_complete
@@ -31,7 +31,7 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
     from huggingface_hub import HfApi
     out = Path(out)
     if not REPO_ID.match(repo_id):
-        raise FP8ConvertError(f"{repo_id}: not a Hub repo id (owner/name)")
+        raise UsageError(f"{repo_id}: not a Hub repo id (owner/name)")
     config = check_output_complete(out, "push")
     card_path = out / CARD_NAME
     if card_path.is_file():  # a generated card's examples should name the repo, not the local directory

@@ -129,6 +129,140 @@ def test_units_helpers():
     assert size_option(3 * 2**30 // 2) == "1536MiB" and size_option(2**31) == "2GiB"
 
 
+# ---------------------------------------------------------------- usage errors, scheme names, -q
+
+
+def usage_error(rc: int, out: str, err: str) -> str:
+    """The one `error:` line of a usage error: exit 2, nothing on stdout."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(lines) == 1 and not out and "Traceback" not in err, (rc, out, err)
+    return lines[0]
+
+
+@pytest.mark.parametrize("command,option,value,meant", [
+    ("quantize", "--scheme", "chanel", "channel"),
+    ("quantize", "--format", "compresed-tensors", "compressed-tensors"),
+    ("quantize", "--scale-format", "ue8mo", "ue8m0"),
+    ("quantize", "--device", "cdua", "cuda"),
+    ("inspect", "--scheme", "FP8_DYNAMC", "fp8_dynamic"),
+    ("dequantize", "--dtype", "bf61", "bf16"),
+])
+def test_a_misspelt_option_value_exits_2_and_offers_the_close_match(tmp_path, capsys, command, option, value, meant):
+    src = write_checkpoint(tmp_path / "src")
+    outs = [] if command == "inspect" else [tmp_path / "out"]
+    line = usage_error(*run(capsys, command, src, *outs, option, value))
+    assert f"{option} {value!r}" in line and line.endswith(f"did you mean {meant!r}?"), line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["--format", "fp8", "--scheme", "channel"],       # options that do not go together
+    ["--max-shard-size", "5XB"],
+    ["--target-tp", "0"],
+    ["--ignore", "re:(unclosed"],
+    ["--private"],                                    # only with --push-to-hub
+    ["--push-to-hub", "not a repo"],
+    ["--worker", "3/2"],
+    ["--devices", "gpu0"],
+])
+def test_every_wrong_command_line_exits_2(tmp_path, capsys, args):
+    src = write_checkpoint(tmp_path / "src")
+    usage_error(*run(capsys, "quantize", src, tmp_path / "out", *args))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args", [["--scheme", "chanel"], ["--shceme", "channel"], ["--worst", "3"]])
+def test_a_usage_error_with_json_prints_the_error_object(tmp_path, capsys, args):
+    """Whether fp8convert or the option parser refuses the command line: exit 2 and, with --json, the
+    error object on stdout (the parser's own usage text stays on stderr)."""
+    src = write_checkpoint(tmp_path / "src")
+    rc, out, err = run(capsys, "quantize", src, tmp_path / "out", *args, "--json")
+    doc = json.loads(out)
+    assert rc == 2 and doc["ok"] is False and doc["exit_code"] == 2, (rc, out, err)
+    assert doc["error"] and doc["error"].split(";")[0] in " ".join(err.split()), (doc, err)
+
+
+def test_llm_compressor_scheme_names_give_the_same_bytes(tmp_path, capsys):
+    """FP8, FP8_DYNAMIC, FP8_BLOCK and MXFP8, in any case, are the schemes they name: from the command
+    line, the Python API and a jobs file alike; inspect says which scheme it chose."""
+    import fp8convert
+    from fp8convert.cluster.batch import read_jobs
+    src = write_checkpoint(tmp_path / "src")
+    for alias, scheme in [("FP8", "tensor"), ("fp8_dynamic", "channel"), ("FP8_BLOCK", "block"), ("MXFP8", "mxfp8")]:
+        assert run(capsys, "quantize", src, tmp_path / scheme, "--scheme", scheme, "--device", "cpu", "-q")[0] == 0
+        rc, out, err = run(capsys, "quantize", src, tmp_path / alias, "--scheme", alias, "--device", "cpu", "-q")
+        assert rc == 0, err
+        assert tree_bytes(tmp_path / alias) == tree_bytes(tmp_path / scheme), alias
+        rc, out, err = run(capsys, "inspect", src, "--scheme", alias)
+        assert rc == 0 and re.search(rf"^scheme +{scheme} \(from {alias}\) ", out, re.M), out
+        assert json.loads(run(capsys, "inspect", src, "--scheme", alias, "--json")[1])["scheme"] == scheme
+    report = fp8convert.quantize(src, tmp_path / "api", scheme="FP8_DYNAMIC", device="cpu")
+    assert report.scheme == "channel" and tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "channel")
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[job]]\nsource = "{src}"\nout = "{tmp_path / "j"}"\nscheme = "Fp8_Block"\n')
+    assert read_jobs(jobs)[0].settings.scheme == "block"
+
+
+def moe_checkpoint(root) -> Path:
+    """A Qwen3-MoE-named checkpoint: four experts per layer, each 128 wide."""
+    tensors = llama_tensors()
+    g = torch.Generator().manual_seed(1)
+    for n in range(2):
+        mlp = f"model.layers.{n}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[f"{mlp}{name}.weight"]
+        tensors[mlp + "gate.weight"] = torch.randn(4, 64, generator=g).bfloat16()
+        for e in range(4):
+            for name, shape in (("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128))):
+                tensors[f"{mlp}experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g).bfloat16()
+    from tiny_ckpt import CONFIG
+    config = dict(CONFIG, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=128)
+    return write_checkpoint(root, tensors, config)
+
+
+MOE_WARNING = "warning: transformers cannot load compressed-tensors block scales for MoE experts"
+IGNORE_WARNING = "--ignore 're:.*down_prj' matched no weight that would otherwise be quantized"
+
+
+def test_quiet_drops_progress_and_the_summary_but_never_a_warning(tmp_path, capsys):
+    src = moe_checkpoint(tmp_path / "src")
+    args = ["--scheme", "block", "--ignore", "re:.*down_prj", "--device", "cpu"]
+    rc, out, err = run(capsys, "quantize", src, tmp_path / "out", *args, "-q")
+    assert rc == 0 and out == "", (out, err)
+    assert MOE_WARNING in err and f"warning: {IGNORE_WARNING}" in err, err
+    assert all(line.startswith(("warning: ", "note: ")) for line in err.splitlines()), err  # no progress
+    rc, out, err = run(capsys, "quantize", src, tmp_path / "out", *args)  # without -q: the summary
+    assert rc == 0 and out.startswith(f"{tmp_path / 'out'}: already complete") and MOE_WARNING in err, (out, err)
+
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(f'[[job]]\nname = "moe"\nsource = "{src}"\nout = "{tmp_path / "b"}"\nscheme = "block"\n'
+                    f'ignore = ["re:.*down_prj"]\ndevice = "cpu"\n')
+    rc, out, err = run(capsys, "batch", jobs, "-q")
+    assert rc == 0 and "done" in out, (out, err)
+    assert f"warning: job 0 (moe): {IGNORE_WARNING}" in err and "job 0 (moe): transformers cannot load" in err, err
+
+
+def test_json_lists_warnings_under_warnings_not_notes(tmp_path, capsys):
+    src = moe_checkpoint(tmp_path / "src")
+    args = ["--scheme", "block", "--ignore", "re:.*down_prj", "--json"]
+    for command in (["quantize", src, tmp_path / "out", "-q", "--device", "cpu"], ["inspect", src]):
+        rc, out, err = run(capsys, *command, *args)
+        doc = json.loads(out)
+        assert rc == 0 and IGNORE_WARNING in doc["warnings"], doc["warnings"]
+        assert any(w.startswith("transformers cannot load compressed-tensors block scales") for w in doc["warnings"])
+        assert not any("--ignore" in n for n in doc["notes"]), doc["notes"]
+        assert f"warning: {IGNORE_WARNING}" in err or command[0] == "inspect", err
+
+
+def test_demo_takes_json(tmp_path, capsys):
+    rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["out_dir"] == str(tmp_path / "d" / "fp8") and doc["complete"] is True, (out, err)
+    assert doc["tensors_quantized"] == 28 and "built demo model" in err
+    assert looks_complete(tmp_path / "d" / "fp8")
+
+
 # ---------------------------------------------------------------- how failures end
 
 

@@ -27,7 +27,8 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.fakehub import fake_hub  # noqa: F401
 
-ARGS = ["--max-shard-size", "1MB", "-q"]  # the demo model in 1 MB shards: 6 output shards
+SHARDS = ["--max-shard-size", "1MB"]  # the demo model in 1 MB shards: 6 output shards
+ARGS = [*SHARDS, "-q"]  # -q drops the summary line: tests that read it pass SHARDS
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,8 +49,8 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-def one_error_line(rc: int, err: str) -> str:
-    assert rc == 1, err
+def one_error_line(rc: int, err: str, exit_code: int = 1) -> str:
+    assert rc == exit_code, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
     return errors[0]
@@ -120,7 +121,7 @@ def test_the_last_worker_finalizes(ref, tmp_path, capsys):
     present finalizes, so `srun -n N fp8convert quantize ...` ends complete."""
     src, reference = ref
     out = tmp_path / "out"
-    rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", "--worker", "1/3", *ARGS)
+    rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", "--worker", "1/3", *SHARDS)
     assert rc == 0, err
     assert "worker 1/3: wrote 2 of 6" in stdout and not looks_complete(out)
     assert [p.name for p in shard_paths(out)] == [f"model-0000{i}-of-00006.safetensors" for i in (2, 5)]
@@ -171,7 +172,7 @@ def test_srun_tasks_are_detected(ref, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "2")
     for k in range(2):
         monkeypatch.setenv("SLURM_PROCID", str(k))
-        rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", *ARGS)
+        rc, stdout, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", *SHARDS)
         assert rc == 0, err
         assert ("worker 0/2: wrote 3 of 6" in stdout) == (k == 0), stdout  # the second one finalizes
     assert tree_bytes(out) == reference
@@ -182,7 +183,7 @@ def test_devices_one_process_each(ref, tmp_path, capsys):
     """--devices spawns one worker per device (cpu entries allowed, so this runs without a GPU)."""
     src, reference = ref
     out = tmp_path / "out"
-    rc, stdout, err = run_cli(capsys, "quantize", src, out, "--devices", "cpu,cpu", *ARGS)
+    rc, stdout, err = run_cli(capsys, "quantize", src, out, "--devices", "cpu,cpu", *SHARDS)
     assert rc == 0, err
     assert "on cpu,cpu" in stdout
     assert tree_bytes(out) == reference
@@ -283,13 +284,14 @@ def test_finalize_a_hub_source(fake_hub, tmp_path):
 def test_refusals(ref, tmp_path, capsys):
     src, _ = ref
     out = tmp_path / "out"
-    cases = [(["--worker", "0/2", "--overwrite"], "--overwrite"), (["--worker", "2/2"], "--worker 2/2"),
-             (["--worker", "x"], "K/N"), (["--devices", "tpu:0"], "tpu:0"),
-             (["--devices", "cpu,cpu", "--device", "cpu"], "--devices")]
+    # exit 2: the command line is wrong whatever the machine; 1: it is wrong here (or for this OUT)
+    cases = [(["--worker", "0/2", "--overwrite"], "--overwrite", 1), (["--worker", "2/2"], "--worker 2/2", 2),
+             (["--worker", "x"], "K/N", 2), (["--devices", "tpu:0"], "tpu:0", 2),
+             (["--devices", "cpu,cpu", "--device", "cpu"], "--devices", 2)]
     if not torch.cuda.is_available():  # one GPU this machine lacks: named as --devices, not --device
-        cases += [(["--devices", "cuda:0"], "--devices cuda:0: CUDA is not available")]
-    for extra, needle in cases:
-        line = one_error_line(*run_cli(capsys, "quantize", src, out, *ARGS, *extra)[::2])
+        cases += [(["--devices", "cuda:0"], "--devices cuda:0: CUDA is not available", 1)]
+    for extra, needle, exit_code in cases:
+        line = one_error_line(*run_cli(capsys, "quantize", src, out, *ARGS, *extra)[::2], exit_code)
         assert needle in line, (extra, line)
         assert not out.exists()
 

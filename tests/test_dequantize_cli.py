@@ -100,7 +100,7 @@ def test_dequantize_json_failure_prints_an_error_object(fp8_src, tmp_path, capsy
 
 
 def test_dequantize_summary_speaks_in_plurals_and_units(fp8_src, tmp_path, capsys):
-    rc, stdout, err = run(capsys, "dequantize", fp8_src, tmp_path / "out", "-q", "--device", "cpu")
+    rc, stdout, err = run(capsys, "dequantize", fp8_src, tmp_path / "out", "--device", "cpu")
     assert rc == 0, err
     line = stdout.strip().splitlines()[-1]
     assert re.match(r"wrote \S+: 1 shard, 14 FP8 weights dequantized, \d+ kept, \d+\.\d\d (KB|MB) -> "

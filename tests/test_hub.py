@@ -618,7 +618,7 @@ def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypa
     assert "compressed-tensors" in meta["tags"]
     assert not [n for n in remote if n.startswith(".fp8convert") or n.endswith(".bin")]
 
-    assert main(["quantize", REPO, str(tmp_path / "o2"), "--private"]) == 1
+    assert main(["quantize", REPO, str(tmp_path / "o2"), "--private"]) == 2  # a usage error
     assert "--private applies only with --push-to-hub" in capsys.readouterr().err
 
 
@@ -706,6 +706,15 @@ def test_push_with_token_option_and_create_pr(fake_hub, converted, monkeypatch, 
     assert fake_hub.files("fake-user/tiny-fp8", "refs/pr/1")["README.md"].endswith(b"A note.\n")
 
 
+def test_push_takes_json(fake_hub, converted, capsys):
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["out"] == str(converted) and doc["repo_id"] == "fake-user/tiny-fp8" and doc["pull_request"] is False
+    assert "/fake-user/tiny-fp8/commit/" in doc["url"] and fake_hub.files("fake-user/tiny-fp8")["config.json"]
+    assert main(["push", str(converted), "not a repo", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["exit_code"] == 2
+
+
 def test_a_push_that_fails_on_the_network_says_a_rerun_resumes_the_upload(fake_hub, converted, monkeypatch):
     monkeypatch.setenv("FP8CONVERT_HUB_RETRIES", "0")
     fake_hub.fail("drop", path_contains="/api/repos/create")
@@ -740,7 +749,7 @@ def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
     assert meta["base_model"] == "acme/tiny-llama" and meta["base_model_relation"] == "quantized"
     assert "--base-model acme/tiny-llama" in text
     assert "[acme/tiny-llama](https://huggingface.co/acme/tiny-llama)" in text
-    assert main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 1
+    assert main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 2  # a usage error
     snapshot = tmp_path / "hub" / "models--acme--cached" / "snapshots" / ("a" * 40)
     snapshot.parent.mkdir(parents=True)
     tiny_ckpt.rename(snapshot)

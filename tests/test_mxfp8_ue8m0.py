@@ -350,7 +350,7 @@ def test_ue8m0_output_verifies(kind, fmt, converted, source_model):
     (["--format", "fp8", "--scheme", "mxfp8"], ["--format fp8 has no MXFP8", "--format compressed-tensors --scheme mxfp8"]),
     (["--scheme", "tensor", "--scale-format", "ue8m0"], ["--scale-format ue8m0 applies to --scheme block"]),
     (["--scheme", "mxfp8", "--scale-format", "ue8m0"], ["MXFP8 scales are powers of two already"]),
-    (["--scheme", "block", "--scale-format", "e8m0"], ["--scale-format must be one of float, ue8m0"]),
+    (["--scheme", "block", "--scale-format", "e8m0"], ["--scale-format 'e8m0': expected one of float, ue8m0"]),
 ])
 def test_bad_combinations_are_refused_in_one_line(args, words, tmp_path, capsys):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
@@ -422,7 +422,7 @@ def test_values_whose_power_of_two_codes_would_read_back_as_inf_are_refused(args
         src = write_checkpoint(tmp_path / f"src{bits:x}", tensors)
         out = tmp_path / f"out{bits:x}"
         assert main(["quantize", str(src), str(out), "--device", "cpu", "-q", *args]) == rc
-        err = capsys.readouterr().err.strip().splitlines()
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: ")]
         if rc:
             assert len(err) == 1 and f"tensor {name} holds values within 3% of float32's maximum" in err[0], err
             assert not (out / "config.json").exists()

@@ -64,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = _failures.SIGINT_EXIT
         except typer.Exit as e:
             return e.exit_code
-        except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
-            e.show()
-            return getattr(e, "exit_code", 2)
+        except typer.TyperException as e:  # click's usage errors: unknown option, bad value, missing argument
+            return _failures.report_usage(e, json_wanted="--json" in argv)
         except Exception as e:
             return _failures.report(e, json_wanted="--json" in argv, json_printed=printed.json)
     if rc == _failures.SIGINT_EXIT:

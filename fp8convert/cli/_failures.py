@@ -17,13 +17,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import FP8ConvertError
+from ..errors import FP8ConvertError, UsageError
 from ..options import DEFAULT_MAX_RESIDENT
 from ..units import format_size, size_option
 
 DEBUG_ENV = "FP8CONVERT_DEBUG"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 SIGINT_EXIT = 130
+USAGE_EXIT = UsageError.exit_code  # 2: the command line itself is wrong (click's code for its usage errors too)
 
 
 def _first_line(error: BaseException) -> str:
@@ -120,17 +121,31 @@ def debugging() -> bool:
 def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
     """Print the failure: the traceback (FP8CONVERT_DEBUG=1), one `error:` line on stderr and, with
     --json when the command printed no JSON of its own, an error object on stdout. Returns the exit code."""
-    import json
     line, code = describe(error)
     if debugging():
         traceback.print_exception(error, file=sys.stderr)
     print(f"error: {line}", file=sys.stderr)
     if json_wanted and not json_printed:
-        try:
-            print(json.dumps({"ok": False, "error": line, "exit_code": code}))
-        except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line above said so
-            pass
+        _print_error_object(line, code)
     return code
+
+
+def report_usage(error, json_wanted: bool) -> int:
+    """A command line the parser refused (unknown option or command, missing argument, bad number): its
+    usage lines on stderr as click prints them and, with --json, the error object. Returns the exit code."""
+    error.show()
+    code = getattr(error, "exit_code", USAGE_EXIT)
+    if json_wanted:
+        _print_error_object(" ".join(error.format_message().split()), code)
+    return code
+
+
+def _print_error_object(line: str, code: int) -> None:
+    import json
+    try:
+        print(json.dumps({"ok": False, "error": line, "exit_code": code}))
+    except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line on stderr said so
+        pass
 
 
 # ------------------------------------------------------------------------------- stopping

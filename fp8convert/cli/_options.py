@@ -50,7 +50,8 @@ def flag(*names: str, help: str) -> typer.models.OptionInfo:
 Scheme = Annotated[str, typer.Option(
     "--scheme", metavar="|".join(SCHEMES),
     help="Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
-         "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only).")]
+         "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only). "
+         "llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK name tensor, channel and block.")]
 ScaleFormat = Annotated[str, typer.Option(
     "--scale-format", metavar="|".join(SCALE_FORMATS),
     help="Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as DeepGEMM on "
@@ -101,7 +102,10 @@ PushToHub = Annotated[Optional[str], typer.Option(
 StreamDownload = Annotated[bool, flag(
     "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
                               "converted (for models larger than the free disk).")]
-Quiet = Annotated[bool, flag("--quiet", "-q", help="No progress output.")]
+Quiet = Annotated[bool, flag("--quiet", "-q", help="No progress output and no summary line (warnings and errors "
+                                                  "are still printed, and --json's document).")]
+QuietReport = Annotated[bool, flag("--quiet", "-q", help="No progress output (the result, warnings and errors "
+                                                        "are still printed).")]
 Private = Annotated[bool, flag("--private", help="Create the Hub repo as private (an existing repo keeps "
                                                  "its visibility).")]
 Token = Annotated[Optional[str], typer.Option(

@@ -10,8 +10,9 @@ import typer
 
 from ..errors import FP8ConvertError
 from ..units import format_size, plural
-from ._options import CacheDir, Command, Json, Quiet, Token, token
+from ._options import CacheDir, Command, Json, QuietReport, Token, token
 from ._output import print_json
+from .convert import print_warnings
 
 
 def finalize(
@@ -47,7 +48,7 @@ def batch(
         "--task-index", metavar="N", help="Run only job N (counting from 0). Default in a Slurm array: "
                                           "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
     json_out: Json = False,
-    quiet: Quiet = False,
+    quiet: QuietReport = False,
     hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Convert every model listed in JOBS, in order: finished outputs are skipped, a failed job does not
@@ -65,7 +66,8 @@ def batch(
     from ..cluster import batch as batch_mod
 
     results = batch_mod.run_batch(jobs, task_index=task_index, progress=not quiet, token=token(hub_token),
-                                  cache_dir=cache_dir)
+                                  cache_dir=cache_dir, on_plan=lambda job, plan: print_warnings(
+                                      plan, f"{batch_mod.job_title(job.index, job.name)}: "))
     if json_out:
         print_json(batch_mod.summary(results))
     else:

@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 import typer
 
 from .. import api, publish
-from ..errors import FP8ConvertError
+from ..errors import UsageError
 from ..options import REPO_ID, TARGET_TP, Settings
-from ..plan.summary import compatibility_warnings, describe, render
+from ..plan.summary import describe, plan_warnings, render
 from ..units import format_size, plural
 from ._options import (CacheDir, Command, Device, Devices, Dtype, Format, Ignore, Json, MaxResident, MaxShardSize,
                        Overwrite, Prefetch, Private, PushToHub, Quiet, Revision, ScaleFormat, Scheme, StreamDownload,
@@ -110,25 +110,13 @@ def _convert(src: str, out: Path, settings: Settings, json_out: bool, quiet: boo
              private: bool) -> None:
     """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to_hub:
-        raise FP8ConvertError("--private applies only with --push-to-hub REPO_ID")
+        raise UsageError("--private applies only with --push-to-hub REPO_ID")
     if push_to_hub and not REPO_ID.match(push_to_hub):
-        raise FP8ConvertError(f"--push-to-hub {push_to_hub}: not a Hub repo id (owner/name)")
-
-    def show_warnings(the_plan):
-        if not quiet:
-            for line in [w.text for w in compatibility_warnings(the_plan)] + the_plan.notes:
-                print(f"warning: {line}", file=sys.stderr)
-
-    report = api.quantize(src, out, settings, on_plan=show_warnings)
+        raise UsageError(f"--push-to-hub {push_to_hub}: not a Hub repo id (owner/name)")
+    report = api.quantize(src, out, settings, on_plan=print_warnings)
     if json_out:
         print_json(asdict(report))
-    elif report.already_complete:
-        print(f"{out}: already complete (same plan); nothing to do")
-    elif not report.complete:
-        print(f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of {out} "
-              f"in {report.seconds:.1f}s on {report.device}; the worker that finds every shard written finalizes "
-              f"the output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every worker is done")
-    else:
+    elif not quiet:
         print(summary_line(report))
     if push_to_hub and report.complete:
         url = publish.push(out, push_to_hub, private=private, token=settings.token)
@@ -138,8 +126,25 @@ def _convert(src: str, out: Path, settings: Settings, json_out: bool, quiet: boo
               f"(or run `fp8convert push {out} {push_to_hub}` after finalize)", file=sys.stderr)
 
 
+def print_warnings(the_plan, prefix: str = "") -> None:
+    """The plan's warnings and notes on stderr, before anything is read; -q does not silence them."""
+    for line in plan_warnings(the_plan):
+        print(f"warning: {prefix}{line}", file=sys.stderr)
+    for line in the_plan.notes:
+        print(f"note: {prefix}{line}", file=sys.stderr)
+
+
 def summary_line(report: api.Report) -> str:
-    """'wrote OUT: 1 shard, 28 tensors quantized, 11 kept, 6.32 MB -> 3.86 MB in 0.9s on cpu'."""
+    """'wrote OUT: 1 shard, 28 tensors quantized, 11 kept, 6.32 MB -> 3.86 MB in 0.9s on cpu', or what this
+    worker did, or that OUT was complete already."""
+    out = report.out_dir
+    if report.already_complete:
+        return f"{out}: already complete (same plan); nothing to do"
+    if not report.complete:
+        return (f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of "
+                f"{out} in {report.seconds:.1f}s on {report.device}; the worker that finds every shard written "
+                f"finalizes the output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every "
+                "worker is done")
     # written before this run began: by an earlier run of it, or (in a split) by the other workers
     before = f", {report.shards_resumed} already written" if report.shards_resumed else ""
     return (f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{before}, {done_text(report)}, "
@@ -195,6 +200,8 @@ def inspect(
     dev = resolve_device(device)
     budget = budget_for(dev, settings.max_resident)
     info = describe(the_plan, budget, dev.type)
+    if scheme != settings.scheme and not dequantize:  # an alias or another case: say which scheme it means
+        info["scheme_given"] = scheme
     if tensors:
         info["tensor_plan"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.source.dtype,
                                 "quantize": t.quantize, "action": t.action.value, "reason": t.reason,
@@ -215,7 +222,7 @@ def inspect(
 def demo(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to put the demo model and its FP8 "
                                                                   "conversion.")] = Path("fp8convert-demo"),
-    scheme: Scheme = "tensor", format: Format = "compressed-tensors", device: Device = "auto",
+    scheme: Scheme = "tensor", format: Format = "compressed-tensors", device: Device = "auto", json_out: Json = False,
 ):
     """Build a small random Llama-shaped BF16 model (embedded, no download) in DIR/source and convert it
     to DIR/fp8.
@@ -227,8 +234,9 @@ def demo(
     from ..demo import demo_source
     from ..run import startup_pages, warmup
     src = demo_source(directory / "source")
-    print(f"built demo model {src}")
-    quantize(str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True)
+    print(f"built demo model {src}", file=sys.stderr if json_out else sys.stdout)
+    quantize(str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True,
+             json_out=json_out)
     # Building the model imported torch before the conversion, which then records no start-up pages (a
     # caller's process maps much else); this process is the program's own, so it leaves the record, and
     # the first real conversion on this device starts torch as every later one does.

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from .. import publish
-from ._options import Command, Private, Token, flag, token
+from ._options import Command, Json, Private, Token, flag, token
+from ._output import print_json
 
 
 def push(
@@ -22,7 +23,7 @@ def push(
                                                           help="Commit title.")] = None,
     create_pr: Annotated[bool, flag("--create-pr", help="Open a pull request (against --revision, default main) "
                                                         "instead of committing to the branch.")] = False,
-    hub_token: Token = None,
+    hub_token: Token = None, json_out: Json = False,
 ):
     """Upload OUT to the Hub repo REPO_ID with its model card. Refuses an incomplete output; never
     uploads OUT/.fp8convert/. Rerunning an interrupted push resumes it. Uses --token, HF_TOKEN or the
@@ -38,7 +39,10 @@ def push(
     """
     url = publish.push(out, repo_id, private=private, revision=revision, commit_message=commit_message,
                        token=token(hub_token), create_pr=create_pr)
-    print(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
+    if json_out:
+        print_json({"out": str(out), "repo_id": repo_id, "revision": revision, "pull_request": create_pr, "url": url})
+    else:
+        print(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..units import plural
-from ._options import (CacheDir, Command, Device, Json, MaxResident, Prefetch, Quiet, Revision, Token, flag,
+from ._options import (CacheDir, Command, Device, Json, MaxResident, Prefetch, QuietReport, Revision, Token, flag,
                        token)
 from ._output import print_json
 
@@ -21,7 +21,7 @@ def verify(
     worst: Annotated[int, typer.Option("--worst", metavar="N", min=0,
                                        help="How many of the worst tensors to list.")] = 10,
     every_problem: Annotated[bool, flag("--all", help="List every problem found, not one line per cause.")] = False,
-    device: Device = "auto", max_resident: MaxResident = None, prefetch: Prefetch = "auto", quiet: Quiet = False,
+    device: Device = "auto", max_resident: MaxResident = None, prefetch: Prefetch = "auto", quiet: QuietReport = False,
     hub_token: Token = None, cache_dir: CacheDir = None,
 ):
     """Check OUT against SRC: every source tensor accounted for, dtypes, shapes, finite positive scales,

@@ -14,6 +14,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import FP8ConvertError
 from ..options import REPO_ID, Settings
@@ -22,6 +23,9 @@ from ..output.manifest import WORK_DIR
 from ..units import plural
 from .devices import parse_devices
 from .workers import log
+
+if TYPE_CHECKING:
+    from ..plan.plan import Plan
 
 STRING_KEYS = ("name", "source", "out", "scheme", "format", "scale_format", "device", "revision", "push_to_hub",
                "max_resident", "dtype")
@@ -189,14 +193,17 @@ def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job
     return [jobs[task_index]]
 
 
-def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir: str | None = None) -> JobResult:
-    """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything)."""
+def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir: str | None = None,
+            on_plan: Callable[[Job, Plan], None] | None = None) -> JobResult:
+    """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything).
+    `on_plan(job, plan)` is called before the job reads any data (the CLI prints its warnings there)."""
     from .. import api, publish
     started = time.monotonic()
     result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
     log(f"{job_title(job.index, job.name)}: {job.source} -> {job.out}", progress)
     try:
-        report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token, cache_dir=cache_dir)
+        report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token, cache_dir=cache_dir,
+                              on_plan=(lambda plan: on_plan(job, plan)) if on_plan else None)
         result.report = asdict(report)
         result.gb_in, result.gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
         result.status = "skipped" if report.already_complete else "done"
@@ -222,13 +229,14 @@ def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir
 
 
 def run_batch(path: str | Path, task_index: int | None = None, progress: bool = True,
-              token: str | None = None, cache_dir: str | None = None) -> list[JobResult]:
+              token: str | None = None, cache_dir: str | None = None,
+              on_plan: Callable[[Job, Plan], None] | None = None) -> list[JobResult]:
     """Validate the jobs file, then run its jobs in order (or only job `task_index`; by default the
     Slurm array task's). Returns one result per job run."""
     jobs = read_jobs(path)
     if task_index is None:
         task_index = task_index_from_env()
-    return [run_job(job, progress, token, cache_dir) for job in select_jobs(jobs, task_index, str(path))]
+    return [run_job(job, progress, token, cache_dir, on_plan) for job in select_jobs(jobs, task_index, str(path))]
 
 
 def render(results: list[JobResult]) -> str:

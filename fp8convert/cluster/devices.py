@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
-from ..errors import FP8ConvertError
+from ..errors import FP8ConvertError, UsageError
 from ..options import Settings
 from ..units import plural
 from .workers import WorkerSpec
@@ -28,11 +28,11 @@ def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
             raise FP8ConvertError("--devices all: no CUDA device on this machine")
         return [f"cuda:{i}" for i in range(count)]
     if not items:
-        raise FP8ConvertError("--devices: empty list (examples: cuda:0,cuda:1 or all)")
+        raise UsageError("--devices: empty list (examples: cuda:0,cuda:1 or all)")
     for d in items:
         kind, _, number = d.partition(":")
         if not (d == "cpu" or (kind == "cuda" and number.isdigit())):
-            raise FP8ConvertError(f"--devices {d!r}: expected cuda:N (or cpu), or all")
+            raise UsageError(f"--devices {d!r}: expected cuda:N (or cpu), or all")
     return items
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import FP8ConvertError
+from ..errors import FP8ConvertError, UsageError
 from ..output.manifest import WORK_DIR
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
@@ -98,8 +98,11 @@ def parse_worker(text: str) -> WorkerSpec:
     try:
         index, count = (int(p) for p in parts)
     except ValueError:
-        raise FP8ConvertError(f"--worker {text!r}: expected K/N (worker K of N, counting from 0), or auto") from None
-    return _checked(index, count, "explicit", f"--worker {text}")
+        raise UsageError(f"--worker {text!r}: expected K/N (worker K of N, counting from 0), or auto") from None
+    try:
+        return _checked(index, count, "explicit", f"--worker {text}")
+    except FP8ConvertError as e:  # the split itself is what the command line says
+        raise UsageError(str(e)) from None
 
 
 def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:

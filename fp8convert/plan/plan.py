@@ -182,6 +182,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     fingerprint: str = ""
     architecture: Architecture | None = None   # the registry's family; None: generic rules only
+    # what the user asked for that did not happen as asked (summary.plan_warnings adds where it will not load)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def tensors(self) -> list[TensorPlan]:
@@ -368,7 +370,7 @@ def build_plan(source: Source, options: Options) -> Plan:
         raise FP8ConvertError(f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); "
                               "nothing to dequantize")
     arch = architecture_of(source.config)
-    decisions, notes = decide(source.tensors, source.config, options, arch or GENERIC, quant)
+    decisions, notes, warnings = decide(source.tensors, source.config, options, arch or GENERIC, quant)
     high_precision = high_precision_dtype(options, source.config)
     plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
     notes += source_notes(quant, plans, options)
@@ -388,12 +390,13 @@ def build_plan(source: Source, options: Options) -> Plan:
 
     notes += architecture_notes(arch, source)
     if options.dequantize:  # no FP8 left: nothing for engines to skip
-        return Plan(source, options, units, shards, shard_of, [], notes, fingerprint(source, options), arch)
+        return Plan(source, options, units, shards, shard_of, [], notes, fingerprint(source, options), arch, warnings)
     if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
         notes.append("the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
                      "activations; consider serving with --dtype bfloat16")
     ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
-    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch)
+    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch,
+                warnings)
 
 
 def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: str) -> list[str]:

@@ -164,14 +164,14 @@ def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch
 # ---------------------------------------------------------------- all tensors
 
 def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture = GENERIC,
-           quant: SourceQuantization | None = None) -> tuple[list[Decision], list[str]]:
-    """Decide every output tensor. Returns (decisions in source order, notes for the user).
+           quant: SourceQuantization | None = None) -> tuple[list[Decision], list[str], list[str]]:
+    """Decide every output tensor. Returns (decisions in source order, notes and warnings for the user).
 
     An FP8 source (`quant`): its scales are inputs of their weights, never outputs of their own; its
     FP8 weights are decided like high-precision ones (a weight the rules or --ignore keep is
     dequantized); the tensors it kept in high precision stay as they are."""
     if options.dequantize:
-        return decide_dequantize(tensors, quant), []
+        return decide_dequantize(tensors, quant), [], []
     notes: list[str] = []
     decisions: list[Decision] = []
     used_patterns: set[str] = set()
@@ -216,15 +216,14 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
             f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D, and fp8convert has no layout for it "
             f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
             "precision with --ignore")
-    for pattern in options.ignore:
-        if pattern not in used_patterns:
-            notes.append(f"--ignore {pattern!r} matched no weight that would otherwise be quantized")
+    warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized"
+                for pattern in options.ignore if pattern not in used_patterns]
     decisions = _keep_together(decisions, lambda d: d.group if d.name.endswith(".weight") else None,
                                "kept all of {key} because {kept} is kept ({reason})", notes)
     # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
     decisions = _keep_together(decisions, lambda d: experts_of(d.name),
                                "kept every expert of {key} because {kept} is kept ({reason})", notes)
-    return _unsplit_kept(decisions, arch, options), notes
+    return _unsplit_kept(decisions, arch, options), notes, warnings
 
 
 def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Options) -> list[Decision]:

@@ -69,6 +69,12 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     return warnings
 
 
+def plan_warnings(plan: Plan) -> list[str]:
+    """Every warning of a plan, as the user reads it: what did not happen as asked, then where the
+    output will not load."""
+    return plan.warnings + [w.text for w in compatibility_warnings(plan)]
+
+
 def architecture_warnings(plan: Plan) -> list[PlanWarning]:
     """What the registry says this family's consumers cannot load in this format and scheme."""
     arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
@@ -203,7 +209,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "target_tp": list(plan.options.target_tp),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
-        "warnings": [w.text for w in warnings],
+        "warnings": plan.warnings + [w.text for w in warnings],
         "transformers_cannot_load": transformers_verdict(warnings),
         "loads": load_table(plan, warnings),
         "notes": plan.notes,
@@ -250,7 +256,8 @@ def render(info: dict) -> str:
                   f"quantization_config dropped   plan {info['fingerprint']}",
                   f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)"]
     else:
-        lines += [f"scheme      {info['scheme']}   format {info['format']}"
+        given = f" (from {info['scheme_given']})" if info.get("scheme_given") else ""
+        lines += [f"scheme      {info['scheme']}{given}   format {info['format']}"
                   + (f"   scales {info['scale_format']}" if info.get("scale_format", "float") != "float" else "")
                   + f"   plan {info['fingerprint']}",
                   f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)",
