@@ -241,7 +241,7 @@ def demo(
     # caller's process maps much else); this process is the program's own, so it leaves the record, and
     # the first real conversion on this device starts torch as every later one does.
     startup_pages.record(warmup.record_path(device))
-    print(next_steps(src, directory / "fp8", scheme, format))
+    print(next_steps(src, directory / "fp8", scheme, format), file=sys.stderr if json_out else sys.stdout)
 
 
 def next_steps(src: Path, out: Path, scheme: str, fmt: str) -> str:
