@@ -47,7 +47,7 @@ CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in ZOO_ARCHS for (f, s), i i
 MORE_CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in MORE_ARCHS
               for (f, s), i in (((("compressed-tensors", "tensor")), "ct-tensor"), ((("fp8", "block")), "fp8-block"))]
 MIN_COSINE = 0.99
-E4M3_BOUND = 2.0**-4 * 1.02   # relative error of a correctly dequantized weight (verify.py's bound, normal values)
+E4M3_BOUND = 2.0**-4 * 1.02   # relative error of a correctly dequantized weight (verify's bound, normal values)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fm
     """verify --device cuda reads through the CUDA reader and measures on the GPU: the same verdicts
     and figures as on the CPU, every honest code on the fast path."""
     from fp8convert import verify as verify_mod
+    from fp8convert.verify import numbers as verify_numbers
     src = source_model("qwen3_moe")
     out = tmp_path / "out"
     fp8convert.quantize(src, out, scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
@@ -76,7 +77,7 @@ def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fm
 
     def refuse(*args):
         raise AssertionError("exact_sums used on an honest conversion")
-    monkeypatch.setattr(verify_mod, "exact_sums", refuse)
+    monkeypatch.setattr(verify_numbers, "exact_sums", refuse)
     cuda = verify_mod.verify(src, out, device="cuda", max_resident="64KB")
     assert cpu.ok and cuda.ok and len(cuda.tensors) == len(cpu.tensors) > 0
     by_name = {t.name: t for t in cpu.tensors}

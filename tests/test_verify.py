@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8convert import verify as verify_mod
 from fp8convert.cli import main
 from fp8convert.output import files as files_mod
+from fp8convert.verify import numbers as verify_numbers
+from fp8convert.verify import pairs as verify_pairs
 from fp8convert.verify import verify
 from tiny_ckpt import INDEX, llama_tensors, write_checkpoint
 
@@ -149,8 +150,8 @@ def test_verify_streams_in_slabs(made, damaged, monkeypatch):
     the last slab of a tensor or the last piece of a kept tensor is still found."""
     src, outs = made
     whole = {t.name: t.rel_error for t in verify(src, outs[("compressed-tensors", "block")]).tensors}
-    monkeypatch.setattr(verify_mod, "CHUNK_ELEMENTS", 300)
-    monkeypatch.setattr(verify_mod, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(verify_pairs, "CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr(verify_pairs, "CHUNK_BYTES", 64)
     report = verify(src, outs[("compressed-tensors", "block")])
     assert report.ok and {t.name: t.rel_error for t in report.tensors} == pytest.approx(whole, rel=1e-9)
 
@@ -445,9 +446,9 @@ def test_fast_sums_are_the_exact_sums(scheme, dtype, case):
         w.view(-1)[::97] *= 40.0
     w = w.to(dtype)
     codes, scale = quantized(w, scheme)
-    slab_scale = verify_mod.slab_scale(scale, 0, w.shape[0], w.shape[1], scheme)
-    exact = verify_mod.exact_sums(w, codes, slab_scale)
-    fast = verify_mod.fast_sums(w, codes, slab_scale)
+    slab_scale = verify_numbers.slab_scale(scale, 0, w.shape[0], w.shape[1], scheme)
+    exact = verify_numbers.exact_sums(w, codes, slab_scale)
+    fast = verify_numbers.fast_sums(w, codes, slab_scale)
     assert fast is not None and exact.off_grid == fast.off_grid == 0
     for field in ("w2", "e2", "bound2"):
         assert getattr(fast, field) == pytest.approx(getattr(exact, field), rel=1e-12, abs=0), field
@@ -456,23 +457,23 @@ def test_fast_sums_are_the_exact_sums(scheme, dtype, case):
 def test_fast_sums_step_aside_for_a_wrong_code_or_a_non_finite_weight():
     w = torch.randn(64, 64, dtype=torch.bfloat16) * 0.02
     codes, scale = quantized(w, "channel")
-    s = verify_mod.slab_scale(scale, 0, 64, 64, "channel")
+    s = verify_numbers.slab_scale(scale, 0, 64, 64, "channel")
     bad = codes.view(torch.uint8).clone()
     bad[5, 5] ^= 0x01
-    assert verify_mod.fast_sums(w, bad.view(torch.float8_e4m3fn), s) is None
-    assert verify_mod.exact_sums(w, bad.view(torch.float8_e4m3fn), s).off_grid == 1
+    assert verify_numbers.fast_sums(w, bad.view(torch.float8_e4m3fn), s) is None
+    assert verify_numbers.exact_sums(w, bad.view(torch.float8_e4m3fn), s).off_grid == 1
     w2 = w.clone()
     w2[1, 1] = float("inf")
-    assert verify_mod.fast_sums(w2, codes, s) is None
+    assert verify_numbers.fast_sums(w2, codes, s) is None
 
 
 def test_same_bytes_finds_a_difference_anywhere():
     a = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
-    assert verify_mod.same_bytes(a, a.clone())
+    assert verify_numbers.same_bytes(a, a.clone())
     for i in (0, 1, 2047, 3999):
         b = a.clone()
         b[i] ^= 0x10
-        assert not verify_mod.same_bytes(a, b) and not verify_mod.same_bytes(a[i:], b[i:])
+        assert not verify_numbers.same_bytes(a, b) and not verify_numbers.same_bytes(a[i:], b[i:])
 
 
 def test_a_good_conversion_is_measured_without_the_element_by_element_path(made, monkeypatch):
@@ -481,7 +482,7 @@ def test_a_good_conversion_is_measured_without_the_element_by_element_path(made,
 
     def refuse(*args):
         raise AssertionError("exact_sums used on an honest conversion")
-    monkeypatch.setattr(verify_mod, "exact_sums", refuse)
+    monkeypatch.setattr(verify_numbers, "exact_sums", refuse)
     for out in outs.values():
         assert verify(src, out, device="cpu").ok
 

@@ -13,8 +13,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import fp8convert
-from fp8convert import verify as verify_mod
 from fp8convert.cli import main
+from fp8convert.verify import numbers as verify_numbers
+from fp8convert.verify import pairs as verify_pairs
 from fp8convert.verify import verify
 from tiny_ckpt import llama_tensors, write_checkpoint
 
@@ -91,8 +92,8 @@ def same_figures(a, b) -> None:
 
 def small_stream(monkeypatch) -> None:
     """Slabs of a few rows (whole 128-row blocks where blocks need it) and pieces of 64 bytes."""
-    monkeypatch.setattr(verify_mod, "CHUNK_ELEMENTS", 300)
-    monkeypatch.setattr(verify_mod, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(verify_pairs, "CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr(verify_pairs, "CHUNK_BYTES", 64)
 
 
 # ---------------------------------------------------------------- MXFP8 and UE8M0 blocks
@@ -123,8 +124,8 @@ def test_power_of_two_outputs_stream_in_any_batch(pow2_made, name, monkeypatch):
 
     def refuse(*args):
         raise AssertionError("exact_sums used on an honest conversion")
-    monkeypatch.setattr(verify_mod, "exact_sums", refuse)
-    monkeypatch.setattr(verify_mod, "TILE_ELEMENTS", 64 * 32)
+    monkeypatch.setattr(verify_numbers, "exact_sums", refuse)
+    monkeypatch.setattr(verify_numbers, "TILE_ELEMENTS", 64 * 32)
     small_stream(monkeypatch)
     same_figures(whole, verify(src, outs[name], device="cpu", max_resident="64KB"))
 

@@ -1,0 +1,63 @@
+"""Check an FP8 checkpoint against its source: structure and numbers, at the speed of the disk.
+
+First the structure, from headers and config alone, without torch (structure.py, pairs.py): every
+source tensor accounted for, dtypes, shapes, scale names and shapes, config, ignore list, index. Then
+the data (stream.py): every tensor pair is streamed through quantize's reader (run/verify_stream.py)
+and checked by the functions of numbers.py, whose docstring gives the bound a conversion is held to.
+Works for both output formats:
+
+- compressed-tensors: `X.weight` F8_E4M3 + `X.weight_scale` F32 shaped [1] (tensor), [out, 1] (channel)
+  or [ceil(out/128), ceil(in/128)] (block);
+- fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
+  [ceil(out/128), ceil(in/128)] (block);
+- compressed-tensors MXFP8: `X.weight_scale` U8 [out, in/32], E8M0 exponent bytes (value 2^(byte-127)).
+
+FP8 sources
+-----------
+When the source is itself FP8, its weights' values are float32(q) * scale. A dequantized output
+(`fp8convert dequantize`, or a weight kept with --ignore) must equal that product rounded once to the
+output's dtype, element for element, and its scales must be gone. An FP8 output is checked against
+those float32 values with the e4m3 bound of numbers.py (and, requantized to MXFP8 or UE8M0 blocks, with
+the exact power-of-two checks); one whose codes and scale values are the source's (passed through) is
+exact, its scales powers of two where the config says scale_fmt ue8m0. A static activation scale in
+the output must be the source's, byte for byte. All of it is read through the same stream, in slabs
+of whole 128-row blocks.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+from ..options import AUTO, Settings, python_spelling
+from ..source.resolve import open_source
+from .pairs import pair_tensors
+from .report import VerifyFailed, VerifyReport, record_in_card, render
+from .structure import check_config, check_manifest_and_side_files
+
+__all__ = ["VerifyFailed", "VerifyReport", "record_in_card", "render", "verify"]
+
+
+@python_spelling
+def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None,
+           cache_dir: str | None = None, device: str = "auto", max_resident: int | str | None = None,
+           prefetch: int | str = AUTO, progress: bool = False) -> VerifyReport:
+    """Verify the FP8 checkpoint in `out` (or an FP8 source's dequantized one) against its source `src`
+    (directory or Hub repo id), reading both through the conversion's reader on `device` within
+    `max_resident` bytes a batch."""
+    started = time.monotonic()
+    settings = Settings(device=device, max_resident=max_resident, prefetch=prefetch, progress=progress)
+    source = open_source(src, revision, token, cache_dir)
+    out = Path(out)
+    if not out.is_dir():
+        raise FP8ConvertError(f"{out}: not a directory")
+    report = VerifyReport(str(src), str(out))
+    check_manifest_and_side_files(source, out, report)
+    readable, fmt = check_config(source, out, report)
+    if readable:
+        report.format, report.scheme = (fmt.format, fmt.scheme) if fmt else ("dequantized", None)
+        pairs = pair_tensors(source, out, fmt, report)
+        from .stream import check_data  # torch and the reader: only once the structure could be read
+        check_data(source, out, pairs, fmt, report, settings)
+    report.finish(time.monotonic() - started)
+    return report

@@ -1,0 +1,263 @@
+"""The numeric checks of a slab of a tensor (torch): how far its codes are from its source, and whether
+its scales are the ones the rule allows.
+
+The numeric bound (why a conversion passes or fails)
+---------------------------------------------------
+e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most half a
+step: 2^-4 * |x| where x is a normal number (|x| >= 2^-6), and 2^-10 where it is subnormal (fixed
+spacing 2^-9 below 2^-6). In weight units every element's error is therefore at most
+max(2^-4 * |w|, 2^-10 * scale), and ||w - dequant|| at most sqrt(sum of those squared). When every
+element is normal that is exactly 2^-4 = 6.25 % of ||w||; a per-tensor (or shared fused-group) scale
+pushes small elements into the subnormal range, and the second term is the exact allowance for them,
+not a guessed slack. A tensor whose relative error exceeds its bound is not a rounding of its source.
+
+A norm cannot see one corrupted code among millions, so each element is also checked on its own:
+the code must lie within half an e4m3 step of w / scale (computed in float32 exactly as the quantizer
+does). Round-to-nearest always satisfies this; any other code, and a NaN code, does not.
+
+Power-of-two scales (an MXFP8 exponent, a block scale under `scale_fmt: ue8m0`) must be the smallest
+2^e that fits their amax, and every code the round-to-nearest-even e4m3 value of w / 2^e, ties included
+(`power_of_two_checks`). Float scales must be at most twice amax / 448 of what they scale (`OVERSIZE`).
+
+How the numbers are computed (the same values, faster)
+------------------------------------------------------
+`exact_sums` computes the figures above element by element, in float64 where it sums. `fast_sums`
+gets the same values with fewer passes, and is used only where it can vouch for them: it re-rounds
+w / scale to e4m3 exactly as the quantizer does and compares the codes byte for byte. Where they all
+match, every code is the round-to-nearest code, so none is off the grid (nor, with power-of-two
+scales, off round-to-nearest-even), and float32(code) comes from the code's bits; the sums are the
+same float64 sums of the same float32 values. Where any code differs (or a weight is not finite), that
+piece is measured by `exact_sums`, element by element, and its codes by `power_of_two_checks` too.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+
+from ..options import BLOCK
+from ..run.numerics import (FP8_DTYPE, FP8_MAX, UE8M0_MIN_AMAX, amax, dequantize, e8m0_to_float, expand_scale,
+                            powers_of_two, scale_as_stored)
+from ..run.quantizer import all_finite, finite_positive
+from .report import FLOAT_SLACK, ErrorSums
+
+TILE_ELEMENTS = 1 << 17         # on a CPU, a slab is measured a tile at a time, in the cores' caches
+
+
+def compare_kept(source, output, origin: str = "the source") -> str | None:
+    """A piece of a kept tensor: byte-identical to the source's, and finite. The problem, or None."""
+    if not identical(source, output):
+        return f"kept in high precision, but its bytes differ from {origin}"
+    if output.dtype.is_floating_point and not all_finite(output):
+        return "contains NaN or Inf"
+    return None
+
+
+def exact_sums(w, q, s) -> ErrorSums:
+    """The figures of one piece, element by element. `w` the source rows, `q` their codes, `s` the
+    scale broadcastable to them (float32)."""
+    w = w.float()
+    dq = q.float() * s                    # float32(q) * scale, as run.numerics.dequantize
+    e2 = float((w.double() - dq.double()).square().sum())
+    w2 = float(w.double().square().sum())
+    # per element: max(2^-4 |w|, 2^-10 scale), the worst e4m3 rounding (module docstring)
+    bound2 = float(torch.maximum(w.abs() * 2.0**-4, (s * 2.0**-10).expand_as(w)).double().square().sum())
+    # the code must be within half an e4m3 step of x = w / scale, computed as the quantizer does
+    x = (w / s).clamp(-FP8_MAX, FP8_MAX)
+    _, exponent = torch.frexp(x)  # |x| = m * 2^exponent, m in [0.5, 1): binade floor(log2|x|) = exponent - 1
+    binade = torch.where(x == 0, torch.full_like(exponent, -6), (exponent - 1).clamp(min=-6))
+    half_step = torch.ldexp(torch.ones_like(x), binade - 4)
+    off_grid = int((~((x - q.float()).abs() <= half_step)).sum())
+    return ErrorSums(w2, e2, bound2, off_grid)
+
+
+class Scratch:
+    """The buffers `fast_sums` works in, allocated once and reused by every tile: a fresh temporary per
+    operation would cost more in page faults than the arithmetic itself."""
+
+    KINDS = ("float32", "float32", "float64", "uint8", "int16", "float8_e4m3fn")
+
+    def __init__(self):
+        self.buffers: list = []
+        self.views: tuple = ((), None, [])  # the last shape and device asked for, and its views
+
+    def take(self, shape, device) -> list:
+        """One tensor per KINDS entry, shaped `shape` (views of buffers grown as needed)."""
+        if self.views[:2] == (shape, device):
+            return self.views[2]
+        n = math.prod(shape)
+        if not self.buffers or self.buffers[0].numel() < n or self.buffers[0].device != device:
+            self.buffers = [torch.empty(n, dtype=getattr(torch, kind), device=device) for kind in self.KINDS]
+        self.views = (shape, device, [b[:n].view(shape) for b in self.buffers])
+        return self.views[2]
+
+
+def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
+    """The same figures as `exact_sums` when every code is the round-to-nearest code of w / scale (then
+    none is off the grid); None when some code is not, or a weight is not finite (module docstring)."""
+    wf, x, wide, magnitude, bits, x8 = (scratch or Scratch()).take(tuple(w.shape), w.device)
+    wf.copy_(w)
+    torch.div(wf, s, out=x).clamp_(-FP8_MAX, FP8_MAX)  # float32, exactly as the quantizer divides
+    x8.copy_(x)
+    codes = q.view(torch.uint8)
+    if not same_bytes(x8.view(torch.uint8), codes):
+        return None
+    # |float32(q)|: the 7 magnitude bits of an e4m3 code, moved into a float16's exponent and mantissa,
+    # are the code's magnitude / 2^8 (subnormals included); exact, and no NaN code is left at this point
+    torch.bitwise_and(codes, 0x7F, out=magnitude)
+    bits.copy_(magnitude).bitwise_left_shift_(7)
+    dq = x  # x is done with: its buffer takes |dequant|
+    dq.copy_(bits.view(torch.float16)).mul_(s * 256.0)   # |float32(q) * scale|: one rounding, as dequantize
+    # q has the sign of x = w / scale, so |w - dequant| = ||w| - |dequant||; float32 holds that
+    # difference exactly here (it is at most half a step, far below both), and its square in float64
+    wf.abs_()
+    dq.sub_(wf)
+    flat = wide.view(-1)
+    wide.copy_(dq)
+    e2 = float(torch.dot(flat, flat))
+    wide.copy_(wf)
+    w2 = float(torch.dot(flat, flat))
+    if not (math.isfinite(w2) and math.isfinite(e2)):
+        return None
+    # bound: sum of max(|w|, t)^2 / 2^8 with t = scale / 2^6 (module docstring). Where every |w| >= t
+    # that is w2 / 2^8; a w below t has |w / scale| < 2^-6, so its code is at most 2^-6 (magnitude bits
+    # <= 0x08), and only then is the sum taken again with |w| raised to t (exact in float64: t is a
+    # float32 times a power of two).
+    bound2 = w2
+    if int(magnitude.min()) <= 0x08:
+        if s.numel() == 1:
+            wide.clamp_(min=s.item() * 2.0**-6)
+        else:
+            torch.maximum(wide, (s * 2.0**-6).double(), out=wide)
+        bound2 = float(torch.dot(flat, flat))
+    return ErrorSums(w2, e2, bound2 * 2.0**-8, 0)
+
+
+def same_bytes(a, b) -> bool:
+    """Two uint8 tensors of one length hold the same bytes. On a CPU that is the C library's memcmp:
+    several times faster than torch.equal, which builds an elementwise comparison."""
+    if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
+        return torch.equal(a, b)
+    return memcmp()(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+
+
+def identical(a, b) -> bool:
+    """Two tensors of one size hold the same bytes."""
+    return same_bytes(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@functools.cache
+def memcmp():
+    function = ctypes.CDLL(None).memcmp  # the process's own symbols: the C library is among them
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return function
+
+
+def tile_scale(scale, r0: int, r1: int, scheme: str):
+    """The scale values of rows [r0, r1), as stored per scheme (float32): [1, 1], rows, MXFP8 groups of
+    rows, or the block rows those rows lie in (r0 on a block row)."""
+    if scheme == "tensor":
+        return scale.reshape(1, 1)
+    if scheme in ("channel", "mxfp8"):
+        return scale[r0:r1]
+    return scale[r0 // BLOCK: -(-r1 // BLOCK)]
+
+
+def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
+    """The scale of rows [r0, r1), broadcastable to them (float32)."""
+    s = tile_scale(scale, r0, r1, scheme)
+    return expand_scale(s, (r1 - r0, cols), scheme) if scheme in ("block", "mxfp8") else s
+
+
+def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
+    """The figures of rows r0.. of a tensor (`w` source rows, `q` their codes, `scale` the tensor's
+    whole scale as float32 values), a tile at a time on a CPU (tiles that stay in the caches; block
+    tiles start on block rows), in one piece on a GPU. `powers`: the scales are powers of two (MXFP8,
+    UE8M0 blocks), checked exactly as well."""
+    rows, cols = w.shape
+    step = rows if w.device.type != "cpu" else max(1, TILE_ELEMENTS // max(cols, 1))
+    if scheme == "block":
+        step = max(BLOCK, step // BLOCK * BLOCK)
+    sums = ErrorSums()
+    scratch = Scratch()
+    for t0 in range(0, rows, step):
+        t1 = min(rows, t0 + step)
+        s = slab_scale(scale, r0 + t0, r0 + t1, cols, scheme)
+        w_tile, q_tile = w[t0:t1], q[t0:t1]
+        fast = fast_sums(w_tile, q_tile, s, scratch)
+        tile = fast or exact_sums(w_tile, q_tile, s)
+        stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
+        if powers:  # where fast_sums answered, every code is RNE(w / scale) byte for byte: none inexact
+            tile.off_rule, tile.inexact = power_of_two_checks(w_tile.float(), q_tile, stored, scheme,
+                                                              codes=fast is None)
+        else:
+            tile.oversized, tile.amax = float_scale_checks(w_tile, stored, scheme)
+        sums.add(tile)
+    return sums
+
+
+# Codes are checked against whatever scale is stored beside them, so a scale far too large (every code
+# rounding to zero) would pass that check; the scale itself is held to at most OVERSIZE x amax / 448 of
+# what it scales (or 1 where amax is 0). fp8convert writes amax / 448 exactly; a checkpoint whose float
+# scales were rounded up to powers of two (less than 2x) still passes, a scale that wastes more than one
+# binade of the e4m3 range does not. A scale too small shows in the codes instead (they saturate).
+OVERSIZE = 2.0
+
+
+def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
+    """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the tensor scheme's
+    largest |w|) for one slab with float scales. The tensor scheme's scale may be a fused group's, so its
+    comparison waits for every member (check_tensor_scales)."""
+    if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
+        if not w.numel():
+            return 0, 0.0
+        lo, hi = torch.aminmax(w)
+        return 0, float(torch.maximum(hi, lo.neg()))
+    return int(oversized(s, amax(w, scheme)).sum()), 0.0
+
+
+def oversized(scale, amax):
+    """Which scales are over OVERSIZE x amax / 448 of the weights they scale (tensors, compared element
+    by element); a scale of 1 over all-zero weights is the rule's one exception."""
+    return (scale > amax / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((amax == 0) & (scale == 1))
+
+
+def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
+    """(scales off the rule, codes off RNE) for one slab of rows with power-of-two scales: MXFP8 exponents
+    ([rows, in/32]) or UE8M0 block scales (block rows of the slab). `w`: float32 source rows; `q`: their
+    codes; `s`: float32 scale values. `codes` False: the codes are known to be RNE(w / scale) already.
+
+    The rule is written as a property, independently of how the quantizer computes it: s = 2^e must
+    satisfy A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), where A is the
+    group's amax, or the block's amax floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its
+    lowest byte (2^-127) only needs the first. Both products are exact in float32."""
+    a = amax(w, scheme)
+    if scheme != "mxfp8":
+        a = torch.maximum(a, torch.full_like(a, UE8M0_MIN_AMAX))
+    fits = powers_of_two(s) & (a <= FP8_MAX * s)
+    smallest = a > (FP8_MAX / 2) * s
+    if scheme == "mxfp8":
+        smallest |= s == 2.0**-127
+    off_rule = int((~(fits & smallest)).sum())
+    if not codes:
+        return off_rule, 0
+    x = (w / expand_scale(s, tuple(w.shape), scheme)).clamp(-FP8_MAX, FP8_MAX)
+    inexact = int((x.to(FP8_DTYPE).float() != q.float()).sum())  # compared as values: -0 == +0
+    return off_rule, inexact
+
+
+def scale_values(scale):
+    """A stored output scale as float32 values: MXFP8's E8M0 bytes decoded (255, E8M0's NaN, to NaN)."""
+    return e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
+
+
+def source_values(codes, scale, r0: int, source_scheme: str):
+    """An FP8 source slab's values, float32(q) * scale (float32), or None when its scale is not finite
+    and positive everywhere."""
+    s = scale_as_stored(scale, source_scheme)
+    if not finite_positive(s):
+        return None
+    return dequantize(codes, tile_scale(s, r0, r0 + codes.shape[0], source_scheme), source_scheme)
