@@ -78,6 +78,7 @@ class EarlyQuantizer:
         self.tasks: int | None = None  # the pipe's write end the group numbers go through
         self.stop_pipe: int | None = None  # closed to stop the children
         self.reports: int | None = None  # the pipe's read end they report through
+        self.feeder: threading.Thread | None = None
         self.listener: threading.Thread | None = None
         self.writer = None
         self.on_done: Callable[[int], None] = lambda nbytes: None
@@ -127,7 +128,8 @@ class EarlyQuantizer:
                 socket.send_fds(channel, [json.dumps({"shards": part, "last": last}).encode()], [files[s] for s in part])
             channel.close()
         tasks, self.tasks = self.tasks, None  # the feeder's now: it closes it
-        threading.Thread(target=self._feed, args=(tasks,), name="fp8convert-early-feed", daemon=True).start()
+        self.feeder = threading.Thread(target=self._feed, args=(tasks,), name="fp8convert-early-feed", daemon=True)
+        self.feeder.start()
         reports, self.reports = self.reports, None
         self.listener = threading.Thread(target=self._listen, args=(reports,), name="fp8convert-early", daemon=True)
         self.listener.start()
@@ -162,6 +164,9 @@ class EarlyQuantizer:
         for pid, _ in self.children:
             os.waitpid(pid, 0)
         self.children = []
+        if self.feeder is not None:  # with every child gone, its next write fails at once
+            self.feeder.join()
+            self.feeder = None
 
     def __enter__(self) -> "EarlyQuantizer":
         return self
