@@ -125,7 +125,10 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
     out_dir = Path(out)
     head = _head_start(source, out_dir, settings, spec, devices)
-    with OutputLock(out_dir, spec.index, spec.count) as lock:  # held while this run writes OUT
+    # The head start's reads are joined on leaving, refused or not: a thread still reading as the
+    # interpreter exits fails there with a traceback of its own.
+    with head or contextlib.nullcontext(), \
+            OutputLock(out_dir, spec.index, spec.count) as lock:  # held while this run writes OUT
         try:
             the_plan = build_plan(source, settings.options)
             if on_plan:
@@ -198,17 +201,27 @@ def _open_for_run(src, out_dir: Path, settings: Settings, spec: workers.WorkerSp
 
 def _head_start(source, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
                 devices: list[str] | None) -> Prefetcher | None:
-    """Start pulling the source into the page cache in file order while the plan is made, instead of
-    leaving the disk idle until then: a checkpoint's first file holds its first layers, which the pipeline
-    reads first, and the run's own prefetcher then finds them cached (at most --prefetch bytes, within its
-    window where the files hold the layers in order, as Hugging Face's shards do). The plan of a model of
-    tens of thousands of tensors takes seconds (a Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2
-    cores). Only for a fresh OUT (a resumed one may have its first shards done), one worker (each reads
-    its share) and a source on disk."""
-    if spec.count > 1 or devices or (out_dir / WORK_DIR).exists():
+    """The prefetcher that pulls the source into the page cache in file order while the plan is made
+    (entering it starts it), instead of leaving the disk idle until then: a checkpoint's first file holds
+    its first layers, which the pipeline reads first, and the run's own prefetcher then finds them cached
+    (at most --prefetch bytes, within its window where the files hold the layers in order, as Hugging
+    Face's shards do). The plan of a model of tens of thousands of tensors takes seconds (a
+    Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2 cores). Only for a fresh OUT (one holding files is
+    resumed, and may have its first shards done, or refused), one worker (each reads its share) and a
+    source on disk."""
+    if spec.count > 1 or devices or not _fresh(out_dir):
         return None
-    prefetcher = _prefetcher(source.root, source.tensors, settings)
-    return prefetcher.start() if prefetcher else None
+    return _prefetcher(source.root, source.tensors, settings)
+
+
+def _fresh(out_dir: Path) -> bool:
+    """Whether OUT is new or empty."""
+    try:
+        return not any(out_dir.iterdir())
+    except FileNotFoundError:
+        return True
+    except OSError:  # not a directory, or unreadable: prepare_output refuses it
+        return False
 
 
 def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],

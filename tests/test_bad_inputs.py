@@ -8,13 +8,19 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from fp8convert.cli import main
-from tiny_ckpt import INDEX, llama_tensors, looks_complete, rewrite_index, tree_bytes, write_checkpoint, write_raw
+from fp8convert.run import prefetch
+from tiny_ckpt import CONFIG, INDEX, llama_tensors, looks_complete, rewrite_index, tree_bytes, write_checkpoint, write_raw
 
 SHARD2 = "model-00002-of-00003.safetensors"  # layer 1 (shard_by_layer: layer 0, layer 1, the rest)
 
@@ -370,6 +376,79 @@ def test_out_with_unrelated_files_is_refused_even_with_overwrite(tmp_path, capsy
     rc, err = run_cli(capsys, "quantize", src, out, "-q", "--overwrite")
     line = assert_refused(rc, err, out, str(out), "notes.txt", preflight=False)
     assert "pass --overwrite" not in line and tree_bytes(out) == {"notes.txt": b"mine"}
+
+
+def refusals(tmp_path, layers: int) -> tuple[list[tuple], Path, Path]:
+    """Refused conversions of a source of `layers` layers (a file each): the user's own folder, OUT
+    inside SRC, a source the plan refuses, a bad option value. The first three are refused once the
+    source's read-ahead has begun (it starts while the plan is made). Also returns SRC and the folder."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors(layers=layers))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    lying = write_checkpoint(tmp_path / "lying", llama_tensors(layers=layers),
+                             config={**CONFIG, "num_hidden_layers": layers + 1})
+    return [("quantize", src, mine, "-q"), ("quantize", src, src / "fp8", "-q"),
+            ("quantize", lying, tmp_path / "out", "-q"),
+            ("quantize", src, tmp_path / "out", "--scheme", "chanel")], src, mine
+
+
+def slow_reads(monkeypatch, delay: float) -> None:
+    """In this process: each of the prefetcher's reads into the page cache takes `delay` seconds more."""
+    pull = prefetch.pull_into_cache
+    monkeypatch.setattr(prefetch, "pull_into_cache", lambda *args: (time.sleep(delay), pull(*args))[1])
+
+
+def test_a_refused_run_leaves_no_thread_behind(tmp_path, capsys, monkeypatch):
+    """The source's read-ahead, begun while the plan is made, has stopped when the refusal reaches the
+    caller: a thread still reading as the process exits fails with a traceback of its own."""
+    cases, _, _ = refusals(tmp_path, layers=8)
+    slow_reads(monkeypatch, 0.05)  # a slow disk: its reads are still going when the run is refused
+    for args in cases:
+        before = set(threading.enumerate())
+        rc, err = run_cli(capsys, *args)
+        assert rc != 0 and err.startswith("error: "), err
+        assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == [], args
+
+
+# What a refused run's process is given: a slow disk (each read into the page cache 0.05 s more) and the
+# read-ahead threads of a machine of 16 cores or more, where the stray traceback was reported.
+SLOW_DISK_CLI = ("import sys, time; from fp8convert import api; from fp8convert.run import prefetch; "
+                 "pull = prefetch.pull_into_cache; "
+                 "prefetch.pull_into_cache = lambda *a: (time.sleep(0.05), pull(*a))[1]; "
+                 "api.default_threads = lambda: 4; "
+                 "from fp8convert.cli import run; run(sys.argv[1:])")
+BUSY = "while True: pass"  # load beside a child run, so its threads are scheduled late
+
+
+@pytest.mark.slow
+def test_a_refusal_is_its_one_line_alone_in_a_real_process_under_load(tmp_path, capsys):
+    """The reported stray traceback: a refused run printed its line, then `Exception in thread
+    fp8convert-prefetch: ... cannot schedule new futures after shutdown`, from the source's read-ahead
+    still reading as the interpreter exited. Each refusal in a process of its own, five times, beside
+    none, one, then two busy loops: exactly the line and exit code of the same refusal made in this
+    process, nothing else, and nothing written."""
+    cases, src, mine = refusals(tmp_path, layers=200)  # a plan of 1,800 tensors: the reads are under way
+    expected = []
+    for args in cases:
+        rc, err = run_cli(capsys, *args)
+        assert rc != 0 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+        expected.append((rc, err))
+    busy: list[subprocess.Popen] = []
+    try:
+        for round in range(5):
+            if round in (2, 3):
+                busy.append(subprocess.Popen([sys.executable, "-c", BUSY]))
+            for args, (rc, err) in zip(cases, expected):
+                child = subprocess.run([sys.executable, "-c", SLOW_DISK_CLI, *map(str, args)], check=False,
+                                       capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=60)
+                assert (child.returncode, child.stderr) == (rc, err), (round, args)
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+    assert tree_bytes(mine) == {"notes.txt": b"mine"} and not (src / "fp8").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_overwrite_in_the_current_folder_keeps_the_users_work(tmp_path, capsys, monkeypatch):
