@@ -678,7 +678,7 @@ def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
     devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
     for dev in devices:  # (each run reads the input into the page cache first: ceiling_run)
         # Into tmpfs pages no run had used, the main thread waited 2.2-2.5x as long for the writer as into
-        # reused ones (docs/benchmarks.md, session 18): on a virtual machine the host backs a page on its
+        # reused ones: on a virtual machine the host backs a page on its
         # first touch, which a machine that has run for a while has done. The warm-up run is in the table.
         if not out_of_time(log, f"ceiling {dev} warm-up"):
             rows.append(ceiling_run(src, info, args, log, gpu, dev, "warm-up", -1))

@@ -42,10 +42,9 @@ def budget_for(dev: torch.device, max_resident: int | None) -> int:
 
 def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
     """(reader, writer) threads. With a GPU quantizing, parallel reads and writes keep the disk busy
-    (8 and 8 measured best: in the pipeline, 8 writers filling a shard through mappings beat 4 and 16).
-    On the CPU, quantizing is the slowest stage and needs the cores; I/O threads
-    take a quarter of them, 1 to 4 readers (on 2 cores, 8 readers and 4 writers made the run 1.5x slower;
-    on 16, 4 readers read 3.3x faster than 1)."""
+    (8 writers fill a shard through mappings faster than 4 or 16). On the CPU, quantizing is the slowest
+    stage and needs the cores; I/O threads take a quarter of them, 1 to 4 readers (more readers and
+    writers on 2 cores slow the run down)."""
     if device_type != "cpu":
         return 8, 8
     cores = cores or usable_cores()
@@ -56,10 +55,8 @@ def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> in
     """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the reader
     threads, which copy each batch in while the one before is quantized (and the writers copy outputs
     out). Every one of torch's threads must finish its share of a step before the next begins, so one
-    that waits for a core taken by an I/O thread holds up the rest: on 16 cores (4 readers, 2 writers),
-    MoE 8 layers quantized at 3.37-3.71 GB/s with 12 threads, 2.73-3.32 with 14 and 1.64-1.78 with 16.
-    On 2 cores none is spared (0.81-0.86 GB/s with 1 thread, 0.84-1.13 with 2). Never more than torch
-    has; None (leave it) where the user set OMP_NUM_THREADS."""
+    that waits for a core taken by an I/O thread holds up the rest. On 2 cores none is spared. Never more
+    than torch has; None (leave it) where the user set OMP_NUM_THREADS."""
     if environ.get("OMP_NUM_THREADS"):
         return None
     spared = io_threads("cpu", cores)[0] if cores > 4 else 0

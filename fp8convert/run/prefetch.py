@@ -33,11 +33,8 @@ FALLBACK_WINDOW = 8 << 30   # where the available memory cannot be read (off Lin
 
 def default_window(workers: int = 1, available: int | None = None) -> int:
     """--prefetch auto: half the memory available at the start, shared by the `workers` of this run
-    (processes of one machine may each convert a share), at most WINDOW_CAP. In first runs of MoE 16 on
-    H200 machines, where the 8 GiB window of earlier versions was full about 8 s in and the disk then
-    idled until torch was ready, a larger window ended each of eight alternating rounds sooner: 16 GiB by
-    0.4-3.6 s, 32 GiB by 1.4-6.0 s, this default (32 GiB there) by 1.8-2.8 s (docs/benchmarks.md,
-    session 14)."""
+    (processes of one machine may each convert a share), at most WINDOW_CAP. A small window fills
+    while torch is still loading and the disk then idles until it is ready."""
     available = available_memory() if available is None else available
     if available is None:
         return FALLBACK_WINDOW
@@ -192,8 +189,7 @@ class Prefetcher:
 
     def _read(self, fd: int, offset: int, length: int) -> None:
         """Bring the bytes into the page cache. sendfile into /dev/null reads them there without copying
-        them anywhere: on the 2-core machine an 11 GB checkpoint took 0.6 s of CPU cold (3.1-4.4 s by
-        pread into scratch, and no faster) and 0.1 s cached (1.2 s), CPU time the quantizing threads
+        them anywhere, a fraction of the CPU time a pread into scratch takes: CPU time the quantizing threads
         of a `--device cpu` run need. Where sendfile is refused (it needs a socket on macOS) or there is
         no sink, a pread."""
         if self.stopped:

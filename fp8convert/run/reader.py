@@ -4,8 +4,7 @@ Parallel preads (several threads help a cold disk). For CUDA the batch's tensors
 in a file are read together, in preads of up to one chunk, whatever order they take in the buffer; each
 thread owns one pinned staging chunk and its own stream, copies each tensor's part of the chunk to its
 place, and host memory stays threads x chunk whatever the layer size. (A MoE layer is hundreds of
-tensors of a few MB: read one by one, with 16 threads, they came out of the page cache at 7.8 GB/s,
-together at 18.6 GB/s; docs/benchmarks.md.) For CPU the threads read each tensor straight into the
+tensors of a few MB: reading neighbours together makes far fewer, larger preads.) For CPU the threads read each tensor straight into the
 batch buffer. `start` returns while the reads are in flight, so the batch's first stacks can be
 quantized before its last bytes land (PendingRead.wait).
 """

@@ -2,11 +2,10 @@
 
 A cold `import torch` and CUDA's start read about 0.3 GB of shared libraries and a thousand small Python
 files, one page fault or file at a time, each waiting for the disk, and behind the checkpoint's reads
-they waited longer: torch was ready 9.3-10.4 s into a cold run on an H200 box. Which pages they are
-changes little from run to run. So a run that started torch itself records them in the user's cache (the
+they wait longer still. Which pages they are changes little from run to run. So a run that started torch itself records them in the user's cache (the
 pages of each mapped library that its page table holds, from /proc/self/pagemap, and the Python files it
 imported), and the next run asks the kernel for all of them at once (POSIX_FADV_WILLNEED) before the
-checkpoint's reads: torch was then ready after 4.2-5.6 s. It is only a hint: a missing, stale or
+checkpoint's reads (docs/performance.md says what it gains). It is only a hint: a missing, stale or
 unreadable record costs nothing but a cold import.
 """
 from __future__ import annotations

@@ -17,9 +17,7 @@ from . import startup_pages
 
 # Pinned host memory from malloc and cudaHostRegister, its pages touched by 8 threads, instead of one
 # cudaHostAlloc call at a time: the readers' and the writer's 17 buffers of 32 MB are pinned at the start of
-# every run, in its critical path. On an H200 the first batch's read (which pins the readers' buffers)
-# took 0.11-0.15 s with this against 0.30-0.32 s without, and a fresh process's pipeline ran at 8.7-11.1
-# GB/s against 7.9-8.8 (MoE 8; dense 16: 12.8-13.4 against 10.0-11.5; docs/benchmarks.md).
+# every run, in its critical path (docs/performance.md).
 PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 TORCH_THREAD = "fp8convert-torch"

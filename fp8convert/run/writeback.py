@@ -11,14 +11,13 @@ cold import of torch is thousands of page faults, and writes on the same disk sl
 written meanwhile (the kept tensors' copies) wait in the page cache until torch is ready.
 
 reserve: give a file its final size with every block allocated up front (fallocate). A full disk then
-shows before any data is written, and later writes only copy bytes: into one tmpfs file, 32 MB pwrites
-ran at 2.3-2.5 GB/s when they also had to allocate the pages and 3.9-4.1 GB/s into reserved ones.
+shows before any data is written, and later writes only copy bytes, which is faster than writes that
+must also allocate the pages.
 
 write_mapped: copy bytes into a reserved file through a shared mapping of just their range. The
-kernel serialises buffered writes (pwrite) to one file, so one shard takes about 4 GB/s however many
-threads write it; copies into a mapping are not serialised. Each thread is slower (its page faults:
-1.55 GB/s alone) but they add up: 5.9 GB/s with 4 threads and 11.9 with 8 into one tmpfs file, against
-3.5-4.5 for pwrite; 6.9 GB/s with 8 into one ext4 file against 4.5-4.6 (docs/benchmarks.md).
+kernel serialises buffered writes (pwrite) to one file, so one shard is written no faster however many
+threads write it; copies into a mapping are not serialised. Each thread is slower (its page faults) but
+they add up (scripts/io_limits.py measures both).
 """
 from __future__ import annotations
 
@@ -73,10 +72,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 class Writeback:
     """Sends written ranges to disk (start_writeback) as they are written, or, when `holding`, keeps them
-    until `release`. In first runs of dense 16 (a Llama-3-8B shape whose 2.1 GB of embedding and head
-    are copied while torch loads) on H200 machines, holding them until torch was ready made torch ready
-    0.9-1.8 s sooner in four rounds of five (alternating) and the runs 0.1-1.2 s shorter in four, 0.9 s
-    longer in one (docs/benchmarks.md, session 13)."""
+    until `release`: writes beside torch's cold import slow its page faults down."""
 
     def __init__(self, holding: bool = False):
         self.lock = threading.Lock()
