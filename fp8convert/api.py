@@ -27,6 +27,7 @@ from .options import Options, Settings, env_number
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
+from .output.partial import written_bytes, written_units
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import compatibility_warnings
@@ -66,6 +67,8 @@ class Report:
     stage_seconds: dict = field(default_factory=dict)
     worker: str = "0/1"                   # this process's share: worker K of N
     shards_written: int = 0               # by this call (its workers, with --devices)
+    units: int = 0                        # units with outputs in the shards this call wrote
+    units_resumed: int = 0                # of those, units an earlier run had written already (skipped)
     complete: bool = False                # OUT is complete on return (False: other workers still owe shards)
     source_quantization: str | None = None   # an FP8 source: how it is quantized
     tensors_dequantized: int = 0          # FP8 source weights written in high precision
@@ -242,6 +245,7 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
     reports = device_split.run_on_devices(_device_worker, src, str(out_dir), children)
     report.device = ",".join(r.device for r in reports)
     report.shards_written = sum(r.shards_written for r in reports)
+    report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)
     peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
     report.peak_device_bytes = max(peaks) if peaks else None
     report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
@@ -262,8 +266,13 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     """This process writes its share of the shards (all of them when it is the only worker)."""
     todo = spec.owned(len(the_plan.shards)) - done
     skip = set(range(len(the_plan.shards))) - todo
-    check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed())
-    units = units_for(the_plan, todo)
+    # the units an earlier run wrote in this share's partial shards, checked against their bytes
+    written = {i: units for i in sorted(todo) if (units := written_units(the_plan, out_dir / WORK_DIR,
+                                                                         the_plan.shards[i]))}
+    check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
+    units = units_for(the_plan, todo, written)
+    report.units = len(units_for(the_plan, todo))
+    report.units_resumed = report.units - len(units)
     if spec.count > 1:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):
@@ -294,7 +303,8 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     # MoE checkpoint on an H200 box that ended sooner than holding them (docs/benchmarks.md).
     with fetcher, prefetcher or contextlib.nullcontext(), \
             contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=not early.groups) as writer, \
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=not early.groups,
+                        written=written) as writer, \
             _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier, \
             early:
         fetcher.start(need_order(units))
@@ -307,7 +317,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             # Join torch's thread before importing the pipeline (which imports torch): on a small model the
             # main thread gets here first and would do torch's import itself.
             warmup.join()
-            writer.writeback.release()
+            writer.release_writeback()
             from .run.pipeline import convert
             result = convert(the_plan, left, writer, device, settings.max_resident, fetcher, bar,
                              read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
@@ -317,7 +327,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             report.stage_seconds, report.device, report.peak_device_bytes = (
                 result.stage_seconds, result.device, result.peak_device_bytes)
         else:  # every weight was written before torch was ready: the run ends without it
-            writer.writeback.release()
+            writer.release_writeback()
             copier.finish()
             report.stage_seconds, report.device = {"done_before_torch": round(time.monotonic() - started, 3)}, "cpu"
         if warmup.began_at is not None:  # when torch's start began: with the run, or once the disk read ahead
@@ -427,13 +437,16 @@ def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: s
                    " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
 
 
-def units_for(the_plan: Plan, shards: set[int]) -> list[Unit]:
-    """The plan's units cut down to the tensors whose outputs land in `shards`. All outputs of an atom
-    (fused group or single tensor) share one shard, so atoms are never split and, across workers that
-    own disjoint shards, no tensor is read twice."""
+def units_for(the_plan: Plan, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
+    """The plan's units cut down to the tensors whose outputs land in `shards`, but in a shard where
+    `written` says the unit is written already. All outputs of an atom (fused group or single tensor)
+    share one shard, so atoms are never split and, across workers that own disjoint shards, no tensor is
+    read twice."""
+    written = written or {}
     units = []
-    for unit in the_plan.units:
-        kept = [t for t in unit.tensors if the_plan.shard_of[t.name] in shards]
+    for ui, unit in enumerate(the_plan.units):
+        kept = [t for t in unit.tensors if (shard := the_plan.shard_of[t.name]) in shards
+                and ui not in written.get(shard, ())]
         if kept:
             units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
     return units
@@ -468,9 +481,11 @@ def _finish(the_plan: Plan, out_dir: Path, spec: workers.WorkerSpec, progress: b
     return True
 
 
-def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0) -> None:
-    """The output shards still to write, plus the source shards a streamed download keeps at once."""
-    needed = sum(s.size for s in the_plan.shards if s.index not in skip) + streamed_bytes
+def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0,
+                     written: int = 0) -> None:
+    """The output shards still to write, but the bytes of their partial files that are `written`, plus
+    the source shards a streamed download keeps at once."""
+    needed = sum(s.size for s in the_plan.shards if s.index not in skip) - written + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:
         what = " and the streamed source shards" if streamed_bytes else ""

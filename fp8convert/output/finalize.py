@@ -3,7 +3,8 @@
 An output is complete when config.json and the index exist (written last, after every shard was
 fsynced and renamed). A shard only ever gets its final name by an atomic rename after fsync, so a
 final-named shard of the planned size is finished: rerunning the same command (or another worker)
-skips it and continues with the rest.
+skips it and continues with the rest (inside a partial shard, after its units already written:
+partial.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .files import json_bytes, write_atomic
 from .lock import OutputLock
 from .manifest import WORK_DIR, Manifest, plan_change, source_change
 from .ownership import foreign_entries, killed_before_manifest, refuse_foreign, replace_advice, replace_output
+from .partial import remove_records
 
 
 def is_inside(child: Path, parent: Path) -> bool:
@@ -120,6 +122,7 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
     write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
     Manifest(out_dir).mark_complete(plan)
+    remove_records(out_dir / WORK_DIR)  # of a shard renamed by a run that stopped before removing its record
     fsync_dir(out_dir)
 
 
