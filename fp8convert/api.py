@@ -135,8 +135,7 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
             if on_plan:
                 on_plan(the_plan)
             done, complete = prepare_output(the_plan, out_dir, settings.overwrite,
-                                            streamed=settings.stream_download, base_model=settings.base_model,
-                                            lock=lock)
+                                            streamed=settings.stream_download, lock=lock)
             report = _new_report(the_plan, out_dir, settings, spec, done, complete)
         finally:
             if head:
@@ -241,6 +240,7 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
                 + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), settings.progress)
     todo = spec.owned(len(the_plan.shards)) - done
     check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - todo)
+    Manifest(out_dir).claim(the_plan, settings.base_model)
     children = device_split.child_settings(settings, spec, devices)
     reports = device_split.run_on_devices(_device_worker, src, str(out_dir), children)
     report.device = ",".join(r.device for r in reports)
@@ -270,6 +270,7 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     written = {i: units for i in sorted(todo) if (units := written_units(the_plan, out_dir / WORK_DIR,
                                                                          the_plan.shards[i]))}
     check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
+    Manifest(out_dir).claim(the_plan, settings.base_model)
     units = units_for(the_plan, todo, written)
     report.units = len(units_for(the_plan, todo))
     report.units_resumed = report.units - len(units)
