@@ -274,6 +274,9 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     units = units_for(the_plan, todo, written)
     report.units = len(units_for(the_plan, todo))
     report.units_resumed = report.units - len(units)
+    if report.units_resumed:
+        workers.log(f"{the_plan.source.label}{_tag(spec)}: resumed: {report.units_resumed} of {report.units} units "
+                    "already written", settings.progress)
     if spec.count > 1:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):

@@ -89,7 +89,7 @@ def written_units(plan: Plan, work_dir: Path, shard: Shard) -> set[int]:
     except OSError:
         kept = {}
     if not kept:
-        record.unlink()
+        record.unlink(missing_ok=True)
     elif len(kept) < len(lines):
         write_atomic(record, "".join(line + "\n" for line in kept.values()).encode())
     return set(kept)
