@@ -26,6 +26,7 @@ from .options import Options, Settings, python_spelling
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
+from .output.partial import written_bytes, written_units
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
 from .plan.summary import plan_warnings
@@ -64,6 +65,8 @@ class Report:
     stage_seconds: dict = field(default_factory=dict)
     worker: str = "0/1"                   # this process's share: worker K of N
     shards_written: int = 0               # by this call (its workers, with --devices)
+    units: int = 0                        # units with outputs in the shards this call wrote
+    units_resumed: int = 0                # of those, units an earlier run had written already (skipped)
     complete: bool = False                # OUT is complete on return (False: other workers still owe shards)
     source_quantization: str | None = None   # an FP8 source: how it is quantized
     tensors_dequantized: int = 0          # FP8 source weights written in high precision
@@ -134,8 +137,7 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
             if on_plan:
                 on_plan(the_plan)
             done, complete = prepare_output(the_plan, out_dir, settings.overwrite,
-                                            streamed=settings.stream_download, base_model=settings.base_model,
-                                            lock=lock)
+                                            streamed=settings.stream_download, lock=lock)
             report = _new_report(the_plan, out_dir, settings, spec, done, complete)
         finally:
             if head:
@@ -252,10 +254,12 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
                 + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), settings.progress)
     todo = spec.owned(len(the_plan.shards)) - done
     check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - todo)
+    Manifest(out_dir).claim(the_plan, settings.base_model)
     children = device_split.child_settings(settings, spec, devices)
     reports = device_split.run_on_devices(_device_worker, src, str(out_dir), children)
     report.device = ",".join(r.device for r in reports)
     report.shards_written = sum(r.shards_written for r in reports)
+    report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)
     peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
     report.peak_device_bytes = max(peaks) if peaks else None
     report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
@@ -268,8 +272,17 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     """This process writes its share of the shards (all of them when it is the only worker)."""
     todo = spec.owned(len(the_plan.shards)) - done
     skip = set(range(len(the_plan.shards))) - todo
-    check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed())
-    units = units_for(the_plan, todo)
+    # the units an earlier run wrote in this share's partial shards, checked against their bytes
+    written = {i: units for i in sorted(todo) if (units := written_units(the_plan, out_dir / WORK_DIR,
+                                                                         the_plan.shards[i]))}
+    check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
+    Manifest(out_dir).claim(the_plan, settings.base_model)
+    units = units_for(the_plan, todo, written)
+    report.units = len(units_for(the_plan, todo))
+    report.units_resumed = report.units - len(units)
+    if report.units_resumed:
+        workers.log(f"{the_plan.source.label}{_tag(spec)}: resumed: {report.units_resumed} of {report.units} units "
+                    "already written", settings.progress)
     if spec.count > 1:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):
@@ -294,13 +307,14 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     # cold import of torch is thousands of page faults, which writes on the same disk slow down.
     with fetcher, prefetcher or contextlib.nullcontext(), \
             contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True) as writer, \
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True,
+                        written=written) as writer, \
             _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the
         # main thread gets here first and would do torch's import itself.
         warmup.join()
-        writer.writeback.release()
+        writer.release_writeback()
         from .run.pipeline import convert
         result = convert(the_plan, computed, writer, device, settings.max_resident, fetcher, bar,
                          read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
@@ -361,13 +375,16 @@ def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: s
                    " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
 
 
-def units_for(the_plan: Plan, shards: set[int]) -> list[Unit]:
-    """The plan's units cut down to the tensors whose outputs land in `shards`. All outputs of an atom
-    (fused group or single tensor) share one shard, so atoms are never split and, across workers that
-    own disjoint shards, no tensor is read twice."""
+def units_for(the_plan: Plan, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
+    """The plan's units cut down to the tensors whose outputs land in `shards`, but in a shard where
+    `written` says the unit is written already. All outputs of an atom (fused group or single tensor)
+    share one shard, so atoms are never split and, across workers that own disjoint shards, no tensor is
+    read twice."""
+    written = written or {}
     units = []
-    for unit in the_plan.units:
-        kept = [t for t in unit.tensors if the_plan.shard_of[t.name] in shards]
+    for ui, unit in enumerate(the_plan.units):
+        kept = [t for t in unit.tensors if (shard := the_plan.shard_of[t.name]) in shards
+                and ui not in written.get(shard, ())]
         if kept:
             units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
     return units
@@ -402,9 +419,11 @@ def _finish(the_plan: Plan, out_dir: Path, spec: workers.WorkerSpec, progress: b
     return True
 
 
-def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0) -> None:
-    """The output shards still to write, plus the source shards a streamed download keeps at once."""
-    needed = sum(s.size for s in the_plan.shards if s.index not in skip) + streamed_bytes
+def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0,
+                     written: int = 0) -> None:
+    """The output shards still to write, but the bytes of their partial files that are `written`, plus
+    the source shards a streamed download keeps at once."""
+    needed = sum(s.size for s in the_plan.shards if s.index not in skip) - written + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:
         what = " and the streamed source shards" if streamed_bytes else ""

@@ -589,6 +589,37 @@ def test_not_enough_free_space_fails_before_writing_then_resumes(tmp_path, capsy
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
+def test_a_failed_free_space_check_claims_nothing(tmp_path, capsys, monkeypatch):
+    """Refused for want of space: OUT holds no manifest, so a retry with another --max-shard-size is
+    not refused as another plan."""
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    usage = shutil.disk_usage(tmp_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
+        rc, err = run_cli(capsys, "quantize", src, out, "-q")
+    assert_refused(rc, err, out, "available", preflight=False)
+    assert not (out / ".fp8convert" / "manifest.json").exists()
+    assert run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "10KB")[0] == 0
+    assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q", "--max-shard-size", "10KB")[0] == 0
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+def test_a_manifest_of_a_run_that_wrote_nothing_gives_way_to_another_plan(tmp_path, capsys, monkeypatch):
+    """A run that failed at its first write (its shard's header) leaves a manifest and an empty partial
+    file: another plan simply replaces them; a file the user put in OUT stays."""
+    src = write_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, os.strerror(errno.EIO))))
+        assert run_cli(capsys, "quantize", src, out, "-q")[0] == 1
+    assert (out / ".fp8convert" / "manifest.json").exists()
+    (out / "notes.txt").write_text("mine")
+    assert run_cli(capsys, "quantize", src, out, "-q", "--max-shard-size", "10KB")[0] == 0
+    assert run_cli(capsys, "quantize", src, tmp_path / "clean", "-q", "--max-shard-size", "10KB")[0] == 0
+    assert tree_bytes(out) == {**tree_bytes(tmp_path / "clean"), "notes.txt": b"mine"}
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the file behind an fd in /proc")
 def test_disk_full_while_finishing_is_resumable(tmp_path, capsys, monkeypatch):
     """ENOSPC surfaces at fsync (delayed allocation): here while the index is written, the step just

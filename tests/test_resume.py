@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from fp8convert import make_plan
 from fp8convert.cli import main
+from fp8convert.run.writer import ShardWriter
 from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 # 6 layers in 20 KB shards, 10 KB batches: 20 shards, about a hundred tensor writes.
@@ -252,3 +254,151 @@ def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch,
     assert_partial_is_sound(out, reference)
     assert quantize(src, out) == 0
     assert tree_bytes(out) == reference
+
+
+# ------------------------------------------------------ inside one shard: the units already written are kept
+
+# 12 layers in one output shard (as a model under the default 5 GB limit is written): 15 units.
+ONE_SHARD = ["--max-resident", "10KB", "-q"]
+STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
+
+
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory):
+    """The source, the bytes of an uninterrupted conversion of it, and its plan."""
+    base = tmp_path_factory.mktemp("one-shard")
+    src = write_checkpoint(base / "src", llama_tensors(layers=12))
+    assert main(["quantize", str(src), str(base / "ref"), *ONE_SHARD]) == 0
+    reference = tree_bytes(base / "ref")
+    assert sum(name.startswith("model-") for name in reference) == 1
+    return src, reference, make_plan(src)
+
+
+def recorded_units(out: Path) -> list[str]:
+    """The labels of the units the partial shard's record says are written (whole lines only)."""
+    records = list((out / ".fp8convert").glob("*.units"))
+    return [line.split(" ")[0] for line in records[0].read_text().split("\n")[:-1]] if records else []
+
+
+def count_written_bytes(monkeypatch) -> list[int]:
+    """The data bytes this process's writer is given to write from now on (its own and the early
+    quantizer's)."""
+    counted = []
+    for name in ("write", "written_elsewhere"):
+        real = getattr(ShardWriter, name)
+
+        def counting(self, run, *args, _real=real, **kwargs):
+            counted.append(run.nbytes)
+            return _real(self, run, *args, **kwargs)
+        monkeypatch.setattr(ShardWriter, name, counting)
+    return counted
+
+
+def rerun_json(src, out, capsys, *extra) -> dict:
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(out), *ONE_SHARD[:-1], "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def units_bytes(plan, labels) -> int:
+    return sum(u.out_bytes for u in plan.units if u.label in labels)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_stopped_mid_shard_resumes_after_the_units_written(one_shard, tmp_path, capsys, monkeypatch, sig):
+    src, reference, plan = one_shard
+    out = tmp_path / "out"
+    proc = cli_subprocess(["quantize", src, out, *ONE_SHARD], write_delay=DELAY)
+    assert wait_for(lambda: len(recorded_units(out)) >= 3, proc), "the run ended before 3 units were written"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == STOP_EXIT[sig], err
+    assert_partial_is_sound(out, reference)
+    kept = recorded_units(out)
+    assert 3 <= len(kept) < len(plan.units), kept
+
+    written = count_written_bytes(monkeypatch)
+    report = rerun_json(src, out, capsys)
+    assert tree_bytes(out) == reference
+    assert (report["units_resumed"], report["units"]) == (len(kept), len(plan.units))
+    # only the other units were written again
+    assert sum(written) == units_bytes(plan, {u.label for u in plan.units} - set(kept))
+
+
+def stop_mid_shard(src, out, monkeypatch) -> None:
+    """A run stopped by a full disk after about half the shard (ENOSPC from os.pwrite)."""
+    real_pwrite, budget = os.pwrite, [200_000]
+
+    def pwrite(fd, data, offset):
+        if budget[0] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_pwrite(fd, bytes(data)[: budget[0]], offset)
+        budget[0] -= n
+        return n
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", pwrite)
+        assert main(["quantize", str(src), str(out), *ONE_SHARD]) == 1
+
+
+def test_a_changed_unit_of_a_partial_shard_is_written_again(one_shard, tmp_path, capsys, monkeypatch):
+    src, reference, plan = one_shard
+    out = tmp_path / "out"
+    stop_mid_shard(src, out, monkeypatch)
+    kept = recorded_units(out)
+    assert len(kept) >= 3, kept
+    # one byte of the second unit recorded, changed in the partial file
+    shard = plan.shards[0]
+    partial = out / ".fp8convert" / (shard.name + ".partial")
+    victim = next(u for u in plan.units if u.label == kept[1])
+    placed = shard.tensors[victim.tensors[0].name]
+    data = bytearray(partial.read_bytes())
+    data[len(shard.header) + placed.offset] ^= 0xFF
+    partial.write_bytes(bytes(data))
+
+    # another plan is still refused: the partial shard holds units written
+    assert main(["quantize", str(src), str(out), *ONE_SHARD, "--max-shard-size", "100KB"]) == 1
+    assert "different plan" in capsys.readouterr().err
+
+    written = count_written_bytes(monkeypatch)
+    report = rerun_json(src, out, capsys)
+    assert tree_bytes(out) == reference
+    assert report["units_resumed"] == len(kept) - 1
+    assert sum(written) == units_bytes(plan, {u.label for u in plan.units} - set(kept) | {victim.label})
+
+
+def test_a_partial_shard_whose_header_changed_is_written_again(one_shard, tmp_path, capsys, monkeypatch):
+    src, reference, plan = one_shard
+    out = tmp_path / "out"
+    stop_mid_shard(src, out, monkeypatch)
+    assert len(recorded_units(out)) >= 3
+    partial = out / ".fp8convert" / (plan.shards[0].name + ".partial")
+    data = bytearray(partial.read_bytes())
+    data[20] ^= 0xFF
+    partial.write_bytes(bytes(data))
+    written = count_written_bytes(monkeypatch)
+    report = rerun_json(src, out, capsys)
+    assert tree_bytes(out) == reference
+    assert report["units_resumed"] == 0 and sum(written) == units_bytes(plan, {u.label for u in plan.units})
+
+
+def test_every_unit_written_but_the_shard_not_renamed(one_shard, tmp_path, capsys, monkeypatch):
+    """Stopped between the last unit's record and the shard's rename: the rerun only renames it."""
+    src, reference, plan = one_shard
+    out = tmp_path / "out"
+    real_replace = os.replace
+
+    def replace(a, b):
+        if str(a).endswith(".partial"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_replace(a, b)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", replace)
+        assert main(["quantize", str(src), str(out), *ONE_SHARD]) == 1
+    assert sorted(recorded_units(out)) == sorted(u.label for u in plan.units)
+    written = count_written_bytes(monkeypatch)
+    report = rerun_json(src, out, capsys)
+    assert tree_bytes(out) == reference
+    assert report["units_resumed"] == len(plan.units) and written == []

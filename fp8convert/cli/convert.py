@@ -147,6 +147,8 @@ def summary_line(report: api.Report) -> str:
                 "worker is done")
     # written before this run began: by an earlier run of it, or (in a split) by the other workers
     before = f", {report.shards_resumed} already written" if report.shards_resumed else ""
+    if report.units_resumed:  # in partial shards an earlier run left: the units it had written are kept
+        before += f", resumed: {report.units_resumed} of {plural(report.units, 'unit')} already written"
     return (f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{before}, {done_text(report)}, "
             f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} in {report.seconds:.1f}s on "
             f"{report.device}")

@@ -1,6 +1,7 @@
 """Stage 4, output: the output directory as a whole.
 
 manifest.py  OUT/.fp8convert/manifest.json, the record that makes runs resumable (its one reader and writer)
+partial.py   the units already written in a partial shard, recorded beside it, so a rerun continues inside it
 finalize.py  preparing OUT (refusals, resume), finishing it (side files, card, index, config.json last)
 card.py      the model card
 """

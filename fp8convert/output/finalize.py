@@ -3,7 +3,10 @@
 An output is complete when config.json and the index exist (written last, after every shard was
 fsynced and renamed). A shard only ever gets its final name by an atomic rename after fsync, so a
 final-named shard of the planned size is finished: rerunning the same command (or another worker)
-skips it and continues with the rest.
+skips it and continues with the rest (inside a partial shard, after its units already written:
+partial.py). OUT is claimed (its manifest written) only once the run can start, and a manifest whose
+run wrote nothing yet claims nothing: a run of another plan that writes the whole output starts afresh
+there.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from .card import make_card, read_source_card
 from .files import json_bytes, write_atomic
 from .lock import OutputLock
 from .manifest import WORK_DIR, Manifest, plan_change, source_change
-from .ownership import foreign_entries, killed_before_manifest, refuse_foreign, replace_advice, replace_output
+from .ownership import (empty_work_folder, foreign_entries, killed_before_manifest, refuse_foreign, replace_advice,
+                        replace_output)
+from .partial import RECORD_SUFFIX, remove_records
 
 
 def is_inside(child: Path, parent: Path) -> bool:
@@ -29,10 +34,10 @@ def is_inside(child: Path, parent: Path) -> bool:
 
 
 def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False,
-                   base_model: str | None = None, lock: OutputLock | None = None) -> tuple[set[int], bool]:
-    """Make OUT ready. Returns (indices of shards finished by an earlier run of this plan, complete?).
-    `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source.
-    `base_model`: --base-model, recorded for the model card (the first run's value stands). `lock`: this
+                   lock: OutputLock | None = None) -> tuple[set[int], bool]:
+    """Make OUT ready, claiming nothing yet (Manifest.claim, once the run can start). Returns (indices of
+    shards finished by an earlier run of this plan, complete?).
+    `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source. `lock`: this
     run's lock of OUT (lock.py), taken once OUT is known to be fp8convert's, before anything in it is read
     for resuming or changed; the caller holds it for the rest of the run (None: the caller takes none)."""
     out_dir = Path(out_dir)
@@ -48,10 +53,18 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
     if occupied and overwrite:
         replace_output(out_dir)
     elif occupied and (state := read_for_resume(manifest, out_dir)) is not None:
-        check_same_conversion(state, plan, out_dir)
-        done = finished_shards(plan, out_dir)
-        return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
-            and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
+        try:
+            check_same_conversion(state, plan, out_dir)
+        except PlanMismatchError:
+            # Another conversion's, but its run wrote nothing to keep and no other run writes here (the
+            # lock is this run's alone): start afresh (files the user added stay).
+            if not (lock is not None and lock.count == 1 and wrote_nothing(state, out_dir)):
+                raise
+            empty_work_folder(out_dir)
+        else:
+            done = finished_shards(plan, out_dir)
+            return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
+                and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / WORK_DIR).mkdir(exist_ok=True)
@@ -59,8 +72,15 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
         raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
     if not os.access(out_dir, os.W_OK):
         raise FP8ConvertError(f"{out_dir}: not writable")
-    manifest.create(plan, base_model)
     return set(), False
+
+
+def wrote_nothing(state: dict, out_dir: Path) -> bool:
+    """Whether the run that wrote this manifest left nothing to keep: none of the files it lists at OUT's
+    top level, and no unit recorded as written in a partial shard."""
+    outputs = state.get("outputs")
+    return isinstance(outputs, list) and not any((out_dir / name).exists() for name in outputs) \
+        and not any((out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX))
 
 
 def read_for_resume(manifest: Manifest, out_dir: Path) -> dict | None:
@@ -120,6 +140,7 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
     write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
     Manifest(out_dir).mark_complete(plan)
+    remove_records(out_dir / WORK_DIR)  # of a shard renamed by a run that stopped before removing its record
     fsync_dir(out_dir)
 
 

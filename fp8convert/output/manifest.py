@@ -86,6 +86,17 @@ class Manifest:
             with contextlib.suppress(OSError):
                 leftover.unlink()
 
+    def claim(self, plan: Plan, base_model: str | None = None) -> None:
+        """Make OUT this conversion's, once the run can start (every check before writing has passed), so
+        that a run refused before it wrote anything leaves no claim behind. Nothing to do when the
+        manifest records this plan already (a resumed run: the first run's `base_model` stands)."""
+        state = self.read()
+        if state is None:
+            self.create(plan, base_model)
+        elif state.get("fingerprint") != plan.fingerprint:
+            raise PlanMismatchError(f"{self.path.parent.parent}: another run started a conversion with a different "
+                                    "plan in it at the same time")
+
     def mark_complete(self, plan: Plan) -> None:
         state = self.read() or new_manifest(plan)
         state["complete"] = True

@@ -78,11 +78,21 @@ def replace_output(out_dir: Path) -> None:
     if foreign:
         refuse_foreign(out_dir, foreign, overwrite=True)
     work = out_dir / WORK_DIR
-    entries = [e for e in out_dir.iterdir() if e != work]
-    if work.is_dir() and not work.is_symlink():  # emptied but kept: it holds this run's lock (lock.py)
-        entries += [e for e in work.iterdir() if not is_lock_file(e.name)]
+    remove([e for e in out_dir.iterdir() if e != work])
+    empty_work_folder(out_dir)
+
+
+def empty_work_folder(out_dir: Path) -> None:
+    """Delete what OUT's work folder holds, but the lock files: the folder stays, it holds this run's lock
+    (lock.py)."""
+    work = Path(out_dir) / WORK_DIR
+    if work.is_dir() and not work.is_symlink():
+        remove([e for e in work.iterdir() if not is_lock_file(e.name)])
     elif work.exists() or work.is_symlink():
-        entries.append(work)
+        remove([work])
+
+
+def remove(entries: list[Path]) -> None:
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

@@ -5,6 +5,8 @@ size (every shard, by a thread of its own, from the start of the run: a full dis
 runs of output bytes (plan/runs.py) land at their planned offsets as they arrive, in any order and
 from any thread (the pipeline's writer, and the copier of kept tensors). When a shard's last byte
 arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
+Within a partial shard, each unit whose bytes are all written is recorded (output/partial.py): a rerun
+keeps the file and those units and writes the rest.
 
 Writes are large and go through a pool of threads, so the next chunk leaves the device while earlier
 ones are written. The kernel serialises pwrites to one file, so with enough threads (the GPU's 8) a
@@ -15,6 +17,7 @@ until a device tensor arrives, so kept tensors can be written while torch is sti
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import threading
@@ -22,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..output.partial import UnitRecorder, partial_path, record_path
 from ..plan.plan import Plan
 from ..plan.runs import Run
 from .writeback import Writeback, fsync_dir, maps_writes, reserve, write_mapped
@@ -44,13 +48,30 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 class ShardWriter:
     """A context manager: leaving it waits for writes in flight and closes the files (a shard left
-    unfinished stays a partial file, which the next run rewrites)."""
+    unfinished stays a partial file, of which the next run keeps the units recorded as written)."""
 
     def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20,
-                 threads: int = 4, hold_writeback: bool = False):
+                 threads: int = 4, hold_writeback: bool = False, written: dict[int, set[int]] | None = None):
+        """`written`: per partial shard, the units an earlier run wrote in it (partial.written_units):
+        its file is kept and only its other units are written."""
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
+        self.written = {index: units for index, units in (written or {}).items() if units}
+        self.recorder = UnitRecorder(plan, work_dir)
+        # shard -> unit -> its bytes still to write there; shard -> (start, end, unit) of those units, by start
+        self.unit_left: dict[int, dict[int, int]] = {}
+        self.unit_ranges: dict[int, list[tuple[int, int, int]]] = {}
+        for s in plan.shards:
+            if s.index not in skip_shards:
+                ranges = [(start, end, ui) for ui, spans in self.recorder.spans[s.index].items()
+                          if ui not in self.written.get(s.index, ()) for start, end in spans]
+                self.unit_ranges[s.index] = sorted(ranges)
+                self.unit_left[s.index] = {}
+                for start, end, ui in ranges:
+                    self.unit_left[s.index][ui] = self.unit_left[s.index].get(ui, 0) + end - start
+        self.unit_lock = threading.Lock()  # the two above; never held while waiting for anything
         # shard -> data bytes still to write; a shard is finished when none are left
-        self.remaining = {s.index: s.size - len(s.header) for s in plan.shards if s.index not in skip_shards}
+        self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}
+        self.hold_writeback = hold_writeback
         self.fds: dict[int, int] = {}
         self.reserved: set[int] = set()  # shards whose blocks are all allocated
         self.file_system_maps: bool | None = None  # whether mapped writes pay on this file system; asked once
@@ -74,7 +95,7 @@ class ShardWriter:
             self.threads = threads
 
     def partial_path(self, index: int) -> Path:
-        return self.work_dir / (self.plan.shards[index].name + ".partial")
+        return partial_path(self.work_dir, self.plan.shards[index])
 
     def _fd(self, index: int) -> int:
         """The shard's open partial file, created on first use (called with the lock held)."""
@@ -83,16 +104,20 @@ class ShardWriter:
         return self.fds[index]
 
     def _create(self, index: int) -> int:
-        """A new partial file: the header, then every block reserved. Nothing is left open on failure,
-        so the next call starts the file again."""
+        """A new partial file: the header, then every block reserved; or the earlier run's, when it has
+        written units to keep. Nothing is left open on failure, so the next call starts the file again."""
         shard = self.plan.shards[index]
         path = self.partial_path(index)
+        keep = index in self.written
+        if not keep:  # the record goes first: it must never describe a file it did not check
+            record_path(self.work_dir, shard).unlink(missing_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | (0 if keep else os.O_CREAT | os.O_TRUNC), 0o644)
         except OSError as e:
-            raise FP8ConvertError(f"{path}: cannot create ({e.strerror})") from e
+            raise FP8ConvertError(f"{path}: cannot {'open' if keep else 'create'} ({e.strerror})") from e
         try:
-            self._write_host(pwrite_all, fd, memoryview(shard.header), 0)
+            if not keep:
+                self._write_host(index, pwrite_all, fd, memoryview(shard.header), 0)
             if reserve(fd, shard.size):
                 self.reserved.add(index)
         except OSError as e:
@@ -141,7 +166,7 @@ class ShardWriter:
                 view = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
                 for start in range(0, run.nbytes, self.chunk):
                     if in_this_thread:
-                        self._write_host(pwrite_all, fd, view[start:start + self.chunk], run.start + start)
+                        self._write_host(run.shard, pwrite_all, fd, view[start:start + self.chunk], run.start + start)
                     else:
                         self._submit(run.shard, fd, view[start:start + self.chunk], run.start + start)
         except OSError as e:
@@ -162,14 +187,35 @@ class ShardWriter:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
             copy = write_mapped if self._mapped(index) and not host.readonly else pwrite_all
-            future = self.pool.submit(self._write_host, copy, fd, host, offset)
+            future = self.pool.submit(self._write_host, index, copy, fd, host, offset)
             self.pending.setdefault(index, []).append(future)
         return future
 
-    def _write_host(self, copy, fd: int, host: memoryview, offset: int) -> None:
-        """`copy` (pwrite_all or write_mapped) host bytes to `offset`, then hand them to writeback."""
+    def _write_host(self, index: int, copy, fd: int, host: memoryview, offset: int) -> None:
+        """`copy` (pwrite_all or write_mapped) host bytes to `offset` in shard `index`, then hand them to
+        writeback."""
         copy(fd, host, offset)
         self.writeback.written(fd, offset, host.nbytes)
+        self._landed(index, fd, offset, host.nbytes)
+
+    def _landed(self, index: int, fd: int, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) of shard `index` are in its file: a unit all of whose bytes are
+        goes to the recorder."""
+        done = []
+        with self.unit_lock:
+            ranges, left = self.unit_ranges.get(index, []), self.unit_left.get(index, {})
+            i = max(0, bisect.bisect_right(ranges, (offset, float("inf"))) - 1)
+            for start, end, ui in ranges[i:]:
+                if start >= offset + nbytes:
+                    break
+                overlap = min(end, offset + nbytes) - max(start, offset)
+                if overlap > 0 and ui in left:
+                    left[ui] -= overlap
+                    if not left[ui]:
+                        del left[ui]
+                        done.append(ui)
+        for ui in done:
+            self.recorder.unit_written(index, ui, fd)
 
     def _mapped(self, index: int) -> bool:
         """Whether the pool writes this shard through mappings (called with the lock held)."""
@@ -246,10 +292,23 @@ class ShardWriter:
         except OSError as e:
             raise self._write_error(final, e, "cannot finish shard") from e
         del self.remaining[index]
+        self.recorder.shard_finished(index)
+
+    def release_writeback(self) -> None:
+        """Send the writes held in the page cache (Writeback.release), and start recording written units,
+        which fsyncs them."""
+        self.writeback.release()
+        self.recorder.start()
 
     def __enter__(self) -> "ShardWriter":
+        for index in [i for i, left in self.remaining.items() if not left]:
+            with self.lock:  # every unit of it was written by an earlier run, which stopped before the rename
+                self._fd(index)
+                self._finish(index)
         if PREALLOCATE:
             self.allocator.start()
+        if not self.hold_writeback:
+            self.recorder.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -266,3 +325,4 @@ class ShardWriter:
             self.writeback.forget(fd)
             os.close(fd)
         self.fds.clear()
+        self.recorder.close()  # the units written so far get their lines: a rerun keeps them
