@@ -290,11 +290,6 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
             fetch_from_hub(the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}),
                            settings.token, settings.cache_dir)
     device = workers.device_for(spec, settings.device)
-    copy_kept = not settings.stream_download  # a streamed source's shards arrive as the pipeline asks
-    # kept and passed-through tensors copied as they are while torch loads (not cuts of fused experts,
-    # which need the device's reshaping)
-    kept = [t for u in units for t in u.tensors if not t.computed] if copy_kept else []
-    computed = without(units, kept)
     warmup = start_torch(device)
     command = "dequantize" if settings.dequantize else "quantize"
     bar = Progress(sum(u.in_bytes for u in units), f"{command} {the_plan.source.label}{_tag(spec)}",
@@ -303,23 +298,16 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.sharing)
-    # The kept tensors' bytes are held in the page cache until torch is ready (writeback.Writeback): a
-    # cold import of torch is thousands of page faults, which writes on the same disk slow down.
-    with fetcher, prefetcher or contextlib.nullcontext(), \
-            contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, hold_writeback=True,
-                        written=written) as writer, \
-            _kept_copier(the_plan, kept, writer, on_copied=_copied(bar, prefetcher)) as copier:
+    with fetcher, prefetcher or contextlib.nullcontext(), contextlib.closing(bar), \
+            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, written=written) as writer:
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the
         # main thread gets here first and would do torch's import itself.
         warmup.join()
-        writer.release_writeback()
         from .run.pipeline import convert
-        result = convert(the_plan, computed, writer, device, settings.max_resident, fetcher, bar,
+        result = convert(the_plan, units, writer, device, settings.max_resident, fetcher, bar,
                          read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
-                         started=started, check=copier.check)
-        copier.finish()
+                         started=started)
         warmup.record_pages()
         report.stage_seconds, report.device, report.peak_device_bytes = (
             result.stage_seconds, result.device, result.peak_device_bytes)
@@ -330,28 +318,6 @@ def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec:
 
 def _tag(spec: workers.WorkerSpec) -> str:
     return f" [worker {spec.text}]" if spec.count > 1 else ""
-
-
-def _kept_copier(the_plan: Plan, kept: list, writer: ShardWriter, on_copied: Callable[[int], None]):
-    """The kept tensors' copier, imported only now: it imports numpy (a tenth of a second with cold files),
-    and by now the prefetcher is reading."""
-    from .run.kept import KeptCopier
-    return KeptCopier(the_plan, kept, writer, on_copied=on_copied)
-
-
-def _copied(bar: Progress, prefetcher: Prefetcher | None) -> Callable[[int], None]:
-    def copied(nbytes: int) -> None:
-        bar.advance(nbytes)
-        if prefetcher:
-            prefetcher.advance(nbytes)
-    return copied
-
-
-def without(units: list[Unit], tensors: list) -> list[Unit]:
-    """`units` without `tensors` (and without the units that had nothing else)."""
-    names = {t.name for t in tensors}
-    left = [Unit(u.label, [t for t in u.tensors if t.name not in names]) for u in units]
-    return [u for u in left if u.tensors]
 
 
 def _ignore(nbytes: int) -> None:

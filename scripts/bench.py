@@ -519,14 +519,6 @@ def parse_json_report(stdout: str) -> dict | None:
 ABLATIONS = {
     # torch and CUDA loaded first, in the main thread (so no start-up record is read ahead either)
     "torch-first": "import torch; torch.empty(1, device='{dev}')\n",
-    # kept tensors written by the pipeline after torch is ready, not copied while it loads
-    "no-kept-copier": "import fp8convert.api as api; from fp8convert.run.kept import KeptCopier\n"
-                      "api.without = lambda units, kept: units\n"
-                      "api._kept_copier = lambda plan, kept, writer, on_copied: KeptCopier(plan, [], writer, "
-                      "on_copied=on_copied)\n",
-    # written bytes handed to the disk at once, also while torch loads
-    "no-writeback-hold": "from fp8convert.run import writeback; init = writeback.Writeback.__init__\n"
-                         "writeback.Writeback.__init__ = lambda self, holding=False: init(self, False)\n",
 }
 ABLATED_CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
 

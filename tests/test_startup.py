@@ -106,7 +106,7 @@ print(json.dumps({"rc": rc, "numpy_loaded": seen}))
 
 
 def test_the_checkpoint_is_read_before_numpy_is_imported(tmp_path):
-    """numpy (for the kept tensors' copier) takes a tenth of a second to import with cold files: the
+    """numpy takes a tenth of a second to import with cold files: the
     disk should have the checkpoint's reads by then (the reads started while the plan is made, then the
     run's own)."""
     src = write_checkpoint(tmp_path / "src", llama_tensors())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -118,22 +117,6 @@ def test_a_full_disk_while_reserving_is_one_line_before_any_work(tmp_path, capsy
     assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert ".safetensors.partial: no space left on the device" in err and "more is needed" in err, err
     assert not list(out.glob("*.safetensors"))
-
-
-def test_a_shard_that_failed_to_reserve_leaves_no_held_writeback(tmp_path, monkeypatch):
-    """Its header was written (and held) before the reservation failed and the file was closed: the release
-    that follows must not send the closed descriptor (the full disk is the run's error, not EBADF)."""
-    def full(fd, size):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(writer_module, "reserve", full)
-    monkeypatch.setattr(writer_module, "PREALLOCATE", False)  # the allocator runs by hand below
-    plan = fp8convert.make_plan(write_checkpoint(tmp_path / "src"), max_shard_size=SHARD_SIZE)
-    work = tmp_path / "out" / "work"
-    work.mkdir(parents=True)
-    with ShardWriter(plan, tmp_path / "out", work, skip_shards=set(), hold_writeback=True) as writer:
-        writer._create_all()
-        assert isinstance(writer.allocate_error, OSError) and writer.allocate_error.errno == errno.ENOSPC
-        assert writer.writeback.release() is None  # nothing held: the failed shard's header was forgotten
 
 
 @pytest.mark.parametrize("preallocate, fallocate_works", [(False, True), (True, False)])
@@ -267,34 +250,7 @@ def writeback_calls(monkeypatch, descriptors: list | None = None) -> list:
     return calls
 
 
-def test_held_writeback_sends_nothing_until_released_then_each_files_span(tmp_path, monkeypatch):
-    used, closed = [], []
-    calls = writeback_calls(monkeypatch, used)
-    real_close = os.close
-    monkeypatch.setattr(writeback.os, "close", lambda fd: (closed.append(fd), real_close(fd))[1])
-    fds = [os.open(tmp_path / name, os.O_RDWR | os.O_CREAT) for name in ("a", "b", "c")]
-    inodes = [os.fstat(fd).st_ino for fd in fds]
-    try:
-        held = writeback.Writeback(holding=True)
-        held.written(fds[0], 4096, 100)
-        held.written(fds[0], 0, 10)
-        held.written(fds[1], 7, 5)
-        held.written(fds[2], 0, 1)
-        held.forget(fds[2])  # about to be fsynced and closed: nothing of its own to send
-        assert calls == []
-        held.release().join()
-        assert sorted(calls) == sorted([(inodes[0], 0, 4196), (inodes[1], 7, 5)])
-        # sent through duplicates, which the sender closed (the writer's own stay open)
-        assert not set(used) & set(fds) and set(used) <= set(closed)
-        held.written(fds[1], 20, 3)  # released: sent as written
-        assert calls[-1] == (inodes[1], 20, 3)
-        assert held.release() is None
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def test_a_writer_not_holding_sends_each_write_as_it_is_written(tmp_path, monkeypatch):
+def test_the_writer_sends_each_write_to_the_disk_as_it_is_written(tmp_path, monkeypatch):
     calls = writeback_calls(monkeypatch)
     src = write_checkpoint(tmp_path / "src")
     plan = fp8convert.make_plan(src, max_shard_size=SHARD_SIZE)
@@ -307,21 +263,3 @@ def test_a_writer_not_holding_sends_each_write_as_it_is_written(tmp_path, monkey
         writer.write(run, bytes(run.nbytes), in_this_thread=True)
         inode = os.fstat(writer.fds[first.index]).st_ino
     assert (inode, 0, len(first.header)) in calls and (inode, run.start, run.nbytes) in calls
-
-
-def test_no_writeback_starts_before_torch_is_ready(tmp_path, monkeypatch):
-    """The kept tensors' copies and the shards' headers are written while torch loads; their writeback
-    waits until it is ready, and the pipeline's writes are sent as they are written."""
-    from fp8convert.run import warmup
-    calls, torch_ready = writeback_calls(monkeypatch), []
-    real_join = warmup.TorchStart.join
-
-    def join(self):
-        time.sleep(0.5)  # torch loading: the copier writes the kept tensors meanwhile
-        real_join(self)
-        torch_ready.append(len(calls))  # writeback calls made before torch was ready
-    monkeypatch.setattr(warmup.TorchStart, "join", join)
-    src = write_checkpoint(tmp_path / "src")
-    out = tmp_path / "out"
-    assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
-    assert torch_ready == [0] and calls

@@ -63,12 +63,10 @@ class RunResult:
 
 def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max_resident: int | None, fetcher,
             progress: Progress, *, read_threads: int | None = None,
-            on_read: Callable[[int], None] = lambda nbytes: None, started: float | None = None,
-            check: Callable[[], None] = lambda: None) -> RunResult:
+            on_read: Callable[[int], None] = lambda nbytes: None, started: float | None = None) -> RunResult:
     """Write the outputs of `units` through `writer`: the part of a conversion that needs torch.
     `fetcher` brings streamed source shards (a do-nothing one for files already on disk); `on_read(nbytes)`
-    is told after each batch is read (the prefetcher's pace); `check()` is called between batches and
-    raises to stop the run (a failure elsewhere, such as in the copier of kept tensors)."""
+    is told after each batch is read (the prefetcher's pace)."""
     started = time.monotonic() if started is None else started
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
@@ -82,7 +80,7 @@ def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max
     try:
         with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
                 (cpu_threads_for_quantizing() if dev.type == "cpu" else contextlib.nullcontext()):
-            stages = Pipeline(plan, batches, reader, writer, dev, progress, fetcher, on_read, check).run()
+            stages = Pipeline(plan, batches, reader, writer, dev, progress, fetcher, on_read).run()
     except (torch.OutOfMemoryError, MemoryError) as e:
         e.max_resident = budget  # the CLI suggests a smaller --max-resident than this
         raise
@@ -108,10 +106,9 @@ class Pipeline:
     source deletes them)."""
 
     def __init__(self, plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter,
-                 device: torch.device, progress, fetcher, on_read: Callable[[int], None],
-                 check: Callable[[], None] = lambda: None):
+                 device: torch.device, progress, fetcher, on_read: Callable[[int], None]):
         self.plan, self.batches, self.reader, self.writer, self.device = plan, batches, reader, writer, device
-        self.progress, self.fetcher, self.on_read, self.check = progress, fetcher, on_read, check
+        self.progress, self.fetcher, self.on_read = progress, fetcher, on_read
         self.seconds = StageSeconds()
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
         self.writes_left = self.reads_left.copy()                             # the writer's count
@@ -130,7 +127,6 @@ class Pipeline:
             th.start()
         try:
             while (item := self._next_read()) is not None:
-                self.check()
                 batch, pending, runs = item
                 del item  # the buffer must be freed as soon as the batch is quantized
                 self._quantize(batch, pending, runs)
@@ -138,7 +134,6 @@ class Pipeline:
                 self.read_slot.release()
             for _ in range(self.write_ahead):  # every batch is written
                 self._wait_for_writer()
-            self.check()
             return self.seconds
         finally:
             self._shut_down(threads)

@@ -6,10 +6,6 @@ the disk idles while we read and then stalls the run at every shard's end. sync_
 queues the writeback at once, so reads and writes share the disk throughout and the final fsync has
 little left to do. Linux only; elsewhere this is a no-op and fsync does all the work.
 
-Writeback: when a run's written bytes get start_writeback. At once, except while torch is loading: a
-cold import of torch is thousands of page faults, and writes on the same disk slow them. The bytes
-written meanwhile (the kept tensors' copies) wait in the page cache until torch is ready.
-
 reserve: give a file its final size with every block allocated up front (fallocate). A full disk then
 shows before any data is written, and later writes only copy bytes, which is faster than writes that
 must also allocate the pages.
@@ -27,7 +23,6 @@ import errno
 import mmap
 import os
 import sys
-import threading
 
 SYNC_FILE_RANGE_WRITE = 2
 
@@ -68,54 +63,6 @@ def fsync_dir(path) -> None:
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # best effort: failure only costs speed
-
-
-class Writeback:
-    """Sends written ranges to disk (start_writeback) as they are written, or, when `holding`, keeps them
-    until `release`: writes beside torch's cold import slow its page faults down."""
-
-    def __init__(self, holding: bool = False):
-        self.lock = threading.Lock()
-        self.holding = holding
-        self.held: dict[int, tuple[int, int]] = {}  # fd -> the span of its ranges written while holding
-
-    def written(self, fd: int, offset: int, nbytes: int) -> None:
-        with self.lock:
-            if self.holding:
-                start, end = self.held.get(fd, (offset, offset + nbytes))
-                self.held[fd] = (min(start, offset), max(end, offset + nbytes))
-                return
-        start_writeback(fd, offset, nbytes)
-
-    def forget(self, fd: int) -> None:
-        """`fd` is about to be closed (fsynced first, which writes what it holds, when its shard is done):
-        nothing may send it after that."""
-        with self.lock:
-            self.held.pop(fd, None)
-
-    def release(self) -> threading.Thread | None:
-        """Send what was held, from a thread of its own (returned; None when nothing was held):
-        sync_file_range waits once the disk's queue is full, and the caller has a pipeline to start. The
-        thread works on duplicates of the files, which the writer may close meanwhile. (The pages between
-        a span's ranges that are not dirty cost nothing: writeback skips them.) Later writes are sent as
-        they are written."""
-        with self.lock:
-            self.holding = False
-            spans = [(os.dup(fd), start, end) for fd, (start, end) in self.held.items()]
-            self.held = {}
-        if not spans:
-            return None
-        thread = threading.Thread(target=_send, args=(spans,), name="fp8convert-writeback", daemon=True)
-        thread.start()
-        return thread
-
-
-def _send(spans: list[tuple[int, int, int]]) -> None:
-    for fd, start, end in spans:
-        try:
-            start_writeback(fd, start, end - start)
-        finally:
-            os.close(fd)
 
 
 def reserve(fd: int, size: int) -> bool:

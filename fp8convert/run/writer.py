@@ -3,7 +3,7 @@
 Each shard is a hidden partial file, its header written first and its blocks reserved at its final
 size (every shard, by a thread of its own, from the start of the run: a full disk shows at once);
 runs of output bytes (plan/runs.py) land at their planned offsets as they arrive, in any order and
-from any thread (the pipeline's writer, and the copier of kept tensors). When a shard's last byte
+from any of the writer's threads. When a shard's last byte
 arrives it is fsynced and renamed into place; a rerun skips shards that already have their final name.
 Within a partial shard, each unit whose bytes are all written is recorded (output/partial.py): a rerun
 keeps the file and those units and writes the rest.
@@ -12,8 +12,7 @@ Writes are large and go through a pool of threads, so the next chunk leaves the 
 ones are written. The kernel serialises pwrites to one file, so with enough threads (the GPU's 8) a
 reserved shard on tmpfs or ext4 is filled through shared mappings instead, which many threads fill at
 once (writeback.write_mapped); from CUDA each chunk is first copied into one of a small ring of
-pinned buffers, so host memory stays fixed whatever the layer size. Nothing here imports torch
-until a device tensor arrives, so kept tensors can be written while torch is still loading.
+pinned buffers, so host memory stays fixed whatever the layer size.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from ..errors import FP8ConvertError
 from ..output.partial import UnitRecorder, partial_path, record_path
 from ..plan.plan import Plan
 from ..plan.runs import Run
-from .writeback import Writeback, fsync_dir, maps_writes, reserve, write_mapped
+from .writeback import fsync_dir, maps_writes, reserve, start_writeback, write_mapped
 
 # Create every shard and reserve its blocks at the start of the run, while torch loads, rather than as
 # its first bytes arrive (scripts/profile_stages.py --no-preallocate measures the difference).
@@ -51,7 +50,7 @@ class ShardWriter:
     unfinished stays a partial file, of which the next run keeps the units recorded as written)."""
 
     def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20,
-                 threads: int = 4, hold_writeback: bool = False, written: dict[int, set[int]] | None = None):
+                 threads: int = 4, written: dict[int, set[int]] | None = None):
         """`written`: per partial shard, the units an earlier run wrote in it (partial.written_units):
         its file is kept and only its other units are written."""
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
@@ -71,14 +70,11 @@ class ShardWriter:
         self.unit_lock = threading.Lock()  # the two above; never held while waiting for anything
         # shard -> data bytes still to write; a shard is finished when none are left
         self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}
-        self.hold_writeback = hold_writeback
         self.fds: dict[int, int] = {}
         self.reserved: set[int] = set()  # shards whose blocks are all allocated
         self.file_system_maps: bool | None = None  # whether mapped writes pay on this file system; asked once
         self.chunk = chunk_bytes
         self.threads = threads
-        # with `hold_writeback`, written bytes stay in the page cache until writeback.release()
-        self.writeback = Writeback(holding=hold_writeback)
         self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
         self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
         self.lock = threading.Lock()  # the bookkeeping above, shared by the threads that call write()
@@ -121,7 +117,6 @@ class ShardWriter:
             if reserve(fd, shard.size):
                 self.reserved.add(index)
         except OSError as e:
-            self.writeback.forget(fd)  # its header may be held: nothing may send a closed descriptor
             os.close(fd)
             raise self._write_error(path, e, "write failed") from e
         return fd
@@ -195,7 +190,7 @@ class ShardWriter:
         """`copy` (pwrite_all or write_mapped) host bytes to `offset` in shard `index`, then hand them to
         writeback."""
         copy(fd, host, offset)
-        self.writeback.written(fd, offset, host.nbytes)
+        start_writeback(fd, offset, host.nbytes)
         self._landed(index, fd, offset, host.nbytes)
 
     def _landed(self, index: int, fd: int, offset: int, nbytes: int) -> None:
@@ -280,7 +275,6 @@ class ShardWriter:
             except OSError as e:
                 self._raise_write_error(index, e)
         fd = self.fds.pop(index)
-        self.writeback.forget(fd)
         final = self.out_dir / self.plan.shards[index].name
         try:
             try:
@@ -294,12 +288,6 @@ class ShardWriter:
         del self.remaining[index]
         self.recorder.shard_finished(index)
 
-    def release_writeback(self) -> None:
-        """Send the writes held in the page cache (Writeback.release), and start recording written units,
-        which fsyncs them."""
-        self.writeback.release()
-        self.recorder.start()
-
     def __enter__(self) -> "ShardWriter":
         for index in [i for i, left in self.remaining.items() if not left]:
             with self.lock:  # every unit of it was written by an earlier run, which stopped before the rename
@@ -307,8 +295,7 @@ class ShardWriter:
                 self._finish(index)
         if PREALLOCATE:
             self.allocator.start()
-        if not self.hold_writeback:
-            self.recorder.start()
+        self.recorder.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -322,7 +309,6 @@ class ShardWriter:
         if self.pool is not None:
             self.pool.shutdown(wait=True)  # no write may land after its file is closed
         for fd in self.fds.values():
-            self.writeback.forget(fd)
             os.close(fd)
         self.fds.clear()
         self.recorder.close()  # the units written so far get their lines: a rerun keeps them
