@@ -226,12 +226,9 @@ def test_rerun_of_a_complete_output_changes_nothing(ref, tmp_path, capsys):
     assert tree_bytes(out) == reference
 
 
-def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch, capsys):
-    """ENOSPC from os.pwrite after a few KB (a full disk mid-shard): one error line naming the partial
-    shard, no complete-looking output, no hang; with space back the same command finishes it."""
-    src, reference = ref
-    out = tmp_path / "out"
-    real_pwrite, budget = os.pwrite, [3000]
+def full_disk_after(nbytes: int):
+    """os.pwrite as on a disk that fills up after `nbytes` more bytes: short writes, then ENOSPC."""
+    real_pwrite, budget = os.pwrite, [nbytes]
 
     def pwrite(fd, data, offset):
         if budget[0] <= 0:
@@ -239,8 +236,15 @@ def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch,
         n = real_pwrite(fd, bytes(data)[: budget[0]], offset)
         budget[0] -= n
         return n
+    return pwrite
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
+
+def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch, capsys):
+    """ENOSPC from os.pwrite after a few KB (a full disk mid-shard): one error line naming the partial
+    shard, no complete-looking output, no hang; with space back the same command finishes it."""
+    src, reference = ref
+    out = tmp_path / "out"
+    monkeypatch.setattr(os, "pwrite", full_disk_after(3000))
     result = []
     worker = threading.Thread(target=lambda: result.append(quantize(src, out)), daemon=True)
     worker.start()
@@ -327,17 +331,8 @@ def test_stopped_mid_shard_resumes_after_the_units_written(one_shard, tmp_path, 
 
 def stop_mid_shard(src, out, monkeypatch) -> None:
     """A run stopped by a full disk after about half the shard (ENOSPC from os.pwrite)."""
-    real_pwrite, budget = os.pwrite, [200_000]
-
-    def pwrite(fd, data, offset):
-        if budget[0] <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        n = real_pwrite(fd, bytes(data)[: budget[0]], offset)
-        budget[0] -= n
-        return n
-
     with monkeypatch.context() as patch:
-        patch.setattr(os, "pwrite", pwrite)
+        patch.setattr(os, "pwrite", full_disk_after(200_000))
         assert main(["quantize", str(src), str(out), *ONE_SHARD]) == 1
 
 
