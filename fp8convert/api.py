@@ -207,8 +207,7 @@ def _head_start(source, out_dir: Path, settings: Settings, spec: workers.WorkerS
     (entering it starts it), instead of leaving the disk idle until then: a checkpoint's first file holds
     its first layers, which the pipeline reads first, and the run's own prefetcher then finds them cached
     (at most --prefetch bytes, within its window where the files hold the layers in order, as Hugging
-    Face's shards do). The plan of a model of tens of thousands of tensors takes seconds (a
-    Qwen3-235B-shaped one, 36,945 tensors: 1.6 s on 2 cores). Only for a fresh OUT (one holding files is
+    Face's shards do). The plan of a model of tens of thousands of tensors takes seconds. Only for a fresh OUT (one holding files is
     resumed, and may have its first shards done, or refused), one worker (each reads its share) and a
     source on disk."""
     if spec.count > 1 or devices or not _fresh(out_dir):

@@ -9,4 +9,6 @@ writer.py     tensors streamed into preallocated shards, each finished by fsync 
 writeback.py  dirty pages handed to the disk at once
 progress.py   the progress bar or log lines
 device.py     which device and how much memory a batch may use
+warmup.py     torch imported (and CUDA started) in the background while the run reads ahead
+startup_pages.py  torch's recorded start-up pages read ahead, so its cold import waits less
 """

@@ -124,8 +124,8 @@ class ShardWriter:
     def _create_all(self) -> None:
         """The allocator thread: every shard still to write, in order. Its first failure (a full disk,
         above all) is raised by the next write, not hours later when that shard's turn comes. It holds
-        the lock while it reserves a shard, so no write can open that file meanwhile: milliseconds on
-        a disk, 0.1-0.2 s per GB on tmpfs (which must clear the pages)."""
+        the lock while it reserves a shard, so no write can open that file meanwhile (longer on tmpfs,
+        which must clear the pages)."""
         for index in range(len(self.plan.shards)):
             with self.lock:
                 if self.closed:
@@ -221,8 +221,8 @@ class ShardWriter:
         return self.file_system_maps
 
     def pin_ring(self) -> None:
-        """Allocate the ring of pinned buffers now, not one by one inside the first writes (the 9 of 32 MB
-        took 0.08-0.12 s on an H200); the pipeline's writer thread calls this while the first batch is read.
+        """Allocate the ring of pinned buffers now, not one by one inside the first writes (pinning is slow);
+        the pipeline's writer thread calls this while the first batch is read.
         No more buffers than the bytes left to write can fill (a small model needs one)."""
         with self.lock:  # the copier of kept tensors finishes shards meanwhile
             left = sum(self.remaining.values())
