@@ -1,14 +1,14 @@
-"""Every architecture of tests/zoo.py, converted in every scheme/format pair.
+"""Every architecture of tests/support/zoo.py, converted in every scheme/format pair.
 
 Each tiny model is built once per session with transformers' own classes and saved in several shards;
-each combination converts once (conftest.zoo_converted) and is checked:
-- bit for bit against tests/reference.py (experts split per expert from their fused tensors, per-expert
+each combination converts once (conftest.py's zoo_converted) and is checked:
+- bit for bit against tests/support/reference.py (experts split per expert from their fused tensors, per-expert
   scales, fused members sharing a scale, kept tensors byte-identical), and by `fp8convert verify`;
 - its ignore list: every entry names a real module (as the checkpoint, transformers or vLLM names it),
   and compressed-tensors, matching the way it does inside transformers, skips exactly the kept linears;
 - loaded back in transformers on CPU (slow) wherever the plan says transformers can load it: logits
   cosine >= 0.99 against the source, every parameter within e4m3 rounding of the source's.
-What vLLM's loaders read is tests/test_vllm_contract.py.
+What vLLM's loaders read is test_vllm_contract.py.
 """
 
 from __future__ import annotations
@@ -23,26 +23,12 @@ import torch
 
 import reference as R
 import zoo
+from zoo import MORE_ARCHS, ZOO_ARCHS
 from checks import FP8, assert_codes_and_scales, assert_names_shapes_dtypes, ignore_lists, same_bytes
-from conftest import FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
-from test_vllm_contract import CONTRACTS, ZOO_TWO_COMBOS, vllm_name
+from harness import FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from vllm_rules import CONTRACTS, vllm_name
 from tiny_ckpt import llama_tensors, write_checkpoint
 
-ZOO_ARCHS = (
-    # dense
-    "llama", "qwen3", "gemma2", "phi3", "gpt2",
-    # MoE, per-expert 2-D in the checkpoint
-    "qwen3_moe", "mixtral", "phimoe", "olmoe", "minimax_m2", "ernie4_5_moe", "deepseek_v3", "glm4_moe",
-    # MoE, fused experts
-    "llama4", "gpt_oss", "granitemoe", "dbrx", "qwen3_vl_moe", "gemma4",
-    # hybrid / linear attention / SSM
-    "qwen3_next", "nemotron_h", "falcon_h1", "jamba",
-    # multimodal
-    "qwen2_5_vl", "gemma3", "mistral3", "llava",
-)
-# Further model_types the registry lists, checked in two combinations only (bytes, verify, ignore list,
-# vLLM contract).
-MORE_ARCHS = ZOO_TWO_COMBOS
 CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in ZOO_ARCHS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
 MORE_CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in MORE_ARCHS
               for (f, s), i in (((("compressed-tensors", "tensor")), "ct-tensor"), ((("fp8", "block")), "fp8-block"))]
@@ -537,7 +523,7 @@ def test_target_tp_option_in_inspect_and_quantize(source_model, capsys, tmp_path
 
 
 def test_docs_architecture_table_is_the_registry():
-    from conftest import REPO_ROOT
+    from harness import REPO_ROOT
     from fp8convert.plan.architectures import ARCHITECTURES, architectures_table
 
     page = (REPO_ROOT / "docs" / "architectures.md").read_text()

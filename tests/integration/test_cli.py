@@ -450,7 +450,7 @@ def test_sigterm_while_finalizing_releases_the_claim(demo, tmp_path):
     assert main([*args, "--worker", "0/2"]) == 0
     marker = tmp_path / "in-finalize"
     proc = subprocess.Popen([sys.executable, "-c", HELD_IN_FINALIZE, str(marker), *args, "--worker", "1/2"],
-                            cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     claim = out / ".fp8convert" / "finalize.claim"
     wait_for(marker.exists, proc)
     assert claim.exists()
@@ -477,7 +477,7 @@ def test_sigterm_reaches_the_device_workers(demo, tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_EVERYWHERE.format(delay=0.5))
     proc = cli_subprocess(["quantize", src, out, "--devices", "cpu,cpu", "--max-shard-size", "1MB", "-q"],
-                          env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[1])])})
+                          env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[2])])})
     wait_for(lambda: any(out.glob(".fp8convert/*.partial")), proc)
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -528,7 +528,7 @@ PROGRAM_WITH_ATEXIT_MARK = (
 
 def program(mark: Path, *args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(mark), *map(str, args)],
-                          cwd=Path(__file__).parents[1], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+                          cwd=Path(__file__).parents[2], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
 # The program, as `fp8convert` starts it, with Ctrl-C landing while the command line is imported (typer is
@@ -544,7 +544,7 @@ CTRL_C_DURING_IMPORTS = (
 
 
 def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
-    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[1],
+    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == "interrupted before the command started: nothing was read or written\n"

@@ -1,4 +1,4 @@
-"""Hugging Face Hub in and out, against tests/fakehub.py (the real huggingface_hub client on 127.0.0.1).
+"""Hugging Face Hub in and out, against tests/support/fakehub.py (the real huggingface_hub client on 127.0.0.1).
 
 Sources: a repo id converts with only the files it needs (never .bin, never original/), at a pinned
 revision, with the token sent; gated / missing repos and network failures are one clear line; a rerun
