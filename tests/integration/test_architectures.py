@@ -25,13 +25,11 @@ import reference as R
 import zoo
 from zoo import MORE_ARCHS, ZOO_ARCHS
 from checks import FP8, assert_codes_and_scales, assert_names_shapes_dtypes, ignore_lists, same_bytes
-from harness import FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from harness import (FORMAT_SCHEMES, MORE_ZOO_CASES, ZOO_CASES, fp8convert_module, in_turn, read_json,
+                     read_safetensors_dir, run_quantize)
 from vllm_rules import CONTRACTS, vllm_name
 from tiny_ckpt import llama_tensors, write_checkpoint
 
-CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in ZOO_ARCHS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
-MORE_CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in MORE_ARCHS
-              for (f, s), i in (((("compressed-tensors", "tensor")), "ct-tensor"), ((("fp8", "block")), "fp8-block"))]
 MIN_COSINE = 0.99
 E4M3_BOUND = 2.0**-4 * 1.02   # relative error of a correctly dequantized weight (verify's bound, normal values)
 
@@ -106,7 +104,7 @@ def test_zoo_models_have_the_layouts_the_tests_rely_on(zoo_source, zoo_tensors):
 # ------------------------------------------------------------------ bytes
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", CASES + MORE_CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES + MORE_ZOO_CASES)
 def test_converts_exactly(arch, fmt, scheme, zoo_outputs, zoo_tensors, zoo_source):
     """Names, shapes, dtypes, FP8 codes and scales bit-exact against the reference; kept tensors
     byte-identical; and fp8convert's own verify agrees."""
@@ -212,7 +210,7 @@ def in_memory(zoo_source):
     return get
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", CASES + MORE_CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES + MORE_ZOO_CASES)
 def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memory, zoo_source):
     """Every entry is a module of the model as the checkpoint, transformers or vLLM names it (or
     lm_head); a `re:` entry (compressed-tensors only) matches at least one. Every kept linear of the
@@ -241,7 +239,10 @@ def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memor
         assert not missing, f"kept linears not in the ignore list: {missing[:5]}"
 
 
-@pytest.mark.parametrize("arch,scheme", [(a, s) for a in ZOO_ARCHS for s in ("tensor", "block")])
+@pytest.mark.parametrize("arch,scheme", [  # the fast loop takes the conversions ZOO_CASES has there
+    pytest.param(a, s, marks=() if ("compressed-tensors", s) in in_turn(ZOO_ARCHS, FORMAT_SCHEMES)[a]
+                 else pytest.mark.slow)
+    for a in ZOO_ARCHS for s in ("tensor", "block")])
 def test_compressed_tensors_in_transformers_skips_exactly_the_kept_linears(arch, scheme, zoo_outputs, in_memory):
     """compressed-tensors inside transformers targets every nn.Linear by its in-memory name and skips
     what the ignore list names (compressed_tensors.utils.match.match_name: exact or re:). Every kept
@@ -381,7 +382,7 @@ def as_source_param(loaded: dict, name: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,fmt,scheme", CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES)
 def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, source_state):
     """Loads with the class the model was saved with: logits cosine >= 0.99 against the source, and
     every parameter within e4m3 rounding of the source's (a kept tower or router loaded into an FP8

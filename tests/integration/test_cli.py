@@ -76,6 +76,7 @@ def test_plurals_and_units_of_the_demo(tmp_path, capsys):
     assert "(s)" not in line and "0.00 GB" not in line
 
 
+@pytest.mark.slow
 def test_the_demo_ends_with_what_to_try_next_and_each_of_it_works(tmp_path, capsys):
     """After the summary: a verify and an inspect command, and three lines of Python that load the output
     with transformers; each runs as printed."""
@@ -543,6 +544,7 @@ CTRL_C_DURING_IMPORTS = (
     "from fp8convert.__main__ import main; sys.argv[1:] = ['inspect', 'anything']; main()")
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
     done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120)
@@ -550,6 +552,7 @@ def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
     assert done.stderr == "interrupted before the command started: nothing was read or written\n"
 
 
+@pytest.mark.slow
 def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp_path):
     """A conversion (torch loaded) exits without the teardown, its whole JSON report flushed down the
     pipe; a failure keeps its exit code and its one line; a command without torch exits as usual."""

@@ -20,7 +20,7 @@ import torch
 import fp8_reference as F
 import reference as R
 from checks import as_bytes, same_bytes
-from harness import model_logits, read_json, read_safetensors_dir, run_quantize
+from harness import cases_in_turn, model_logits, read_json, read_safetensors_dir, run_quantize
 
 import fp8convert
 from fp8convert.verify import verify
@@ -195,8 +195,7 @@ def expected_requantized(tensors: dict, scheme_in: str, fmt: str, scheme: str, k
     return out, set(weights)
 
 
-@pytest.mark.parametrize("fmt,scheme", COMBOS, ids=COMBO_IDS)
-@pytest.mark.parametrize("name", REFERENCE_SOURCES)
+@pytest.mark.parametrize("name,fmt,scheme", cases_in_turn(REFERENCE_SOURCES, COMBOS, COMBO_IDS))
 def test_requantize_to_every_scheme_and_format(name, fmt, scheme, fp8_source, tmp_path):
     src = fp8_source(name)
     kind = SOURCES[name][0]
@@ -248,8 +247,8 @@ BLACKWELL = [("compressed-tensors", "mxfp8", "float"), ("compressed-tensors", "b
              ("fp8", "block", "ue8m0")]
 
 
-@pytest.mark.parametrize("fmt,scheme,scale_format", BLACKWELL, ids=["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"])
-@pytest.mark.parametrize("name", REFERENCE_SOURCES)
+@pytest.mark.parametrize("name,fmt,scheme,scale_format",
+                         cases_in_turn(REFERENCE_SOURCES, BLACKWELL, ["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"]))
 def test_requantize_to_mxfp8_and_ue8m0_blocks(name, fmt, scheme, scale_format, fp8_source, tmp_path):
     """FP8 sources to the Blackwell layouts: requantized from their dequantized float32 values with the
     power-of-two rules, as tests/support/reference.py computes them, except a block source that declares

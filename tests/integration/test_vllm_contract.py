@@ -24,10 +24,11 @@ import torch
 
 import reference as R
 from checks import ignore_lists
-from harness import ALL_CASES, FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from harness import (ALL_CASES, FORMAT_SCHEMES, FS_IDS, MORE_ZOO_CASES, ZOO_CASES,
+                     fp8convert_module, read_json, read_safetensors_dir, run_quantize)
 from tiny_models import KINDS, MOE_KINDS, N_EXPERTS, make_model
-from vllm_rules import CONTRACTS, EXPERT_OUTPUT, text_config, vllm_ignore, vllm_name, vllm_skips_experts, vllm_skips_module
-from zoo import MORE_ARCHS
+from vllm_rules import (CONTRACTS, EXPERT_OUTPUT, text_config, vllm_ignore, vllm_name, vllm_skips_experts,
+                        vllm_skips_module)
 
 FP8 = torch.float8_e4m3fn
 
@@ -309,9 +310,8 @@ def test_linears_not_divisible_by_16_stay_high_precision_and_listed(fmt, scheme,
 # ================================================================== the zoo: one contract per architecture
 # (vllm_rules.py writes down what vLLM's loader reads for each architecture)
 
-@pytest.mark.parametrize("arch,fmt,scheme", [
-    pytest.param(a, f, s, id=f"{a}-{i}") for a in CONTRACTS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)
-    if a not in MORE_ARCHS or (f, s) in (("compressed-tensors", "tensor"), ("fp8", "block"))])
+
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES + MORE_ZOO_CASES)
 def test_zoo_meets_vllm_loader_contract(arch, fmt, scheme, zoo_converted, zoo_source):
     contract = CONTRACTS[arch]
     out, _ = zoo_converted(arch, fmt, scheme)

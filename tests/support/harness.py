@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tiny_models import KINDS
+from zoo import MORE_ARCHS, ZOO_ARCHS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Every output format with every scheme it has, and each tiny model kind with each of them.
+# Every output format with every scheme it has.
 FORMAT_SCHEMES = [
     ("compressed-tensors", "tensor"),
     ("compressed-tensors", "channel"),
@@ -24,7 +25,31 @@ FORMAT_SCHEMES = [
     ("compressed-tensors", "mxfp8"),
 ]
 FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block", "ct-mxfp8"]
-ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
+
+
+def in_turn(subjects, combos, per_subject: int = 1) -> dict:
+    """The combinations each subject (an architecture, a model kind, a source) gets in the fast loop: the
+    next ones for the next subject, so the fast loop still meets every subject and every combination."""
+    return {s: [combos[(n * per_subject + k) % len(combos)] for k in range(per_subject)]
+            for n, s in enumerate(subjects)}
+
+
+def cases_in_turn(subjects, combos, ids, per_subject: int = 1) -> list:
+    """pytest params for every subject in every combination (`subject-id`); all but in_turn's are
+    marked slow (all of them with per_subject=0)."""
+    fast = in_turn(subjects, combos, per_subject)
+    return [pytest.param(s, *c, id=f"{s}-{i}", marks=() if c in fast[s] else pytest.mark.slow)
+            for s in subjects for c, i in zip(combos, ids)]
+
+
+# Each tiny model kind with each format and scheme; the fast loop takes two for each kind.
+ALL_CASES = cases_in_turn(KINDS, FORMAT_SCHEMES, FS_IDS, per_subject=2)
+
+# The zoo's architectures in every combination (MORE_ARCHS in two), converted once each by conftest.py's
+# zoo_converted for every test that takes these cases.
+ZOO_CASES = cases_in_turn(ZOO_ARCHS, FORMAT_SCHEMES, FS_IDS)
+MORE_COMBOS = [("compressed-tensors", "tensor"), ("fp8", "block")]
+MORE_ZOO_CASES = cases_in_turn(MORE_ARCHS, MORE_COMBOS, ["ct-tensor", "fp8-block"])
 
 # A fixed prompt of token ids (no tokenizer involved).
 PROMPT_IDS = [1, 5, 17, 99, 200, 42, 7, 255, 3, 64, 128, 31, 77, 150]
