@@ -5,7 +5,7 @@ through the CLI and record a SHA-256 of every output file (the work folder `.fp8
     python3 scripts/output_digest.py --work /tmp/digest --save before.json          # on the old commit
     python3 scripts/output_digest.py --work /tmp/digest --compare before.json       # on the new one
 
-Checkpoints: the test suite's tiny models (tests/tiny_models.py), the demo model, and with --bench the
+Checkpoints: the test suite's tiny models (tests/support/tiny_models.py), the demo model, and with --bench the
 2-layer benchmark checkpoints of scripts/anchor/make_ckpt.py (a few GB each; built once and kept in
 --work). Outputs go to fixed paths under --work, so the model cards (which name them) compare too.
 Exits 1 when --compare finds a difference.

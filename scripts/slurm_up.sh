@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A one-node Slurm on this machine for the `slurm` tests (tests/test_slurm.py, docs/cluster.md): Debian's
-# slurm-wlm and munge, run as root. Every address is loopback: nothing of it listens for or talks to
-# another machine. Safe to run again: what already runs is left running.
+# A one-node Slurm on this machine for the `slurm` tests (tests/integration/test_slurm.py,
+# docs/cluster.md): Debian's slurm-wlm and munge, run as root. Every address is loopback: nothing of it
+# listens for or talks to another machine. Safe to run again: what already runs is left running.
 #
 #   bash scripts/slurm_up.sh         # install what is missing, start, wait until the node is idle and runs a job
 #   bash scripts/slurm_up.sh stop    # stop the daemons this script started

@@ -1,11 +1,13 @@
 """Shared fixtures: tiny source checkpoints built once per session, cached conversions, readers.
 
+The tests are in unit/ (functions of one module, in-process), integration/ (conversions end to end,
+the CLI in child processes, transformers, the fake Hub, Slurm) and gpu/ (the CUDA path); support/
+holds what they import (tiny models, the reference implementation, the fake Hub, shared checks).
 No test touches the network: every model is generated from a config by `tiny_models.make_model`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -24,30 +26,17 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fp8convert-tests-cache-"
 import pytest
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
-# Helpers (tiny_models, reference) are imported by name whatever pytest's import mode is.
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"
+REPO_ROOT = SUPPORT_DIR.parents[1]
+# The helpers in support/ (tiny_models, reference, ...) are imported by name from any test folder,
+# whatever the working directory or pytest's import mode.
+if str(SUPPORT_DIR) not in sys.path:
+    sys.path.insert(0, str(SUPPORT_DIR))
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tiny_models import KINDS, make_gpt_oss_like, make_model  # noqa: E402
-
-# Every output format with every scheme it has, and each tiny model kind with each of them.
-FORMAT_SCHEMES = [
-    ("compressed-tensors", "tensor"),
-    ("compressed-tensors", "channel"),
-    ("compressed-tensors", "block"),
-    ("fp8", "tensor"),
-    ("fp8", "block"),
-    ("compressed-tensors", "mxfp8"),
-]
-FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block", "ct-mxfp8"]
-ALL_CASES = [pytest.param(k, f, s, id=f"{k}-{i}") for k in KINDS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
-
-# A fixed prompt of token ids (no tokenizer involved).
-PROMPT_IDS = [1, 5, 17, 99, 200, 42, 7, 255, 3, 64, 128, 31, 77, 150]
+from harness import model_logits, read_safetensors_dir, run_quantize  # noqa: E402
+from tiny_models import make_gpt_oss_like, make_model  # noqa: E402
 
 
 def _quiet_transformers():
@@ -61,50 +50,6 @@ def _quiet_transformers():
 
 
 _quiet_transformers()
-
-
-def fp8convert_module():
-    """The product, imported lazily so a missing package fails tests, not collection."""
-    import fp8convert
-
-    return fp8convert
-
-
-def run_quantize(src, out, **kwargs):
-    """Run the product's Python API on CPU. Returns its report."""
-    kwargs.setdefault("device", "cpu")
-    return fp8convert_module().quantize(str(src), str(out), **kwargs)
-
-
-# ------------------------------------------------------------------ checkpoint readers
-
-
-def read_safetensors_dir(path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in `path` (names must be unique)."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        for k, v in load_file(str(f)).items():
-            assert k not in out, f"{k} appears in more than one shard of {path}"
-            out[k] = v
-    return out
-
-
-def read_json(path):
-    return json.loads(Path(path).read_text())
-
-
-def shard_headers(path) -> dict[str, dict]:
-    """{shard file name: raw safetensors header (incl. __metadata__)} read without tensor data."""
-    import struct
-
-    heads = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            heads[f.name] = json.loads(fh.read(n))
-    return heads
 
 
 # ------------------------------------------------------------------ session fixtures
@@ -165,7 +110,7 @@ def converted(tmp_path_factory, source_model):
 
 @pytest.fixture(scope="session")
 def zoo_source(tmp_path_factory):
-    """zoo_source(arch) -> Path of the tiny tests/zoo.py checkpoint of `arch`, built once per session."""
+    """zoo_source(arch) -> Path of the tiny tests/support/zoo.py checkpoint of `arch`, built once per session."""
     import zoo
 
     cache: dict = {}
@@ -216,18 +161,3 @@ def source_logits(source_model):
         return cache[kind]
 
     return get
-
-
-def load_causal_lm(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
-    return model
-
-
-@torch.no_grad()
-def model_logits(path_or_model) -> torch.Tensor:
-    model = load_causal_lm(path_or_model) if isinstance(path_or_model, (str, Path)) else path_or_model
-    ids = torch.tensor([PROMPT_IDS])
-    return model(ids).logits.float()[0]

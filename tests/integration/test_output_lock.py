@@ -30,6 +30,7 @@ def run(capsys, *args) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_while_the_first_writes_and_the_first_finishes_whole(ref, tmp_path, capsys):
     """Two runs into one OUT (the second with --overwrite and another scheme): before locks, each took the
     other's shards for finished or deleted them, and a rerun accepted half-written shards as done."""

@@ -1,4 +1,4 @@
-"""End-to-end checks that the real huggingface_hub client works against tests/fakehub.py.
+"""End-to-end checks that the real huggingface_hub client works against tests/support/fakehub.py.
 
 Every call below goes through huggingface_hub's public API and real HTTP to 127.0.0.1;
 the fake_hub fixture blocks any other network access.

@@ -1,14 +1,14 @@
-"""Every architecture of tests/zoo.py, converted in every scheme/format pair.
+"""Every architecture of tests/support/zoo.py, converted in every scheme/format pair.
 
 Each tiny model is built once per session with transformers' own classes and saved in several shards;
-each combination converts once (conftest.zoo_converted) and is checked:
-- bit for bit against tests/reference.py (experts split per expert from their fused tensors, per-expert
+each combination converts once (conftest.py's zoo_converted) and is checked:
+- bit for bit against tests/support/reference.py (experts split per expert from their fused tensors, per-expert
   scales, fused members sharing a scale, kept tensors byte-identical), and by `fp8convert verify`;
 - its ignore list: every entry names a real module (as the checkpoint, transformers or vLLM names it),
   and compressed-tensors, matching the way it does inside transformers, skips exactly the kept linears;
 - loaded back in transformers on CPU (slow) wherever the plan says transformers can load it: logits
   cosine >= 0.99 against the source, every parameter within e4m3 rounding of the source's.
-What vLLM's loaders read is tests/test_vllm_contract.py.
+What vLLM's loaders read is test_vllm_contract.py.
 """
 
 from __future__ import annotations
@@ -23,29 +23,13 @@ import torch
 
 import reference as R
 import zoo
+from zoo import MORE_ARCHS, ZOO_ARCHS
 from checks import FP8, assert_codes_and_scales, assert_names_shapes_dtypes, ignore_lists, same_bytes
-from conftest import FORMAT_SCHEMES, FS_IDS, fp8convert_module, read_json, read_safetensors_dir, run_quantize
-from test_vllm_contract import CONTRACTS, ZOO_TWO_COMBOS, vllm_name
+from harness import (FORMAT_SCHEMES, MORE_ZOO_CASES, ZOO_CASES, fp8convert_module, in_turn, read_json,
+                     read_safetensors_dir, run_quantize)
+from vllm_rules import CONTRACTS, vllm_name
 from tiny_ckpt import llama_tensors, write_checkpoint
 
-ZOO_ARCHS = (
-    # dense
-    "llama", "qwen3", "gemma2", "phi3", "gpt2",
-    # MoE, per-expert 2-D in the checkpoint
-    "qwen3_moe", "mixtral", "phimoe", "olmoe", "minimax_m2", "ernie4_5_moe", "deepseek_v3", "glm4_moe",
-    # MoE, fused experts
-    "llama4", "gpt_oss", "granitemoe", "dbrx", "qwen3_vl_moe", "gemma4",
-    # hybrid / linear attention / SSM
-    "qwen3_next", "nemotron_h", "falcon_h1", "jamba",
-    # multimodal
-    "qwen2_5_vl", "gemma3", "mistral3", "llava",
-)
-# Further model_types the registry lists, checked in two combinations only (bytes, verify, ignore list,
-# vLLM contract).
-MORE_ARCHS = ZOO_TWO_COMBOS
-CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in ZOO_ARCHS for (f, s), i in zip(FORMAT_SCHEMES, FS_IDS)]
-MORE_CASES = [pytest.param(a, f, s, id=f"{a}-{i}") for a in MORE_ARCHS
-              for (f, s), i in (((("compressed-tensors", "tensor")), "ct-tensor"), ((("fp8", "block")), "fp8-block"))]
 MIN_COSINE = 0.99
 E4M3_BOUND = 2.0**-4 * 1.02   # relative error of a correctly dequantized weight (verify's bound, normal values)
 
@@ -120,7 +104,7 @@ def test_zoo_models_have_the_layouts_the_tests_rely_on(zoo_source, zoo_tensors):
 # ------------------------------------------------------------------ bytes
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", CASES + MORE_CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES + MORE_ZOO_CASES)
 def test_converts_exactly(arch, fmt, scheme, zoo_outputs, zoo_tensors, zoo_source):
     """Names, shapes, dtypes, FP8 codes and scales bit-exact against the reference; kept tensors
     byte-identical; and fp8convert's own verify agrees."""
@@ -226,7 +210,7 @@ def in_memory(zoo_source):
     return get
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", CASES + MORE_CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES + MORE_ZOO_CASES)
 def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memory, zoo_source):
     """Every entry is a module of the model as the checkpoint, transformers or vLLM names it (or
     lm_head); a `re:` entry (compressed-tensors only) matches at least one. Every kept linear of the
@@ -255,7 +239,10 @@ def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memor
         assert not missing, f"kept linears not in the ignore list: {missing[:5]}"
 
 
-@pytest.mark.parametrize("arch,scheme", [(a, s) for a in ZOO_ARCHS for s in ("tensor", "block")])
+@pytest.mark.parametrize("arch,scheme", [  # the fast loop takes the conversions ZOO_CASES has there
+    pytest.param(a, s, marks=() if ("compressed-tensors", s) in in_turn(ZOO_ARCHS, FORMAT_SCHEMES)[a]
+                 else pytest.mark.slow)
+    for a in ZOO_ARCHS for s in ("tensor", "block")])
 def test_compressed_tensors_in_transformers_skips_exactly_the_kept_linears(arch, scheme, zoo_outputs, in_memory):
     """compressed-tensors inside transformers targets every nn.Linear by its in-memory name and skips
     what the ignore list names (compressed_tensors.utils.match.match_name: exact or re:). Every kept
@@ -395,7 +382,7 @@ def as_source_param(loaded: dict, name: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,fmt,scheme", CASES)
+@pytest.mark.parametrize("arch,fmt,scheme", ZOO_CASES)
 def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, source_state):
     """Loads with the class the model was saved with: logits cosine >= 0.99 against the source, and
     every parameter within e4m3 rounding of the source's (a kept tower or router loaded into an FP8
@@ -537,7 +524,7 @@ def test_target_tp_option_in_inspect_and_quantize(source_model, capsys, tmp_path
 
 
 def test_docs_architecture_table_is_the_registry():
-    from conftest import REPO_ROOT
+    from harness import REPO_ROOT
     from fp8convert.plan.architectures import ARCHITECTURES, architectures_table
 
     page = (REPO_ROOT / "docs" / "architectures.md").read_text()

@@ -9,8 +9,7 @@ import signal
 import pytest
 
 import fp8_reference as F
-from test_resume import wait_for
-from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
+from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, wait_for, write_checkpoint
 
 from fp8convert import api, publish
 from fp8convert.cli import main

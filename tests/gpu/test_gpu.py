@@ -1,5 +1,5 @@
 """The CUDA path: same bytes as the CPU path, whatever the batching. Skipped where there is no GPU
-(CI); run on a GPU machine with `python3 -m pytest -q tests/test_gpu.py`."""
+(CI); run on a GPU machine with `python3 -m pytest -q tests/gpu`."""
 from __future__ import annotations
 
 import json
@@ -162,10 +162,10 @@ def test_cuda_mxfp8_and_ue8m0_from_fp16_and_fp32_sources(source_model, tmp_path,
 
 
 def test_cuda_mxfp8_edge_groups_equal_cpu():
-    """amax exactly 1.75 * 2^k, subnormal, huge and zero groups (test_mxfp8_ue8m0.edge_groups), fp32 just
+    """amax exactly 1.75 * 2^k, subnormal, huge and zero groups (mxfp8_inputs.edge_groups), fp32 just
     above 448 * 2^k: the CUDA path's exponents and codes are the CPU path's."""
     from fp8convert.run.numerics import quantize_group
-    from test_mxfp8_ue8m0 import edge_groups
+    from mxfp8_inputs import edge_groups
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         w = edge_groups(dtype)
@@ -179,7 +179,7 @@ def test_cuda_mxfp8_edge_groups_equal_cpu():
 def test_cuda_mxfp8_experts_cut_from_fused_tensors_like_cpu(tmp_path, arch):
     """MXFP8 experts cut from fused 3-D tensors (96 wide, so they are quantized) give the CPU's bytes."""
     import zoo
-    from test_mxfp8_ue8m0 import wide_experts
+    from mxfp8_inputs import wide_experts
 
     src = zoo.make(arch, tmp_path / "src", config_overrides=wide_experts(arch))
     fp8convert.quantize(src, tmp_path / "cpu", scheme="mxfp8", device="cpu")

@@ -5,9 +5,9 @@
 Qwen3-FP8's with bfloat16 or float16 block scales, AutoFP8's per-tensor `weight_scale` with static
 `input_scale` (scale = 1 / bf16(448 / amax), not amax / 448), and llm-compressor's compressed-tensors
 tensor / channel / block presets (bfloat16 scales, as the observed dtype gives). Which weights become
-FP8 follows tests/reference.py's reading of DESIGN's rules (routers, heads, MTP eh_proj stay BF16), so
+FP8 follows tests/support/reference.py's reading of DESIGN's rules (routers, heads, MTP eh_proj stay BF16), so
 a correct requantization keeps every FP8 weight FP8. Shards, index, side files and config are written
-as those tools write them. Shares no code with fp8convert; uses tests/reference.py's dequant.
+as those tools write them. Shares no code with fp8convert; uses tests/support/reference.py's dequant.
 
 `dequantized(fp8_dir)` gives each FP8 weight's float32 values (float32(q) * scale), the source of
 truth the tests hold dequantize and requantize to.
@@ -179,5 +179,5 @@ def fp8_weights(tensors: dict, scheme: str) -> dict[str, tuple[torch.Tensor, tor
 
 
 def dequantized(tensors: dict, scheme: str) -> dict[str, torch.Tensor]:
-    """Every FP8 weight's float32 values, float32(q) * float32(scale) (tests/reference.py's dequant)."""
+    """Every FP8 weight's float32 values, float32(q) * float32(scale) (tests/support/reference.py's dequant)."""
     return {n: R.dequant(q, s.float(), scheme) for n, (q, s) in fp8_weights(tensors, scheme).items()}

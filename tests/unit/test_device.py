@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fp8convert
-from fp8convert.run import device, quantizer
+from fp8convert.run import device, prefetch, quantizer
 from fp8convert.run.device import quantizing_threads
 from tiny_ckpt import llama_tensors, write_checkpoint
 
@@ -55,10 +53,11 @@ def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_p
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing to pin away")
 def test_a_run_counts_the_cores_it_may_run_on_not_the_machines():
     """A cluster job pinned to one core of a bigger node (as Slurm and taskset do) gets threads for one core."""
-    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-              "from fp8convert.run import device, prefetch; from fp8convert.run.cores import usable_cores\n"
-              "print(usable_cores(),"
-              " device.io_threads('cpu'), prefetch.default_threads())")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "1 (1, 1) 1"
+    from fp8convert.run.cores import usable_cores
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # this thread only, for the calls below
+    try:
+        assert (usable_cores(), device.io_threads("cpu"), prefetch.default_threads()) == (1, (1, 1), 1)
+    finally:
+        os.sched_setaffinity(0, allowed)

@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fp8_reference as F
-from test_bad_inputs import assert_refused, run_cli
-from tiny_ckpt import llama_tensors, rewrite_index, write_checkpoint
+from tiny_ckpt import assert_refused, llama_tensors, rewrite_index, run_cli, write_checkpoint
 
 try:
     from fakehub import fake_hub  # noqa: F401  (a fixture)

@@ -20,27 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from fp8convert.cli import main
 from fp8convert.run import prefetch
-from tiny_ckpt import CONFIG, INDEX, llama_tensors, looks_complete, rewrite_index, tree_bytes, write_checkpoint, write_raw
+from tiny_ckpt import (CONFIG, INDEX, assert_refused, llama_tensors, looks_complete, rewrite_index, run_cli, tree_bytes,
+                       write_checkpoint, write_raw)
 
 SHARD2 = "model-00002-of-00003.safetensors"  # layer 1 (shard_by_layer: layer 0, layer 1, the rest)
-
-
-def run_cli(capsys, *args) -> tuple[int, str]:
-    rc = main([*map(str, args)])
-    return rc, capsys.readouterr().err
-
-
-def assert_refused(rc: int, err: str, out, *names: str, preflight: bool = True) -> str:
-    """One error line that names every one of `names`; non-zero exit; no complete-looking output."""
-    assert rc != 0, err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    for name in names:
-        assert name in errors[0], (name, errors[0])
-    assert not looks_complete(out)
-    if preflight:
-        assert not out.exists(), f"OUT was created before the input was validated: {sorted(tree_bytes(out))}"
-    return errors[0]
 
 
 # ---------------------------------------------------------------- broken files and indexes
@@ -441,7 +424,7 @@ def test_a_refusal_is_its_one_line_alone_in_a_real_process_under_load(tmp_path, 
                 busy.append(subprocess.Popen([sys.executable, "-c", BUSY]))
             for args, (rc, err) in zip(cases, expected):
                 child = subprocess.run([sys.executable, "-c", SLOW_DISK_CLI, *map(str, args)], check=False,
-                                       capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=60)
+                                       capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=60)
                 assert (child.returncode, child.stderr) == (rc, err), (round, args)
     finally:
         for loop in busy:

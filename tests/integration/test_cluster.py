@@ -29,7 +29,7 @@ except ImportError:  # tests/ imported as a package
 
 SHARDS = ["--max-shard-size", "1MB"]  # the demo model in 1 MB shards: 6 output shards
 ARGS = [*SHARDS, "-q"]  # -q drops the summary line: tests that read it pass SHARDS
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Self-contained tiny checkpoints for the robustness tests (verify, bad inputs, resume).
 
-Deliberately independent of transformers and of tests/tiny_models.py: a checkpoint here is a few
+Deliberately independent of transformers and of tiny_models.py: a checkpoint here is a few
 safetensors files written with `safetensors.torch.save_file`, an index and a config.json, so each
 test can build exactly the (broken) layout it needs in milliseconds. `write_raw` hand-writes a
 safetensors file from a header dict for headers the library would refuse to produce.
@@ -15,9 +15,11 @@ import time
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8convert.cli import main
 from fp8convert.output.lock import is_lock_file
 
 INDEX = "model.safetensors.index.json"
@@ -119,7 +121,7 @@ def cli_subprocess(args: list[str], env_extra: dict | None = None, write_delay: 
     `write_delay`: seconds to sleep before each tensor write."""
     env = dict(os.environ, **(env_extra or {}))
     code = [SLOW_CLI, str(write_delay)] if write_delay else [CLI]
-    return subprocess.Popen([sys.executable, "-c", *code, *map(str, args)], env=env, cwd=Path(__file__).parents[1],
+    return subprocess.Popen([sys.executable, "-c", *code, *map(str, args)], env=env, cwd=Path(__file__).parents[2],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -133,3 +135,35 @@ def slow_writes(monkeypatch, delay: float) -> None:
         return write(self, *args, **kwargs)
 
     monkeypatch.setattr(ShardWriter, "write", slow)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 60) -> bool:
+    """Poll until `condition()` or the process ends; True if the condition was met."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail("the conversion neither progressed nor ended")
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    """`fp8convert ARGS` in this process: its exit code and stderr."""
+    rc = main([*map(str, args)])
+    return rc, capsys.readouterr().err
+
+
+def assert_refused(rc: int, err: str, out, *names: str, preflight: bool = True) -> str:
+    """One error line that names every one of `names`; non-zero exit; no complete-looking output."""
+    assert rc != 0, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in errors[0], (name, errors[0])
+    assert not looks_complete(out)
+    if preflight:
+        assert not out.exists(), f"OUT was created before the input was validated: {sorted(tree_bytes(out))}"
+    return errors[0]

@@ -713,3 +713,22 @@ def logits(path_or_model, prompt_ids=PROMPT_IDS, dtype: torch.dtype = torch.floa
         model = model.language_model
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     return out.logits.float()[0]
+
+
+# The architectures test_architectures.py converts in every scheme/format pair.
+ZOO_ARCHS = (
+    # dense
+    "llama", "qwen3", "gemma2", "phi3", "gpt2",
+    # MoE, per-expert 2-D in the checkpoint
+    "qwen3_moe", "mixtral", "phimoe", "olmoe", "minimax_m2", "ernie4_5_moe", "deepseek_v3", "glm4_moe",
+    # MoE, fused experts
+    "llama4", "gpt_oss", "granitemoe", "dbrx", "qwen3_vl_moe", "gemma4",
+    # hybrid / linear attention / SSM
+    "qwen3_next", "nemotron_h", "falcon_h1", "jamba",
+    # multimodal
+    "qwen2_5_vl", "gemma3", "mistral3", "llava",
+)
+# Further model_types the registry lists, checked in two combinations only (bytes, verify, ignore list,
+# vLLM contract).
+MORE_ARCHS = ("mistral", "qwen2", "glm4", "olmo2", "granite", "starcoder2", "qwen2_moe", "deepseek_v2", "llama4_text",
+              "granitemoeshared", "granitemoehybrid", "qwen3_vl", "qwen3_5", "qwen3_5_moe")

@@ -1,11 +1,11 @@
 """FP8 checkpoints as sources: `fp8convert dequantize` and requantizing with `fp8convert quantize`.
 
-Sources come from two independent writers: tests/fp8_reference.py (DeepSeek-V3-shaped native block fp8
+Sources come from two independent writers: tests/support/fp8_reference.py (DeepSeek-V3-shaped native block fp8
 with its MTP layer and power-of-two scales, Qwen3-FP8's bfloat16 / float16 block scales, AutoFP8's
 per-tensor scales with static activation scales, llm-compressor's compressed-tensors tensor / channel /
 block) and fp8convert itself. Every expectation is computed from the source's tensors with
-tests/reference.py, never read from the product's output: dequantized weights must equal float32(q) *
-scale rounded once, bit for bit; requantized ones must be tests/reference.py's quantization of those
+tests/support/reference.py, never read from the product's output: dequantized weights must equal float32(q) *
+scale rounded once, bit for bit; requantized ones must be tests/support/reference.py's quantization of those
 float32 values; a source already in the asked scheme must come out with its own codes and scales.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import fp8_reference as F
 import reference as R
 from checks import as_bytes, same_bytes
-from conftest import model_logits, read_json, read_safetensors_dir, run_quantize
+from harness import cases_in_turn, model_logits, read_json, read_safetensors_dir, run_quantize
 
 import fp8convert
 from fp8convert.verify import verify
@@ -52,7 +52,7 @@ def source_scheme(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def bf16_model(tmp_path_factory, source_model):
-    """bf16_model(kind) -> a BF16 checkpoint: tests/tiny_models.py's, or (deepseek_v3) tests/zoo.py's
+    """bf16_model(kind) -> a BF16 checkpoint: tests/support/tiny_models.py's, or (deepseek_v3) tests/support/zoo.py's
     DeepSeek-V3 with its MTP layer, hidden size 192 (1.5 blocks of 128: partial edge blocks)."""
     cache = {}
 
@@ -177,7 +177,7 @@ def expected_requantized(tensors: dict, scheme_in: str, fmt: str, scheme: str, k
                          passes: bool | None = None, scale_format: str = "float"):
     """(expected outputs, FP8 output names) of requantizing an FP8 checkpoint: a source that `passes`
     (by default: one already in `scheme`) keeps its codes and scale values (its scale named and shaped as
-    `fmt` writes them, dtype as stored); otherwise tests/reference.py quantizes the dequantized float32
+    `fmt` writes them, dtype as stored); otherwise tests/support/reference.py quantizes the dequantized float32
     values in `scheme` and `scale_format`."""
     weights = F.fp8_weights(tensors, scheme_in)
     plain = {n: t for n, t in tensors.items() if not n.endswith((".weight_scale", ".weight_scale_inv",
@@ -195,8 +195,7 @@ def expected_requantized(tensors: dict, scheme_in: str, fmt: str, scheme: str, k
     return out, set(weights)
 
 
-@pytest.mark.parametrize("fmt,scheme", COMBOS, ids=COMBO_IDS)
-@pytest.mark.parametrize("name", REFERENCE_SOURCES)
+@pytest.mark.parametrize("name,fmt,scheme", cases_in_turn(REFERENCE_SOURCES, COMBOS, COMBO_IDS))
 def test_requantize_to_every_scheme_and_format(name, fmt, scheme, fp8_source, tmp_path):
     src = fp8_source(name)
     kind = SOURCES[name][0]
@@ -248,11 +247,11 @@ BLACKWELL = [("compressed-tensors", "mxfp8", "float"), ("compressed-tensors", "b
              ("fp8", "block", "ue8m0")]
 
 
-@pytest.mark.parametrize("fmt,scheme,scale_format", BLACKWELL, ids=["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"])
-@pytest.mark.parametrize("name", REFERENCE_SOURCES)
+@pytest.mark.parametrize("name,fmt,scheme,scale_format",
+                         cases_in_turn(REFERENCE_SOURCES, BLACKWELL, ["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"]))
 def test_requantize_to_mxfp8_and_ue8m0_blocks(name, fmt, scheme, scale_format, fp8_source, tmp_path):
     """FP8 sources to the Blackwell layouts: requantized from their dequantized float32 values with the
-    power-of-two rules, as tests/reference.py computes them, except a block source that declares
+    power-of-two rules, as tests/support/reference.py computes them, except a block source that declares
     scale_fmt ue8m0 asked for ue8m0 blocks: its codes and scales pass through. verify then checks every
     exponent and code exactly."""
     src = fp8_source(name)

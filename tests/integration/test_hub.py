@@ -1,4 +1,4 @@
-"""Hugging Face Hub in and out, against tests/fakehub.py (the real huggingface_hub client on 127.0.0.1).
+"""Hugging Face Hub in and out, against tests/support/fakehub.py (the real huggingface_hub client on 127.0.0.1).
 
 Sources: a repo id converts with only the files it needs (never .bin, never original/), at a pinned
 revision, with the token sent; gated / missing repos and network failures are one clear line; a rerun
@@ -267,6 +267,7 @@ def test_verify_of_an_unreachable_hub_source_promises_no_resume(fake_hub, tiny_r
     assert "finished downloads" not in err and "resume" not in err
 
 
+@pytest.mark.slow
 def test_a_shard_download_that_never_answers_ends_in_one_line(fake_hub, tiny_repo, short_hub_limits, tmp_path,
                                                             monkeypatch):
     """huggingface_hub retries a stalled download itself (five times, resuming): fp8convert adds the

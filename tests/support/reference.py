@@ -351,7 +351,7 @@ def scale_name_and_shape(fmt: str, scheme: str, weight_shape) -> tuple[str, tupl
 def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=frozenset(), arch: str | None = None,
                      config: dict | None = None, scale_format: str = "float"):
     """{output name: expected tensor} computed from the source tensors with this module's math.
-    `arch` (a tests/zoo.py name) with its `config`: fused expert tensors become one nn.Linear weight
+    `arch` (a tests/support/zoo.py name) with its `config`: fused expert tensors become one nn.Linear weight
     per expert first (split_experts), and the architecture's own keeps apply (arch_keep). A fused expert
     tensor none of whose experts is quantized stays as released (the layout transformers reads), except
     Llama-4's under compressed-tensors (transformers splits those experts itself)."""
@@ -384,7 +384,7 @@ def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=froz
     return out, quant
 
 
-# ================================================================ architectures of tests/zoo.py
+# ================================================================ architectures of tests/support/zoo.py
 # What each architecture keeps beyond DESIGN's generic rules and how its fused expert tensors are used,
 # read from the model files: vLLM 0.33 `vllm/model_executor/models/<arch>.py` (modules built without
 # the quant config, or that corrupt output in FP8) and transformers 5.24

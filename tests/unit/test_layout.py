@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fp8convert"
+PACKAGE = Path(__file__).resolve().parents[2] / "fp8convert"
 
 
 def module_name(path: Path) -> str:

@@ -26,7 +26,7 @@ from tiny_ckpt import SLOW_CLI, llama_tensors, looks_complete, tree_bytes, write
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # jobs are child processes: not the fast loop
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 ARGS = ["--device", "cpu", "--max-shard-size", "100KB"]  # a tiny llama in 6 output shards
 SMALL = ["--gpus=0", "--cpus-per-task=1", "--mem=1G"]  # command-line options win over #SBATCH lines
 JOB_TIMEOUT = 120  # seconds a test waits for its jobs

@@ -20,7 +20,7 @@ import pytest
 from fp8convert import make_plan
 from fp8convert.cli import main
 from fp8convert.run.writer import ShardWriter
-from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
+from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, wait_for, write_checkpoint
 
 # 6 layers in 20 KB shards, 10 KB batches: 20 shards, about a hundred tensor writes.
 ARGS = ["--max-shard-size", "20KB", "--max-resident", "10KB", "-q"]
@@ -45,19 +45,6 @@ def quantize(src, out, *extra) -> int:
 
 def start(src, out) -> subprocess.Popen:
     return cli_subprocess(["quantize", src, out, *ARGS], write_delay=DELAY)
-
-
-def wait_for(condition, proc: subprocess.Popen, timeout: float = 60) -> bool:
-    """Poll until `condition()` or the process ends; True if the condition was met."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.002)
-    proc.kill()
-    pytest.fail("the conversion neither progressed nor ended")
 
 
 def assert_partial_is_sound(out: Path, reference: dict[str, bytes]) -> None:

@@ -1,7 +1,7 @@
 """The Blackwell layouts: MXFP8 (`--scheme mxfp8`, compressed-tensors mxfp8-quantized) and power-of-two
 block scales (`--scale-format ue8m0`, both formats).
 
-- the numerics against tests/reference.py (an independent, loop-based implementation), bit for bit,
+- the numerics against tests/support/reference.py (an independent, loop-based implementation), bit for bit,
   on both code paths (the CPU one, tiled, and the one made for CUDA, both run here on the CPU), at the
   edges of the exponent rule (amax exactly 1.75 * 2^k, subnormal, huge, all-zero groups) and on every
   architecture of the zoo;
@@ -12,7 +12,7 @@ block scales (`--scale-format ue8m0`, both formats).
   model card, batch jobs; transformers loading (slow) where the README's table says it can, and
   failing where it says it cannot.
 The MXFP8 conversions of every tiny model and zoo architecture (bytes, verify, ignore lists, vLLM's
-loader contract, transformers) run with the other schemes: it is in conftest.FORMAT_SCHEMES.
+loader contract, transformers) run with the other schemes: it is in harness.FORMAT_SCHEMES.
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ import torch
 import reference as R
 import zoo
 from checks import assert_codes_and_scales, assert_names_shapes_dtypes, same_bytes
-from conftest import fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from harness import cases_in_turn, fp8convert_module, read_json, read_safetensors_dir, run_quantize
 from fp8convert.cli import main
 from fp8convert.run import numerics
 from fp8convert.verify import verify
-from test_architectures import MORE_ARCHS, ZOO_ARCHS
+from mxfp8_inputs import edge_groups, wide_experts
 from tiny_ckpt import llama_tensors, tree_bytes, write_checkpoint
+from zoo import MORE_ARCHS, ZOO_ARCHS
 
 FP8 = torch.float8_e4m3fn
 CT = "compressed-tensors"
@@ -42,33 +43,6 @@ def as_u8(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the exponent rule
-
-
-def edge_groups(dtype: torch.dtype) -> torch.Tensor:
-    """[2, 6, 64] weights whose 32-element groups (and 128x128 blocks, for ue8m0) sit on the rule's
-    edges: amax exactly 1.75 * 2^k = 448 * 2^(k-8) (max code 448, not 224), just above and below it,
-    zero groups, subnormal and huge amax, negative maxima, a lone outlier."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(2, 6, 64, generator=g) * 0.01
-    finfo = torch.finfo(dtype)
-    w[0, 0, :32] *= 0.5
-    w[0, 0, 5] = 1.75 * 2.0**-4               # exactly 448 * 2^-12
-    w[0, 0, 32 + 7] = -1.75 * 2.0**3           # negative, exactly 448 * 2^-5
-    w[0, 1, :32] = 0.0                          # all zero: byte 0
-    w[0, 1, 40] = 1.7421875 * 2.0**-4           # just below 1.75 * 2^-4 (bf16's previous value)
-    w[0, 2, 3] = 1.7578125 * 2.0**-4            # just above (next bf16 value)
-    w[0, 3, :32] = 0.0
-    w[0, 3, 9] = finfo.tiny / 4 if dtype != torch.float16 else 2.0**-24   # subnormal amax
-    # huge amax: f16's largest; in bf16 and f32 the largest below 248 * 2^120, whose code 256 under scale
-    # 2^120 would read back as Inf (numerics.POW2_OVERFLOW_AMAX): 3.28e38 in bf16, code 240
-    w[0, 4, 33] = finfo.max if dtype == torch.float16 else \
-        torch.nextafter(torch.tensor(numerics.POW2_OVERFLOW_AMAX, dtype=dtype), torch.tensor(0.0, dtype=dtype))
-    w[0, 5, 0] = 448.0                          # code 448 exactly at scale 1
-    w[1, 0, 60] = 1000.0                        # an outlier among small values
-    w[1, 2, :] = -w[1, 2, :].abs()              # every value negative
-    if dtype == torch.float32:
-        w[1, 4, 4] = 448.0 * 2.0**-10 * (1 + 2.0**-23)  # float32 log2 rounds this one's ceil down
-    return w.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -170,14 +144,6 @@ def test_e8m0_bytes_decode_exactly_and_dequantize_mxfp8():
 # ------------------------------------------------------------------ every architecture of the zoo
 
 
-def wide_experts(arch: str) -> dict:
-    """Config overrides that make the zoo model's experts 96 wide (a multiple of 32, unlike the zoo's 48):
-    MXFP8 then quantizes experts cut from fused 3-D tensors instead of keeping them."""
-    key = {"granitemoe": "intermediate_size", "llama4": "text_config.intermediate_size"}.get(
-        arch, "text_config.moe_intermediate_size")
-    return {key: 96}
-
-
 WIDE = ("llama4", "qwen3_vl_moe", "granitemoe", "gemma4")   # transposed, released [E, H, 2I], out_in, out_in
 
 
@@ -214,8 +180,12 @@ def batch_outputs(src, scheme: str, scale_format: str, cpu_path: bool) -> dict[s
 
 
 LAYOUTS = [("mxfp8", "float"), ("block", "ue8m0")]
-ZOO_CASES = [pytest.param(a, s, f, False, id=f"{a}-{s}-{f}") for a in ZOO_ARCHS + MORE_ARCHS for s, f in LAYOUTS] + \
-    [pytest.param(a, "mxfp8", "float", True, id=f"{a}-wide-mxfp8") for a in WIDE]
+LAYOUT_ARGS, LAYOUT_IDS = [(s, f, False) for s, f in LAYOUTS], [f"{s}-{f}" for s, f in LAYOUTS]
+# The fast loop takes each of ZOO_ARCHS in one layout, two of the four fused expert layouts, none of MORE_ARCHS.
+ZOO_CASES = cases_in_turn(ZOO_ARCHS, LAYOUT_ARGS, LAYOUT_IDS) + \
+    cases_in_turn(MORE_ARCHS, LAYOUT_ARGS, LAYOUT_IDS, per_subject=0) + \
+    [pytest.param(a, "mxfp8", "float", True, id=f"{a}-wide-mxfp8",
+                  marks=() if a in ("llama4", "granitemoe") else pytest.mark.slow) for a in WIDE]
 
 
 @pytest.mark.parametrize("arch,scheme,scale_format,wide", ZOO_CASES)
@@ -652,7 +622,7 @@ def test_mxfp8_resumes_and_finalizes_to_the_bytes_of_one_run(tmp_path, capsys):
 def test_ue8m0_loads_in_transformers(kind, fmt, converted, source_model, source_logits):
     """UE8M0 block checkpoints load where plain block ones do (the README's table): logits close to
     the source, every FP8 weight dequantized to exactly code * scale."""
-    from conftest import load_causal_lm, model_logits
+    from harness import load_causal_lm, model_logits
 
     out = converted(kind, fmt, "block", scale_format="ue8m0")
     model = load_causal_lm(out)
@@ -678,7 +648,7 @@ def test_mxfp8_in_transformers_dense_in_bf16_only_and_not_moe(converted, source_
     bf16(code * 2^(byte - 127))), a float32 load fails at the first matmul, and MoE experts do not load."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import model_logits
+    from harness import model_logits
 
     out = converted("llama", CT, "mxfp8")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)

@@ -53,12 +53,14 @@ def who_imports_torch(*args, delay: float = 0.0, env: dict | None = None) -> dic
     return run_spy(SPY.replace("{delay}", str(delay)), *args, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_quantize_imports_torch_in_the_background_thread(tmp_path):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     result = who_imports_torch("quantize", src, tmp_path / "out", "--device", "cpu", "-q")
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
 
 
+@pytest.mark.slow
 def test_main_thread_waits_for_a_late_torch_thread(tmp_path):
     """The main thread reaches the pipeline in milliseconds on a small model; it must then wait for the
     torch thread rather than import torch itself, however late that thread gets to its import (the
@@ -80,6 +82,7 @@ def test_a_ranks_gpu_is_its_local_rank_among_the_visible_devices(monkeypatch):
     assert device_for(rank5, "auto") == "cpu" and device_for(rank5, "cuda") == "cuda"  # refused later, by torch
 
 
+@pytest.mark.slow
 def test_dequantize_imports_torch_in_the_background_thread(tmp_path):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     fp8 = tmp_path / "fp8"
@@ -105,6 +108,7 @@ print(json.dumps({"rc": rc, "numpy_loaded": seen}))
 """
 
 
+@pytest.mark.slow
 def test_the_checkpoint_is_read_before_numpy_is_imported(tmp_path):
     """numpy takes a tenth of a second to import with cold files: the
     disk should have the checkpoint's reads by then (the reads started while the plan is made, then the
@@ -128,6 +132,7 @@ def cli_allocator_conf(*args, env: dict) -> dict:
     return run_spy(ALLOC_SPY, *args, env=env)
 
 
+@pytest.mark.slow
 def test_a_gpu_run_pins_host_memory_by_registering_unless_the_user_configured_the_allocator(tmp_path):
     """The setting is made before torch loads (it reads it once); a CPU run and a user's own
     configuration are left alone."""
@@ -174,6 +179,7 @@ def cli_run(*args, cache: Path) -> dict:
     return run_spy(FADVISE_SPY, *args, env=dict(os.environ, XDG_CACHE_HOME=str(cache)))
 
 
+@pytest.mark.slow
 def test_a_run_records_its_pages_and_the_next_run_reads_them_ahead(tmp_path):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     cache = tmp_path / "cache"
@@ -213,6 +219,7 @@ print(json.dumps({"rc": rc, "asked": len(asked), "last_asked": max(asked, defaul
 """
 
 
+@pytest.mark.slow
 def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
     """Asking for them beside the import (which holds the GIL) took ten times as long, and the
     checkpoint's reads wait until they are all asked for."""
@@ -281,6 +288,7 @@ def test_no_read_before_the_plan_for_a_resumed_output_or_one_worker_of_several(t
     assert spy.before_plan == [False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA records")
 def test_an_auto_device_run_without_cuda_records_under_cpu(tmp_path):
     """--device auto (the default) runs on the CPU here, so its record is the CPU's, not `-cuda-`."""
@@ -298,6 +306,7 @@ def test_auto_names_the_cuda_record_only_where_the_driver_loads(monkeypatch):
     assert "-cuda-" in warmup.record_path("auto").name and "-cpu-" in warmup.record_path("cpu").name
 
 
+@pytest.mark.slow
 def test_the_demo_leaves_the_start_up_record_for_the_first_real_conversion(tmp_path):
     """The README's first command builds its model with torch, so its conversion records nothing itself;
     the demo writes the record, and the next conversion reads torch's pages ahead."""

@@ -76,6 +76,7 @@ def test_plurals_and_units_of_the_demo(tmp_path, capsys):
     assert "(s)" not in line and "0.00 GB" not in line
 
 
+@pytest.mark.slow
 def test_the_demo_ends_with_what_to_try_next_and_each_of_it_works(tmp_path, capsys):
     """After the summary: a verify and an inspect command, and three lines of Python that load the output
     with transformers; each runs as printed."""
@@ -450,7 +451,7 @@ def test_sigterm_while_finalizing_releases_the_claim(demo, tmp_path):
     assert main([*args, "--worker", "0/2"]) == 0
     marker = tmp_path / "in-finalize"
     proc = subprocess.Popen([sys.executable, "-c", HELD_IN_FINALIZE, str(marker), *args, "--worker", "1/2"],
-                            cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     claim = out / ".fp8convert" / "finalize.claim"
     wait_for(marker.exists, proc)
     assert claim.exists()
@@ -477,7 +478,7 @@ def test_sigterm_reaches_the_device_workers(demo, tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_EVERYWHERE.format(delay=0.5))
     proc = cli_subprocess(["quantize", src, out, "--devices", "cpu,cpu", "--max-shard-size", "1MB", "-q"],
-                          env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[1])])})
+                          env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[2])])})
     wait_for(lambda: any(out.glob(".fp8convert/*.partial")), proc)
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -528,7 +529,7 @@ PROGRAM_WITH_ATEXIT_MARK = (
 
 def program(mark: Path, *args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(mark), *map(str, args)],
-                          cwd=Path(__file__).parents[1], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+                          cwd=Path(__file__).parents[2], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
 # The program, as `fp8convert` starts it, with Ctrl-C landing while the command line is imported (typer is
@@ -543,13 +544,15 @@ CTRL_C_DURING_IMPORTS = (
     "from fp8convert.__main__ import main; sys.argv[1:] = ['inspect', 'anything']; main()")
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
-    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[1],
+    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == "interrupted before the command started: nothing was read or written\n"
 
 
+@pytest.mark.slow
 def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp_path):
     """A conversion (torch loaded) exits without the teardown, its whole JSON report flushed down the
     pipe; a failure keeps its exit code and its one line; a command without torch exits as usual."""

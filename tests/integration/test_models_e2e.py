@@ -1,6 +1,6 @@
 """End to end: convert tiny real-architecture checkpoints and check every output byte we can.
 
-Expectations are computed from the *source* safetensors with tests/reference.py (an independent
+Expectations are computed from the *source* safetensors with tests/support/reference.py (an independent
 implementation of DESIGN.md's numerics and rules), never copied from the product's output.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import reference as R
-from conftest import (
+from harness import (
     ALL_CASES,
     FORMAT_SCHEMES,
     FS_IDS,
