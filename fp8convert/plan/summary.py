@@ -171,7 +171,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
-    groups = Counter(key.rsplit(".", 1)[-1] for key in {t.group for t in tensors if t.group and t.quantize})
+    fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set
+    groups = Counter(key.rsplit(".", 1)[-1] for key in fused)
     arch, model_type = plan.architecture, f"model_type {plan.source.config.get('model_type')!r}"
     quant = plan.source.quant
     return {
