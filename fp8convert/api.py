@@ -28,7 +28,8 @@ from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.partial import written_bytes, written_units
 from .output.ownership import replace_advice
-from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
+from .plan.build import build_plan
+from .plan.plan import Action, Plan, Unit, unique_inputs
 from .plan.summary import plan_warnings
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import enum
 import functools
 import os
 import re
@@ -16,12 +17,36 @@ from dataclasses import dataclass, field, fields
 
 from .errors import FP8ConvertError, UsageError
 
-SCHEMES = ("tensor", "channel", "block", "mxfp8")
+
+class Scheme(enum.StrEnum):
+    """--scheme values. Options holds the plain string; a member compares equal to it."""
+
+    TENSOR = "tensor"      # one scale per weight
+    CHANNEL = "channel"    # one scale per output row
+    BLOCK = "block"        # one scale per 128x128 block
+    MXFP8 = "mxfp8"        # one power-of-two scale per 32 inputs of a row
+
+
+class Format(enum.StrEnum):
+    """--format values: how the checkpoint names its scales and describes its quantization."""
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+    FP8 = "fp8"
+
+
+class ScaleFormat(enum.StrEnum):
+    """--scale-format values: block scales as amax / 448, or rounded up to a power of two."""
+
+    FLOAT = "float"
+    UE8M0 = "ue8m0"
+
+
+SCHEMES = tuple(s.value for s in Scheme)
 # llm-compressor's preset names, accepted for --scheme in any case: its FP8 preset has per-tensor weights
 # (and static activation scales, which fp8convert does not write), FP8_DYNAMIC per-channel, FP8_BLOCK blocks
 SCHEME_ALIASES = {"fp8": "tensor", "fp8_dynamic": "channel", "fp8_block": "block"}
-FORMATS = ("compressed-tensors", "fp8")
-SCALE_FORMATS = ("float", "ue8m0")  # block scales: amax / 448 as is, or rounded up to a power of two
+FORMATS = tuple(f.value for f in Format)
+SCALE_FORMATS = tuple(f.value for f in ScaleFormat)
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
 MX_GROUP = 32  # mxfp8: one power-of-two scale per 32 consecutive input elements of a row (OCP MX)
 TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default

@@ -86,7 +86,7 @@ def main() -> int:
 
     from fp8convert.options import Settings
     from fp8convert.plan.batches import make_batches
-    from fp8convert.plan.plan import build_plan
+    from fp8convert.plan.build import build_plan
     from fp8convert.run.device import budget_for, resolve_device
     from fp8convert.run.pipeline import convert
     from fp8convert.run.progress import Progress

@@ -1,8 +1,10 @@
 """Stage 2, plan: what becomes of every tensor and where every output byte goes. Pure functions of the
 headers, config.json and the options; no I/O.
 
-rules.py    which tensors are quantized, which are kept (and why), which share a scale
-plan.py     the Plan: units, output names, shard layout, ignore list, fingerprint
-batches.py  units cut to the memory budget
-summary.py  what `inspect` shows: the plan in numbers, memory estimate, where the output will not load
+build.py          build_plan, top-down: decisions, how each output is made, shards, ignore list, fingerprint
+rules.py          which tensors are quantized, which are kept (and why), which share a scale
+architectures.py  the registry of model families; family.py says what an entry holds
+plan.py, cuts.py  the plan's records (tensors, units, shards) and where an output lies in its source
+batches.py        units cut to the memory budget; runs.py: the shard byte ranges a batch fills
+summary.py        what `inspect` shows; parallel.py and caveats.py: where the output will not load
 """

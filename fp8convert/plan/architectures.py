@@ -1,178 +1,20 @@
-"""The architecture registry: what fp8convert knows about each model family, in one place.
+"""The architecture registry: what fp8convert knows about each model family, in one table.
 
-One small table per family, picked by config.json's `model_type` (never by tensor shapes), says:
-- fused: sibling modules vLLM packs into one linear layer. In the tensor scheme their members share
-  one scale, and they are kept or quantized together (vLLM refuses a half-quantized fused layer);
-- keep: modules that stay in high precision beyond the generic rules of rules.py, and why;
-- experts: MoE experts stored as one tensor per projection for all experts of a layer (fused 3-D
-  tensors): where the expert, output and input axes are, whether gate and up are concatenated or
-  interleaved. They are written as one 2-D weight per expert in nn.Linear orientation, the layout the
-  engines' loaders take for FP8 checkpoints; or they stay as they are, with the reason;
-- mtp: where the next-token-prediction (MTP) layers live;
-- names: how transformers (in memory, after its checkpoint conversion) and vLLM (after its
-  `hf_to_vllm_mapper`, and where its module tree differs) name each checkpoint module, so the ignore
-  list names every kept module the way each consumer matches it;
-- limits: combinations a consumer cannot load, as warnings with a Caveat code.
-
-Upstream files are cited by their path in vLLM 0.33 (`vllm/model_executor/models/...`) and
-transformers 5.24 (`transformers/models/...`). A model_type not listed here gets the generic rules,
-and `inspect` says so.
+One `Architecture` (family.py says what its fields mean) per family, picked by config.json's
+`model_type` (never by tensor shapes). Upstream files are cited by their path in vLLM 0.33
+(`vllm/model_executor/models/...`) and transformers 5.24 (`transformers/models/...`). A model_type not
+listed here gets the generic rules, and `inspect` says so.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Callable
 
+from ..options import Format, Scheme
 from .caveats import Caveat
-
-# vLLM fuses these sibling modules into one linear (the default `packed_modules_mapping` of most models).
-FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),          # qkv_proj
-    ("gate_proj", "up_proj"),                # gate_up_proj, also per expert and for shared experts
-    ("w1", "w3"),                            # Mixtral-style experts' gate/up (w13)
-    ("q_a_proj", "kv_a_proj_with_mqa"),      # DeepSeek MLA fused_qkv_a_proj
-)
-
-ROUTER = "MoE router"
-TOWER = "vision/audio tower or projector"
-
-
-@dataclass(frozen=True)
-class Keep:
-    """Modules (regex searched in the checkpoint module name) kept in high precision, and why."""
-
-    pattern: str
-    reason: str
-    formats: tuple[str, ...] = ()    # only for these output formats (empty: all)
-    schemes: tuple[str, ...] = ()    # only for these schemes (empty: all)
-
-    def applies(self, module: str, fmt: str, scheme: str) -> bool:
-        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes) \
-            and re.search(self.pattern, module) is not None
-
-
-@dataclass(frozen=True)
-class Rename:
-    """One renaming of a module name: re.sub(pattern, to, name, count=1)."""
-
-    pattern: str
-    to: str
-
-    def apply(self, name: str) -> str:
-        return re.sub(self.pattern, self.to, name, count=1)
-
-
-@dataclass(frozen=True)
-class ExpertTensor:
-    """One projection of all experts of a MoE layer in one source tensor.
-
-    `stored` lists the orientations checkpoints of this family come in: "in_out" is [E, in, out]
-    (used as x @ W[e]), "out_in" is [E, out, in] (nn.Linear's own orientation). When both are listed,
-    the config's hidden and expert sizes tell which one a checkpoint has (never the shape alone).
-    `members` share the output axis: gate and up of a fused gate_up tensor, concatenated
-    ([gate | up]) or `interleaved` (gate, up, gate, up, ... column by column)."""
-
-    pattern: str                  # regex over the tensor name; group "block" is the MoE block module
-    members: tuple[str, ...]      # per-expert module names, in order along the output axis
-    stored: tuple[str, ...]       # "in_out" and/or "out_in"
-    interleaved: bool = False
-    experts: str = "{block}.experts"   # parent of the per-expert modules written: {experts}.{e}.{member}.weight
-
-    def match(self, name: str) -> str | None:
-        """The per-expert modules' parent for a source tensor of this kind, or None."""
-        m = re.fullmatch(self.pattern, name)
-        return self.experts.format(block=m.group("block")) if m else None
-
-
-@dataclass(frozen=True)
-class Experts:
-    """Fused MoE expert tensors of a family and what becomes of them."""
-
-    tensors: tuple[ExpertTensor, ...]
-    count: tuple[str, ...]            # config keys (dotted paths) with the number of experts
-    width: tuple[str, ...]            # config keys with each expert's intermediate size
-    kept: str | None = None           # why they stay as they are (no FP8 layout that loads)
-    split_when_kept: tuple[str, ...] = ()   # formats in which kept experts are still written per expert
-    transformers_loads_split: tuple[str, ...] = ()  # formats in which transformers loads per-expert FP8
-
-
-@dataclass(frozen=True)
-class Limit:
-    """A combination some consumer cannot load."""
-
-    caveat: Caveat
-    text: str
-    formats: tuple[str, ...] = ()
-    schemes: tuple[str, ...] = ()
-
-    def applies(self, fmt: str, scheme: str) -> bool:
-        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes)
-
-
-@dataclass(frozen=True)
-class Architecture:
-    name: str                                   # family, as inspect and the README show it
-    model_types: tuple[str, ...]
-    fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS
-    keep: tuple[Keep, ...] = ()
-    experts: Experts | None = None
-    mtp: str | None = None                      # "layers": model.layers.{num_hidden_layers + i}; "mtp": mtp.*
-    transformers_names: tuple[Rename, ...] = ()
-    vllm_names: tuple[Rename, ...] = ()
-    vllm_name_fn: Callable[[str, dict], str] | None = None   # where vLLM's module tree differs from the checkpoint's
-    limits: tuple[Limit, ...] = ()
-    quantized: str = "attention and MLP linears"    # for the README table
-    notes: str = ""
-
-    def transformers_name(self, module: str) -> str:
-        for rename in self.transformers_names:
-            module = rename.apply(module)
-        return module
-
-    def vllm_name(self, module: str, config: dict) -> str:
-        for rename in self.vllm_names:
-            module = rename.apply(module)
-        return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
-
-    def names(self, module: str, config: dict) -> list[str]:
-        """The module as the checkpoint, transformers and vLLM name it (each once)."""
-        return list(dict.fromkeys([module, self.transformers_name(module), self.vllm_name(module, config)]))
-
-    def keep_reason(self, module: str, fmt: str, scheme: str) -> str | None:
-        return next((k.reason for k in self.keep if k.applies(module, fmt, scheme)), None)
-
-    def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
-        """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
-        for layout in self.experts.tensors if self.experts else ():
-            experts = layout.match(name)
-            if experts is not None:
-                return layout, experts
-        return None
-
+from .family import (FUSED_SIBLINGS, IN_OUT, MTP_LAYERS, MTP_MODULE, OUT_IN, ROUTER, TOWER, Architecture, Experts,
+                     ExpertTensor, Keep, Limit, Rename, config_value)
 
 GENERIC = Architecture("generic", ())
-
-
-def config_value(config: dict, *keys: str):
-    """The first of `keys` (dotted paths) found in config.json or its text_config, else None."""
-    for scope in (config, config.get("text_config") or {}):
-        for key in keys:
-            value = scope
-            for part in key.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            if value is not None:
-                return value
-    return None
-
-
-def mtp_layers(arch: Architecture, config: dict) -> list[str]:
-    """The module prefixes of the MTP layers the config declares (DeepSeek-style layer numbering)."""
-    if arch.mtp != "layers":
-        return []
-    count = config_value(config, "num_nextn_predict_layers") or 0
-    first = config_value(config, "num_hidden_layers") or 0
-    return [f"model.layers.{first + i}" for i in range(count)]
 
 
 # ---------------------------------------------------------------- shared pieces of the tables
@@ -188,21 +30,35 @@ _LLAVA_TRANSFORMERS = (
     Rename(r"^vision_tower\.", "model.vision_tower."),
     Rename(r"^multi_modal_projector\.", "model.multi_modal_projector."),
 )
-_LLAVA_VLLM = (
-    Rename(r"^model\.language_model\.", "language_model.model."),
-    Rename(r"^model\.vision_tower\.", "vision_tower."),
-    Rename(r"^model\.multi_modal_projector\.", "multi_modal_projector."),
-    Rename(r"^lm_head$", "language_model.lm_head"),
-)
+
+
+def _legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
+    """vLLM's mapper from transformers' multimodal names back to the legacy ones: model.language_model.
+    to language_model.model., model.{tower}. to {tower}., lm_head to language_model.lm_head."""
+    return (Rename(r"^model\.language_model\.", "language_model.model."),
+            *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
+            Rename(r"^lm_head$", "language_model.lm_head"))
+
+
+_LLAVA_VLLM = _legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
-_QWEN_VL_VLLM = (
-    Rename(r"^model\.language_model\.", "language_model.model."),
-    Rename(r"^model\.visual\.", "visual."),
-    Rename(r"^lm_head$", "language_model.lm_head"),
-)
+_QWEN_VL_VLLM = _legacy_vllm_names("visual")
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
 _TOWER_NOTE = ("vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
                "in transformers' and vLLM's names too")
+
+
+def _gate_up_down(block: str, stored: tuple[str, ...], gate_up: str = "experts.gate_up_proj",
+                  down: str = "experts.down_proj", interleaved: bool = False) -> tuple[ExpertTensor, ExpertTensor]:
+    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate and up in one
+    tensor, down in the other."""
+    return (ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
+            ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored))
+
+
+def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architecture:
+    """A vision-language family of which only the language model is quantized."""
+    return Architecture(name, model_types, **{"quantized": "language model linears", "notes": _TOWER_NOTE} | fields)
 
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
@@ -256,7 +112,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "DeepSeek-V3 / GLM-4.5", ("deepseek_v2", "deepseek_v3", "glm4_moe"),
         keep=(Keep(r"\.eh_proj$", "MTP input projection (vLLM builds it as a plain nn.Linear)"),
               Keep(r"\.shared_head\.head$", "output head")),
-        mtp="layers",
+        mtp=MTP_LAYERS,
         quantized=f"attention (q_a_proj + kv_a_proj_with_mqa share a scale), shared experts, {_MOE_ROUTED}, "
                   "MTP decoder layers",
         notes="MTP layers `model.layers.{num_hidden_layers + i}` converted like decoder layers (vLLM's MTP "
@@ -274,13 +130,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Llama-4", ("llama4", "llama4_text"),
         keep=(Keep(r"^(language_model\.)?model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)$",
                    "vLLM's Llama-4 loader permutes q/k rows per head and cannot permute 128x128 block scales",
-                   formats=("compressed-tensors",), schemes=("block",)),),
-        experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.feed_forward)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
-                          ("in_out",)),
-             ExpertTensor(r"(?P<block>.+\.feed_forward)\.experts\.down_proj", ("down_proj",), ("in_out",))),
-            count=("num_local_experts",), width=("intermediate_size",),
-            split_when_kept=("compressed-tensors",), transformers_loads_split=("compressed-tensors",)),
+                   formats=(Format.COMPRESSED_TENSORS,), schemes=(Scheme.BLOCK,)),),
+        experts=Experts(_gate_up_down(r".+\.feed_forward", (IN_OUT,)), split_when_kept=(Format.COMPRESSED_TENSORS,),
+                        transformers_loads_split=(Format.COMPRESSED_TENSORS,)),
         quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",
         notes="fused experts [E, hidden, 2*inter] (gate, up concatenated) split per expert and transposed to "
               "[out, in]; transformers loads them under compressed-tensors only"),
@@ -290,10 +142,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # gpt-oss expert converter. So the experts stay BF16, fused, as released.
         "gpt-oss", ("gpt_oss",),
         experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.gate_up_proj", ("gate_proj", "up_proj"), ("in_out",),
-                          interleaved=True),
-             ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.down_proj", ("down_proj",), ("in_out",))),
-            count=("num_local_experts",), width=("intermediate_size",),
+            _gate_up_down(r".+\.mlp", (IN_OUT,), interleaved=True),
             kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
                  "experts as BF16; transformers 5.24 has no converter for them)"),
         vllm_names=(Rename(r"\.self_attn\.", ".attn."),),
@@ -305,7 +154,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Qwen3-Next", ("qwen3_next",),
         keep=(Keep(r"\.linear_attn\.in_proj_ba$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
               Keep(r"^mtp\.fc$", "MTP input projection")),
-        mtp="mtp",
+        mtp=MTP_MODULE,
         quantized=f"attention, DeltaNet in_proj_qkvz/out_proj, shared expert, {_MOE_ROUTED}, MTP layers",
         notes="`mtp.*` layers converted like decoder layers"),
     Architecture(
@@ -315,7 +164,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         fused=FUSED_SIBLINGS + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")),
         keep=(Keep(r"\.linear_attn\.in_proj_[ab]$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
               Keep(r"^mtp\.fc$", "MTP input projection")),
-        mtp="mtp", vllm_names=_QWEN_VL_VLLM,
+        mtp=MTP_MODULE, vllm_names=_QWEN_VL_VLLM,
         quantized=f"language model attention, DeltaNet, MLPs / {_MOE_ROUTED}, MTP layers"),
     Architecture(
         # vllm/model_executor/models/nemotron_h.py: mapper backbone -> model, embeddings -> embed_tokens;
@@ -323,7 +172,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # transformers conversion_mapping.py: backbone. -> model.
         "Nemotron-H", ("nemotron_h",),
         keep=(Keep(r"\.mixer\.gate$", ROUTER),),
-        mtp="mtp",
+        mtp=MTP_MODULE,
         transformers_names=(Rename(r"^backbone\.", "model."),),
         vllm_names=(Rename(r"^backbone\.", "model."), Rename(r"\.embeddings$", ".embed_tokens")),
         quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)"),
@@ -346,11 +195,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted.
         "GraniteMoE", ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
-        experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.block_sparse_moe)\.input_linear\.weight", ("gate_proj", "up_proj"),
-                          ("out_in",)),
-             ExpertTensor(r"(?P<block>.+\.block_sparse_moe)\.output_linear\.weight", ("down_proj",), ("out_in",))),
-            count=("num_local_experts",), width=("intermediate_size",)),
+        experts=Experts(_gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight",
+                                      down="output_linear.weight")),
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
@@ -362,8 +208,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "DBRX", ("dbrx",),
         keep=(Keep(r"\.ffn\.router\.layer$", ROUTER),),
         experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.(w1|v1)", ("gate_proj",), ("out_in",)),
-             ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.w2", ("down_proj",), ("in_out",))),
+            (ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.(w1|v1)", ("gate_proj",), (OUT_IN,)),
+             ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.w2", ("down_proj",), (IN_OUT,))),
             count=("ffn_config.moe_num_experts",), width=("ffn_config.ffn_hidden_size",),
             kept="no FP8 expert layout loads for DBRX (vLLM's DbrxExperts take no compressed-tensors "
                  "scales and no per-expert weights)"),
@@ -373,11 +219,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True (released
         # [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
         "Qwen3-VL-MoE", ("qwen3_vl_moe",),
-        experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
-                          ("in_out", "out_in")),
-             ExpertTensor(r"(?P<block>.+\.mlp)\.experts\.down_proj", ("down_proj",), ("in_out", "out_in"))),
-            count=("num_experts", "num_local_experts"), width=("moe_intermediate_size",)),
+        experts=Experts(_gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)), count=("num_experts", "num_local_experts"),
+                        width=("moe_intermediate_size",)),
         vllm_names=_QWEN_VL_VLLM,
         quantized=f"language model attention, {_MOE_ROUTED}",
         notes="fused experts ([E, hidden, 2*inter] as released, or [E, 2*inter, hidden] as transformers "
@@ -387,42 +230,29 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # [E, 2I, H] (F.linear orientation); embed_vision.embedding_projection is quantizable there.
         "Gemma-4", ("gemma4",),
         keep=(Keep(r"\.router\.proj$", ROUTER), Keep(r"(^|\.)embed_(vision|audio)\.", TOWER)),
-        experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.layers\.\d+)\.experts\.gate_up_proj", ("gate_proj", "up_proj"),
-                          ("out_in",)),
-             ExpertTensor(r"(?P<block>.+\.layers\.\d+)\.experts\.down_proj", ("down_proj",), ("out_in",))),
-            count=("num_experts",), width=("moe_intermediate_size",)),
-        vllm_names=(Rename(r"^model\.language_model\.", "language_model.model."),
-                    Rename(r"^model\.vision_tower\.", "vision_tower."),
-                    Rename(r"^model\.embed_vision\.", "embed_vision."),
-                    Rename(r"^lm_head$", "language_model.lm_head")),
+        experts=Experts(_gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",),
+                        width=("moe_intermediate_size",)),
+        vllm_names=_legacy_vllm_names("vision_tower", "embed_vision"),
         quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}"),
-    Architecture(
+    _multimodal(
         # vllm/model_executor/models/qwen2_5_vl.py: the vision tower is built with the quant config, so
         # every tower linear must be listed. transformers: visual. -> model.visual., model. ->
         # model.language_model.
         "Qwen2.5-VL", ("qwen2_5_vl",),
         transformers_names=(Rename(r"^visual\.", "model.visual."),
                             Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model.")),
-        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
-        quantized="language model linears", notes=_TOWER_NOTE),
-    Architecture(
-        "Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM, quantized="language model linears", notes=_TOWER_NOTE),
-    Architecture(
-        "Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM,
-        quantized="language model linears", notes=_TOWER_NOTE),
-    Architecture(
-        "Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM,
-        quantized="language model linears", notes=_TOWER_NOTE),
-    Architecture(
+        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),)),
+    _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
+    _multimodal("Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
+    _multimodal("Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
+    _multimodal(
         # vllm/model_executor/models/mistral3.py: its mapper renames `.weight_scale_inv` to `.weight_scale`,
         # which the fp8 format's block layers do not have.
         "Mistral-3", ("mistral3",), transformers_names=_LLAVA_TRANSFORMERS,
         vllm_names=_LLAVA_VLLM + (Rename(r"^model\.", "language_model.model."),),
         limits=(Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, "
                                                "which fp8-format block layers do not have; use --format "
-                                               "compressed-tensors", formats=("fp8",), schemes=("block",)),),
-        quantized="language model linears",
+                                               "compressed-tensors", formats=(Format.FP8,), schemes=(Scheme.BLOCK,)),),
         notes=_TOWER_NOTE + "; fp8-format block scales do not load in vLLM (its loader renames weight_scale_inv)"),
 )
 

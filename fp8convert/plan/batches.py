@@ -48,10 +48,7 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
                 pieces = expert_pieces(atom, max_resident)
             else:
                 pieces = [[piece] for piece in kept_pieces(atom[0], piece_bytes)] if len(atom) == 1 else []
-            if len(pieces) > 1:
-                atoms += [(piece, True) for piece in pieces]
-            else:
-                atoms.append((atom, False))
+            atoms += [(piece, True) for piece in pieces] if len(pieces) > 1 else [(atom, False)]
         if resident_bytes(unit.tensors) <= max_resident and not any(split for _, split in atoms):
             batches.append(Batch(unit, unit.atoms(), unit.label))
             continue
@@ -80,8 +77,6 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
     return [replace(t, at=r * row, inputs=(replace(info, offset=info.offset + r * row, nbytes=n * row,
                                                      shape=(n, *info.shape[1:])),))
             for r in range(0, info.shape[0], step) for n in [min(step, info.shape[0] - r)]]
-
-
 
 
 def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:

@@ -22,6 +22,3 @@ class Caveat(enum.Enum):
 class PlanWarning:
     caveat: Caveat
     text: str
-
-    def __str__(self) -> str:
-        return self.text

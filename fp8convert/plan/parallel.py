@@ -19,9 +19,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..options import BLOCK, MX_GROUP
-from .architectures import config_value
+from ..options import BLOCK, MX_GROUP, Format, Scheme
 from .caveats import Caveat, PlanWarning
+from .family import config_value
 from .rules import experts_of, module_of
 
 ROW_PARALLEL = {"o_proj", "down_proj", "out_proj", "w2", "c_proj", "dense_4h_to_h", "fc2", "wo", "linear_2"}
@@ -76,12 +76,12 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
     size = per_rank(split, tp)
     if size is None:
         return DOES_NOT_DIVIDE
-    if scheme == "mxfp8":  # the split input dim of row-parallel layers and of the experts' down_proj
+    if scheme == Scheme.MXFP8:  # the split input dim of row-parallel layers and of the experts' down_proj
         return NOT_MX_GROUPS if split.axis != "output" and size % MX_GROUP else None
-    if scheme != "block" or size % BLOCK == 0:
+    if scheme != Scheme.BLOCK or size % BLOCK == 0:
         return None
     if split.axis == "expert intermediate":
-        if fmt == "fp8":
+        if fmt == Format.FP8:
             return None if math.gcd(BLOCK, size, hidden) >= MIN_REFINED_BLOCK else NOT_REFINED
         return NOT_BLOCKS
     return NOT_BLOCKS if tp > 1 else None
@@ -108,7 +108,8 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
         modules = parent + (f".{'/'.join(leaves)}" if any(leaves) else "")
         failing = {tp: why for tp in sizes if (why := problem(split, tp, fmt, scheme, hidden))}
         ok = [tp for tp in sizes if tp not in failing]
-        refined = [tp for tp in ok if scheme == "block" and axis == "expert intermediate" and per_rank(split, tp) % BLOCK]
+        refined = [tp for tp in ok
+                   if scheme == Scheme.BLOCK and axis == "expert intermediate" and per_rank(split, tp) % BLOCK]
         if not failing and not refined:
             continue
         text = f"vLLM splits the {axis} size {size} of {modules} across tensor-parallel ranks"
@@ -123,8 +124,8 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
                         if refined else ""))
         if axis == "expert intermediate" and DOES_NOT_DIVIDE in failing.values():
             text += "; or use expert parallelism (vLLM's --enable-expert-parallel does not split experts)"
-        elif scheme in ("block", "mxfp8") and failing:
-            text += "; or use --scheme " + ("channel" if fmt == "compressed-tensors" else "tensor") + \
+        elif scheme in (Scheme.BLOCK, Scheme.MXFP8) and failing:
+            text += "; or use --scheme " + (Scheme.CHANNEL if fmt == Format.COMPRESSED_TENSORS else Scheme.TENSOR) + \
                     ", which vLLM splits at any size that divides"
         warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS if ok else Caveat.VLLM_CANNOT_LOAD, text))
     return warnings

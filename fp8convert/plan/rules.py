@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import FP8ConvertError
 from ..formats.sources import SourceQuantization
-from ..options import MX_GROUP, Options
+from ..options import MX_GROUP, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
-from .architectures import FUSED_SIBLINGS, GENERIC, TOWER, Architecture, ExpertTensor, config_value
+from .architectures import GENERIC
 from .cuts import Cut
+from .family import FUSED_SIBLINGS, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
 
 EMBEDDING_LEAVES = {"embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
                     "token_type_embeddings", "embeddings", "embed_positions", "tok_embeddings"}
@@ -77,7 +78,7 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
     if leaf in HEAD_LEAVES and "layers" not in parts:
         return "output head"
     if leaf in ROUTER_LEAVES or (leaf == "gate" and parent in ROUTER_PARENTS):
-        return "MoE router"
+        return ROUTER
     if len(info.shape) > 2:
         if "conv" in leaf:
             return "convolution"
@@ -89,7 +90,7 @@ def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
     """Why a 2-D weight of this shape cannot be FP8 in `scheme`, or None."""
     if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE:
         return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
-    if scheme == "mxfp8" and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
+    if scheme == Scheme.MXFP8 and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
         return f"{MX_INPUT_DIM} ({shape[1]}) not divisible by {MX_GROUP}"
     return None
 
@@ -135,14 +136,14 @@ def expert_cuts(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Arch
         raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts, but config.json does not "
                                 "give their number, width and the hidden size, which fix the layout")
     out, inp = (hidden, width) if "down_proj" in layout.members else (width * len(layout.members), hidden)
-    expected = {"out_in": (count, out, inp), "in_out": (count, inp, out)}
+    expected = {OUT_IN: (count, out, inp), IN_OUT: (count, inp, out)}
     fits = [o for o in layout.stored if expected[o] == tuple(info.shape)]
     if len(fits) != 1:
         want = " or ".join(f"{list(expected[o])} ({o.replace('_', ', ')})" for o in layout.stored)
         problem = "fits both orientations (hidden size == expert width x members)" if fits else f"expected {want}"
         raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
                                 f"from config.json: {problem}; keep them with --ignore {module_of(info.name)}")
-    transpose = fits[0] == "in_out"
+    transpose = fits[0] == IN_OUT
     parts = len(layout.members)
     return [(f"{experts}.{e}.{member}.weight",
              Cut(expert=e, transpose=transpose, part=j, parts=parts, interleaved=layout.interleaved))
@@ -181,12 +182,12 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
         if info.name in companions:
             continue
         module = module_of(info.name)
+        group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
         if quant and info.name not in quant.weights:
             try:
                 reason = default_keep_reason(info, arch, options.format, options.scheme)
             except UnsupportedLayout:
                 reason = None
-            group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
             decisions.append(Decision(info.name, info, False, reason or SOURCE_KEPT, group))
             continue
         fused_experts = arch.expert_tensor(info.name)
@@ -207,7 +208,6 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
         if reason is None and hit is not None:
             used_patterns.add(hit)
             reason = f"--ignore {hit}"
-        group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
         decisions.append(Decision(info.name, info, reason is None, reason, group))
     if unsupported:
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
@@ -218,7 +218,7 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
             "precision with --ignore")
     warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized"
                 for pattern in options.ignore if pattern not in used_patterns]
-    decisions = _keep_together(decisions, lambda d: d.group if d.name.endswith(".weight") else None,
+    decisions = _keep_together(decisions, lambda d: d.group,
                                "kept all of {key} because {kept} is kept ({reason})", notes)
     # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
     decisions = _keep_together(decisions, lambda d: experts_of(d.name),
@@ -232,11 +232,7 @@ def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Option
     would only cost transformers the layout it reads."""
     if arch.experts is None or options.format in arch.experts.split_when_kept:
         return decisions
-    cuts: dict[str, list[Decision]] = {}
-    for d in decisions:
-        if d.cut:
-            cuts.setdefault(d.source.name, []).append(d)
-    whole = {name for name, ds in cuts.items() if not any(d.quantize for d in ds)}
+    whole = {d.source.name for d in decisions if d.cut} - {d.source.name for d in decisions if d.cut and d.quantize}
     # the reason the layer is kept, not "fused with ..." (those name cuts that are no longer written)
     root = {}
     for d in decisions:
@@ -244,12 +240,11 @@ def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Option
             root.setdefault(experts_of(d.name), d.reason)
     out, done = [], set()
     for d in decisions:
-        if d.cut and d.source.name in whole:
-            if d.source.name not in done:
-                done.add(d.source.name)
-                out.append(Decision(d.source.name, d.source, False, root.get(experts_of(d.name), d.reason), None))
-            continue
-        out.append(d)
+        if not (d.cut and d.source.name in whole):
+            out.append(d)
+        elif d.source.name not in done:
+            done.add(d.source.name)
+            out.append(Decision(d.source.name, d.source, False, root.get(experts_of(d.name), d.reason), None))
     return out
 
 
@@ -272,10 +267,10 @@ def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str
         kept = [i for i in indices if not out[i].quantize]
         if kept and len(kept) < len(indices):
             first = out[kept[0]]
+            why = f"fused with {module_of(first.name)}, which is kept"
             for i in indices:
                 if out[i].quantize:
-                    out[i] = Decision(out[i].name, out[i].source, False,
-                                      f"fused with {module_of(first.name)}, which is kept", out[i].group, out[i].cut)
+                    out[i] = replace(out[i], quantize=False, reason=why)
             notes.append(note.format(key=key, kept=module_of(first.name), reason=first.reason))
     return out
 

@@ -5,32 +5,48 @@ import math
 import re
 from collections import Counter
 
-from ..options import BLOCK
+from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
 from .batches import make_batches
 from .caveats import Caveat, PlanWarning
+from .family import MTP_LAYERS, MTP_MODULE, Limit, mtp_layers
 from .parallel import tp_warnings
-from .architectures import mtp_layers
 from .plan import COMPUTED, Action, Plan
 from .rules import MX_INPUT_DIM
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
+PINNED_HOST_BYTES = 9 * (32 << 20)  # pinned read chunks of 32 MiB: 8 reader threads and one more
 EXPERT = re.compile(r"\.experts\.\d+\.")
 
+# Where transformers cannot load an output of any family (the registry's limits add each family's own).
+LIMITS = (
+    Limit(Caveat.TRANSFORMERS_CANNOT_LOAD,
+          "transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense models load but "
+          "ignore the scales and give wrong outputs, MoE models fail; use --format compressed-tensors to load it in "
+          "transformers", formats=(Format.FP8,), schemes=(Scheme.TENSOR,)),
+    Limit(Caveat.TRANSFORMERS_CANNOT_LOAD,
+          "transformers cannot load compressed-tensors block scales for MoE experts (vLLM can); use --format fp8 "
+          "--scheme block, or --scheme channel, to load it in transformers",
+          formats=(Format.COMPRESSED_TENSORS,), schemes=(Scheme.BLOCK,), experts=True),
+    # transformers 5.24 (integrations/compressed_tensors.py, CompressedTensorsDequantize) decodes E8M0
+    # scales only through the compressor of dense layers; its expert merge multiplies codes by the raw
+    # [out, in/32] bytes and fails on the shapes.
+    Limit(Caveat.TRANSFORMERS_CANNOT_LOAD,
+          "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path does not decode per-group "
+          "E8M0 scales; dense MXFP8 layers load); vLLM can; use --scheme channel, or keep the experts with --ignore, "
+          "to load it in transformers", schemes=(Scheme.MXFP8,), experts=True),
+)
 
-def memory_estimate(plan: Plan, budget: int, device_type: str, read_threads: int = 8,
-                    chunk_bytes: int = 32 << 20) -> dict:
+
+def memory_estimate(plan: Plan, budget: int, device_type: str) -> dict:
     """Peak bytes: the device holds one batch's input and outputs plus float32 temporaries of the
     largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
     largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
     largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.action in COMPUTED), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
-    if device_type == "cuda":
-        host = CUDA_CONTEXT_HOST_BYTES + (read_threads + 1) * chunk_bytes
-    else:
-        host = PYTHON_HOST_BYTES + device
+    host = CUDA_CONTEXT_HOST_BYTES + PINNED_HOST_BYTES if device_type == "cuda" else PYTHON_HOST_BYTES + device
     return {"batches": len(batches), "largest_batch_bytes": largest_batch, "device_bytes": device,
             "host_bytes": host}
 
@@ -42,29 +58,10 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     scheme, fmt = plan.options.scheme, plan.options.format
     quantized = [t for t in plan.tensors if t.quantize]
     has_experts = any(EXPERT.search(t.name) for t in quantized)
-    warnings = []
-    if fmt == "fp8" and scheme == "tensor":
-        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
-                                    "transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang "
-                                    "can): dense models load but ignore the scales and give wrong outputs, MoE "
-                                    "models fail; use --format compressed-tensors to load it in transformers"))
-    if fmt == "compressed-tensors" and scheme == "block" and has_experts:
-        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
-                                    "transformers cannot load compressed-tensors block scales for MoE experts (vLLM "
-                                    "can); use --format fp8 --scheme block, or --scheme channel, to load it in "
-                                    "transformers"))
-    if scheme == "mxfp8" and has_experts:
-        # transformers 5.24 (integrations/compressed_tensors.py, CompressedTensorsDequantize) decodes E8M0
-        # scales only through the compressor of dense layers; its expert merge multiplies codes by the raw
-        # [out, in/32] bytes and fails on the shapes.
-        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD,
-                                    "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path "
-                                    "does not decode per-group E8M0 scales; dense MXFP8 layers load); vLLM can; "
-                                    "use --scheme channel, or keep the experts with --ignore, to load it in "
-                                    "transformers"))
-    if scheme == "block":
+    warnings = [PlanWarning(limit.caveat, limit.text) for limit in LIMITS if limit.applies(fmt, scheme, has_experts)]
+    if scheme == Scheme.BLOCK:
         warnings += block_warnings(fmt, quantized)
-    warnings += architecture_warnings(plan)
+    warnings += architecture_warnings(plan, has_experts)
     warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
     return warnings
 
@@ -75,12 +72,13 @@ def plan_warnings(plan: Plan) -> list[str]:
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
-def architecture_warnings(plan: Plan) -> list[PlanWarning]:
+def architecture_warnings(plan: Plan, has_experts: bool) -> list[PlanWarning]:
     """What the registry says this family's consumers cannot load in this format and scheme."""
     arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
     if arch is None:
         return []
-    warnings = [PlanWarning(limit.caveat, limit.text) for limit in arch.limits if limit.applies(fmt, scheme)]
+    warnings = [PlanWarning(limit.caveat, limit.text) for limit in arch.limits
+                if limit.applies(fmt, scheme, has_experts)]
     split = arch.experts and any(t.cut for t in plan.tensors)
     if split and fmt not in arch.experts.transformers_loads_split:
         elsewhere = arch.experts.transformers_loads_split
@@ -99,7 +97,7 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     if odd:
         caveat, what = ((Caveat.TRANSFORMERS_MISREADS,
                          "transformers infers the block size from the scale grid and dequantizes these wrongly")
-                        if fmt == "fp8" else
+                        if fmt == Format.FP8 else
                         (Caveat.TRANSFORMERS_CANNOT_LOAD,
                          "transformers cannot load these (needs both dims divisible by 128)"))
         warnings.append(PlanWarning(caveat, f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} "
@@ -144,8 +142,8 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
     caveats = {w.caveat for w in warnings}
-    layout = "mxfp8" if options.scheme == "mxfp8" else options.scale_format if options.scale_format != "float" \
-        else "e4m3"
+    layout = "mxfp8" if options.scheme == Scheme.MXFP8 else \
+        "e4m3" if options.scale_format == ScaleFormat.FLOAT else options.scale_format
     if Caveat.VLLM_CANNOT_LOAD in caveats:
         vllm = "no (see the warnings)"
     else:
@@ -158,15 +156,14 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
         transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
     else:
         transformers = "yes (dequantizes on load)" + (
-            "; needs the compressed-tensors package" if options.format == "compressed-tensors" else "")
+            "; needs the compressed-tensors package" if options.format == Format.COMPRESSED_TENSORS else "")
     return {"vLLM": vllm, "transformers": transformers}
 
 
 def describe(plan: Plan, budget: int, device_type: str) -> dict:
     tensors = plan.tensors
     warnings = compatibility_warnings(plan)
-    kept_reasons = Counter()
-    kept_bytes = Counter()
+    kept_reasons, kept_bytes = Counter(), Counter()
     for t in tensors:
         if not t.quantize:
             reason = t.reason.split(" [")[0] if t.reason else "?"
@@ -174,21 +171,18 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
-    groups = Counter()
-    for key in {t.group for t in tensors if t.group and t.quantize}:
-        groups[key.rsplit(".", 1)[-1]] += 1
-    arch = plan.architecture
+    fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set
+    groups = Counter(key.rsplit(".", 1)[-1] for key in fused)
+    arch, model_type = plan.architecture, f"model_type {plan.source.config.get('model_type')!r}"
     quant = plan.source.quant
-    dequantized = [t for t in tensors if t.action is Action.DEQUANTIZE]
     return {
         "source": plan.source.label,
         "source_quantization": quant.describe() if quant else None,
         "dequantize": plan.options.dequantize,
         "actions": {a.value: sum(t.action is a for t in tensors) for a in Action},
-        "dequantized_dtype": dequantized[0].out_dtype if dequantized else None,
+        "dequantized_dtype": next((t.out_dtype for t in tensors if t.action is Action.DEQUANTIZE), None),
         "static_activations": plan.static_activations,
-        "architecture": (f"{arch.name} (model_type {plan.source.config.get('model_type')!r})" if arch else
-                         f"not in the registry (model_type {plan.source.config.get('model_type')!r}): generic rules"),
+        "architecture": f"{arch.name} ({model_type})" if arch else f"not in the registry ({model_type}): generic rules",
         "scheme": plan.options.scheme,
         "format": plan.options.format,
         "scale_format": plan.options.scale_format,
@@ -200,7 +194,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
                       "bytes_out": sum(t.out_bytes for t in tensors if t.quantize)},
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
-        "scale_sharing": plan.options.scheme == "tensor",
+        "scale_sharing": plan.options.scheme == Scheme.TENSOR,
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
@@ -233,11 +227,8 @@ def mtp_summary(plan: Plan) -> str | None:
     names = [t.name for t in plan.source.tensors]
     if arch is None or not arch.mtp:
         return None
-    if arch.mtp == "layers":
-        found = [layer for layer in mtp_layers(arch, plan.source.config)
-                 if any(n.startswith(layer + ".") for n in names)]
-    else:
-        found = ["mtp"] if any(n.startswith("mtp.") for n in names) else []
+    prefixes = mtp_layers(arch, plan.source.config) if arch.mtp == MTP_LAYERS else [MTP_MODULE]
+    found = [prefix for prefix in prefixes if any(n.startswith(prefix + ".") for n in names)]
     if not found:
         return None
     return (f"{', '.join(found)}: converted like the decoder layers, as vLLM's MTP loads them (their input "
@@ -251,22 +242,22 @@ def render(info: dict) -> str:
     if info["source_quantization"]:
         lines.append(f"source is   {info['source_quantization']}")
     lines.append(f"family      {info['architecture']}")
+    tensors = f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)"
     if info["dequantize"]:
         lines += [f"dequantize  to {info['dequantized_dtype']}: w = float32(q) * scale, rounded once; scales and "
-                  f"quantization_config dropped   plan {info['fingerprint']}",
-                  f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)"]
+                  f"quantization_config dropped   plan {info['fingerprint']}", tensors]
     else:
         given = f" (from {info['scheme_given']})" if info.get("scheme_given") else ""
-        lines += [f"scheme      {info['scheme']}{given}   format {info['format']}"
-                  + (f"   scales {info['scale_format']}" if info.get("scale_format", "float") != "float" else "")
-                  + f"   plan {info['fingerprint']}",
-                  f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)",
+        scales = info.get("scale_format", ScaleFormat.FLOAT)
+        scales = f"   scales {scales}" if scales != ScaleFormat.FLOAT else ""
+        lines += [f"scheme      {info['scheme']}{given}   format {info['format']}{scales}   plan {info['fingerprint']}",
+                  tensors,
                   f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
                   f"{format_size(q['bytes_out'])} with scales"]
-    if info["source_quantization"] and not info["dequantize"]:
-        lines.append(f"from FP8    {actions['pass']} passed through (codes and scales as they are), "
-                     f"{actions['requantize']} requantized from their dequantized values, "
-                     f"{actions['dequantize']} dequantized to {info['dequantized_dtype'] or 'high precision'}")
+        if info["source_quantization"]:
+            lines.append(f"from FP8    {actions['pass']} passed through (codes and scales as they are), "
+                         f"{actions['requantize']} requantized from their dequantized values, "
+                         f"{actions['dequantize']} dequantized to {info['dequantized_dtype'] or 'high precision'}")
     for reason, k in info["kept"].items():
         lines.append(f"kept        {k['tensors']:>5} {'tensor ' if k['tensors'] == 1 else 'tensors'} "
                      f"{format_size(k['bytes']):>10}  {reason}")
@@ -282,8 +273,7 @@ def render(info: dict) -> str:
     mem = info["memory"]
     lines += [
         f"output      {format_size(info['bytes_out'])} in {plural(info['shards'], 'shard')} "
-        f"(input {format_size(info['bytes_in'])}, "
-        f"{info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
+        f"(input {format_size(info['bytes_in'])}, {info['bytes_out'] / max(info['bytes_in'], 1):.0%})",
         f"memory      peak device ~{format_size(mem['device_bytes'])}, peak host ~{format_size(mem['host_bytes'])} "
         f"({plural(mem['batches'], 'batch', 'batches')}, largest {format_size(mem['largest_batch_bytes'])})",
     ]

@@ -120,6 +120,19 @@ def test_inspect_speaks_in_singulars_where_there_is_one(tmp_path, capsys):
     assert not re.search(r"\b1 (tensors|shards|modules|units|batches)\b", out), out
 
 
+def test_inspect_json_is_the_same_in_every_process(tmp_path):
+    """`fused_groups` lists the groups in plan order: a set's order would change with the hash seed."""
+    src = make_demo_model(tmp_path / "src")
+    outputs = set()
+    for seed in range(1, 5):
+        proc = cli_subprocess(["inspect", src, "--json"], env_extra={"PYTHONHASHSEED": str(seed)})
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.add(out)
+    assert len(outputs) == 1
+    assert list(json.loads(outputs.pop())["fused_groups"]) == ["gate_proj/up_proj", "q_proj/k_proj/v_proj"]
+
+
 def test_units_helpers():
     assert [plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert format_size(6_320_000) == "6.32 MB" and format_size(999) == "999 B"

@@ -1,0 +1,217 @@
+"""Building the plan, a pure, deterministic function of (headers, config.json, options): check the
+source's layers, decide every tensor (rules.py), say how each output is made (its Action), lay the
+outputs out in shards, list the modules engines must leave unquantized."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+from .._version import __version__
+from ..errors import FP8ConvertError
+from ..formats import get_format
+from ..formats.sources import SourceQuantization
+from ..options import Format, Options, ScaleFormat, Scheme
+from ..source.checkpoint import Source
+from ..units import plural
+from .architectures import GENERIC, architecture_of
+from .family import Architecture, config_value, mtp_layers
+from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
+from .rules import Decision, decide, experts_of, is_linear_weight, module_of
+
+
+def build_plan(source: Source, options: Options) -> Plan:
+    check_layers(source)
+    quant = source.quant
+    if options.dequantize and quant is None:
+        raise FP8ConvertError(f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); "
+                              "nothing to dequantize")
+    arch = architecture_of(source.config)
+    decisions, notes, warnings = decide(source.tensors, source.config, options, arch or GENERIC, quant)
+    high_precision = high_precision_dtype(options, source.config)
+    plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
+    notes += source_notes(quant, plans, options)
+    if not any(t.quantize for t in plans) and not options.dequantize:
+        notes.append("no tensor is quantized: every weight is kept in high precision")
+    units = group_into_units(plans)
+    shards, shard_of = lay_out_shards(units, options.max_shard_size)
+    notes += architecture_notes(arch, source)
+    ignore = []
+    if not options.dequantize:  # a dequantized output has no FP8 left for engines to skip
+        if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
+            notes.append("the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
+                         "activations; consider serving with --dtype bfloat16")
+        ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
+    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch, warnings)
+
+
+def check_layers(source: Source) -> None:
+    """Refuse a checkpoint whose weights lack decoder layers: a numbering gap in a stack of layers, or
+    fewer layers in every stack than config.json's num_hidden_layers (its text_config's for a
+    multimodal model). A shard left out of a download does this, and the output would load with those
+    layers missing or randomly initialised. More layers than the config says are fine (DeepSeek's MTP
+    layer follows the decoder's)."""
+    stacks: dict[str, set[int]] = {}
+    for t in source.tensors:
+        if m := LAYER_PATTERN.match(t.name):
+            prefix, _, index = m.group(1).rpartition(".")
+            stacks.setdefault(prefix, set()).add(int(index))
+    for prefix, indices in sorted(stacks.items()):
+        missing = sorted(set(range(max(indices) + 1)) - indices)
+        if missing:
+            raise FP8ConvertError(f"{source.label}: the weights hold {prefix} {describe_numbers(sorted(indices))} but "
+                                  f"not {describe_numbers(missing)}; a shard or its tensors are missing")
+    declared = config_value(source.config, "num_hidden_layers")
+    if isinstance(declared, int) and not isinstance(declared, bool) and stacks and \
+            max(len(i) for i in stacks.values()) < declared:
+        prefix, indices = max(stacks.items(), key=lambda item: len(item[1]))
+        raise FP8ConvertError(f"{source.label}: config.json says num_hidden_layers {declared}, but the weights hold "
+                              f"{plural(len(indices), 'layer')} of {prefix}; a shard or its tensors are missing")
+
+
+def describe_numbers(numbers: list[int]) -> str:
+    """'1', '0-4', '0-4 and 7', '1, 3 and 5' (sorted, distinct)."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def fingerprint(source: Source, options: Options) -> str:
+    """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
+    listed = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
+    # Each addition only when set, so the defaults keep earlier fingerprints.
+    if options.scale_format != ScaleFormat.FLOAT:
+        listed.append(options.scale_format)
+    if options.dequantize or options.dtype:
+        listed += [options.dequantize, options.dtype]
+    blob = json.dumps({
+        "tool": __version__,
+        "options": listed,
+        "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
+        "config": source.config,
+    }, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# config.json's dtype names -> the safetensors dtype of a dequantized weight
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def high_precision_dtype(options: Options, config: dict) -> str:
+    """What a dequantized weight is written as: --dtype, else the model's dtype (config.json), else BF16."""
+    return options.dtype or MODEL_DTYPES.get(str(config.get("torch_dtype", config.get("dtype"))), "BF16")
+
+
+def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
+    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that
+    stays FP8 passes through when its scales are already the output's (passes_through), and is
+    requantized from its dequantized values otherwise. Its static activation scale goes with it when
+    the output's activations are per tensor."""
+    fmt = get_format(options.format)
+    fp8_weight = quant.weights.get(d.source.name) if quant else None
+    if fp8_weight is None:
+        if not d.quantize:
+            return TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut)
+        shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
+        return TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group, fmt.scale_name(d.name, options.scheme),
+                          fmt.scale_shape(shape, options.scheme), d.cut, scale_dtype=fmt.scale_dtype(options.scheme))
+    inputs = (fp8_weight.weight, fp8_weight.scale)
+    if not d.quantize:
+        return TensorPlan(d.name, inputs, Action.DEQUANTIZE, d.reason, d.group, out_dtype=high_precision)
+    carried = None
+    if fp8_weight.input_scale is not None and options.scheme == Scheme.TENSOR:
+        inputs += (fp8_weight.input_scale,)
+        carried = module_of(d.name) + ".input_scale"
+    if passes_through(quant, options):  # the scale keeps its dtype
+        action, scale_dtype = Action.PASS, fp8_weight.scale.dtype
+    else:
+        action, scale_dtype = Action.REQUANTIZE, fmt.scale_dtype(options.scheme)
+    return TensorPlan(d.name, inputs, action, None, d.group, fmt.scale_name(d.name, options.scheme),
+                      fmt.scale_shape(d.source.shape, options.scheme), input_scale_name=carried,
+                      scale_dtype=scale_dtype)
+
+
+def passes_through(quant: SourceQuantization, options: Options) -> bool:
+    """Whether an FP8 source's codes and scales are already what the output asks for: same scheme (the
+    format only names the scale), and, for --scale-format ue8m0, block scales the source declares
+    powers of two (the pipeline checks each value). Re-deriving scales would change codes wherever the
+    source's are not amax / 448, so a source that fits passes as it is; power-of-two scales are
+    float scales too, so a ue8m0 source passes into a float output."""
+    return quant.scheme == options.scheme and (options.scale_format == ScaleFormat.FLOAT
+                                               or quant.config.scale_fmt == ScaleFormat.UE8M0)
+
+
+def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
+    """What becomes of an FP8 source's extras that the output cannot say the same way."""
+    if quant is None:
+        return []
+    notes = []
+    dropped = [t.name for t in plans if t.quantize and quant.weights.get(t.source.name)
+               and quant.weights[t.source.name].input_scale is not None and not t.input_scale_name]
+    if dropped:
+        notes.append(f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
+                     f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
+                     "takes static per-tensor activation scales)")
+    if quant.config.scale_fmt == ScaleFormat.UE8M0 and not options.dequantize \
+            and options.scale_format != ScaleFormat.UE8M0:
+        notes.append("the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
+                     "they are (transformers would round scales that are not powers of two under it; "
+                     "--scheme block --scale-format ue8m0 keeps it)")
+    return notes
+
+
+def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: str) -> list[str]:
+    """Every linear module left unquantized, by its full name as the checkpoint, transformers (in
+    memory) and vLLM (after its mapper) each name it: vLLM and transformers match exact names (and
+    `re:` regexes in compressed-tensors), and each renames differently. A MoE layer whose experts are
+    all kept is also named as a whole, the way each consumer's experts module is matched: vLLM's fp8
+    path by a substring of the experts prefix, compressed-tensors by per-expert names (only a regex
+    covers every naming, and one expert's module is not always a real module)."""
+    entries: set[str] = set()
+    for t in plans:
+        if not t.quantize and is_linear_weight(t.name, t.shape, t.dtype, t.reason):
+            module = module_of(t.name)
+            if experts_of(t.name):  # transformers holds these experts fused (no per-expert module to name),
+                # or, where it splits them (Llama-4), under the checkpoint's own names
+                entries.update((module, arch.vllm_name(module, config)))
+            else:
+                entries.update(arch.names(module, config))
+    for experts in kept_expert_blocks(plans, arch):
+        names = arch.names(experts, config)
+        if fmt == Format.COMPRESSED_TENSORS:
+            entries.add("re:^(" + "|".join(re.escape(n) for n in names) + r")(\.|$)")
+        else:
+            entries.update(names)
+    ignore = sorted(entries, key=natural_key)
+    if "lm_head" not in ignore:  # tied heads have no tensor; transformers only skips what the list names
+        ignore.insert(0, "lm_head")
+    return ignore
+
+
+def kept_expert_blocks(plans: list[TensorPlan], arch: Architecture) -> list[str]:
+    """Experts modules (e.g. `model.layers.1.mlp.experts`) none of whose outputs is quantized."""
+    quantized: dict[str, bool] = {}
+    for t in plans:
+        fused = arch.expert_tensor(t.name)
+        experts = fused[1] if fused else experts_of(t.name)
+        if experts:
+            quantized[experts] = quantized.get(experts, False) or t.quantize
+    return sorted((e for e, q in quantized.items() if not q), key=natural_key)
+
+
+def architecture_notes(arch: Architecture | None, source: Source) -> list[str]:
+    """What the registry knows (or not) about this model, for the user."""
+    config = source.config
+    if arch is None:
+        return [f"model_type {config.get('model_type')!r} is not in fp8convert's architecture registry: the "
+                "generic rules apply (see the README's supported architectures); check the ignore list against "
+                "your engine and run fp8convert verify"]
+    names = {t.name for t in source.tensors}
+    missing = [layer for layer in mtp_layers(arch, config) if not any(n.startswith(layer + ".") for n in names)]
+    return [f"config.json declares MTP layer(s) {', '.join(missing)} (num_nextn_predict_layers), but the "
+            "checkpoint has none: the output cannot serve MTP speculative decoding either"] if missing else []
