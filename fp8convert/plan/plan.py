@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .._version import __version__
 from ..errors import FP8ConvertError
-from ..formats import get_format
+from ..formats import CONFIGS, get_format
 from ..formats.sources import SourceQuantization
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
@@ -207,9 +207,8 @@ class Plan:
         """The output's quantization_config; None for a dequantized output (it has none)."""
         if self.options.dequantize:
             return None
-        return get_format(self.options.format).quantization_config(self.options.scheme, self.ignore_list,
-                                                                    self.options.scale_format,
-                                                                    static_activations=self.static_activations)
+        return CONFIGS[self.options.format](self.options.scheme, tuple(self.ignore_list), self.options.scale_format,
+                                            self.static_activations).to_dict()
 
 
 def natural_key(text: str) -> list:
