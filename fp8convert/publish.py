@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import UsageError
+from .formats import read_quantization_config
 from .options import REPO_ID, python_spelling
 from .output.card import card_from_output, retarget_card
 from .output.finalize import check_output_complete
@@ -40,8 +41,8 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
             card_path.write_text(retarget_card(text, repo_id), encoding="utf-8")
     else:
         card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
-    qc = config.get("quantization_config")
-    what = f"FP8 checkpoint ({qc.get('quant_method', 'fp8')})" if qc else "checkpoint dequantized from FP8"
+    what = f"FP8 checkpoint ({read_quantization_config(config, str(out / 'config.json')).format})" \
+        if "quantization_config" in config else "checkpoint dequantized from FP8"
     api = HfApi(token=token)
     try:
         with_retries(api.create_repo, repo_id, private=private, exist_ok=True, repo_type="model")

@@ -27,14 +27,14 @@ allocates float32 scales). vLLM reads `quantization_config.scale_fmt` whatever t
 compressed-tensors and transformers ignore unknown top-level keys, so it is written there, as in the
 fp8 format. The scales stay float32 values that are powers of two.
 
-As a source (read_source_config), only FP8 weights stored as they are (float-quantized, naive-quantized)
+As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized, naive-quantized)
 are read, with the top-level scale_fmt if any; MXFP8 is written here but refused as a source.
 """
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
 from ..options import BLOCK, MX_GROUP
-from .source_config import SourceConfig, declared_scale_fmt
+from .config import QuantizationConfig, declared_scale_fmt
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = {"tensor": "float-quantized", "channel": "float-quantized", "block": "float-quantized",
@@ -71,61 +71,6 @@ def _mx_args(dynamic: bool) -> dict:
             "dynamic": dynamic, "scale_dtype": "torch.uint8"}
 
 
-def quantization_config(scheme: str, ignore: list[str], scale_format: str = "float",
-                        static_activations: bool = False) -> dict:
-    if scheme == "mxfp8":
-        weights, activations = _mx_args(False), _mx_args(True)
-    else:
-        weights = {"num_bits": 8, "type": "float", "strategy": scheme, "symmetric": True, "dynamic": False,
-                   "group_size": None, "block_structure": [BLOCK, BLOCK] if scheme == "block" else None}
-        # Activations are quantized on the fly by the engine: per token with per-channel weights, per
-        # 128-wide group with block weights, per tensor with per-tensor weights (what vLLM's MoE accepts).
-        # Static ones (an FP8 source's calibrated input_scale, carried in the tensor scheme) are per tensor.
-        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_activations,
-                       "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[scheme],
-                       "group_size": BLOCK if scheme == "block" else None}
-    config = {
-        "quant_method": QUANT_METHOD,
-        "format": FORMAT[scheme],
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                      "input_activations": activations}},
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-    }
-    if scale_format == "ue8m0":
-        config["scale_fmt"] = "ue8m0"
-    return config
-
-
-def read_config(qc: dict, where: str) -> tuple[str, tuple[str, ...]]:
-    """(scheme, ignore list) of a config with one FP8 weight scheme (float-quantized, or MXFP8)."""
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
-    weights = [(g.get("weights") or {}) for g in groups]
-    strategies = {w.get("strategy") for w in weights}
-    if qc.get("format") not in ("float-quantized", "mxfp8-quantized") or len(strategies) != 1 or \
-            any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
-        raise FP8ConvertError(f"{where}: quantization_config is not one FP8 float-quantized or mxfp8-quantized "
-                              "group")
-    strategy = strategies.pop()
-    if qc.get("format") == "mxfp8-quantized" or strategy == "group":
-        if strategy != "group" or any(w.get("group_size") != MX_GROUP or w.get("symmetric") is not True or
-                                      str(w.get("scale_dtype")).removeprefix("torch.") != "uint8" for w in weights):
-            raise FP8ConvertError(f"{where}: an MXFP8 config needs weights with strategy group, group_size "
-                                  f"{MX_GROUP}, symmetric and scale_dtype uint8 (what vLLM's MXFP8 path keys on)")
-        return "mxfp8", tuple(qc.get("ignore") or ())
-    if strategy not in ("tensor", "channel", "block"):
-        raise FP8ConvertError(f"{where}: unsupported weight strategy {strategy!r}")
-    if strategy == "block" and any(w.get("block_structure") != [BLOCK, BLOCK] for w in weights):
-        raise FP8ConvertError(f"{where}: block_structure is not [{BLOCK}, {BLOCK}]")
-    return strategy, tuple(qc.get("ignore") or ())
-
-
-def read_scale_format(qc: dict) -> str:
-    """"ue8m0" when the config says its block scales are powers of two (top-level scale_fmt), else "float"."""
-    return "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float"
-
-
 # compressed-tensors formats that store FP8 weights as they are (float8_e4m3fn codes and a scale); the
 # others pack integers or 4-bit floats, named here so a refusal says what the checkpoint holds.
 FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -148,55 +93,122 @@ def _not_fp8(where: str, what: str) -> FP8ConvertError:
                            "weights with tensor, channel or block scales) only")
 
 
-def read_source_config(qc: dict, where: str) -> SourceConfig:
-    """A compressed-tensors source whose every config group holds symmetric 8-bit float weights with one
-    strategy (tensor, channel or 128x128 block) and dynamic, absent (weight-only) or static per-tensor
-    input activations. Anything else is refused with what it is."""
-    formats = [qc.get("format")] + [g.get("format") for g in (qc.get("config_groups") or {}).values()
-                                    if isinstance(g, dict) and g.get("format")]
-    for fmt in formats:
-        if fmt not in (*FP8_FORMATS, "mixed-precision", None):
-            raise _not_fp8(where, f"format {fmt!r} ({OTHER_FORMATS.get(fmt, 'not an FP8 format')})")
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise _not_fp8(where, f"a {key} (sparse or transformed weights)")
-    if qc.get("kv_cache_scheme"):
-        raise FP8ConvertError(f"{where}: kv_cache_scheme is set: FP8 KV-cache scales (k_scale, v_scale) are not "
-                              "supported in a source")
-    if qc.get("quantization_status") not in (None, "compressed"):
-        raise FP8ConvertError(f"{where}: quantization_status {qc.get('quantization_status')!r}: the weights are not "
-                              "stored compressed (FP8)")
-    groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
-    if not groups:
-        raise FP8ConvertError(f"{where}: compressed-tensors quantization_config has no config_groups")
-    strategies, static = set(), set()
-    for name, group in groups.items():
-        w = group.get("weights") or {}
-        if w.get("type") != "float" or w.get("num_bits") != 8:
-            raise _not_fp8(where, f"config group {name}: {w.get('type')} {w.get('num_bits')}-bit weights")
-        if w.get("strategy") == "group" and w.get("group_size") == 32:
-            raise _not_fp8(where, f"config group {name}: MXFP8-style weights (one scale per 32 values)")
-        if w.get("strategy") not in ("tensor", "channel", "block"):
-            raise _not_fp8(where, f"config group {name}: weight strategy {w.get('strategy')!r}")
-        if w.get("symmetric") is False or w.get("dynamic"):
-            raise _not_fp8(where, f"config group {name}: asymmetric or dynamic weights")
-        if w.get("strategy") == "block" and w.get("block_structure") != [BLOCK, BLOCK]:
-            raise FP8ConvertError(f"{where}: config group {name}: block_structure {w.get('block_structure')} is not "
-                                  f"[{BLOCK}, {BLOCK}] (the only block size fp8convert reads)")
-        strategies.add(w["strategy"])
-        if group.get("output_activations"):
-            raise _not_fp8(where, f"config group {name}: quantized output activations")
-        a = group.get("input_activations")
-        if a and not a.get("dynamic"):
-            if a.get("strategy") != "tensor" or a.get("type") != "float" or a.get("num_bits") != 8 or \
-                    a.get("symmetric") is False:
-                raise _not_fp8(where, f"config group {name}: static input activations of strategy "
-                                      f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)")
-            static.add(True)
+class CompressedTensorsConfig(QuantizationConfig):
+    format = QUANT_METHOD
+    source_scale_names = ("weight_scale",)
+    source_input_scale_names = ("input_scale",)
+
+    def scale_name(self, weight: str) -> str:
+        return scale_name(weight, self.scheme)
+
+    def scale_dtype(self) -> str:
+        return scale_dtype(self.scheme)
+
+    def scale_shapes(self, shape: tuple[int, int]) -> list[tuple[int, ...]]:
+        return scale_shapes(shape, self.scheme)
+
+    def to_dict(self) -> dict:
+        if self.scheme == "mxfp8":
+            weights, activations = _mx_args(False), _mx_args(True)
         else:
-            static.add(False)
-    if len(strategies) > 1 or len(static) > 1:
-        raise FP8ConvertError(f"{where}: config groups mix weight strategies or activation schemes "
-                              f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint")
-    return SourceConfig("compressed-tensors", strategies.pop(), static.pop(), tuple(qc.get("ignore") or ()),
-                        ("weight_scale",), ("input_scale",), declared_scale_fmt(qc, where))
+            weights = {"num_bits": 8, "type": "float", "strategy": self.scheme, "symmetric": True, "dynamic": False,
+                       "group_size": None, "block_structure": [BLOCK, BLOCK] if self.scheme == "block" else None}
+            # Activations are quantized on the fly by the engine: per token with per-channel weights, per
+            # 128-wide group with block weights, per tensor with per-tensor weights (what vLLM's MoE accepts).
+            # Static ones (an FP8 source's calibrated input_scale, carried in the tensor scheme) are per tensor.
+            activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not self.static_activations,
+                           "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[self.scheme],
+                           "group_size": BLOCK if self.scheme == "block" else None}
+        config = {
+            "quant_method": QUANT_METHOD,
+            "format": FORMAT[self.scheme],
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations}},
+            "ignore": list(self.ignore),
+            "kv_cache_scheme": None,
+        }
+        if self.scale_format == "ue8m0":
+            config["scale_fmt"] = "ue8m0"
+        return config
+
+    @classmethod
+    def from_dict(cls, qc: dict, where: str, source: bool = False) -> CompressedTensorsConfig:
+        """Every config group holds symmetric 8-bit float weights with one strategy (tensor, channel or
+        128x128 block; in an output also MXFP8's groups of 32) and dynamic, absent (weight-only) or static
+        per-tensor input activations. Anything else is refused with what it is. A source must also hold
+        what fp8convert reads: no MXFP8, KV-cache scheme, zero points or uncompressed weights; an output
+        lists these in `unkept` instead, for verify to report each."""
+        readable = (*FP8_FORMATS, "mixed-precision", None) + (() if source else ("mxfp8-quantized",))
+        formats = [qc.get("format")] + [g.get("format") for g in (qc.get("config_groups") or {}).values()
+                                        if isinstance(g, dict) and g.get("format")]
+        for fmt in formats:
+            if fmt not in readable:
+                raise _not_fp8(where, f"format {fmt!r} ({OTHER_FORMATS.get(fmt, 'not an FP8 format')})")
+        for key in ("sparsity_config", "transform_config"):
+            if qc.get(key):
+                raise _not_fp8(where, f"a {key} (sparse or transformed weights)")
+        unkept = []
+        if qc.get("kv_cache_scheme"):
+            if source:
+                raise FP8ConvertError(f"{where}: kv_cache_scheme is set: FP8 KV-cache scales (k_scale, v_scale) are "
+                                      "not supported in a source")
+            unkept.append("declares a kv_cache_scheme, but fp8convert writes no KV-cache scales")
+        if (status := qc.get("quantization_status")) not in (None, "compressed"):
+            if source:
+                raise FP8ConvertError(f"{where}: quantization_status {status!r}: the weights are not stored compressed "
+                                      "(FP8)")
+            unkept.append(f"quantization_status is {status!r}, not 'compressed'")
+        groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
+        if not groups:
+            raise FP8ConvertError(f"{where}: compressed-tensors quantization_config has no config_groups")
+        strategies, static = set(), set()
+        for name, group in groups.items():
+            w = group.get("weights") or {}
+            if w.get("type") != "float" or w.get("num_bits") != 8:
+                raise _not_fp8(where, f"config group {name}: {w.get('type')} {w.get('num_bits')}-bit weights")
+            if not source and (w.get("strategy") == "group" or qc.get("format") == "mxfp8-quantized"):
+                strategies.add(_mxfp8_scheme(w, where))
+            else:
+                strategies.add(_weight_strategy(name, w, where, source, unkept))
+            if group.get("output_activations"):
+                raise _not_fp8(where, f"config group {name}: quantized output activations")
+            a = group.get("input_activations")
+            if a and not a.get("dynamic"):
+                if a.get("strategy") != "tensor" or a.get("type") != "float" or a.get("num_bits") != 8 or \
+                        a.get("symmetric") is False:
+                    raise _not_fp8(where, f"config group {name}: static input activations of strategy "
+                                          f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)")
+                static.add(True)
+            else:
+                static.add(False)
+        if len(strategies) > 1 or len(static) > 1:
+            raise FP8ConvertError(f"{where}: config groups mix weight strategies or activation schemes "
+                                  f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint")
+        return cls(strategies.pop(), tuple(qc.get("ignore") or ()), declared_scale_fmt(qc, where), static.pop(),
+                   tuple(unkept))
+
+
+def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[str]) -> str:
+    """A config group's float-quantized weights: their strategy (tensor, channel or 128x128 block)."""
+    if source and w.get("strategy") == "group" and w.get("group_size") == MX_GROUP:
+        raise _not_fp8(where, f"config group {name}: MXFP8-style weights (one scale per 32 values)")
+    if w.get("strategy") not in ("tensor", "channel", "block"):
+        raise _not_fp8(where, f"config group {name}: weight strategy {w.get('strategy')!r}")
+    if source and (w.get("symmetric") is False or w.get("dynamic")):
+        raise _not_fp8(where, f"config group {name}: asymmetric or dynamic weights")
+    if w.get("symmetric") is False:
+        unkept.append(f"config group {name} declares asymmetric weights, but the output has no zero points")
+    if w.get("strategy") == "block" and w.get("block_structure") != [BLOCK, BLOCK]:
+        raise FP8ConvertError(f"{where}: config group {name}: block_structure {w.get('block_structure')} is not "
+                              f"[{BLOCK}, {BLOCK}] (the only block size fp8convert reads)")
+    return w["strategy"]
+
+
+def _mxfp8_scheme(w: dict, where: str) -> str:
+    """An output's MXFP8 weights, checked for what vLLM's MXFP8 path keys on."""
+    if w.get("strategy") != "group" or w.get("group_size") != MX_GROUP or w.get("symmetric") is not True or \
+            str(w.get("scale_dtype")).removeprefix("torch.") != "uint8":
+        raise FP8ConvertError(f"{where}: an MXFP8 config needs weights with strategy group, group_size {MX_GROUP}, "
+                              "symmetric and scale_dtype uint8 (what vLLM's MXFP8 path keys on)")
+    return "mxfp8"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import FP8ConvertError
 from ..options import BLOCK
-from .source_config import SourceConfig, declared_scale_fmt
+from .config import QuantizationConfig, declared_scale_fmt
 
 QUANT_METHOD = "fp8"
 
@@ -39,61 +39,59 @@ def scale_shape(shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
     return scale_shapes(shape, scheme)[0]
 
 
-def quantization_config(scheme: str, ignore: list[str], scale_format: str = "float",
-                        static_activations: bool = False) -> dict:
-    """`static_activations`: every FP8 linear has an `input_scale` (carried from an FP8 source)."""
-    config = {"quant_method": QUANT_METHOD, "fmt": "e4m3",
-              "activation_scheme": "static" if static_activations else "dynamic"}
-    if scheme == "block":
-        config["weight_block_size"] = [BLOCK, BLOCK]
-    if scale_format == "ue8m0":
-        config["scale_fmt"] = "ue8m0"
-    # vLLM reads ignored_layers; transformers reads modules_to_not_convert.
-    config["ignored_layers"] = list(ignore)
-    config["modules_to_not_convert"] = list(ignore)
-    return config
-
-
-def read_config(qc: dict, where: str) -> tuple[str, tuple[str, ...]]:
-    """(scheme, ignore list): both ignore keys together, as vLLM and transformers each read one."""
-    block = qc.get("weight_block_size")
-    if block not in (None, [BLOCK, BLOCK]):
-        raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}]")
-    if qc.get("fmt", "e4m3") != "e4m3":
-        raise FP8ConvertError(f"{where}: fmt {qc.get('fmt')!r} is not e4m3")
-    ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
-    return "block" if block else "tensor", tuple(dict.fromkeys(ignore))
-
-
-def read_scale_format(qc: dict) -> str:
-    """"ue8m0" when scale_fmt says the block scales are powers of two, else "float"."""
-    return "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float"
-
-
 # `fmt` spellings of e4m3 weights: DeepSeek writes "e4m3", MiniMax "float8_e4m3fn".
 E4M3_FMTS = (None, "e4m3", "float8_e4m3fn")
 
 
-def read_source_config(qc: dict, where: str) -> SourceConfig:
-    """A native fp8 source's config, as vLLM and transformers read it: block iff `weight_block_size`
-    is given, `activation_scheme` dynamic or static, the skip list under `ignored_layers` or else
-    `modules_to_not_convert`. Block scales are `weight_scale_inv`; per-tensor scales `weight_scale`
-    (vLLM, AutoFP8) or `weight_scale_inv` (transformers, Mistral); static activation scales `input_scale`
-    (vLLM) or `activation_scale` (transformers)."""
-    if qc.get("fmt") not in E4M3_FMTS:
-        raise FP8ConvertError(f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
-                              "float8_e4m3fn weights only)")
-    block = qc.get("weight_block_size")
-    if block not in (None, [BLOCK, BLOCK]):
-        raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}] (the only block size "
-                              "fp8convert reads)")
-    activations = qc.get("activation_scheme") or "dynamic"
-    if activations not in ("dynamic", "static"):
-        raise FP8ConvertError(f"{where}: activation_scheme {activations!r} is neither dynamic nor static")
-    if qc.get("expert_dtype") not in (None, "fp8"):
-        raise FP8ConvertError(f"{where}: expert_dtype {qc.get('expert_dtype')!r}: experts in another format than "
-                              "FP8 are not supported")
-    ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
-    return SourceConfig("fp8", "block" if block else "tensor", activations == "static", tuple(ignore),
-                        ("weight_scale_inv",) if block else ("weight_scale", "weight_scale_inv"),
-                        ("input_scale", "activation_scale"), declared_scale_fmt(qc, where))
+class FP8Config(QuantizationConfig):
+    format = QUANT_METHOD
+    source_input_scale_names = ("input_scale", "activation_scale")  # vLLM's, transformers' name
+
+    def scale_name(self, weight: str) -> str:
+        return scale_name(weight, self.scheme)
+
+    def scale_dtype(self) -> str:
+        return scale_dtype(self.scheme)
+
+    def scale_shapes(self, shape: tuple[int, int]) -> list[tuple[int, ...]]:
+        return scale_shapes(shape, self.scheme)
+
+    @property
+    def source_scale_names(self) -> tuple[str, ...]:
+        """A source's scale names: block `weight_scale_inv`; per tensor `weight_scale` (vLLM, AutoFP8) or
+        `weight_scale_inv` (transformers, Mistral)."""
+        return ("weight_scale_inv",) if self.scheme == "block" else ("weight_scale", "weight_scale_inv")
+
+    def to_dict(self) -> dict:
+        config = {"quant_method": QUANT_METHOD, "fmt": "e4m3",
+                  "activation_scheme": "static" if self.static_activations else "dynamic"}
+        if self.scheme == "block":
+            config["weight_block_size"] = [BLOCK, BLOCK]
+        if self.scale_format == "ue8m0":
+            config["scale_fmt"] = "ue8m0"
+        # vLLM reads ignored_layers; transformers reads modules_to_not_convert.
+        config["ignored_layers"] = list(self.ignore)
+        config["modules_to_not_convert"] = list(self.ignore)
+        return config
+
+    @classmethod
+    def from_dict(cls, qc: dict, where: str, source: bool = False) -> FP8Config:
+        """As vLLM and transformers read it: block iff `weight_block_size` is given, `activation_scheme`
+        dynamic or static, the skip list under `ignored_layers` and `modules_to_not_convert` (each engine
+        reads one). A source and an output are read alike."""
+        if qc.get("fmt") not in E4M3_FMTS:
+            raise FP8ConvertError(f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
+                                  "float8_e4m3fn weights only)")
+        block = qc.get("weight_block_size")
+        if block not in (None, [BLOCK, BLOCK]):
+            raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}] (the only block size "
+                                  "fp8convert reads)")
+        activations = qc.get("activation_scheme") or "dynamic"
+        if activations not in ("dynamic", "static"):
+            raise FP8ConvertError(f"{where}: activation_scheme {activations!r} is neither dynamic nor static")
+        if qc.get("expert_dtype") not in (None, "fp8"):
+            raise FP8ConvertError(f"{where}: expert_dtype {qc.get('expert_dtype')!r}: experts in another format than "
+                                  "FP8 are not supported")
+        ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
+        return cls("block" if block else "tensor", tuple(dict.fromkeys(ignore)), declared_scale_fmt(qc, where),
+                   activations == "static")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from ..errors import FP8ConvertError
 from ..options import BLOCK
 from ..safetensors_io import FP8, TensorInfo
-from . import compressed_tensors, fp8
-from .source_config import SourceConfig
+from . import config_type
+from .config import QuantizationConfig
 
 SCALE_DTYPES = ("F32", "BF16", "F16")  # every value of these is exact in float32
 # quant_method -> what it is, for refusals (transformers' QuantizationMethod and vLLM's names).
@@ -57,7 +57,7 @@ class FP8Weight:
 class SourceQuantization:
     """How an FP8 source is quantized, and each FP8 weight's scale."""
 
-    config: SourceConfig
+    config: QuantizationConfig
     weights: dict[str, FP8Weight]           # by the weight's name
 
     @property
@@ -97,7 +97,7 @@ def read_source_quantization(config: dict, tensors: list[TensorInfo], where: str
     return SourceQuantization(declared, weights)
 
 
-def _declared(config: dict, where: str) -> SourceConfig | None:
+def _declared(config: dict, where: str) -> QuantizationConfig | None:
     qc = config.get("quantization_config") or config.get("compression_config")
     if not qc:
         return None
@@ -106,10 +106,8 @@ def _declared(config: dict, where: str) -> SourceConfig | None:
     method = qc.get("quant_method")
     if method is None and (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
         method = "bitsandbytes"  # transformers' reading of a config without quant_method
-    if method == fp8.QUANT_METHOD:
-        return fp8.read_source_config(qc, where)
-    if method == compressed_tensors.QUANT_METHOD:
-        return compressed_tensors.read_source_config(qc, where)
+    if kind := config_type(method):
+        return kind.from_dict(qc, where, source=True)
     what = OTHER_METHODS.get(str(method), "not an FP8 method fp8convert reads")
     raise FP8ConvertError(f"{where}: the model is quantized with quant_method {method!r} ({what}); fp8convert reads "
                           "BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8, or compressed-tensors with FP8 "
@@ -136,9 +134,10 @@ def expected_scale_shape(shape: tuple[int, ...], scheme: str) -> list[tuple[int,
     return [(math.ceil(out / BLOCK), math.ceil(inp / BLOCK))]
 
 
-def match_scales(declared: SourceConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
+def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
     """Every FP8 weight with its one scale (and static activation scale), each checked from its header."""
     by_name = {t.name: t for t in tensors}
+    scale_names, input_scale_names = declared.source_scale_names, declared.source_input_scale_names
     weights: dict[str, FP8Weight] = {}
     used: set[str] = set()
     for t in tensors:
@@ -154,7 +153,7 @@ def match_scales(declared: SourceConfig, tensors: list[TensorInfo]) -> dict[str,
             raise FP8ConvertError(f"{t.file}: tensor {t.name} {list(t.shape)} is {FP8}, but only 2-D `.weight` "
                                   "tensors are read as FP8 weights")
         module = t.name[: -len(".weight")]
-        scale = _one(by_name, module, declared.scale_names, t, "scale", required=True)
+        scale = _one(by_name, module, scale_names, t, "scale", required=True)
         if scale.dtype not in SCALE_DTYPES:
             raise FP8ConvertError(f"{scale.file}: scale {scale.name} is {scale.dtype}; fp8convert reads "
                                   f"{', '.join(SCALE_DTYPES)} scales")
@@ -162,20 +161,19 @@ def match_scales(declared: SourceConfig, tensors: list[TensorInfo]) -> dict[str,
         if scale.shape not in shapes:
             raise FP8ConvertError(f"{scale.file}: scale {scale.name} is shaped {list(scale.shape)}, but a {declared.scheme}"
                                   f" scale of the {list(t.shape)} weight {t.name} is {' or '.join(map(str, map(list, shapes)))}")
-        input_scale = _one(by_name, module, declared.input_scale_names, t, "static activation scale", required=False)
+        input_scale = _one(by_name, module, input_scale_names, t, "static activation scale", required=False)
         if input_scale is not None and (input_scale.shape not in [(), (1,)] or input_scale.dtype not in SCALE_DTYPES):
             raise FP8ConvertError(f"{input_scale.file}: activation scale {input_scale.name} is {input_scale.dtype} "
                                   f"{list(input_scale.shape)}; a per-tensor float scale was expected")
         if declared.static_activations and input_scale is None:
-            raise FP8ConvertError(f"{t.file}: FP8 weight {t.name} has no {module}.{declared.input_scale_names[0]}, but "
+            raise FP8ConvertError(f"{t.file}: FP8 weight {t.name} has no {module}.{input_scale_names[0]}, but "
                                   "the config declares static activations")
         if input_scale is not None and not declared.static_activations:
             raise FP8ConvertError(f"{input_scale.file}: tensor {input_scale.name} is a static activation scale, but "
                                   "the config declares dynamic activations")
         weights[t.name] = FP8Weight(t, scale, input_scale)
         used.update(x.name for x in (scale, input_scale) if x is not None)
-    suffixes = tuple("." + s for s in declared.scale_names + declared.input_scale_names) + (".weight_scale",
-                                                                                              ".weight_scale_inv")
+    suffixes = tuple("." + s for s in scale_names + input_scale_names) + (".weight_scale", ".weight_scale_inv")
     for t in tensors:
         if t.name.endswith(suffixes) and t.name not in used:
             weight = t.name.rsplit(".", 1)[0] + ".weight"

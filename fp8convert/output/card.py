@@ -15,6 +15,7 @@ import yaml
 
 from .._version import __version__
 from ..errors import FP8ConvertError
+from ..formats import CompressedTensorsConfig, read_quantization_config
 from ..options import REPO_ID, Options
 from ..units import format_size, plural, size_text
 from ..plan.summary import describe
@@ -335,20 +336,14 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
     except FP8ConvertError:
         manifest = {}
     config = json.loads((out / "config.json").read_text())
-    qc = config.get("quantization_config") or {}
-    fmt = manifest.get("format") or ("fp8" if qc.get("quant_method") == "fp8" else "compressed-tensors")
-    scheme = manifest.get("scheme")
-    if scheme is None:
-        if fmt == "fp8":
-            scheme = "block" if qc.get("weight_block_size") else "tensor"
-        else:
-            weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {})
-            scheme = {"group": "mxfp8"}.get(weights.get("strategy"), weights.get("strategy", "tensor"))
+    # a dequantized output has no quantization_config (its manifest says what it is)
+    declared = read_quantization_config(config, str(out / "config.json")) if "quantization_config" in config else \
+        CompressedTensorsConfig("tensor")
     source = manifest.get("source") or "unknown"
     source_card = read_source_card(source) if Path(source).is_dir() else None
-    info = {"source": source, "scheme": scheme, "format": fmt, "kept": {},
-            "scale_format": manifest.get("scale_format") or ("ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float"),
-            "ignore": qc.get("ignore") or qc.get("ignored_layers") or [],
+    info = {"source": source, "scheme": manifest.get("scheme") or declared.scheme,
+            "format": manifest.get("format") or declared.format, "kept": {},
+            "scale_format": manifest.get("scale_format") or declared.scale_format, "ignore": list(declared.ignore),
             "warnings": [], "transformers_cannot_load": None, "revision": manifest.get("revision"),
             "root": manifest.get("source_path")}
     return make_card(info, source_card, repo_id=repo_id, base_model=manifest.get("base_model"))

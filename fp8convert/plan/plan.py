@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..formats import get_format
+from ..formats import CONFIGS
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
@@ -199,9 +199,8 @@ class Plan:
         """The output's quantization_config; None for a dequantized output (it has none)."""
         if self.options.dequantize:
             return None
-        fmt = get_format(self.options.format)
-        return fmt.quantization_config(self.options.scheme, self.ignore_list, self.options.scale_format,
-                                       static_activations=self.static_activations)
+        return CONFIGS[self.options.format](self.options.scheme, tuple(self.ignore_list), self.options.scale_format,
+                                            self.static_activations).to_dict()
 
 
 # ---------------------------------------------------------------- units and shards

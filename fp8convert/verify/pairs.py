@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..formats import QuantizedLayout
+from ..formats import QuantizationConfig
 from ..formats.sources import FP8Weight
 from ..options import BLOCK
 from ..plan.architectures import GENERIC, Architecture, architecture_of
@@ -151,7 +151,7 @@ def cut_read(info: TensorInfo, cut: Cut, output: list[TensorInfo]) -> list[Piece
     return [(0, rows, [source], output)]
 
 
-def check_kept_structure(want: Expected, got: TensorInfo, fmt: QuantizedLayout | None, arch: Architecture,
+def check_kept_structure(want: Expected, got: TensorInfo, fmt: QuantizationConfig | None, arch: Architecture,
                          report: VerifyReport) -> bool:
     """A tensor kept in high precision: the dtype and shape of its source (or cut), and not a linear the
     config says is FP8."""
@@ -168,7 +168,7 @@ def check_kept_structure(want: Expected, got: TensorInfo, fmt: QuantizedLayout |
 
 
 def quantized_structure_problems(want: Expected, got: TensorInfo, scale: TensorInfo | None, scale_name: str,
-                                 fmt: QuantizedLayout, fp8_source: bool = False) -> list[str]:
+                                 fmt: QuantizationConfig, fp8_source: bool = False) -> list[str]:
     """What is wrong with a quantized tensor's structure: a 2-D float source (or an FP8 source weight),
     the same shape, a module the ignore list does not name, and a scale of the format's dtype and of a
     shape it allows."""
@@ -189,7 +189,7 @@ def quantized_structure_problems(want: Expected, got: TensorInfo, scale: TensorI
     return problems
 
 
-def pair_fp8_weight(weight: FP8Weight, got: TensorInfo, outputs: dict, fmt: QuantizedLayout | None,
+def pair_fp8_weight(weight: FP8Weight, got: TensorInfo, outputs: dict, fmt: QuantizationConfig | None,
                     report: VerifyReport, accounted: set[str]) -> list:
     """The pairs that check an FP8 source weight's output: dequantized (exact), or FP8 (passed through:
     exact; requantized: within the e4m3 bound of the dequantized values), with its static activation
@@ -240,7 +240,7 @@ def pair_activation_scale(weight: FP8Weight, outputs: dict, report: VerifyReport
     return [SameBytesPair(name, source_scale, got, what)]
 
 
-def pair_tensors(source: Source, out: Path, fmt: QuantizedLayout | None, report: VerifyReport) -> list:
+def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, report: VerifyReport) -> list:
     """Each output the source implies with what the output holds for it (structure checked); missing
     outputs and output tensors nothing in the source explains are problems."""
     layout = read_output_layout(out, report)

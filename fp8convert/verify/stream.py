@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats import QuantizedLayout
+from ..formats import QuantizationConfig
 from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.cuts import Cut
 from ..plan.rules import fused_group_key, module_of
@@ -30,7 +30,7 @@ from .pairs import DequantizedPair, KeptPair, QuantizedPair, SameBytesPair
 from .report import ErrorSums, TensorCheck, VerifyReport
 
 
-def check_data(source: Source, out: Path, pairs: list, fmt: QuantizedLayout | None, report: VerifyReport,
+def check_data(source: Source, out: Path, pairs: list, fmt: QuantizationConfig | None, report: VerifyReport,
                settings) -> None:
     """Stream every pair's bytes and check them; the problems and figures go into `report`."""
     dev = resolve_device(settings.device)
@@ -89,7 +89,7 @@ class Checking:
     """What every check needs to know of the output and the source: the output's layout (None for a
     dequantized output) and an FP8 source's scheme."""
 
-    fmt: QuantizedLayout | None
+    fmt: QuantizationConfig | None
     source_scheme: str | None
 
     @property

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..formats import QuantizedLayout, read_quantization_config
+from ..formats import QuantizationConfig, read_quantization_config
 from ..output.manifest import Manifest
 from ..plan.architectures import Architecture
 from ..plan.cuts import Cut
@@ -78,7 +78,7 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     return layout
 
 
-def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool, QuantizedLayout | None]:
+def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool, QuantizationConfig | None]:
     """The output's config.json: the source's plus a quantization_config this module can read, or, for
     an FP8 source's dequantized output, the source's without one. (readable, layout): layout None for a
     dequantized output."""
@@ -98,9 +98,8 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
     except FP8ConvertError as e:
         report.fail(str(config_path), str(e).removeprefix(f"{config_path}: "))
         return False, None
-    if fmt is not None:
-        for promise in unkept_promises(config["quantization_config"]):
-            report.fail(str(config_path), promise)
+    for promise in fmt.unkept if fmt else ():  # what loaders act on though no tensor backs it
+        report.fail(str(config_path), promise)
     rest = {k: v for k, v in config.items() if k != "quantization_config"}
     source_rest = {k: v for k, v in source.config.items() if k not in ("quantization_config", "compression_config")}
     if rest != source_rest:
@@ -108,24 +107,6 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
         report.fail(str(config_path), f"differs from the source's config.json beyond quantization_config "
                                       f"(keys: {', '.join(keys)})")
     return True, fmt
-
-
-def unkept_promises(qc: dict) -> list[str]:
-    """What a quantization_config declares that no fp8convert output holds, and loaders act on: a KV-cache
-    scheme (k_scale, v_scale), asymmetric weights (zero points), weights not stored compressed. Static
-    input activations are checked against the tensors (pair_tensors). transformers ran such configs
-    into NaN logits."""
-    found = []
-    if qc.get("kv_cache_scheme"):
-        found.append("declares a kv_cache_scheme, but fp8convert writes no KV-cache scales")
-    if qc.get("quantization_status") not in (None, "compressed"):
-        found.append(f"quantization_status is {qc.get('quantization_status')!r}, not 'compressed'")
-    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
-    for name, group in groups.items():
-        weights = group.get("weights") if isinstance(group, dict) else None
-        if isinstance(weights, dict) and weights.get("symmetric") is False:
-            found.append(f"config group {name} declares asymmetric weights, but the output has no zero points")
-    return found
 
 
 def check_manifest_and_side_files(source: Source, out: Path, report: VerifyReport) -> None:
