@@ -28,7 +28,7 @@ from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
 from .output.ownership import replace_advice
 from .plan.plan import Action, Plan, Unit, build_plan, unique_inputs
-from .plan.summary import plan_warnings
+from .plan.summary import plan_warnings, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
@@ -131,6 +131,8 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
             OutputLock(out_dir, spec.index, spec.count) as lock:  # held while this run writes OUT
         try:
             the_plan = build_plan(source, settings.options)
+            if not settings.write_unloadable:
+                refuse_unloadable(the_plan)
             if on_plan:
                 on_plan(the_plan)
             done, complete = prepare_output(the_plan, out_dir, settings.overwrite,
