@@ -460,6 +460,8 @@ CONTRACTS = {
                          "a plain nn.Linear", mapper=_LLAVA_MAPPER + (("prefix", "model.", "language_model.model."),),
                          unquantized=EMBED_HEAD + r"|\.patch_merger\.merging_layer$"),
     "llava": Contract("llava.py: CLIP tower and projector with quant_config", mapper=_LLAVA_MAPPER),
+    "falcon": Contract("falcon.py FalconModel.load_weights (query_key_value rows regrouped per KV head)",
+                       packed={}, unquantized=EMBED_HEAD + r"|(^|\.)word_embeddings$"),
     # further model_types the registry lists (tested in two combinations)
     "mistral": Contract("mistral.py MistralForCausalLM (LlamaForCausalLM)"),
     "qwen2": Contract("qwen2.py Qwen2ForCausalLM"),
@@ -504,7 +506,7 @@ CONTRACTS = {
                             unquantized=EMBED_HEAD + r"|\.mlp\.gate$|\.shared_expert_gate$"),
 }
 ZOO_TWO_COMBOS = ("mistral", "qwen2", "glm4", "olmo2", "granite", "starcoder2", "qwen2_moe", "deepseek_v2", "llama4_text",
-                  "granitemoeshared", "granitemoehybrid", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+                  "granitemoeshared", "granitemoehybrid", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "falcon")
 
 
 def apply_mapper(contract: Contract, name: str) -> str:
