@@ -68,6 +68,9 @@ def family_row(model_type: str, work: Path, emulate: str, errors: list[str]) -> 
         return [model_type, f"{control.stage} error", "-"] + ["-"] * len(M.FORMATS)
     reference = H.transformers_reference(src)
     bound = H.logprob_bound(control, reference)
+    if bound is None:
+        errors.append(f"{model_type} FP32 reference (transformers): {reference.error}")
+        return [model_type, "ok, no FP32 reference", "-"] + ["-"] * len(M.FORMATS)
     row = [model_type, f"ok (top-2 margin {control.margin:.2f})", f"{bound:.3f}"]
     for fmt, scheme in M.FORMATS:
         out = work / model_type / M.FORMAT_IDS[(fmt, scheme)]
@@ -94,6 +97,10 @@ def main(argv=None) -> int:
         print(f"no vLLM venv at {H.engine_venv()} (build it with .ci/run or set FP8CONVERT_ENGINE_VENV)",
               file=sys.stderr)
         return 2
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     families = a.families.split(",") if a.families else registered_model_types()
     header = ["model_type", "BF16 control", "log-prob bound"] + [M.FORMAT_IDS[f] for f in M.FORMATS]
     print("| " + " | ".join(header) + " |")

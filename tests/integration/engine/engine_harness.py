@@ -94,7 +94,10 @@ def transformers_reference(model_dir) -> EngineRun:
     import torch
     import zoo
 
-    logits = zoo.logits(model_dir, prompt_ids=PROMPT_IDS)
+    try:
+        logits = zoo.logits(model_dir, prompt_ids=PROMPT_IDS)
+    except Exception as e:  # noqa: BLE001 - reported as the reference's failure
+        return EngineRun(ok=False, stage="transformers", error=f"{type(e).__name__}: {e}"[:300])
     logprobs = torch.log_softmax(logits.double(), dim=-1)
     top = torch.topk(logprobs[-1], 2)
     return EngineRun(ok=True, token=int(top.indices[0]), top=tuple(int(i) for i in top.indices),
@@ -112,7 +115,10 @@ FP8_OVER_BF16 = 2 * 2.0 ** 4
 BOUND_FLOOR = 0.05
 
 
-def logprob_bound(control: EngineRun, reference: EngineRun) -> float:
+def logprob_bound(control: EngineRun, reference: EngineRun) -> float | None:
+    """None where there is no reference to measure the control's error against."""
+    if not (control.ok and reference.ok):
+        return None
     return max(FP8_OVER_BF16 * max_logprob_gap(control, reference), BOUND_FLOOR)
 
 

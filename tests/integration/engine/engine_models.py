@@ -27,6 +27,8 @@ TEXT_SIZES = {
     "mamba_n_heads": 2, "mamba_d_head": 128, "mamba_num_heads": 2, "mamba_head_dim": 128, "mamba_d_ssm": 256,
     "attention_chunk_size": 128,
 }
+# What the DeepSeek configs derive from the MLA sizes at construction (head_dim is the rope part)
+_MLA_DERIVED = {"head_dim": 64, "qk_head_dim": 192}
 # Families whose sizes live under other keys.
 EXTRA = {
     "gpt2": {"n_embd": 256, "n_head": 2, "n_inner": 256},
@@ -46,7 +48,8 @@ EXTRA = {
     "llama4": {"vision_config.projector_output_dim": 256, "text_config.num_experts_per_tok": 1},
     # config fields the released checkpoints have and transformers 5 no longer writes; vLLM reads them
     "minimax_m2": {"rotary_dim": 64, "scoring_func": "sigmoid"},
-    "deepseek_v3": {"topk_method": "noaux_tc"},
+    "deepseek_v3": {"topk_method": "noaux_tc", **_MLA_DERIVED},
+    "deepseek_v2": _MLA_DERIVED,
     "granitemoehybrid": {"mamba_n_heads": 4},   # its config checks n_heads * d_head == 2 * hidden_size
 }
 
