@@ -30,7 +30,7 @@ from .output.partial import written_bytes, written_units
 from .output.ownership import replace_advice
 from .plan.build import build_plan
 from .plan.plan import Action, Plan, Unit, unique_inputs
-from .plan.summary import plan_warnings
+from .plan.summary import plan_warnings, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
@@ -135,6 +135,8 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
             OutputLock(out_dir, spec.index, spec.count) as lock:  # held while this run writes OUT
         try:
             the_plan = build_plan(source, settings.options)
+            if not settings.write_unloadable:
+                refuse_unloadable(the_plan)
             if on_plan:
                 on_plan(the_plan)
             done, complete = prepare_output(the_plan, out_dir, settings.overwrite,

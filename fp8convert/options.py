@@ -252,6 +252,8 @@ class Settings:
     cache_dir: str | None = None          # Hub download cache; None: huggingface_hub's (HF_HUB_CACHE, HF_HOME)
     base_model: str | None = None         # the model card's base_model; None: a Hub source's repo id
     stream_download: bool = False         # Hub sources: keep only a few source shards on disk
+    # write an output vLLM cannot load at any TP size (refused by default); None: $FP8CONVERT_WRITE_UNLOADABLE
+    write_unloadable: bool | None = None
     dequantize: bool = False              # FP8 in, high precision out (fp8convert dequantize)
     dtype: str | None = None              # dequantized weights: bf16, fp16 or fp32; None: the model's dtype
     progress: bool = False
@@ -276,6 +278,9 @@ class Settings:
             object.__setattr__(self, "devices", tuple(self.devices))
         if self.base_model is not None and not REPO_ID.match(self.base_model):
             raise UsageError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
+        if self.write_unloadable is None:
+            object.__setattr__(self, "write_unloadable",
+                               os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0"))
 
     @property
     def options(self) -> Options:

@@ -25,6 +25,10 @@ Src = Annotated[str, typer.Argument(metavar="SRC", show_default=False,
 Out = Annotated[Path, typer.Argument(metavar="OUT", show_default=False,
                                      help="Output directory (created; must be empty, or a partial run of the same "
                                           "plan).")]
+WriteUnloadable = Annotated[bool, typer.Option(
+    "--write-unloadable",
+    help="Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
+         "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.")]
 BaseModel = Annotated[Optional[str], typer.Option(
     "--base-model", metavar="REPO_ID",
     help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
@@ -38,7 +42,7 @@ def quantize(
     push_to_hub: PushToHub = None, private: Private = False, stream_download: StreamDownload = False,
     worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "auto", target_tp: TargetTp = None,
     scale_format: ScaleFormat = "float", hub_token: Token = None, cache_dir: CacheDir = None,
-    base_model: BaseModel = None,
+    base_model: BaseModel = None, write_unloadable: WriteUnloadable = False,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -75,7 +79,7 @@ def quantize(
                         max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
                         revision=revision, token=token(hub_token), cache_dir=cache_dir, progress=not quiet,
                         stream_download=stream_download, worker=worker, devices=devices, prefetch=prefetch,
-                        base_model=base_model)
+                        base_model=base_model, write_unloadable=write_unloadable or None)
     _convert(src, out, settings, json_out, quiet, push_to_hub, private)
 
 

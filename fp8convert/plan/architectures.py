@@ -80,6 +80,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Llama-style dense", ("llama", "mistral", "qwen2", "qwen3", "gemma2", "glm4", "olmo2", "granite", "starcoder2"),
         notes="q/k/v and gate/up share one scale per layer in the tensor scheme"),
     Architecture(
+        # vllm/model_executor/models/falcon.py FalconModel.load_weights: every query_key_value parameter
+        # with an output dim, block scales included, is viewed as [kv_heads, q_per_kv + 2, -1] rows and
+        # regrouped per head; a 128-row block scale grid spans several 64-row heads and cannot be.
+        "Falcon", ("falcon",),
+        keep=(Keep(r"\.self_attention\.query_key_value$",
+                   "vLLM's Falcon loader regroups query_key_value rows per KV head, scales included, which 128-row "
+                   "block scales cannot follow; --scheme channel or tensor quantizes it", schemes=("block",)),),
+        quantized="attention and MLP linears (query_key_value kept under --scheme block)"),
+    Architecture(
         "Phi-3", ("phi3",),
         quantized="attention and MLP linears (q/k/v and gate/up already fused in the checkpoint: one scale each)"),
     Architecture(

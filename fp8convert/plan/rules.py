@@ -77,7 +77,8 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
         return "embedding"
     if leaf in HEAD_LEAVES and "layers" not in parts:
         return "output head"
-    if leaf in ROUTER_LEAVES or (leaf == "gate" and parent in ROUTER_PARENTS):
+    if leaf in ROUTER_LEAVES or (leaf == "gate" and parent in ROUTER_PARENTS) \
+            or (parent == "gate" and len(parts) > 2 and parts[-3] in ROUTER_PARENTS):  # Hunyuan's mlp.gate.wg
         return ROUTER
     if len(info.shape) > 2:
         if "conv" in leaf:

@@ -5,6 +5,7 @@ import math
 import re
 from collections import Counter
 
+from ..errors import FP8ConvertError
 from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
 from .batches import make_batches
@@ -102,20 +103,46 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
                          "transformers cannot load these (needs both dims divisible by 128)"))
         warnings.append(PlanWarning(caveat, f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} "
                                             f"(e.g. {odd[0]}): {what}"))
+    if why := unloadable_fused_groups(fmt, quantized):
+        warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
+    return warnings
+
+
+def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
+    """Why vLLM cannot load the block-FP8 fused layers of this plan at any TP size, or None.
+
+    vLLM loads each member of a fused layer at its row offset in one weight with one 128x128 scale grid,
+    so every member but the last must end on a block boundary (compressed-tensors checks it:
+    "output_partition_size ... is not divisible by weight quantization block_n"; the fp8 format fails
+    later copying scale rows). MoE experts follow vLLM's MoE rules instead (parallel.py)."""
     fused = {}
     for t in quantized:
-        if t.group and not EXPERT.search(t.name):  # experts follow vLLM's MoE rules (parallel.py)
+        if t.group and not EXPERT.search(t.name):
             fused.setdefault(t.group, []).append(t)
+    broken = []
     for group, members in fused.items():
         order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
         members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
         if offending := [t for t in members[:-1] if t.shape[0] % BLOCK]:
-            warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD,
-                                        f"vLLM's fused block GEMM needs every member but the last to have an output "
-                                        f"size divisible by {BLOCK}; {group} does not (e.g. {offending[0].name} "
-                                        f"{list(offending[0].shape)})"))
-            break
-    return warnings
+            broken.append((group, offending[0]))
+    if not broken:
+        return None
+    group, example = broken[0]
+    leaves = group.rsplit(".", 1)[-1]
+    others = f" and {plural(len(broken) - 1, 'more group')} like it" if len(broken) > 1 else ""
+    return (f"vLLM cannot load {group}{others} in the {fmt} format's block scheme: its fused block GEMM needs "
+            f"every member but the last to have an output size divisible by {BLOCK}, and these do not "
+            f"(e.g. {example.name} {list(example.shape)}); use --scheme channel or tensor, or keep the group "
+            f"in high precision with --ignore 're:.*\\.({leaves.replace('/', '|')})$'")
+
+
+def refuse_unloadable(plan: Plan) -> None:
+    """Raise where vLLM cannot load this output even at TP 1 (fused block groups that break its rule)."""
+    if plan.options.dequantize or plan.options.scheme != "block":
+        return
+    why = unloadable_fused_groups(plan.options.format, [t for t in plan.tensors if t.quantize])
+    if why:
+        raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 
 
 def transformers_verdict(warnings: list[PlanWarning]) -> str | None:

@@ -241,7 +241,7 @@ def module_of(tensor_name: str) -> str:
 
 
 def is_embedding(module: str) -> bool:
-    return "embed_tokens" in module or module.endswith((".wte", ".wpe", ".embeddings"))
+    return "embed_tokens" in module or module.endswith((".wte", ".wpe", ".embeddings", ".word_embeddings"))
 
 
 def default_keep_reason(tensor_name: str, shape, scheme: str, extra_keep: str | None = None) -> str | None:
@@ -416,6 +416,9 @@ def arch_keep(arch: str, fmt: str, scheme: str) -> str | None:
         # llama4.py permute_qk_weight_for_rotary permutes q/k weight_scale rows per head; 128x128 block
         # scales cannot be permuted that way, so the language model's q/k/v stay BF16.
         keep = rf"({keep}|^(language_model\.)?model\.layers\.\d+\.self_attn\.[qkv]_proj$)"
+    if arch == "falcon" and scheme == "block":
+        # falcon.py load_weights regroups query_key_value rows per KV head, block scales included
+        keep = r"\.self_attention\.query_key_value$"
     return keep
 
 

@@ -155,6 +155,8 @@ CONTRACTS = {
                          "a plain nn.Linear", mapper=_LLAVA_MAPPER + (("prefix", "model.", "language_model.model."),),
                          unquantized=EMBED_HEAD + r"|\.patch_merger\.merging_layer$"),
     "llava": Contract("llava.py: CLIP tower and projector with quant_config", mapper=_LLAVA_MAPPER),
+    "falcon": Contract("falcon.py FalconModel.load_weights (query_key_value rows regrouped per KV head)",
+                       packed={}, unquantized=EMBED_HEAD + r"|(^|\.)word_embeddings$"),
     # further model_types the registry lists (tested in two combinations)
     "mistral": Contract("mistral.py MistralForCausalLM (LlamaForCausalLM)"),
     "qwen2": Contract("qwen2.py Qwen2ForCausalLM"),

@@ -191,6 +191,12 @@ def _specs() -> dict[str, Spec]:
                              n_inner=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
         notes="Conv1D weights stored [in, out]; fused c_attn (q|k|v)",
         transposed_params=("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+    add("falcon", lambda: _cfg("FalconConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                               multi_query=False, parallel_attn=True, ffn_hidden_size=256,
+                               max_position_embeddings=128, tie_word_embeddings=True,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        notes="fused query_key_value: rows grouped per KV head (q heads of the group, then k, then v)")
 
     # --- MoE decoders --------------------------------------------------------------------------
     add("qwen2_moe", lambda: _cfg("Qwen2MoeConfig", **_moe(moe_intermediate_size=MOE_I, shared_expert_intermediate_size=64,
@@ -731,4 +737,4 @@ ZOO_ARCHS = (
 # Further model_types the registry lists, checked in two combinations only (bytes, verify, ignore list,
 # vLLM contract).
 MORE_ARCHS = ("mistral", "qwen2", "glm4", "olmo2", "granite", "starcoder2", "qwen2_moe", "deepseek_v2", "llama4_text",
-              "granitemoeshared", "granitemoehybrid", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+              "granitemoeshared", "granitemoehybrid", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "falcon")

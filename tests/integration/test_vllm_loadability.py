@@ -1,0 +1,88 @@
+"""Outputs vLLM cannot load are not written silently: the plan keeps what vLLM's loader cannot take, and
+refuses what no choice of its own can fix. tests/integration/engine/test_engine.py shows the same
+outputs failing and loading in vLLM itself."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from tiny_ckpt import llama_tensors, write_checkpoint
+
+FP8 = "torch.float8_e4m3fn"
+
+
+@pytest.fixture(autouse=True)
+def refusals_on(monkeypatch):
+    """tests/conftest.py lets the other tests write the tiny models' unloadable block outputs."""
+    monkeypatch.delenv("FP8CONVERT_WRITE_UNLOADABLE", raising=False)
+
+
+def kept(plan, module: str):
+    (t,) = [t for t in plan.tensors if t.name == module + ".weight"]
+    return None if t.quantize else t.reason
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_falcon_query_key_value_kept_under_block_and_quantized_otherwise(fmt, zoo_source):
+    fp8convert = fp8convert_module()
+    qkv = "transformer.h.0.self_attention.query_key_value"
+    block = fp8convert.make_plan(str(zoo_source("falcon")), format=fmt, scheme="block")
+    assert "regroups query_key_value rows per KV head" in kept(block, qkv)
+    assert kept(block, "transformer.h.0.mlp.dense_h_to_4h") is None  # the rest is quantized
+    other = fp8convert.make_plan(str(zoo_source("falcon")), format=fmt, scheme="channel" if fmt != "fp8" else "tensor")
+    assert kept(other, qkv) is None
+
+
+def test_falcon_block_output_lists_query_key_value(zoo_source, tmp_path):
+    out = tmp_path / "out"
+    run_quantize(zoo_source("falcon"), out, format="fp8", scheme="block")
+    tensors = read_safetensors_dir(out)
+    for layer in (0, 1):
+        module = f"transformer.h.{layer}.self_attention.query_key_value"
+        assert str(tensors[module + ".weight"].dtype) == "torch.bfloat16"
+        assert module in read_json(out / "config.json")["quantization_config"]["modules_to_not_convert"]
+        assert str(tensors[f"transformer.h.{layer}.mlp.dense_h_to_4h.weight"].dtype) == FP8
+
+
+# llama with k/v of 32 rows: q_proj | k_proj | v_proj fuse into one block layer whose k_proj ends mid-block
+NARROW_KV = dict(hidden=128, inter=256)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_fused_block_group_vllm_cannot_load_is_refused(fmt, tmp_path):
+    fp8convert = fp8convert_module()
+    src = write_checkpoint(tmp_path / "src", llama_tensors(**NARROW_KV))
+    out = tmp_path / "out"
+    with pytest.raises(fp8convert.FP8ConvertError) as ei:
+        run_quantize(src, out, format=fmt, scheme="block")
+    text = str(ei.value)
+    assert "\n" not in text
+    assert "vLLM cannot load model.layers.0.self_attn.q_proj/k_proj/v_proj" in text
+    assert "model.layers.0.self_attn.k_proj.weight [32, 128]" in text
+    # the API spells options by their keyword names (scheme, ignore, write_unloadable)
+    assert "channel or tensor" in text and r"'re:.*\.(q_proj|k_proj|v_proj)$'" in text
+    assert "write_unloadable writes it anyway" in text
+    assert not out.exists() or not list(out.glob("*.safetensors"))
+
+
+def test_the_refusal_names_the_way_out_and_the_opt_in_writes_it(tmp_path):
+    src = write_checkpoint(tmp_path / "src", llama_tensors(**NARROW_KV))
+    ignored = tmp_path / "ignored"
+    run_quantize(src, ignored, scheme="block", ignore=(r"re:.*\.(q_proj|k_proj|v_proj)$",))
+    assert str(read_safetensors_dir(ignored)["model.layers.0.self_attn.k_proj.weight"].dtype) == "torch.bfloat16"
+    forced = tmp_path / "forced"
+    report = run_quantize(src, forced, scheme="block", write_unloadable=True)
+    assert str(read_safetensors_dir(forced)["model.layers.0.self_attn.k_proj.weight"].dtype) == FP8
+    assert any("vLLM cannot load" in w for w in report.warnings)
+
+
+def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys):
+    from fp8convert.cli import main
+
+    src = write_checkpoint(tmp_path / "src", llama_tensors(**NARROW_KV))
+    assert main(["quantize", str(src), str(tmp_path / "a"), "--scheme", "block", "--device", "cpu", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "vLLM cannot load" in err and "--scheme channel or tensor" in err and "--write-unloadable" in err
+    assert main(["quantize", str(src), str(tmp_path / "b"), "--scheme", "block", "--device", "cpu", "-q",
+                 "--write-unloadable"]) == 0
+    assert (tmp_path / "b" / "config.json").exists()
