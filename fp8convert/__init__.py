@@ -5,6 +5,7 @@ where each byte goes) -> run/ (read, quantize, write) -> output/ (manifest, fina
 formats/ for the output formats, cluster/ for several processes, and api.py, the Python API the cli/
 is a thin layer over.
 """
+
 import importlib
 
 from ._version import __version__
@@ -12,8 +13,15 @@ from .errors import FP8ConvertError
 
 # The API's names, imported on first use: the program (__main__.py) imports this package before it can
 # catch Ctrl-C, so the package itself imports next to nothing.
-_LAZY = {"FinalizeReport": "api", "Report": "api", "dequantize": "api", "finalize_output": "api", "make_plan": "api",
-         "quantize": "api", "Settings": "options"}
+_LAZY = {
+    "FinalizeReport": "api",
+    "Report": "api",
+    "dequantize": "api",
+    "finalize_output": "api",
+    "make_plan": "api",
+    "quantize": "api",
+    "Settings": "options",
+}
 
 
 def __getattr__(name: str):
@@ -21,5 +29,15 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["FP8ConvertError", "FinalizeReport", "Report", "Settings", "dequantize", "finalize_output", "make_plan",
-           "quantize", "__version__"]
+
+__all__ = [
+    "FP8ConvertError",
+    "FinalizeReport",
+    "Report",
+    "Settings",
+    "dequantize",
+    "finalize_output",
+    "make_plan",
+    "quantize",
+    "__version__",
+]

@@ -1,6 +1,7 @@
 """The `fp8convert` program (and `python -m fp8convert`). The command line is imported here, inside a
 handler, so that Ctrl-C while Python is still importing it (a few tenths of a second) ends like Ctrl-C
 anywhere else: one line and exit 130, not a traceback."""
+
 import sys
 
 

@@ -10,14 +10,15 @@ Options are fields of `Settings`, given as one object, as keywords, or both (key
 torch is imported only once the plan is made and the prefetcher is reading: importing it takes
 seconds, which the disk spends better reading the checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .cluster import devices as device_split
 from .cluster import workers
@@ -26,8 +27,8 @@ from .options import Options, Settings, python_spelling
 from .output.finalize import check_shards, finalize, finished_shards, prepare_output
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
-from .output.partial import written_bytes, written_units
 from .output.ownership import replace_advice
+from .output.partial import written_bytes, written_units
 from .plan.build import build_plan
 from .plan.plan import Action, Plan, Unit, unique_inputs
 from .plan.summary import plan_warnings, refuse_unloadable
@@ -64,16 +65,16 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     already_complete: bool = False
     stage_seconds: dict = field(default_factory=dict)
-    worker: str = "0/1"                   # this process's share: worker K of N
-    shards_written: int = 0               # by this call (its workers, with --devices)
-    units: int = 0                        # units with outputs in the shards this call wrote
-    units_resumed: int = 0                # of those, units an earlier run had written already (skipped)
-    complete: bool = False                # OUT is complete on return (False: other workers still owe shards)
-    source_quantization: str | None = None   # an FP8 source: how it is quantized
-    tensors_dequantized: int = 0          # FP8 source weights written in high precision
-    tensors_requantized: int = 0          # FP8 source weights quantized again in the output's scheme
-    tensors_passed_through: int = 0       # FP8 source weights whose codes and scales are the output's
-    dequantize: bool = False              # the run was a dequantize (no FP8 in the output)
+    worker: str = "0/1"  # this process's share: worker K of N
+    shards_written: int = 0  # by this call (its workers, with --devices)
+    units: int = 0  # units with outputs in the shards this call wrote
+    units_resumed: int = 0  # of those, units an earlier run had written already (skipped)
+    complete: bool = False  # OUT is complete on return (False: other workers still owe shards)
+    source_quantization: str | None = None  # an FP8 source: how it is quantized
+    tensors_dequantized: int = 0  # FP8 source weights written in high precision
+    tensors_requantized: int = 0  # FP8 source weights quantized again in the output's scheme
+    tensors_passed_through: int = 0  # FP8 source weights whose codes and scales are the output's
+    dequantize: bool = False  # the run was a dequantize (no FP8 in the output)
 
 
 @dataclass
@@ -99,12 +100,19 @@ def make_plan(src: str | Path, settings: Settings | None = None, **overrides) ->
 def verify(src: str | Path, out: str | Path, **options):
     """Check the FP8 checkpoint in `out` against its source (fp8convert.verify.verify takes the options)."""
     from .verify import verify as verify_output
+
     return verify_output(src, out, **options)
 
 
 @python_spelling
-def quantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
-             on_plan: Callable[[Plan], None] | None = None, **overrides) -> Report:
+def quantize(
+    src: str | Path,
+    out: str | Path,
+    settings: Settings | None = None,
+    *,
+    on_plan: Callable[[Plan], None] | None = None,
+    **overrides,
+) -> Report:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`.
 
     `on_plan` is called with the plan before any data is read (the CLI prints its warnings there).
@@ -124,23 +132,27 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
         settings, devices = Settings.of(settings, device=devices[0], devices=None), None
     _refuse_conflicts(src, settings, spec, devices)
     if cuda_missing(settings.device):  # known without torch: refused before OUT is made or space reserved
-        raise FP8ConvertError(f"--device {settings.device}: CUDA is not available on this machine (the installed "
-                              "torch is a CPU build)")
+        raise FP8ConvertError(
+            f"--device {settings.device}: CUDA is not available on this machine (the installed torch is a CPU build)"
+        )
     source, fetcher = _open_for_run(src, Path(out), settings, spec)
     out_dir = Path(out)
     head = _head_start(source, out_dir, settings, spec, devices)
     # The head start's reads are joined on leaving, refused or not: a thread still reading as the
     # interpreter exits fails there with a traceback of its own.
-    with head or contextlib.nullcontext(), \
-            OutputLock(out_dir, spec.index, spec.count) as lock:  # held while this run writes OUT
+    with (
+        head or contextlib.nullcontext(),
+        OutputLock(out_dir, spec.index, spec.count) as lock,
+    ):  # held while this run writes OUT
         try:
             the_plan = build_plan(source, settings.options)
             if not settings.write_unloadable:
                 refuse_unloadable(the_plan)
             if on_plan:
                 on_plan(the_plan)
-            done, complete = prepare_output(the_plan, out_dir, settings.overwrite,
-                                            streamed=settings.stream_download, lock=lock)
+            done, complete = prepare_output(
+                the_plan, out_dir, settings.overwrite, streamed=settings.stream_download, lock=lock
+            )
             report = _new_report(the_plan, out_dir, settings, spec, done, complete)
         finally:
             if head:
@@ -158,8 +170,14 @@ def quantize(src: str | Path, out: str | Path, settings: Settings | None = None,
 
 
 @python_spelling
-def dequantize(src: str | Path, out: str | Path, settings: Settings | None = None, *,
-               on_plan: Callable[[Plan], None] | None = None, **overrides) -> Report:
+def dequantize(
+    src: str | Path,
+    out: str | Path,
+    settings: Settings | None = None,
+    *,
+    on_plan: Callable[[Plan], None] | None = None,
+    **overrides,
+) -> Report:
     """Convert an FP8 checkpoint (native fp8 or compressed-tensors, directory or Hub repo id) to high
     precision in `out`: every FP8 weight becomes float32(q) * scale rounded once to `dtype` (bf16, fp16
     or fp32; default the model's own dtype), scales and quantization_config disappear, everything else is
@@ -175,6 +193,7 @@ def _device_list(settings: Settings) -> list[str] | None:
     if settings.device != "auto":
         raise UsageError(f"--device {settings.device} and --devices {','.join(devices)}: give only one of them")
     from .run.device import resolve_device
+
     for d in devices:  # a GPU this machine lacks fails now, named as --devices, not later as --device
         resolve_device(d, "--devices")
     return devices
@@ -182,11 +201,14 @@ def _device_list(settings: Settings) -> list[str] | None:
 
 def _refuse_conflicts(src, settings: Settings, spec: workers.WorkerSpec, devices: list[str] | None) -> None:
     if settings.overwrite and spec.count > 1:
-        raise FP8ConvertError(f"--overwrite with several workers (worker {spec.text}): each would clear the "
-                              "others' work; clear OUT once beforehand instead")
+        raise FP8ConvertError(
+            f"--overwrite with several workers (worker {spec.text}): each would clear the "
+            "others' work; clear OUT once beforehand instead"
+        )
     if settings.stream_download and (spec.count > 1 or devices):
-        raise FP8ConvertError("--stream-download works with one worker only: workers would delete source "
-                              "shards another one still reads")
+        raise FP8ConvertError(
+            "--stream-download works with one worker only: workers would delete source shards another one still reads"
+        )
     if settings.stream_download and not looks_like_repo_id(str(src)):
         raise FP8ConvertError(f"--stream-download applies to Hub repo ids; {src} is local")
 
@@ -196,22 +218,26 @@ def _open_for_run(src, out_dir: Path, settings: Settings, spec: workers.WorkerSp
     files are (or will be, for workers of a Hub repo) on disk and a fetcher that does nothing."""
     if settings.stream_download:
         from .source.streaming import streaming_source
-        return streaming_source(str(src), out_dir / WORK_DIR / DOWNLOAD_DIR, settings.revision, settings.token,
-                                cache_dir=settings.cache_dir)
+
+        return streaming_source(
+            str(src), out_dir / WORK_DIR / DOWNLOAD_DIR, settings.revision, settings.token, cache_dir=settings.cache_dir
+        )
     if spec.count > 1 and looks_like_repo_id(str(src)):
         from .source.hub import remote_source  # headers only: each worker fetches the shards it reads
+
         return remote_source(str(src), settings.revision, settings.token, cache_dir=settings.cache_dir), NoFetcher()
     return open_source(src, settings.revision, settings.token, settings.cache_dir), NoFetcher()
 
 
-def _head_start(source, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
-                devices: list[str] | None) -> Prefetcher | None:
+def _head_start(
+    source, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, devices: list[str] | None
+) -> Prefetcher | None:
     """The prefetcher that pulls the source into the page cache in file order while the plan is made
-    (entering it starts it), instead of leaving the disk idle until then: a checkpoint's first file holds
-    its first layers, which the pipeline reads first, and the run's own prefetcher then finds them cached
-    (at most --prefetch bytes, within its window where the files hold the layers in order, as Hugging
-    Face's shards do). The plan of a model of tens of thousands of tensors takes seconds. Only for a fresh OUT (one holding files is
-    resumed, and may have its first shards done, or refused), one worker (each reads its share) and a
+    (entering it starts it), instead of leaving the disk idle until then: a checkpoint's first file holds its
+    first layers, which the pipeline reads first, and the run's own prefetcher then finds them cached (at most
+    --prefetch bytes, within its window where the files hold the layers in order, as Hugging Face's shards
+    do). The plan of a model of tens of thousands of tensors takes seconds. Only for a fresh OUT (one holding
+    files is resumed, and may have its first shards done, or refused), one worker (each reads its share) and a
     source on disk."""
     if spec.count > 1 or devices or not _fresh(out_dir):
         return None
@@ -228,19 +254,38 @@ def _fresh(out_dir: Path) -> bool:
         return False
 
 
-def _new_report(the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int],
-                complete: bool) -> Report:
+def _new_report(
+    the_plan: Plan, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, done: set[int], complete: bool
+) -> Report:
     tensors = the_plan.tensors
     count = {a: sum(t.action is a for t in tensors) for a in Action}
     quant = the_plan.source.quant
-    return Report(str(out_dir), the_plan.source.label, settings.scheme, settings.format, settings.device,
-                  len(the_plan.shards), len(done), sum(t.quantize for t in tensors),
-                  count[Action.KEEP], the_plan.source.total_bytes, the_plan.out_bytes, 0.0, None,
-                  the_plan.ignore_list, list(the_plan.notes), plan_warnings(the_plan),
-                  complete, worker=spec.text, complete=complete,
-                  source_quantization=quant.describe() if quant else None,
-                  tensors_dequantized=count[Action.DEQUANTIZE], tensors_requantized=count[Action.REQUANTIZE],
-                  tensors_passed_through=count[Action.PASS], dequantize=settings.dequantize)
+    return Report(
+        str(out_dir),
+        the_plan.source.label,
+        settings.scheme,
+        settings.format,
+        settings.device,
+        len(the_plan.shards),
+        len(done),
+        sum(t.quantize for t in tensors),
+        count[Action.KEEP],
+        the_plan.source.total_bytes,
+        the_plan.out_bytes,
+        0.0,
+        None,
+        the_plan.ignore_list,
+        list(the_plan.notes),
+        plan_warnings(the_plan),
+        complete,
+        worker=spec.text,
+        complete=complete,
+        source_quantization=quant.describe() if quant else None,
+        tensors_dequantized=count[Action.DEQUANTIZE],
+        tensors_requantized=count[Action.REQUANTIZE],
+        tensors_passed_through=count[Action.PASS],
+        dequantize=settings.dequantize,
+    )
 
 
 def _device_worker(src: str, out: str, settings: Settings) -> Report:
@@ -249,11 +294,22 @@ def _device_worker(src: str, out: str, settings: Settings) -> Report:
     return quantize.__wrapped__(src, out, settings)
 
 
-def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
-                         done: set[int], devices: list[str], report: Report) -> None:
+def _quantize_on_devices(
+    the_plan: Plan,
+    src: str,
+    out_dir: Path,
+    settings: Settings,
+    spec: workers.WorkerSpec,
+    done: set[int],
+    devices: list[str],
+    report: Report,
+) -> None:
     """One spawned worker process per device shares this worker's shards; then this process finalizes."""
-    workers.log(f"{the_plan.source.label}: {len(devices)} worker processes ({', '.join(devices)})"
-                + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""), settings.progress)
+    workers.log(
+        f"{the_plan.source.label}: {len(devices)} worker processes ({', '.join(devices)})"
+        + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""),
+        settings.progress,
+    )
     todo = spec.owned(len(the_plan.shards)) - done
     check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - todo)
     Manifest(out_dir).claim(the_plan, settings.base_model)
@@ -269,50 +325,89 @@ def _quantize_on_devices(the_plan: Plan, src: str, out_dir: Path, settings: Sett
         report.complete = _finish(the_plan, out_dir, spec, settings.progress)
 
 
-def _quantize_here(the_plan: Plan, src, out_dir: Path, settings: Settings, spec: workers.WorkerSpec,
-                   done: set[int], fetcher, started: float, report: Report) -> None:
+def _quantize_here(
+    the_plan: Plan,
+    src,
+    out_dir: Path,
+    settings: Settings,
+    spec: workers.WorkerSpec,
+    done: set[int],
+    fetcher,
+    started: float,
+    report: Report,
+) -> None:
     """This process writes its share of the shards (all of them when it is the only worker)."""
     todo = spec.owned(len(the_plan.shards)) - done
     skip = set(range(len(the_plan.shards))) - todo
     # the units an earlier run wrote in this share's partial shards, checked against their bytes
-    written = {i: units for i in sorted(todo) if (units := written_units(the_plan, out_dir / WORK_DIR,
-                                                                         the_plan.shards[i]))}
+    written = {
+        i: units for i in sorted(todo) if (units := written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]))
+    }
     check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
     Manifest(out_dir).claim(the_plan, settings.base_model)
     units = units_for(the_plan, todo, written)
     report.units = len(units_for(the_plan, todo))
     report.units_resumed = report.units - len(units)
     if report.units_resumed:
-        workers.log(f"{the_plan.source.label}{_tag(spec)}: resumed: {report.units_resumed} of {report.units} units "
-                    "already written", settings.progress)
+        workers.log(
+            f"{the_plan.source.label}{_tag(spec)}: resumed: {report.units_resumed} of {report.units} units "
+            "already written",
+            settings.progress,
+        )
     if spec.count > 1:
         _log_share(the_plan, spec, todo, done, settings.progress)
         if looks_like_repo_id(str(src)):
             from .source.hub import fetch_from_hub
-            fetch_from_hub(the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}),
-                           settings.token, settings.cache_dir)
+
+            fetch_from_hub(
+                the_plan.source,
+                sorted({i.file for u in units for t in u.tensors for i in t.inputs}),
+                settings.token,
+                settings.cache_dir,
+            )
     device = workers.device_for(spec, settings.device)
     warmup = start_torch(device)
     command = "dequantize" if settings.dequantize else "quantize"
-    bar = Progress(sum(u.in_bytes for u in units), f"{command} {the_plan.source.label}{_tag(spec)}",
-                   enabled=settings.progress, plain=spec.count > 1)
+    bar = Progress(
+        sum(u.in_bytes for u in units),
+        f"{command} {the_plan.source.label}{_tag(spec)}",
+        enabled=settings.progress,
+        plain=spec.count > 1,
+    )
     # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.sharing)
-    with fetcher, prefetcher or contextlib.nullcontext(), contextlib.closing(bar), \
-            ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, written=written) as writer:
+    with (
+        fetcher,
+        prefetcher or contextlib.nullcontext(),
+        contextlib.closing(bar),
+        ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, written=written) as writer,
+    ):
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the
         # main thread gets here first and would do torch's import itself.
         warmup.join()
         from .run.pipeline import convert
-        result = convert(the_plan, units, writer, device, settings.max_resident, fetcher, bar,
-                         read_threads=settings.read_threads, on_read=prefetcher.advance if prefetcher else _ignore,
-                         started=started)
+
+        result = convert(
+            the_plan,
+            units,
+            writer,
+            device,
+            settings.max_resident,
+            fetcher,
+            bar,
+            read_threads=settings.read_threads,
+            on_read=prefetcher.advance if prefetcher else _ignore,
+            started=started,
+        )
         warmup.record_pages()
         report.stage_seconds, report.device, report.peak_device_bytes = (
-            result.stage_seconds, result.device, result.peak_device_bytes)
+            result.stage_seconds,
+            result.device,
+            result.peak_device_bytes,
+        )
         report.shards_written = len(todo)
         if settings.finalize:
             report.complete = _finish(the_plan, out_dir, spec, settings.progress)
@@ -332,15 +427,22 @@ def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1)
     of this model share this machine's memory (WorkerSpec.sharing), which --prefetch auto divides."""
     if not settings.prefetch or settings.stream_download:
         return None
-    return Prefetcher(root, tensors, window_for(settings.prefetch, workers),
-                      threads=settings.prefetch_threads or default_threads())
+    return Prefetcher(
+        root, tensors, window_for(settings.prefetch, workers), threads=settings.prefetch_threads or default_threads()
+    )
 
 
 def _log_share(the_plan: Plan, spec: workers.WorkerSpec, todo: set[int], done: set[int], progress: bool) -> None:
-    workers.log(f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
-                f"{len(the_plan.shards)} shards to write, {len(done)} already done"
-                + ("" if spec.count <= len(the_plan.shards) else
-                   " (more workers than shards: a smaller --max-shard-size gives more shards)"), progress)
+    workers.log(
+        f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
+        f"{len(the_plan.shards)} shards to write, {len(done)} already done"
+        + (
+            ""
+            if spec.count <= len(the_plan.shards)
+            else " (more workers than shards: a smaller --max-shard-size gives more shards)"
+        ),
+        progress,
+    )
 
 
 def units_for(the_plan: Plan, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
@@ -351,8 +453,11 @@ def units_for(the_plan: Plan, shards: set[int], written: dict[int, set[int]] | N
     written = written or {}
     units = []
     for ui, unit in enumerate(the_plan.units):
-        kept = [t for t in unit.tensors if (shard := the_plan.shard_of[t.name]) in shards
-                and ui not in written.get(shard, ())]
+        kept = [
+            t
+            for t in unit.tensors
+            if (shard := the_plan.shard_of[t.name]) in shards and ui not in written.get(shard, ())
+        ]
         if kept:
             units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
     return units
@@ -373,8 +478,11 @@ def _finish(the_plan: Plan, out_dir: Path, spec: workers.WorkerSpec, progress: b
         return True
     present = finished_shards(the_plan, out_dir)
     if len(present) < len(the_plan.shards):
-        workers.log(f"worker {spec.text}: shards written; {len(present)} of {len(the_plan.shards)} shards present. "
-                    f"The last worker to finish finalizes, or run: fp8convert finalize {out_dir}", progress)
+        workers.log(
+            f"worker {spec.text}: shards written; {len(present)} of {len(the_plan.shards)} shards present. "
+            f"The last worker to finish finalizes, or run: fp8convert finalize {out_dir}",
+            progress,
+        )
         return False
     claim = workers.claim_finalize(out_dir)
     if claim is None:
@@ -387,16 +495,16 @@ def _finish(the_plan: Plan, out_dir: Path, spec: workers.WorkerSpec, progress: b
     return True
 
 
-def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0,
-                     written: int = 0) -> None:
+def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0, written: int = 0) -> None:
     """The output shards still to write, but the bytes of their partial files that are `written`, plus
     the source shards a streamed download keeps at once."""
     needed = sum(s.size for s in the_plan.shards if s.index not in skip) - written + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:
         what = " and the streamed source shards" if streamed_bytes else ""
-        raise FP8ConvertError(f"{out_dir}: needs {format_size(needed)} free for the output{what}, only "
-                              f"{format_size(free)} available")
+        raise FP8ConvertError(
+            f"{out_dir}: needs {format_size(needed)} free for the output{what}, only {format_size(free)} available"
+        )
 
 
 @python_spelling
@@ -416,35 +524,48 @@ def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str
         raise FP8ConvertError(f"{out_dir}: no {WORK_DIR}/manifest.json, so no fp8convert worker started here")
     lacking = [k for k in ("fingerprint", "source", "scheme", "format", "ignore", "max_shard_size") if k not in state]
     if lacking:
-        raise FP8ConvertError(f"{manifest.path}: does not record {lacking[0]} (written by an older fp8convert); "
-                              "rerun the quantize command to finish the output")
+        raise FP8ConvertError(
+            f"{manifest.path}: does not record {lacking[0]} (written by an older fp8convert); "
+            "rerun the quantize command to finish the output"
+        )
     the_plan = _plan_from_manifest(state, token, cache_dir)
     if the_plan.fingerprint != state["fingerprint"]:
-        raise PlanMismatchError(f"{out_dir}: the source no longer gives the plan the workers used "
-                                f"({plan_change(state, the_plan)}); "
-                                + replace_advice(out_dir, "rerun the conversion with --overwrite"))
+        raise PlanMismatchError(
+            f"{out_dir}: the source no longer gives the plan the workers used "
+            f"({plan_change(state, the_plan)}); " + replace_advice(out_dir, "rerun the conversion with --overwrite")
+        )
     changed = source_change(state, the_plan.source)
     if changed:
-        raise PlanMismatchError(f"{out_dir}: the source changed since the workers read it ({changed}); "
-                                + replace_advice(out_dir, "rerun the conversion with --overwrite"))
+        raise PlanMismatchError(
+            f"{out_dir}: the source changed since the workers read it ({changed}); "
+            + replace_advice(out_dir, "rerun the conversion with --overwrite")
+        )
     with OutputLock(out_dir) as lock:
         lock.acquire()  # refused while a worker still writes here
         check_shards(the_plan, out_dir)
         finalize(the_plan, out_dir)
         workers.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing
-    return FinalizeReport(str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes,
-                          time.monotonic() - started)
+    return FinalizeReport(
+        str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes, time.monotonic() - started
+    )
 
 
 def _plan_from_manifest(state: dict, token: str | None, cache_dir: str | None) -> Plan:
     """The workers' plan again, from the manifest: same source label (the card names it), same options."""
-    options = Options(state["scheme"], state["format"], tuple(state["ignore"]), state["max_shard_size"],
-                      tuple(state.get("target_tp") or Options().target_tp),
-                      scale_format=state.get("scale_format") or "float", dequantize=bool(state.get("dequantize")),
-                      dtype=state.get("dtype"))
+    options = Options(
+        state["scheme"],
+        state["format"],
+        tuple(state["ignore"]),
+        state["max_shard_size"],
+        tuple(state.get("target_tp") or Options().target_tp),
+        scale_format=state.get("scale_format") or "float",
+        dequantize=bool(state.get("dequantize")),
+        dtype=state.get("dtype"),
+    )
     if state.get("source_path"):
         return build_plan(open_local(Path(state["source_path"]), label=state["source"]), options)
     from .source.hub import fetch_from_hub, remote_source
+
     repo_id, revision = state["source"], state.get("revision")
     if not looks_like_repo_id(repo_id):
         raise FP8ConvertError(f"{repo_id}: the manifest's source is neither a directory nor a Hub repo id")

@@ -1,5 +1,6 @@
 """An embedded default model: a small random Llama-shaped BF16 checkpoint, built locally (no network),
 so a fresh install can run a real conversion end to end."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,23 @@ from safetensors.torch import save_file
 from .errors import FP8ConvertError
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4,
-    "vocab_size": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-    "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "vocab_size": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -31,31 +44,38 @@ def make_demo_model(path: str | Path, seed: int = 0, shards: int = 2) -> Path:
     def rnd(*shape):
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": rnd(c["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-               "lm_head.weight": rnd(c["vocab_size"], h)}
+    tensors = {
+        "model.embed_tokens.weight": rnd(c["vocab_size"], h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": rnd(c["vocab_size"], h),
+    }
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        tensors.update({
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": rnd(c["num_attention_heads"] * hd, h),
-            p + "self_attn.k_proj.weight": rnd(c["num_key_value_heads"] * hd, h),
-            p + "self_attn.v_proj.weight": rnd(c["num_key_value_heads"] * hd, h),
-            p + "self_attn.o_proj.weight": rnd(h, c["num_attention_heads"] * hd),
-            p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
-            p + "mlp.down_proj.weight": rnd(h, i),
-        })
+        tensors.update(
+            {
+                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "self_attn.q_proj.weight": rnd(c["num_attention_heads"] * hd, h),
+                p + "self_attn.k_proj.weight": rnd(c["num_key_value_heads"] * hd, h),
+                p + "self_attn.v_proj.weight": rnd(c["num_key_value_heads"] * hd, h),
+                p + "self_attn.o_proj.weight": rnd(h, c["num_attention_heads"] * hd),
+                p + "mlp.gate_proj.weight": rnd(i, h),
+                p + "mlp.up_proj.weight": rnd(i, h),
+                p + "mlp.down_proj.weight": rnd(h, i),
+            }
+        )
     names = sorted(tensors)
     per = -(-len(names) // shards)
     weight_map = {}
     for s in range(shards):
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        part = {n: tensors[n] for n in names[s * per : (s + 1) * per]}
         save_file(part, str(path / file), metadata={"format": "pt"})
         weight_map.update({n: file for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))
     return path
@@ -73,8 +93,10 @@ def demo_source(path: str | Path) -> Path:
             demo = make_demo_model(Path(fresh) / "source")
             if file_bytes(path) == file_bytes(demo):
                 return path
-    raise FP8ConvertError(f"{path}: holds files that are not the demo model's; choose another folder for the demo "
-                          "(it writes DIR/source and DIR/fp8)")
+    raise FP8ConvertError(
+        f"{path}: holds files that are not the demo model's; choose another folder for the demo "
+        "(it writes DIR/source and DIR/fp8)"
+    )
 
 
 def file_bytes(path: Path) -> dict[str, bytes | None]:

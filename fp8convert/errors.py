@@ -16,9 +16,11 @@ class PlanMismatchError(FP8ConvertError):
 
 # What both quantizers (run/quantizer.py, run/numpy_quantize.py) say of a weight whose largest values a
 # power-of-two scale cannot write (numerics.POW2_OVERFLOW_AMAX), after the tensor's name
-POW2_OVERFLOW = ("holds values within 3% of float32's maximum (3.3e38 or more), which power-of-two scales would "
-                 "write as codes that read back as Inf; refusing it (--scheme tensor, channel or block with float "
-                 "scales can write them)")
+POW2_OVERFLOW = (
+    "holds values within 3% of float32's maximum (3.3e38 or more), which power-of-two scales would "
+    "write as codes that read back as Inf; refusing it (--scheme tensor, channel or block with float "
+    "scales can write them)"
+)
 
 
 class UsageError(FP8ConvertError):

@@ -4,6 +4,7 @@
 whole request of a conversion: those options plus where and how to run it. Both are plain frozen
 dataclasses, so a run can be handed to another process whole (`--devices`) and nothing is forgotten.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,10 +22,10 @@ from .errors import FP8ConvertError, UsageError
 class Scheme(enum.StrEnum):
     """--scheme values. Options holds the plain string; a member compares equal to it."""
 
-    TENSOR = "tensor"      # one scale per weight
-    CHANNEL = "channel"    # one scale per output row
-    BLOCK = "block"        # one scale per 128x128 block
-    MXFP8 = "mxfp8"        # one power-of-two scale per 32 inputs of a row
+    TENSOR = "tensor"  # one scale per weight
+    CHANNEL = "channel"  # one scale per output row
+    BLOCK = "block"  # one scale per 128x128 block
+    MXFP8 = "mxfp8"  # one power-of-two scale per 32 inputs of a row
 
 
 class Format(enum.StrEnum):
@@ -51,8 +52,16 @@ BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
 MX_GROUP = 32  # mxfp8: one power-of-two scale per 32 consecutive input elements of a row (OCP MX)
 TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
 # --dtype of dequantized weights: its spellings -> the safetensors dtype written
-DTYPE_NAMES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "half": "F16",
-               "fp32": "F32", "float32": "F32", "float": "F32"}
+DTYPE_NAMES = {
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "fp16": "F16",
+    "float16": "F16",
+    "half": "F16",
+    "fp32": "F32",
+    "float32": "F32",
+    "float": "F32",
+}
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 
@@ -93,8 +102,8 @@ class Options:
     max_shard_size: int = 5 * 10**9
     target_tp: tuple[int, ...] = TARGET_TP  # the model card reports vLLM's limits at these sizes
     scale_format: str = "float"
-    dequantize: bool = False        # FP8 source to high precision (scheme and format do not apply)
-    dtype: str | None = None        # dequantized weights' dtype (BF16, F16, F32); None: the model's own
+    dequantize: bool = False  # FP8 source to high precision (scheme and format do not apply)
+    dtype: str | None = None  # dequantized weights' dtype (BF16, F16, F32); None: the model's own
 
     def __post_init__(self):
         object.__setattr__(self, "scheme", parse_scheme(self.scheme))
@@ -103,21 +112,29 @@ class Options:
         if self.dequantize and self.scale_format != "float":
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
         if self.format == "fp8" and self.scheme == "channel":
-            raise UsageError("--format fp8 has no per-channel scheme; use --scheme tensor or block, "
-                             "or --format compressed-tensors --scheme channel")
+            raise UsageError(
+                "--format fp8 has no per-channel scheme; use --scheme tensor or block, "
+                "or --format compressed-tensors --scheme channel"
+            )
         if self.format == "fp8" and self.scheme == "mxfp8":
-            raise UsageError("--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
-                             "checkpoints); use --format compressed-tensors --scheme mxfp8")
+            raise UsageError(
+                "--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
+                "checkpoints); use --format compressed-tensors --scheme mxfp8"
+            )
         if self.scale_format == "ue8m0" and self.scheme != "block":
-            raise UsageError(f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
-                             + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else ""))
+            raise UsageError(
+                f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
+                + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else "")
+            )
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.dtype and not self.dequantize:
-            raise UsageError(f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
-                             f"rest in the model's dtype), got {self.dtype}")
+            raise UsageError(
+                f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
+                f"rest in the model's dtype), got {self.dtype}"
+            )
         if self.dequantize and self.ignore:
             raise UsageError("--ignore does not apply to dequantize: every FP8 weight is dequantized")
         for pattern in self.ignore:
@@ -207,12 +224,14 @@ def keyword_spelling(message: str) -> str:
         if name not in known:
             return match.group(0)
         return f"{name}=True" if known[name] is False else name
+
     return FLAG.sub(keyword, message)
 
 
 def python_spelling(function):
     """For the API's entry points: an FP8ConvertError leaving `function` names keywords, not flags,
     unless the CLI called it."""
+
     @functools.wraps(function)
     def call(*args, **kwargs):
         try:
@@ -221,6 +240,7 @@ def python_spelling(function):
             if not _COMMAND_LINE.get():
                 e.args = (keyword_spelling(str(e)),)
             raise
+
     return call
 
 
@@ -238,26 +258,26 @@ class Settings:
     ignore: tuple[str, ...] = ()
     max_shard_size: int | str = "5GB"
     target_tp: tuple[int, ...] = TARGET_TP
-    scale_format: str = "float"           # block scales: "ue8m0" rounds each up to a power of two
-    device: str = "auto"                  # auto, cpu, cuda, cuda:N
+    scale_format: str = "float"  # block scales: "ue8m0" rounds each up to a power of two
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
-    worker: object = None                 # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
+    worker: object = None  # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
     max_resident: int | str | None = None  # device memory budget of one batch; None: the device type's default
-    prefetch: int | str = AUTO            # page-cache read-ahead window; 0 turns it off; auto: prefetch.default_window
+    prefetch: int | str = AUTO  # page-cache read-ahead window; 0 turns it off; auto: prefetch.default_window
     prefetch_threads: int | None = None
     read_threads: int | None = None
     overwrite: bool = False
-    revision: str | None = None           # Hub sources: branch, tag or commit
-    token: str | None = None              # Hub token; None: HF_TOKEN or the saved login
-    cache_dir: str | None = None          # Hub download cache; None: huggingface_hub's (HF_HUB_CACHE, HF_HOME)
-    base_model: str | None = None         # the model card's base_model; None: a Hub source's repo id
-    stream_download: bool = False         # Hub sources: keep only a few source shards on disk
+    revision: str | None = None  # Hub sources: branch, tag or commit
+    token: str | None = None  # Hub token; None: HF_TOKEN or the saved login
+    cache_dir: str | None = None  # Hub download cache; None: huggingface_hub's (HF_HUB_CACHE, HF_HOME)
+    base_model: str | None = None  # the model card's base_model; None: a Hub source's repo id
+    stream_download: bool = False  # Hub sources: keep only a few source shards on disk
     # write an output vLLM cannot load at any TP size (refused by default); None: $FP8CONVERT_WRITE_UNLOADABLE
     write_unloadable: bool | None = None
-    dequantize: bool = False              # FP8 in, high precision out (fp8convert dequantize)
-    dtype: str | None = None              # dequantized weights: bf16, fp16 or fp32; None: the model's dtype
+    dequantize: bool = False  # FP8 in, high precision out (fp8convert dequantize)
+    dtype: str | None = None  # dequantized weights: bf16, fp16 or fp32; None: the model's dtype
     progress: bool = False
-    finalize: bool = True                 # False: write this worker's shards only
+    finalize: bool = True  # False: write this worker's shards only
 
     @python_spelling
     def __post_init__(self):
@@ -265,30 +285,48 @@ class Settings:
         for name in ("scheme", "format", "scale_format"):  # as fp8convert names them (an alias gives its scheme)
             object.__setattr__(self, name, getattr(options, name))
         if not DEVICE_TEXT.match(str(self.device)):  # spelling only: whether CUDA is there needs torch
-            raise UsageError(f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N"
-                             + did_you_mean(self.device, ("auto", "cpu", "cuda")))
+            raise UsageError(
+                f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N"
+                + did_you_mean(self.device, ("auto", "cpu", "cuda"))
+            )
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         if self.max_resident:
             object.__setattr__(self, "max_resident", parse_size(self.max_resident, "--max-resident"))
         prefetch = str(self.prefetch).strip()
-        object.__setattr__(self, "prefetch", 0 if prefetch in ("0", "") else AUTO if prefetch.lower() == AUTO
-                           else parse_size(self.prefetch, "--prefetch"))
+        object.__setattr__(
+            self,
+            "prefetch",
+            0
+            if prefetch in ("0", "")
+            else AUTO
+            if prefetch.lower() == AUTO
+            else parse_size(self.prefetch, "--prefetch"),
+        )
         if isinstance(self.devices, list):
             object.__setattr__(self, "devices", tuple(self.devices))
         if self.base_model is not None and not REPO_ID.match(self.base_model):
             raise UsageError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
         if self.write_unloadable is None:
-            object.__setattr__(self, "write_unloadable",
-                               os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0"))
+            object.__setattr__(
+                self, "write_unloadable", os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0")
+            )
 
     @property
     def options(self) -> Options:
-        return Options(self.scheme, self.format, tuple(self.ignore), self.max_shard_size, self.target_tp,
-                       scale_format=self.scale_format, dequantize=self.dequantize, dtype=self.dtype)
+        return Options(
+            self.scheme,
+            self.format,
+            tuple(self.ignore),
+            self.max_shard_size,
+            self.target_tp,
+            scale_format=self.scale_format,
+            dequantize=self.dequantize,
+            dtype=self.dtype,
+        )
 
     @classmethod
-    def of(cls, settings: "Settings | None" = None, **overrides) -> "Settings":
+    def of(cls, settings: Settings | None = None, **overrides) -> Settings:
         """`settings` with `overrides` (keyword names are the fields); an unknown name is an error."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)

@@ -1,4 +1,5 @@
 """push: publish a complete output on the Hugging Face Hub, with its model card (never `.fp8convert/`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,15 @@ RESUME_PUSH = "rerun the same push to resume it (files that arrived are not sent
 
 
 @python_spelling
-def push(out: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-         commit_message: str | None = None, token: str | None = None, create_pr: bool = False) -> str:
+def push(
+    out: str | Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    create_pr: bool = False,
+) -> str:
     """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL, or
     with `create_pr` the URL of the pull request opened against `revision` (default main).
 
@@ -30,6 +38,7 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
     Top-level `*.safetensors` on the remote that this output lacks (an earlier push with other
     sharding) are deleted in the same upload."""
     from huggingface_hub import HfApi
+
     out = Path(out)
     if not REPO_ID.match(repo_id):
         raise UsageError(f"{repo_id}: not a Hub repo id (owner/name)")
@@ -41,20 +50,32 @@ def push(out: str | Path, repo_id: str, private: bool = False, revision: str | N
             card_path.write_text(retarget_card(text, repo_id), encoding="utf-8")
     else:
         card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
-    what = f"FP8 checkpoint ({read_quantization_config(config, str(out / 'config.json')).format})" \
-        if "quantization_config" in config else "checkpoint dequantized from FP8"
+    what = (
+        f"FP8 checkpoint ({read_quantization_config(config, str(out / 'config.json')).format})"
+        if "quantization_config" in config
+        else "checkpoint dequantized from FP8"
+    )
     api = HfApi(token=token)
     try:
         with_retries(api.create_repo, repo_id, private=private, exist_ok=True, repo_type="model")
         if revision:
             with_retries(api.create_branch, repo_id, branch=revision, exist_ok=True)
         # Top-level shards of an earlier push with other sharding would sit beside the new ones.
-        stale = [f for f in with_retries(api.list_repo_files, repo_id, revision=revision)
-                 if "/" not in f and f.endswith(".safetensors") and not (out / f).is_file()]
+        stale = [
+            f
+            for f in with_retries(api.list_repo_files, repo_id, revision=revision)
+            if "/" not in f and f.endswith(".safetensors") and not (out / f).is_file()
+        ]
         info = with_retries(
-            api.upload_folder, repo_id=repo_id, folder_path=str(out), revision=revision, create_pr=create_pr,
+            api.upload_folder,
+            repo_id=repo_id,
+            folder_path=str(out),
+            revision=revision,
+            create_pr=create_pr,
             commit_message=commit_message or f"{what} made with fp8convert",
-            ignore_patterns=list(UPLOAD_IGNORE), delete_patterns=stale or None)
+            ignore_patterns=list(UPLOAD_IGNORE),
+            delete_patterns=stale or None,
+        )
     except Exception as e:
         raise hub_error(repo_id, e, revision, then=RESUME_PUSH) from e
     if create_pr and getattr(info, "pr_url", None):

@@ -4,6 +4,7 @@ A safetensors file is: 8-byte little-endian header length N, N bytes of JSON, th
 The JSON maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (relative to the
 buffer) plus an optional "__metadata__" of strings. Offsets must tile the buffer with no holes.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,22 @@ from .errors import FP8ConvertError
 
 # safetensors dtype name -> (bytes per element, torch dtype name). The one dtype table of the package.
 DTYPES = {
-    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E5M2": (1, "float8_e5m2"), "F8_E8M0": (1, "float8_e8m0fnu"),
-    "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
-    "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
-    "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "F32": (4, "float32"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "F64": (8, "float64"),
 }
 DTYPE_SIZES = {name: size for name, (size, _) in DTYPES.items()}
 FLOAT_SOURCE_DTYPES = ("BF16", "F16", "F32")  # what fp8convert quantizes
@@ -32,6 +44,7 @@ INDEX_NAME = "model.safetensors.index.json"
 def torch_dtype(name: str):
     """The torch dtype of a safetensors dtype name (imports torch: call it from the stages that use it)."""
     import torch
+
     return getattr(torch, DTYPES[name][1])
 
 
@@ -71,7 +84,7 @@ class SourceFiles:
             self.fds[name] = open_read(os.path.join(self.root, name))
         return self.fds[name]
 
-    def __enter__(self) -> "SourceFiles":
+    def __enter__(self) -> SourceFiles:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -145,8 +158,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(header: dict, label: str, data_start: int, file_size: int | None, where: str | None = None
-                 ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def parse_header(
+    header: dict, label: str, data_start: int, file_size: int | None, where: str | None = None
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the buffer.
     `label` is the tensors' file; errors name `where` (by default the label)."""
     where = where or label
@@ -162,13 +176,19 @@ def parse_header(header: dict, label: str, data_start: int, file_size: int | Non
             raise FP8ConvertError(f"{where}: corrupt header entry for tensor {name}") from e
         if dtype not in DTYPE_SIZES:
             raise FP8ConvertError(f"{where}: tensor {name} has unsupported dtype {dtype}")
-        if not all(_is_int(d) and d >= 0 for d in shape) or not (_is_int(begin) and _is_int(end)) \
-                or not 0 <= begin <= end:
-            raise FP8ConvertError(f"{where}: tensor {name} has invalid shape {entry['shape']} or "
-                                  f"offsets {entry['data_offsets']}")
+        if (
+            not all(_is_int(d) and d >= 0 for d in shape)
+            or not (_is_int(begin) and _is_int(end))
+            or not 0 <= begin <= end
+        ):
+            raise FP8ConvertError(
+                f"{where}: tensor {name} has invalid shape {entry['shape']} or offsets {entry['data_offsets']}"
+            )
         if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise FP8ConvertError(f"{where}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
-                                  f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}")
+            raise FP8ConvertError(
+                f"{where}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
+                f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}"
+            )
         tensors[name] = TensorInfo(name, dtype, shape, label, data_start + begin, end - begin)
         spans.append((begin, end, name))
     spans.sort()
@@ -179,8 +199,9 @@ def parse_header(header: dict, label: str, data_start: int, file_size: int | Non
         cursor = end
     if file_size is not None and data_start + cursor != file_size:
         what = "truncated" if data_start + cursor > file_size else "has trailing bytes"
-        raise FP8ConvertError(f"{where}: file is {what} (header describes {data_start + cursor} bytes, "
-                              f"file has {file_size})")
+        raise FP8ConvertError(
+            f"{where}: file is {what} (header describes {data_start + cursor} bytes, file has {file_size})"
+        )
     return tensors, metadata
 
 

@@ -1,4 +1,5 @@
 """How sizes and counts are written for people: '2.49 GB', '1 tensor', '2GiB' as an option value."""
+
 from __future__ import annotations
 
 BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))

@@ -7,9 +7,9 @@ One command for the GPU box (see scripts/README.md). For each checkpoint asked f
   2. measures the I/O floor: fastest cold read of the inputs (1/4/16 threads of 16 MB preads) plus the
      fastest fsync'd write of the expected output size (1/4 threads);
   3. drops the page cache and runs each contender as a child process (fp8convert twice: a first run with
-     no record of torch's start-up pages in its cache, WORK/cache, then a run with the one it wrote): wall time (start-up included),
-     the time the tool itself reports, the time a `sync` takes afterwards (outputs not fsync'd by the
-     tool), peak RSS of the process tree, peak GPU memory (self-reported and from NVML);
+     no record of torch's start-up pages in its cache, WORK/cache, then a run with the one it wrote): wall
+     time (start-up included), the time the tool itself reports, the time a `sync` takes afterwards
+     (outputs not fsync'd by the tool), peak RSS of the process tree, peak GPU memory (self-reported and from NVML);
   4. optionally reads it cold with other loaders (--loaders), and checks that fp8convert's CPU and CUDA
      outputs are byte-identical (--check-identical).
 With --dequantize, each checkpoint is first converted to native fp8 with 128x128 blocks (DeepSeek-V3's
@@ -22,6 +22,7 @@ Standard library only; the children use the machine's torch and safetensors, plu
 (llm-compressor, into /tmp/site) and .whl-loaders/ (into /tmp/site-loaders), each put on PYTHONPATH of
 its own children only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,16 +46,24 @@ PY = sys.executable
 GiB = 2**30
 CHUNK = 16 << 20
 DEADLINE = float("inf")  # time.monotonic() by which the tables must be printed (--budget)
-RESERVE = 25.0           # seconds kept for cleanup and printing
+RESERVE = 25.0  # seconds kept for cleanup and printing
 
 # name -> (make_ckpt kind, layers); `tiny` is fp8convert.demo's ~6 MB Llama, for trying this script anywhere
-CKPTS = {"tiny": ("demo", 0), "dense2": ("dense", 2), "dense16": ("dense", 16), "dense32": ("dense", 32),
-         "moe2": ("moe", 2), "moe8": ("moe", 8), "moe16": ("moe", 16)}
+CKPTS = {
+    "tiny": ("demo", 0),
+    "dense2": ("dense", 2),
+    "dense16": ("dense", 16),
+    "dense32": ("dense", 32),
+    "moe2": ("moe", 2),
+    "moe8": ("moe", 8),
+    "moe16": ("moe", 16),
+}
 DOUBLES = {"moe8": "moe16", "dense16": "dense32"}
 LOADERS = ["plain-read", "safetensors", "fp8convert-reader", "runai-streamer", "fastsafetensors", "fastsafetensors-gds"]
 
 
 # ----------------------------------------------------------------------------------------------- output
+
 
 class Log:
     """Everything goes to OUT/bench.log; only progress lines and tables go to stdout too."""
@@ -94,6 +103,7 @@ def fmt(x, digits: int = 1, none: str = "-") -> str:
 
 # -------------------------------------------------------------------------------- machine and page cache
 
+
 def sh(cmd: str) -> str:
     r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
     return (r.stdout + r.stderr).strip()
@@ -108,13 +118,19 @@ def drop_caches(enabled: bool) -> bool | None:
 
 
 def environment() -> dict:
-    torch_info = sh(f"{PY} -c \"import torch, safetensors; print('torch', torch.__version__, 'cuda', "
-                    f"torch.version.cuda, 'available', torch.cuda.is_available(), 'safetensors', safetensors.__version__)\"")
+    torch_info = sh(
+        f"{PY} -c \"import torch, safetensors; print('torch', torch.__version__, 'cuda', "
+        f"torch.version.cuda, 'available', torch.cuda.is_available(), 'safetensors', safetensors.__version__)\""
+    )
     return {
-        "python": sys.version.split()[0], "executable": PY, "torch": torch_info,
+        "python": sys.version.split()[0],
+        "executable": PY,
+        "torch": torch_info,
         "gpu": sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null"),
-        "cpus": os.cpu_count(), "kernel": os.uname().release,
-        "memory": sh("free -g | head -2"), "git": sh(f"git -C {REPO} log -1 --format='%h %s' 2>/dev/null"),
+        "cpus": os.cpu_count(),
+        "kernel": os.uname().release,
+        "memory": sh("free -g | head -2"),
+        "git": sh(f"git -C {REPO} log -1 --format='%h %s' 2>/dev/null"),
         "git_status": sh(f"git -C {REPO} status --short 2>/dev/null"),
     }
 
@@ -127,6 +143,7 @@ class GpuMemory:
         self.smi = shutil.which("nvidia-smi")
         try:
             import pynvml
+
             pynvml.nvmlInit()
             self.nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
         except Exception:
@@ -138,8 +155,11 @@ class GpuMemory:
             pynvml, handle = self.nvml
             return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
         if self.smi:
-            r = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                [self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+            )
             try:
                 return int(r.stdout.strip().splitlines()[0]) << 20
             except (ValueError, IndexError):
@@ -212,8 +232,9 @@ class Sampler(threading.Thread):
             self.stop.wait(self.interval)
 
 
-def run_measured(label: str, cmd: list[str], env: dict, logs: Path, log: Log, gpu: GpuMemory | None,
-                 timeout: float) -> dict:
+def run_measured(
+    label: str, cmd: list[str], env: dict, logs: Path, log: Log, gpu: GpuMemory | None, timeout: float
+) -> dict:
     """Run cmd as a child in its own session; wall time, exit code, peak RSS, GPU memory, output tails."""
     logs.mkdir(parents=True, exist_ok=True)
     out_path, err_path = logs / f"{label}.stdout", logs / f"{label}.stderr"
@@ -231,6 +252,7 @@ def run_measured(label: str, cmd: list[str], env: dict, logs: Path, log: Log, gp
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
         timer = threading.Timer(max(1.0, min(timeout, time_left())), kill)
         timer.start()
         _, status, usage = os.wait4(child.pid, 0)  # usage.ru_maxrss: largest process of the tree, KiB
@@ -241,8 +263,13 @@ def run_measured(label: str, cmd: list[str], env: dict, logs: Path, log: Log, gp
         sampler.join()
     rss_peak = max(sampler.tree_peak_kib, sampler.hwm_peak_kib, usage.ru_maxrss) * 1024
     result = {
-        "label": label, "cmd": cmd, "rc": child.returncode, "timed_out": timed_out.is_set(), "wall_s": wall,
-        "rss_peak_gib": rss_peak / GiB, "rss_tree_sampled_gib": sampler.tree_peak_kib * 1024 / GiB,
+        "label": label,
+        "cmd": cmd,
+        "rc": child.returncode,
+        "timed_out": timed_out.is_set(),
+        "wall_s": wall,
+        "rss_peak_gib": rss_peak / GiB,
+        "rss_tree_sampled_gib": sampler.tree_peak_kib * 1024 / GiB,
         "rss_largest_process_gib": max(sampler.hwm_peak_kib, usage.ru_maxrss) * 1024 / GiB,
         "gpu_used_nvml_gib": None if sampler.gpu_base is None else (sampler.gpu_peak - sampler.gpu_base) / GiB,
     }
@@ -251,8 +278,10 @@ def run_measured(label: str, cmd: list[str], env: dict, logs: Path, log: Log, gp
         text = tail_text(path)
         if text:
             log.quiet(f"--- {label} {name} (tail)\n{text}")
-    log.quiet(f"--- {label}: rc={result['rc']} wall={wall:.1f}s rss={result['rss_peak_gib']:.2f}GiB"
-              f"{' TIMED OUT' if result['timed_out'] else ''}")
+    log.quiet(
+        f"--- {label}: rc={result['rc']} wall={wall:.1f}s rss={result['rss_peak_gib']:.2f}GiB"
+        f"{' TIMED OUT' if result['timed_out'] else ''}"
+    )
     result["stdout"] = stdout
     result["stderr_tail"] = tail_text(err_path, 15)
     return result
@@ -293,8 +322,25 @@ def install_wheels(wheel_dir: Path, target: Path, log: Log) -> bool:
     names = "\n".join(w.name for w in wheels)
     if stamp.exists() and stamp.read_text() == names:
         return True
-    r = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-                        "--upgrade", "--target", str(target), *map(str, wheels)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(target),
+            *map(str, wheels),
+        ],
+        capture_output=True,
+        text=True,
+    )
     log.quiet(f"pip install --target {target}: rc={r.returncode}\n{r.stdout}{r.stderr}")
     if r.returncode != 0:
         log.say(f"installing {wheel_dir} into {target} failed (see bench.log)")
@@ -305,11 +351,14 @@ def install_wheels(wheel_dir: Path, target: Path, log: Log) -> bool:
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 
+
 def ckpt_dir(work: Path, name: str, shard_gb: float) -> Path:
     return work / ("ckpt-tiny" if name == "tiny" else f"ckpt-{name}-{shard_gb:g}gb")
 
 
-def build_checkpoint(name: str, shard_gb: float, work: Path, log: Log, gpu: GpuMemory | None) -> tuple[Path, float | None]:
+def build_checkpoint(
+    name: str, shard_gb: float, work: Path, log: Log, gpu: GpuMemory | None
+) -> tuple[Path, float | None]:
     """Build (or reuse) a checkpoint. Returns its path and build seconds (None when reused)."""
     path = ckpt_dir(work, name, shard_gb)
     kind, layers = CKPTS[name]
@@ -324,8 +373,17 @@ def build_checkpoint(name: str, shard_gb: float, work: Path, log: Log, gpu: GpuM
         cmd = [PY, "-c", f"from fp8convert.demo import make_demo_model; make_demo_model({str(path)!r})"]
         env = child_env([REPO])
     else:
-        cmd = [PY, str(BENCH / "make_ckpt.py"), str(path), "--kind", kind, "--layers", str(layers),
-               "--shard-gb", str(shard_gb)]
+        cmd = [
+            PY,
+            str(BENCH / "make_ckpt.py"),
+            str(path),
+            "--kind",
+            kind,
+            "--layers",
+            str(layers),
+            "--shard-gb",
+            str(shard_gb),
+        ]
         env = child_env()
     log.say(f"building {path.name} ...")
     r = run_measured(f"make-{path.name}", cmd, env, work / "logs", log, gpu, timeout=900)
@@ -363,8 +421,12 @@ def describe_checkpoint(path: Path) -> dict:
             else:
                 quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
                 out_bytes += numel + 4 if quantized else nbytes
-    return {"files": [f.name for f in files], "bytes_in": sum(f.stat().st_size for f in files),
-            "tensors": tensors, "bytes_out_estimate": out_bytes}
+    return {
+        "files": [f.name for f in files],
+        "bytes_in": sum(f.stat().st_size for f in files),
+        "tensors": tensors,
+        "bytes_out_estimate": out_bytes,
+    }
 
 
 def fp8_dir(path: Path) -> Path:
@@ -381,8 +443,20 @@ def build_fp8_copy(src: Path, device: str, log: Log, gpu: GpuMemory | None, work
         return path
     shutil.rmtree(path, ignore_errors=True)
     log.say(f"building {path.name} (fp8convert quantize --format fp8 --scheme block) ...")
-    cmd = fp8convert_cmd() + ["quantize", str(src), str(path), "--format", "fp8", "--scheme", "block", "--device",
-                              "cuda" if device in ("cuda", "both") else "cpu", "--max-shard-size", "2GB", "-q"]
+    cmd = fp8convert_cmd() + [
+        "quantize",
+        str(src),
+        str(path),
+        "--format",
+        "fp8",
+        "--scheme",
+        "block",
+        "--device",
+        "cuda" if device in ("cuda", "both") else "cpu",
+        "--max-shard-size",
+        "2GB",
+        "-q",
+    ]
     r = run_measured(f"make-{path.name}", cmd, child_env([REPO]), work / "logs", log, gpu, timeout=900)
     if r["rc"] != 0:
         raise SystemExit(f"building {path.name} failed:\n{r['stderr_tail']}")
@@ -417,8 +491,10 @@ def check_space(work: Path, name: str, log: Log) -> None:
     need = int(expected_bytes(name) * 1.6)
     free = shutil.disk_usage(work).free
     if free < need:
-        log.say(f"WARNING: {work} has {free / 1e9:.1f} GB free; {name} needs about {need / 1e9:.1f} GB "
-                "(checkpoint + one output)")
+        log.say(
+            f"WARNING: {work} has {free / 1e9:.1f} GB free; {name} needs about {need / 1e9:.1f} GB "
+            "(checkpoint + one output)"
+        )
 
 
 def dir_bytes(path: Path) -> int:
@@ -426,6 +502,7 @@ def dir_bytes(path: Path) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- I/O floor
+
 
 def read_files(files: list[Path], threads: int) -> float:
     """Read every byte with `threads` threads of 16 MB preads (as io_limit.py). Returns seconds."""
@@ -446,6 +523,7 @@ def read_files(files: list[Path], threads: int) -> float:
             os.preadv(fds[f], [mv], off)
         for fd in fds.values():
             os.close(fd)
+
     workers = [threading.Thread(target=work) for _ in range(threads)]
     start = time.monotonic()
     for w in workers:
@@ -465,9 +543,10 @@ def write_fsync(directory: Path, nbytes: int, threads: int) -> float:
         fd = os.open(directory / f"floor-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         left = per
         while left > 0:
-            left -= os.write(fd, buf[:min(CHUNK, left)])
+            left -= os.write(fd, buf[: min(CHUNK, left)])
         os.fsync(fd)
         os.close(fd)
+
     workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
     start = time.monotonic()
     for w in workers:
@@ -490,13 +569,22 @@ def measure_floor(path: Path, info: dict, args, log: Log) -> dict:
     for n in args.write_threads:
         drop_caches(args.drop_caches)
         writes[n] = write_fsync(args.work / "floor-tmp", info["bytes_out_estimate"], n)
-        log.say(f"  write+fsync, {n} threads: {info['bytes_out_estimate'] / writes[n] / 1e9:6.2f} GB/s ({writes[n]:.1f} s)")
+        log.say(
+            f"  write+fsync, {n} threads: {info['bytes_out_estimate'] / writes[n] / 1e9:6.2f} GB/s ({writes[n]:.1f} s)"
+        )
     floor = min(reads.values()) + min(writes.values())
-    return {"read_s": reads, "write_s": writes, "read_best_s": min(reads.values()),
-            "write_best_s": min(writes.values()), "floor_s": floor, "caches_dropped": dropped}
+    return {
+        "read_s": reads,
+        "write_s": writes,
+        "read_best_s": min(reads.values()),
+        "write_best_s": min(writes.values()),
+        "floor_s": floor,
+        "caches_dropped": dropped,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- contenders
+
 
 def fp8convert_cmd() -> list[str]:
     if (REPO / "fp8convert" / "__main__.py").exists():
@@ -529,41 +617,107 @@ def contenders(args) -> list[dict]:
     devices = ["cuda", "cpu"] if args.device == "both" else [args.device]
     if args.dequantize:
         for dev in devices:
-            plan.append({"label": f"fp8convert-dequantize-{dev}", "kind": "fp8convert", "durable": True,
-                         "cmd": fp8convert_cmd() + ["dequantize", "{src}", "{out}", "--dtype", "bf16", "--device", dev,
-                                                    "--max-shard-size", args.max_shard_size, "--overwrite", "--json",
-                                                    "-q"] + (["--max-resident", args.max_resident]
-                                                             if args.max_resident else []),
-                         "env": fp8convert_env(args)})
+            plan.append(
+                {
+                    "label": f"fp8convert-dequantize-{dev}",
+                    "kind": "fp8convert",
+                    "durable": True,
+                    "cmd": fp8convert_cmd()
+                    + [
+                        "dequantize",
+                        "{src}",
+                        "{out}",
+                        "--dtype",
+                        "bf16",
+                        "--device",
+                        dev,
+                        "--max-shard-size",
+                        args.max_shard_size,
+                        "--overwrite",
+                        "--json",
+                        "-q",
+                    ]
+                    + (["--max-resident", args.max_resident] if args.max_resident else []),
+                    "env": fp8convert_env(args),
+                }
+            )
         if not args.skip_naive:
-            plan.append({"label": "naive-dequant", "kind": "script", "durable": False,
-                         "cmd": [PY, str(BENCH / "naive_dequant.py"), "{src}", "{out}"], "env": child_env()})
+            plan.append(
+                {
+                    "label": "naive-dequant",
+                    "kind": "script",
+                    "durable": False,
+                    "cmd": [PY, str(BENCH / "naive_dequant.py"), "{src}", "{out}"],
+                    "env": child_env(),
+                }
+            )
         return plan
     for dev in devices:
-        fp8 = {"label": f"fp8convert-{dev}", "kind": "fp8convert", "durable": True,
-               "cmd": fp8convert_cmd() + ["quantize", "{src}", "{out}", "--scheme", "tensor", "--format",
-                                          "compressed-tensors", "--device", dev, "--max-shard-size",
-                                          args.max_shard_size, "--overwrite", "--json", "-q"]
-               + (["--max-resident", args.max_resident] if args.max_resident else []),
-               "env": fp8convert_env(args)}
+        fp8 = {
+            "label": f"fp8convert-{dev}",
+            "kind": "fp8convert",
+            "durable": True,
+            "cmd": fp8convert_cmd()
+            + [
+                "quantize",
+                "{src}",
+                "{out}",
+                "--scheme",
+                "tensor",
+                "--format",
+                "compressed-tensors",
+                "--device",
+                dev,
+                "--max-shard-size",
+                args.max_shard_size,
+                "--overwrite",
+                "--json",
+                "-q",
+            ]
+            + (["--max-resident", args.max_resident] if args.max_resident else []),
+            "env": fp8convert_env(args),
+        }
         # the first run in an environment has no record of torch's start-up pages; the next one reads
         # that run's record
         plan += [dict(fp8, label=f"fp8convert-{dev}-first-run", clear_cache=True), fp8]
         if args.warm_libs:  # same run, but torch's own files already in the page cache (checkpoint still cold)
-            plan.append(dict(plan[-1], label=f"fp8convert-{dev}-libs-warm",
-                             warmup=[PY, "-c", f"import torch; torch.empty(1, device='{dev}')"]))
+            plan.append(
+                dict(
+                    plan[-1],
+                    label=f"fp8convert-{dev}-libs-warm",
+                    warmup=[PY, "-c", f"import torch; torch.empty(1, device='{dev}')"],
+                )
+            )
         if args.startup_ablation:  # the same run with one start-up mechanism switched off
             for name, patch in ABLATIONS.items():
-                plan.append(dict(fp8, label=f"fp8convert-{dev}-{name}",
-                                 cmd=[PY, "-c", patch.format(dev=dev) + ABLATED_CLI] + fp8["cmd"][3:]))
+                plan.append(
+                    dict(
+                        fp8,
+                        label=f"fp8convert-{dev}-{name}",
+                        cmd=[PY, "-c", patch.format(dev=dev) + ABLATED_CLI] + fp8["cmd"][3:],
+                    )
+                )
     if not args.skip_naive:
-        plan.append({"label": "naive", "kind": "script", "durable": False,
-                     "cmd": [PY, str(BENCH / "naive_convert.py"), "{src}", "{out}"], "env": child_env()})
+        plan.append(
+            {
+                "label": "naive",
+                "kind": "script",
+                "durable": False,
+                "cmd": [PY, str(BENCH / "naive_convert.py"), "{src}", "{out}"],
+                "env": child_env(),
+            }
+        )
     if not args.skip_llmc:
         for w in args.llmc_workers:
-            plan.append({"label": f"llmc-w{w}", "kind": "script", "durable": False,
-                         "cmd": [PY, str(BENCH / "lc_convert.py"), "{src}", "{out}", "TENSOR", str(w)],
-                         "env": child_env([args.llmc_site])})
+            plan.append(
+                {
+                    "label": f"llmc-w{w}",
+                    "kind": "script",
+                    "durable": False,
+                    "cmd": [PY, str(BENCH / "lc_convert.py"), "{src}", "{out}", "TENSOR", str(w)],
+                    "env": child_env([args.llmc_site]),
+                }
+            )
     return plan
 
 
@@ -601,9 +755,11 @@ def run_contender(c: dict, src: Path, info: dict, floor: dict | None, args, log:
     if not args.keep_outputs:
         shutil.rmtree(out, ignore_errors=True)
     status = "ok" if r["rc"] == 0 else ("TIMED OUT" if r["timed_out"] else f"FAILED rc={r['rc']}")
-    log.say(f"  {c['label']:<16} {status:<10} wall {r['wall_s']:6.1f} s, sync {r['sync_s']:4.1f} s, "
-            f"RSS {r['rss_peak_gib']:5.2f} GiB, GPU {fmt(r['gpu_self_gib'], 2)} GiB (self) / "
-            f"{fmt(r['gpu_used_nvml_gib'], 2)} GiB (nvml)")
+    log.say(
+        f"  {c['label']:<16} {status:<10} wall {r['wall_s']:6.1f} s, sync {r['sync_s']:4.1f} s, "
+        f"RSS {r['rss_peak_gib']:5.2f} GiB, GPU {fmt(r['gpu_self_gib'], 2)} GiB (self) / "
+        f"{fmt(r['gpu_used_nvml_gib'], 2)} GiB (nvml)"
+    )
     if r["rc"] != 0:
         log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
     return r
@@ -661,8 +817,6 @@ def warm_page_cache(src: Path) -> float:
     return time.monotonic() - start
 
 
-
-
 def run_ceiling(src: Path, info: dict, args, log: Log, gpu) -> list[dict]:
     """fp8convert with no disk in the way: the input in the page cache, the output on tmpfs. What is left
     is the pipeline itself (and start-up): its GB/s is what the tool could do on a disk of any speed."""
@@ -686,46 +840,79 @@ def ceiling_run(src: Path, info: dict, args, log: Log, gpu, dev: str, mode: str,
     shutil.rmtree(out, ignore_errors=True)
     warm_page_cache(src)
     copy_one, copy_all = host_copy_gbps()  # the run's spread between fresh processes is read against these
-    cmd = fp8convert_cmd() + ["quantize", str(src), str(out), "--device", dev, "--max-shard-size",
-                              args.max_shard_size, "--overwrite", "--json", "-q"]
+    cmd = fp8convert_cmd() + [
+        "quantize",
+        str(src),
+        str(out),
+        "--device",
+        dev,
+        "--max-shard-size",
+        args.max_shard_size,
+        "--overwrite",
+        "--json",
+        "-q",
+    ]
     cpu_before = cpu_seconds()
-    r = run_measured(f"{src.name}-ceiling-{dev}-{mode}-{rep}", cmd, fp8convert_env(args),
-                     args.work / "logs", log, gpu, args.timeout)
+    r = run_measured(
+        f"{src.name}-ceiling-{dev}-{mode}-{rep}", cmd, fp8convert_env(args), args.work / "logs", log, gpu, args.timeout
+    )
     steal = steal_percent(cpu_before, cpu_seconds())
     report = parse_json_report(r["stdout"]) or {}
     stages = report.get("stage_seconds") or {}
-    row = {"device": dev, "mode": mode, "rep": rep + 1 if rep >= 0 else "-", "rc": r["rc"], "wall_s": r["wall_s"],
-           "rss_gib": r["rss_peak_gib"], "gpu_gib": (report.get("peak_device_bytes") or 0) / GiB or None,
-           "stages": stages, "ran_on": report.get("device"), "torch_ready_s": stages.get("torch_ready_at"),
-           "pipeline_s": stages.get("pipeline"), "copy_one_gbps": copy_one, "copy_all_gbps": copy_all,
-           "steal_pct": steal}
+    row = {
+        "device": dev,
+        "mode": mode,
+        "rep": rep + 1 if rep >= 0 else "-",
+        "rc": r["rc"],
+        "wall_s": r["wall_s"],
+        "rss_gib": r["rss_peak_gib"],
+        "gpu_gib": (report.get("peak_device_bytes") or 0) / GiB or None,
+        "stages": stages,
+        "ran_on": report.get("device"),
+        "torch_ready_s": stages.get("torch_ready_at"),
+        "pipeline_s": stages.get("pipeline"),
+        "copy_one_gbps": copy_one,
+        "copy_all_gbps": copy_all,
+        "steal_pct": steal,
+    }
     row["gbps_pipeline"] = info["bytes_in"] / row["pipeline_s"] / 1e9 if row["pipeline_s"] else None
     row["gbps_whole"] = info["bytes_in"] / r["wall_s"] / 1e9 if r["rc"] == 0 else None
     shutil.rmtree(out, ignore_errors=True)
-    log.say(f"  ceiling {dev} {mode} #{row['rep']}: rc {r['rc']}, wall {r['wall_s']:.2f} s, torch ready "
-            f"{fmt(row['torch_ready_s'], 2)} s, pipeline {fmt(row['pipeline_s'], 2)} s = "
-            f"{fmt(row['gbps_pipeline'], 2)} GB/s, whole {fmt(row['gbps_whole'], 2)} GB/s, "
-            f"ran on {row['ran_on']}, host copy {fmt(copy_one, 1)}/{fmt(copy_all, 1)} GB/s "
-            f"before it, steal {fmt(steal, 1)}%, stages {stages}")
+    log.say(
+        f"  ceiling {dev} {mode} #{row['rep']}: rc {r['rc']}, wall {r['wall_s']:.2f} s, torch ready "
+        f"{fmt(row['torch_ready_s'], 2)} s, pipeline {fmt(row['pipeline_s'], 2)} s = "
+        f"{fmt(row['gbps_pipeline'], 2)} GB/s, whole {fmt(row['gbps_whole'], 2)} GB/s, "
+        f"ran on {row['ran_on']}, host copy {fmt(copy_one, 1)}/{fmt(copy_all, 1)} GB/s "
+        f"before it, steal {fmt(steal, 1)}%, stages {stages}"
+    )
     if r["rc"] != 0:
         log.say("    " + r["stderr_tail"].replace("\n", "\n    "))
     return row
 
 
 def ceiling_table(name: str, info: dict, rows: list[dict]) -> str:
-    lines = [f"### {name}: pipeline ceiling ({info['bytes_in'] / 1e9:.2f} GB in the page cache, output on tmpfs)", "",
-             "| device | way | run | wall s | torch ready at s | pipeline s | GB/s pipeline "
-             "| GB/s whole run | ran on | peak RSS GiB | peak GPU GiB | host copy GB/s | steal % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['device']} | {r['mode']} | {r['rep']} | {r['wall_s']:.2f} | "
-              f"{fmt(r['torch_ready_s'], 2)} | "
-              f"{fmt(r['pipeline_s'], 2)} | {fmt(r['gbps_pipeline'], 2)} | {fmt(r['gbps_whole'], 2)} | "
-              f"{r['ran_on']} | {fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} | "
-              f"{fmt(r['copy_one_gbps'], 1)} / {fmt(r['copy_all_gbps'], 1)} | {fmt(r['steal_pct'], 1)} |" for r in rows]
-    lines += ["", "way: `warm-up` the pipeline alone once, first, so that the memory tmpfs takes for the outputs "
-              "has been touched (on a virtual machine the host backs a page on its first touch). host copy: a 1 GiB "
-              "memory copy just before the run, one thread / every core; steal: the share of the machine's CPU time "
-              "that the hypervisor gave other guests during the run."]
+    lines = [
+        f"### {name}: pipeline ceiling ({info['bytes_in'] / 1e9:.2f} GB in the page cache, output on tmpfs)",
+        "",
+        "| device | way | run | wall s | torch ready at s | pipeline s | GB/s pipeline "
+        "| GB/s whole run | ran on | peak RSS GiB | peak GPU GiB | host copy GB/s | steal % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['device']} | {r['mode']} | {r['rep']} | {r['wall_s']:.2f} | "
+        f"{fmt(r['torch_ready_s'], 2)} | "
+        f"{fmt(r['pipeline_s'], 2)} | {fmt(r['gbps_pipeline'], 2)} | {fmt(r['gbps_whole'], 2)} | "
+        f"{r['ran_on']} | {fmt(r['rss_gib'], 2)} | {fmt(r['gpu_gib'], 2)} | "
+        f"{fmt(r['copy_one_gbps'], 1)} / {fmt(r['copy_all_gbps'], 1)} | {fmt(r['steal_pct'], 1)} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "way: `warm-up` the pipeline alone once, first, so that the memory tmpfs takes for the outputs "
+        "has been touched (on a virtual machine the host backs a page on its first touch). host copy: a 1 GiB "
+        "memory copy just before the run, one thread / every core; steal: the share of the machine's CPU time "
+        "that the hypervisor gave other guests during the run.",
+    ]
     return "\n".join(lines)
 
 
@@ -735,27 +922,36 @@ def contender_table(name: str, info: dict, floor: dict | None, runs: list[dict])
         reads = ", ".join(f"{n}t {info['bytes_in'] / s / 1e9:.2f}" for n, s in floor["read_s"].items())
         writes = ", ".join(f"{n}t {info['bytes_out_estimate'] / s / 1e9:.2f}" for n, s in floor["write_s"].items())
         cold = "cold" if all(floor["caches_dropped"]) else "CACHES NOT DROPPED"
-        lines.append(f"I/O floor {floor['floor_s']:.1f} s = best read {floor['read_best_s']:.1f} s ({cold}; GB/s {reads}) "
-                     f"+ best fsync'd write of {info['bytes_out_estimate'] / 1e9:.2f} GB {floor['write_best_s']:.1f} s "
-                     f"(GB/s {writes})")
-    lines += ["", "| contender | wall s | tool s | +sync s | GB/s in | x floor | peak RSS GiB | GPU GiB (self) "
-                  "| GPU GiB (nvml) | out GB | durable on return | rc |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"I/O floor {floor['floor_s']:.1f} s = best read {floor['read_best_s']:.1f} s ({cold}; GB/s {reads}) "
+            f"+ best fsync'd write of {info['bytes_out_estimate'] / 1e9:.2f} GB {floor['write_best_s']:.1f} s "
+            f"(GB/s {writes})"
+        )
+    lines += [
+        "",
+        "| contender | wall s | tool s | +sync s | GB/s in | x floor | peak RSS GiB | GPU GiB (self) "
+        "| GPU GiB (nvml) | out GB | durable on return | rc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         durable = "yes (fsync)" if r["durable"] else "no (never fsyncs)"
         rc = r["rc"] if not r["timed_out"] else "timeout"
         if r["caches_dropped"] is False:
             rc = f"{rc}, cache not dropped"
-        lines.append(f"| {r['contender']} | {r['wall_s']:.1f} | {fmt(r['tool_s'])} | {r['sync_s']:.1f} | "
-                     f"{fmt(r['gbps_in'], 2)} | {fmt(r['x_floor'], 2)} | {r['rss_peak_gib']:.2f} | "
-                     f"{fmt(r['gpu_self_gib'], 2)} | {fmt(r['gpu_used_nvml_gib'], 2)} | {r['bytes_out'] / 1e9:.2f} | "
-                     f"{durable} | {rc} |")
+        lines.append(
+            f"| {r['contender']} | {r['wall_s']:.1f} | {fmt(r['tool_s'])} | {r['sync_s']:.1f} | "
+            f"{fmt(r['gbps_in'], 2)} | {fmt(r['x_floor'], 2)} | {r['rss_peak_gib']:.2f} | "
+            f"{fmt(r['gpu_self_gib'], 2)} | {fmt(r['gpu_used_nvml_gib'], 2)} | {r['bytes_out'] / 1e9:.2f} | "
+            f"{durable} | {rc} |"
+        )
     lines.append("")
-    lines.append("wall: child process start to exit (imports included); tool s: what the tool itself reports "
-                 "(after imports); +sync s: a `sync` right after exit (writes the tool left in the page cache); "
-                 "peak RSS: process tree, sampled every 0.1 s, or its largest process's high-water mark; "
-                 "GPU self: torch max_memory_allocated as the tool reports it; GPU nvml: device memory in use "
-                 "above the idle baseline (CUDA context included).")
+    lines.append(
+        "wall: child process start to exit (imports included); tool s: what the tool itself reports "
+        "(after imports); +sync s: a `sync` right after exit (writes the tool left in the page cache); "
+        "peak RSS: process tree, sampled every 0.1 s, or its largest process's high-water mark; "
+        "GPU self: torch max_memory_allocated as the tool reports it; GPU nvml: device memory in use "
+        "above the idle baseline (CUDA context included)."
+    )
     return "\n".join(lines)
 
 
@@ -768,13 +964,19 @@ def loader_child(name: str, src: str, device: str) -> None:
     """Runs in a child process (`bench.py _loader NAME SRC DEVICE`): stream every tensor of SRC onto DEVICE
     with one loader, drop it, and print one JSON line with seconds and bytes."""
     import torch
+
     files = sorted(str(p) for p in Path(src).glob("*.safetensors"))
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    fn = {"plain-read": load_plain_read, "safetensors": load_safetensors, "fp8convert-reader": load_fp8convert,
-          "runai-streamer": load_runai, "fastsafetensors": lambda f, d: load_fastsafetensors(f, d, gds=False),
-          "fastsafetensors-gds": lambda f, d: load_fastsafetensors(f, d, gds=True)}[name]
+    fn = {
+        "plain-read": load_plain_read,
+        "safetensors": load_safetensors,
+        "fp8convert-reader": load_fp8convert,
+        "runai-streamer": load_runai,
+        "fastsafetensors": lambda f, d: load_fastsafetensors(f, d, gds=False),
+        "fastsafetensors-gds": lambda f, d: load_fastsafetensors(f, d, gds=True),
+    }[name]
     if dev.type == "cuda":
         torch.cuda.init()
         torch.empty(1, device=dev)  # context up before the clock starts, as for every loader
@@ -784,8 +986,20 @@ def loader_child(name: str, src: str, device: str) -> None:
         torch.cuda.synchronize(dev)
     seconds = time.monotonic() - start
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    print("LOADER_RESULT " + json.dumps({"loader": name, "seconds": seconds, "bytes": nbytes, "tensors": ntensors,
-                                         "peak_device_bytes": peak, "notes": NOTES}), flush=True)
+    print(
+        "LOADER_RESULT "
+        + json.dumps(
+            {
+                "loader": name,
+                "seconds": seconds,
+                "bytes": nbytes,
+                "tensors": ntensors,
+                "peak_device_bytes": peak,
+                "notes": NOTES,
+            }
+        ),
+        flush=True,
+    )
 
 
 def load_plain_read(files, dev):
@@ -797,6 +1011,7 @@ def load_plain_read(files, dev):
 def load_safetensors(files, dev):
     """safetensors.torch.load_file(device=...) one shard at a time (mmap, then pageable copies)."""
     from safetensors.torch import load_file
+
     nbytes = ntensors = 0
     for f in files:
         sd = load_file(f, device=str(dev))
@@ -812,6 +1027,7 @@ def load_fp8convert(files, dev):
     from fp8convert.run.prefetch import Prefetcher, default_window
     from fp8convert.run.reader import BatchReader
     from fp8convert.source.local import open_local
+
     source = open_local(Path(files[0]).parent)
     budget = 4 * GiB if dev.type == "cuda" else 1 * GiB
     batches, cur, size = [], [], 0
@@ -822,8 +1038,10 @@ def load_fp8convert(files, dev):
         cur.append(t)
         size += t.nbytes
     batches.append(cur)
-    with Prefetcher(source.root, source.tensors, default_window(), threads=4) as prefetcher, \
-            BatchReader(source.root, dev) as reader:
+    with (
+        Prefetcher(source.root, source.tensors, default_window(), threads=4) as prefetcher,
+        BatchReader(source.root, dev) as reader,
+    ):
         for b in batches:
             buf, _ = reader.read(b)
             prefetcher.advance(sum(t.nbytes for t in b))
@@ -835,6 +1053,7 @@ def load_fp8convert(files, dev):
 def load_runai(files, dev):
     """Run:ai Model Streamer (vLLM --load-format runai_streamer): host buffers, then .to(device)."""
     from runai_model_streamer import SafetensorsStreamer
+
     nbytes = ntensors = 0
     with SafetensorsStreamer() as streamer:
         streamer.stream_files(files)
@@ -851,11 +1070,13 @@ def load_fastsafetensors(files, dev, gds: bool):
     through GPUDirect Storage when gds=True, else pread into a bounce buffer."""
     import logging
     import warnings
+
     from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
     class Fallbacks(logging.Handler):  # a GDS file-handle failure is only logged, then nogds is used
         def emit(self, record):
             NOTES.append(record.getMessage()[:200])
+
     if gds:
         NOTES.append(f"/dev/nvidia-fs0 {'present' if os.path.exists('/dev/nvidia-fs0') else 'absent'}")
         logging.getLogger("fastsafetensors").addHandler(Fallbacks(logging.WARNING))
@@ -887,8 +1108,10 @@ def cudart_dir(work: Path) -> str | None:
     for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"):
         if os.path.exists(f"{d}/libcudart.so"):
             return d
-    found = sh(f"{PY} -c \"import glob, os, torch; r = os.path.dirname(os.path.dirname(torch.__file__)); "
-               f"print(sorted(glob.glob(r + '/nvidia/**/libcudart.so*', recursive=True))[-1:])\"")
+    found = sh(
+        f'{PY} -c "import glob, os, torch; r = os.path.dirname(os.path.dirname(torch.__file__)); '
+        f"print(sorted(glob.glob(r + '/nvidia/**/libcudart.so*', recursive=True))[-1:])\""
+    )
     m = re.search(r"'([^']+)'", found)
     if not m:
         return None
@@ -915,13 +1138,27 @@ def run_loaders(src: Path, info: dict, args, log: Log, gpu, loaders_ok: bool) ->
         env = child_env([args.loader_site, REPO])
         if libdir:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
-        r = run_measured(f"{src.name}-load-{name}", [PY, str(Path(__file__).resolve()), "_loader", name, str(src), device],
-                         env, args.work / "logs", log, gpu, args.timeout)
+        r = run_measured(
+            f"{src.name}-load-{name}",
+            [PY, str(Path(__file__).resolve()), "_loader", name, str(src), device],
+            env,
+            args.work / "logs",
+            log,
+            gpu,
+            args.timeout,
+        )
         m = re.search(r"LOADER_RESULT (\{.*\})", r["stdout"])
         got = json.loads(m.group(1)) if m else {}
-        r.update(loader=name, device=device, caches_dropped=dropped, inner_s=got.get("seconds"), notes=got.get("notes", []),
-                 bytes=got.get("bytes"), tensors=got.get("tensors"),
-                 gpu_self_gib=None if got.get("peak_device_bytes") is None else got["peak_device_bytes"] / GiB)
+        r.update(
+            loader=name,
+            device=device,
+            caches_dropped=dropped,
+            inner_s=got.get("seconds"),
+            notes=got.get("notes", []),
+            bytes=got.get("bytes"),
+            tensors=got.get("tensors"),
+            gpu_self_gib=None if got.get("peak_device_bytes") is None else got["peak_device_bytes"] / GiB,
+        )
         r["gbps"] = info["bytes_in"] / r["inner_s"] / 1e9 if r["inner_s"] else None
         r.pop("stdout", None)
         rows.append(r)
@@ -929,31 +1166,45 @@ def run_loaders(src: Path, info: dict, args, log: Log, gpu, loaders_ok: bool) ->
             status = f"load {r['inner_s']:.1f} s ({fmt(r['gbps'], 2)} GB/s)"
         else:
             status = "FAILED: " + (r["stderr_tail"].splitlines() or ["?"])[-1][:200]
-        log.say(f"  {name:<20} {status}, wall {r['wall_s']:.1f} s, RSS {r['rss_peak_gib']:.2f} GiB, "
-                f"GPU {fmt(r['gpu_self_gib'], 2)} GiB (self) / {fmt(r['gpu_used_nvml_gib'], 2)} GiB (nvml)")
+        log.say(
+            f"  {name:<20} {status}, wall {r['wall_s']:.1f} s, RSS {r['rss_peak_gib']:.2f} GiB, "
+            f"GPU {fmt(r['gpu_self_gib'], 2)} GiB (self) / {fmt(r['gpu_used_nvml_gib'], 2)} GiB (nvml)"
+        )
     return rows
 
 
 def loader_table(name: str, info: dict, rows: list[dict]) -> str:
-    lines = [f"### loaders, {name} ({info['bytes_in'] / 1e9:.2f} GB, page cache dropped before each)", "",
-             "| loader | device | load s | GB/s | wall s | peak RSS GiB | GPU GiB (self) | GPU GiB (nvml) | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### loaders, {name} ({info['bytes_in'] / 1e9:.2f} GB, page cache dropped before each)",
+        "",
+        "| loader | device | load s | GB/s | wall s | peak RSS GiB | GPU GiB (self) | GPU GiB (nvml) | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['loader']} | - | - | - | - | - | - | - | {r['skipped']} |")
             continue
-        note = "" if r["rc"] == 0 and r["inner_s"] else "failed: " + (r["stderr_tail"].splitlines() or ["?"])[-1][:120].replace("|", "/")
+        note = (
+            ""
+            if r["rc"] == 0 and r["inner_s"]
+            else "failed: " + (r["stderr_tail"].splitlines() or ["?"])[-1][:120].replace("|", "/")
+        )
         if r["caches_dropped"] is False:
             note += " cache not dropped"
         note += "; ".join(r.get("notes", [])).replace("|", "/")
-        lines.append(f"| {r['loader']} | {r['device']} | {fmt(r['inner_s'])} | {fmt(r['gbps'], 2)} | {r['wall_s']:.1f} | "
-                     f"{r['rss_peak_gib']:.2f} | {fmt(r['gpu_self_gib'], 2)} | {fmt(r['gpu_used_nvml_gib'], 2)} | {note} |")
-    lines.append("\nload s: first byte to last tensor on the device (torch synchronized), CUDA context already up; "
-                 "plain-read reads into host memory only.")
+        lines.append(
+            f"| {r['loader']} | {r['device']} | {fmt(r['inner_s'])} | {fmt(r['gbps'], 2)} | {r['wall_s']:.1f} | "
+            f"{r['rss_peak_gib']:.2f} | {fmt(r['gpu_self_gib'], 2)} | {fmt(r['gpu_used_nvml_gib'], 2)} | {note} |"
+        )
+    lines.append(
+        "\nload s: first byte to last tensor on the device (torch synchronized), CUDA context already up; "
+        "plain-read reads into host memory only."
+    )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------ CPU == CUDA check
+
 
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
@@ -1006,24 +1257,47 @@ def check_identical(src: Path, args, log: Log, gpu) -> list[dict]:
         outs = {}
         for dev in args.identical_devices:
             out = args.work / f"ident-{scheme}-{fmt_}-{dev}-{len(outs)}"
-            cmd = fp8convert_cmd() + ["quantize", str(src), str(out), "--scheme", scheme, "--format", fmt_,
-                                      "--device", dev, "--max-shard-size", args.max_shard_size, "--overwrite",
-                                      "--json", "-q"]
-            r = run_measured(out.name, cmd, child_env([REPO]), args.work / "logs",
-                             log, gpu, args.timeout)
+            cmd = fp8convert_cmd() + [
+                "quantize",
+                str(src),
+                str(out),
+                "--scheme",
+                scheme,
+                "--format",
+                fmt_,
+                "--device",
+                dev,
+                "--max-shard-size",
+                args.max_shard_size,
+                "--overwrite",
+                "--json",
+                "-q",
+            ]
+            r = run_measured(out.name, cmd, child_env([REPO]), args.work / "logs", log, gpu, args.timeout)
             outs[f"{dev}" if dev not in outs else f"{dev}#2"] = (out, r)
         ok = all(r["rc"] == 0 for _, r in outs.values())
         (out_a, run_a), (out_b, run_b) = outs.values()
-        cmp = compare_dirs(out_a, out_b) if ok else {"identical": False, "error": {
-            dev: r["stderr_tail"] for dev, (_, r) in outs.items() if r["rc"] != 0}}
-        row = {"checkpoint": src.name, "scheme": scheme, "format": fmt_, "devices": list(outs), **cmp,
-               "wall_s": {dev: r["wall_s"] for dev, (_, r) in outs.items()}}
+        cmp = (
+            compare_dirs(out_a, out_b)
+            if ok
+            else {"identical": False, "error": {dev: r["stderr_tail"] for dev, (_, r) in outs.items() if r["rc"] != 0}}
+        )
+        row = {
+            "checkpoint": src.name,
+            "scheme": scheme,
+            "format": fmt_,
+            "devices": list(outs),
+            **cmp,
+            "wall_s": {dev: r["wall_s"] for dev, (_, r) in outs.items()},
+        }
         rows.append(row)
         verdict = "IDENTICAL" if cmp["identical"] else ("ERROR" if cmp.get("error") else "DIFFERENT")
         walls = ", ".join(f"{dev} {r['wall_s']:.1f} s" for dev, (_, r) in outs.items())
         log.say(f"  {scheme}/{fmt_}: {verdict} ({cmp.get('files', '?')} files; {walls})")
         if not cmp["identical"]:
-            log.say("    " + json.dumps({k: cmp.get(k) for k in ("only_in_one", "differ", "error") if cmp.get(k)})[:2000])
+            log.say(
+                "    " + json.dumps({k: cmp.get(k) for k in ("only_in_one", "differ", "error") if cmp.get(k)})[:2000]
+            )
         if not args.keep_outputs:
             for out, _ in outs.values():
                 shutil.rmtree(out, ignore_errors=True)
@@ -1031,6 +1305,7 @@ def check_identical(src: Path, args, log: Log, gpu) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------- main
+
 
 def scaling_table(results: dict) -> str | None:
     """Doubling check: for each contender, how wall time, RSS and GPU memory grow from 8->16 MoE layers
@@ -1046,61 +1321,118 @@ def scaling_table(results: dict) -> str | None:
             b = by_label.get(r["contender"])
             if not b or r["rc"] or b["rc"]:
                 continue
-            ratio = lambda k: None if not r.get(k) or b.get(k) is None else b[k] / r[k]
-            lines.append(f"| {name}->{big['name']} ({shard:g} GB shards) | {r['contender']} | {r['wall_s']:.1f} -> "
-                         f"{b['wall_s']:.1f} (x{ratio('wall_s'):.2f}) | {r['rss_peak_gib']:.2f} -> {b['rss_peak_gib']:.2f} | "
-                         f"{fmt(r['gpu_self_gib'], 2)} -> {fmt(b['gpu_self_gib'], 2)} | {fmt(ratio('x_floor'), 2)} |")
+
+            def ratio(k, r=r, b=b):
+                return None if not r.get(k) or b.get(k) is None else b[k] / r[k]
+
+            lines.append(
+                f"| {name}->{big['name']} ({shard:g} GB shards) | {r['contender']} | {r['wall_s']:.1f} -> "
+                f"{b['wall_s']:.1f} (x{ratio('wall_s'):.2f}) | {r['rss_peak_gib']:.2f} -> {b['rss_peak_gib']:.2f} | "
+                f"{fmt(r['gpu_self_gib'], 2)} -> {fmt(b['gpu_self_gib'], 2)} | {fmt(ratio('x_floor'), 2)} |"
+            )
     if not lines:
         return None
-    return "\n".join(["### doubling check", "", "| checkpoints | contender | wall s | peak RSS GiB | GPU GiB (self) "
-                      "| x-floor ratio |", "|---|---|---|---|---|---|", *lines])
+    return "\n".join(
+        [
+            "### doubling check",
+            "",
+            "| checkpoints | contender | wall s | peak RSS GiB | GPU GiB (self) | x-floor ratio |",
+            "|---|---|---|---|---|---|",
+            *lines,
+        ]
+    )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Example: python3 scripts/bench.py --ckpt moe8 --ckpt dense16 --out results")
-    p.add_argument("--ckpt", action="append", choices=sorted(CKPTS),
-                   help="checkpoint(s) to benchmark, repeatable (default: moe8 and dense16)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Example: python3 scripts/bench.py --ckpt moe8 --ckpt dense16 --out results",
+    )
+    p.add_argument(
+        "--ckpt",
+        action="append",
+        choices=sorted(CKPTS),
+        help="checkpoint(s) to benchmark, repeatable (default: moe8 and dense16)",
+    )
     p.add_argument("--double", action="store_true", help="also moe16 and dense32 (the doubling check)")
     p.add_argument("--shard-gb", type=float, action="append", help="input shard size(s), repeatable (default 2)")
-    p.add_argument("--work", type=Path, default=Path("/var/tmp/fp8bench"), help="checkpoints and outputs (default %(default)s)")
+    p.add_argument(
+        "--work", type=Path, default=Path("/var/tmp/fp8bench"), help="checkpoints and outputs (default %(default)s)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="bench.log and results.json go here")
-    p.add_argument("--device", choices=["cuda", "cpu", "both"], default="cuda", help="fp8convert's --device (default cuda)")
+    p.add_argument(
+        "--device", choices=["cuda", "cpu", "both"], default="cuda", help="fp8convert's --device (default cuda)"
+    )
     p.add_argument("--max-shard-size", default="5GB", help="fp8convert's output shard size")
     p.add_argument("--max-resident", help="fp8convert's --max-resident (default: its own)")
     p.add_argument("--skip-llmc", action="store_true", help="do not run llm-compressor")
-    p.add_argument("--dequantize", action="store_true",
-                   help="benchmark `fp8convert dequantize` on a native fp8 block copy of each checkpoint against the "
-                        "naive whole-shard dequantizer (anchor/naive_dequant.py); llm-compressor is not run")
-    p.add_argument("--startup-ablation", action="store_true",
-                   help="also run fp8convert with each start-up mechanism switched off (ABLATIONS)")
-    p.add_argument("--warm-libs", action="store_true",
-                   help="also run fp8convert with torch's files warm in the page cache (checkpoint still cold)")
-    p.add_argument("--llmc-workers", type=int, action="append", help="model_free_ptq max_workers, repeatable (default 1)")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="benchmark `fp8convert dequantize` on a native fp8 block copy of each checkpoint against the "
+        "naive whole-shard dequantizer (anchor/naive_dequant.py); llm-compressor is not run",
+    )
+    p.add_argument(
+        "--startup-ablation",
+        action="store_true",
+        help="also run fp8convert with each start-up mechanism switched off (ABLATIONS)",
+    )
+    p.add_argument(
+        "--warm-libs",
+        action="store_true",
+        help="also run fp8convert with torch's files warm in the page cache (checkpoint still cold)",
+    )
+    p.add_argument(
+        "--llmc-workers", type=int, action="append", help="model_free_ptq max_workers, repeatable (default 1)"
+    )
     p.add_argument("--skip-naive", action="store_true", help="do not run the naive shard-at-a-time script")
     p.add_argument("--skip-floor", action="store_true", help="do not measure the I/O floor")
-    p.add_argument("--read-threads", type=int, action="append", help="floor: cold-read thread counts (default 1, 4, 16)")
-    p.add_argument("--write-threads", type=int, action="append", help="floor: fsync'd write thread counts (default 1, 4)")
-    p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false", help="do not drop the page cache (not root)")
-    p.add_argument("--skip-convert", action="store_true", help="no contenders (e.g. only --loaders or --check-identical)")
+    p.add_argument(
+        "--read-threads", type=int, action="append", help="floor: cold-read thread counts (default 1, 4, 16)"
+    )
+    p.add_argument(
+        "--write-threads", type=int, action="append", help="floor: fsync'd write thread counts (default 1, 4)"
+    )
+    p.add_argument(
+        "--no-drop-caches", dest="drop_caches", action="store_false", help="do not drop the page cache (not root)"
+    )
+    p.add_argument(
+        "--skip-convert", action="store_true", help="no contenders (e.g. only --loaders or --check-identical)"
+    )
     p.add_argument("--loaders", action="store_true", help="also read each checkpoint cold with other loaders")
     p.add_argument("--loader", dest="loader_list", action="append", choices=LOADERS, help="which loaders (default all)")
     p.add_argument("--check-identical", action="store_true", help="fp8convert CPU vs CUDA outputs byte-identical?")
     p.add_argument("--identical-ckpt", default="moe2", choices=sorted(CKPTS), help="checkpoint for that (default moe2)")
-    p.add_argument("--identical-combo", dest="identical_combos", action="append",
-                   help="scheme/format pairs to compare (default tensor, channel, block with compressed-tensors, block/fp8)")
-    p.add_argument("--identical-devices", type=lambda v: v.split(","), default=["cpu", "cuda"],
-                   help="the two devices compared (default cpu,cuda; cpu,cpu tries the check without a GPU)")
-    p.add_argument("--ceiling", action="store_true",
-                   help="fp8convert with the input in the page cache and the output on tmpfs (the pipeline's own speed)")
+    p.add_argument(
+        "--identical-combo",
+        dest="identical_combos",
+        action="append",
+        help="scheme/format pairs to compare (default tensor, channel, block with compressed-tensors, block/fp8)",
+    )
+    p.add_argument(
+        "--identical-devices",
+        type=lambda v: v.split(","),
+        default=["cpu", "cuda"],
+        help="the two devices compared (default cpu,cuda; cpu,cpu tries the check without a GPU)",
+    )
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="fp8convert with the input in the page cache and the output on tmpfs (the pipeline's own speed)",
+    )
     p.add_argument("--ceiling-out", type=Path, default=Path("/dev/shm/fp8bench"), help="tmpfs for --ceiling outputs")
     p.add_argument("--ceiling-repeat", type=int, default=2, help="runs per device and way for --ceiling (default 2)")
     p.add_argument("--keep-ckpts", action="store_true", help="do not remove checkpoints this call does not use")
     p.add_argument("--keep-outputs", action="store_true", help="keep the contenders' outputs")
     p.add_argument("--timeout", type=float, default=480, help="seconds before a contender is killed")
-    p.add_argument("--budget", type=float, default=570,
-                   help="seconds for the whole call (keep it under any limit your job has): later steps are skipped and "
-                        "a running one is killed so the tables still print; 0 = no limit (default %(default)s)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=570,
+        help="seconds for the whole call (keep it under any limit your job has): later steps are skipped and "
+        "a running one is killed so the tables still print; 0 = no limit (default %(default)s)",
+    )
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="llm-compressor wheels (default .whl)")
     p.add_argument("--llmc-site", type=Path, default=Path("/tmp/site"))
     p.add_argument("--loader-wheels", type=Path, default=REPO / ".whl-loaders")
@@ -1114,8 +1446,12 @@ def parse_args(argv=None):
     a.read_threads = a.read_threads or [1, 4, 16]
     a.write_threads = a.write_threads or [1, 4]
     a.loader_list = a.loader_list or LOADERS
-    a.identical_combos = a.identical_combos or ["tensor/compressed-tensors", "channel/compressed-tensors",
-                                                "block/compressed-tensors", "block/fp8"]
+    a.identical_combos = a.identical_combos or [
+        "tensor/compressed-tensors",
+        "channel/compressed-tensors",
+        "block/compressed-tensors",
+        "block/fp8",
+    ]
     a.work = a.work.resolve()
     return a
 
@@ -1129,14 +1465,20 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     log = Log(args.out / "bench.log")
     results_path = args.out / "results.json"
-    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "env": environment(), "checkpoints": {}, "identical": []}
+    results = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "env": environment(),
+        "checkpoints": {},
+        "identical": [],
+    }
     for k in ("gpu", "torch", "cpus", "kernel"):
         log.say(f"{k}: {results['env'][k]}")
     log.quiet(json.dumps(results["env"], indent=2))
     if args.drop_caches and drop_caches(True) is False:
-        log.say("WARNING: cannot drop the page cache here (not root, or not supported): reads may be warm; "
-                "pass --no-drop-caches to silence")
+        log.say(
+            "WARNING: cannot drop the page cache here (not root, or not supported): reads may be warm; "
+            "pass --no-drop-caches to silence"
+        )
     for f in ("make_ckpt.py", "naive_convert.py", "lc_convert.py", "naive_dequant.py"):
         if not (BENCH / f).exists():
             raise SystemExit(f"{BENCH / f} is missing")
@@ -1165,9 +1507,16 @@ def main(argv=None) -> int:
         if args.dequantize:
             src = build_fp8_copy(src, args.device, log, gpu, args.work)
         info = describe_checkpoint(src)
-        entry = results["checkpoints"][src.name] = {"name": name, "shard_gb": shard, "path": str(src),
-                                                     "build_s": build_s, **info}
-        log.say(f"== {src.name}: {info['bytes_in'] / 1e9:.2f} GB, {len(info['files'])} shards, {info['tensors']} tensors")
+        entry = results["checkpoints"][src.name] = {
+            "name": name,
+            "shard_gb": shard,
+            "path": str(src),
+            "build_s": build_s,
+            **info,
+        }
+        log.say(
+            f"== {src.name}: {info['bytes_in'] / 1e9:.2f} GB, {len(info['files'])} shards, {info['tensors']} tensors"
+        )
         floor = None
         if plan and not args.skip_floor and not out_of_time(log, "the I/O floor"):
             floor = entry["floor"] = measure_floor(src, info, args, log)
@@ -1188,8 +1537,9 @@ def main(argv=None) -> int:
             entry["loaders"] = run_loaders(src, info, args, log, gpu, loaders_ok)
             save_json(results_path, results)
             tables.append(loader_table(src.name, info, entry["loaders"]))
-        if not args.keep_ckpts and not (args.check_identical and bf16_src == ckpt_dir(args.work, args.identical_ckpt,
-                                                                                       args.shard_gb[0])):
+        if not args.keep_ckpts and not (
+            args.check_identical and bf16_src == ckpt_dir(args.work, args.identical_ckpt, args.shard_gb[0])
+        ):
             shutil.rmtree(src, ignore_errors=True)  # room for the next one (64 GiB disk); --keep-ckpts keeps it
             shutil.rmtree(bf16_src, ignore_errors=True)
     if args.check_identical and not out_of_time(log, "the CPU/CUDA check"):
@@ -1197,12 +1547,18 @@ def main(argv=None) -> int:
         log.say(f"== fp8convert outputs, {' vs '.join(args.identical_devices)}, on {src.name}")
         results["identical"] = check_identical(src, args, log, gpu)
         save_json(results_path, results)
-        rows = [f"### fp8convert outputs, {' vs '.join(args.identical_devices)}", "", "| checkpoint | scheme | format | files | identical | differing |",
-                "|---|---|---|---|---|---|"]
-        rows += [f"| {r['checkpoint']} | {r['scheme']} | {r['format']} | {r.get('files', '-')} | "
-                 f"{'yes' if r['identical'] else 'NO'} | "
-                 f"{', '.join(list(r.get('differ', {})) + r.get('only_in_one', [])) or ('error' if r.get('error') else '')} |"
-                 for r in results["identical"]]
+        rows = [
+            f"### fp8convert outputs, {' vs '.join(args.identical_devices)}",
+            "",
+            "| checkpoint | scheme | format | files | identical | differing |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows += [
+            f"| {r['checkpoint']} | {r['scheme']} | {r['format']} | {r.get('files', '-')} | "
+            f"{'yes' if r['identical'] else 'NO'} | "
+            f"{', '.join([*r.get('differ', {}), *r.get('only_in_one', [])]) or ('error' if r.get('error') else '')} |"
+            for r in results["identical"]
+        ]
         tables.append("\n".join(rows))
     scaling = scaling_table(results)
     if scaling:
@@ -1211,10 +1567,14 @@ def main(argv=None) -> int:
     results["tables"] = tables
     save_json(results_path, results)
     failed = [r["label"] for c in results["checkpoints"].values() for r in c.get("runs", []) if r["rc"] != 0]
-    failed += [f"ceiling {r['device']}" for c in results["checkpoints"].values() for r in c.get("ceiling", [])
-               if r["rc"] != 0]
+    failed += [
+        f"ceiling {r['device']}" for c in results["checkpoints"].values() for r in c.get("ceiling", []) if r["rc"] != 0
+    ]
     failed += [f"identical {r['scheme']}/{r['format']}" for r in results["identical"] if not r["identical"]]
-    log.say(f"\nresults: {results_path}, log: {args.out / 'bench.log'}" + (f"; FAILED/DIFFERENT: {failed}" if failed else ""))
+    log.say(
+        f"\nresults: {results_path}, log: {args.out / 'bench.log'}"
+        + (f"; FAILED/DIFFERENT: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

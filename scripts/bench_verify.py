@@ -15,6 +15,7 @@ demo model for `tiny`) and kept in --work for later calls.
 Prints a Markdown table with each round and the medians, and writes results.json into --out.
 Standard library only; the children use this checkout's fp8convert.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CKPTS = {"tiny": ("demo", 0), "moe2": ("moe", 2), "dense2": ("dense", 2), "moe8": ("moe", 8),
-         "dense16": ("dense", 16)}
+CKPTS = {"tiny": ("demo", 0), "moe2": ("moe", 2), "dense2": ("dense", 2), "moe8": ("moe", 8), "dense16": ("dense", 16)}
 
 
 def child_env() -> dict:
@@ -44,11 +44,24 @@ def build(name: str, work: Path) -> Path:
         return path
     kind, layers = CKPTS[name]
     if kind == "demo":
-        cmd = [sys.executable, "-c", "import sys; from fp8convert.demo import make_demo_model; "
-               "make_demo_model(sys.argv[1])", str(path)]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from fp8convert.demo import make_demo_model; make_demo_model(sys.argv[1])",
+            str(path),
+        ]
     else:
-        cmd = [sys.executable, str(REPO / "scripts" / "anchor" / "make_ckpt.py"), str(path), "--kind", kind,
-               "--layers", str(layers), "--shard-gb", "2"]
+        cmd = [
+            sys.executable,
+            str(REPO / "scripts" / "anchor" / "make_ckpt.py"),
+            str(path),
+            "--kind",
+            kind,
+            "--layers",
+            str(layers),
+            "--shard-gb",
+            "2",
+        ]
     print(f"building {path} ...", flush=True)
     subprocess.run(cmd, check=True, env=child_env())
     return path
@@ -62,8 +75,14 @@ def run(args: list[str]) -> dict:
     """One fp8convert command as a child process: wall seconds, peak RSS, exit status, load at start."""
     load = os.getloadavg()[0]
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "fp8convert", *args], env=child_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp8convert", *args],
+        env=child_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - started
     out, err = proc.stdout.read(), proc.stderr.read()
@@ -72,8 +91,12 @@ def run(args: list[str]) -> dict:
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"fp8convert {' '.join(args)} failed ({code}):\n{out[-2000:]}{err[-2000:]}")
-    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-            "rss_gib": round(usage.ru_maxrss / 2**20, 2), "load": round(load, 2)}
+    return {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "rss_gib": round(usage.ru_maxrss / 2**20, 2),
+        "load": round(load, 2),
+    }
 
 
 def main() -> int:
@@ -98,28 +121,50 @@ def main() -> int:
         if args.drop_caches:
             drop_caches()
         verify = run(["verify", str(src), str(out), "--device", args.device, "-q"])
-        rounds.append({"quantize": quantize, "verify": verify,
-                       "ratio": round(verify["wall_s"] / quantize["wall_s"], 2)})
-        print(f"round {n + 1}: quantize {quantize['wall_s']} s (load {quantize['load']}), verify "
-              f"{verify['wall_s']} s (load {verify['load']}), verify/quantize {rounds[-1]['ratio']}", flush=True)
+        rounds.append(
+            {"quantize": quantize, "verify": verify, "ratio": round(verify["wall_s"] / quantize["wall_s"], 2)}
+        )
+        print(
+            f"round {n + 1}: quantize {quantize['wall_s']} s (load {quantize['load']}), verify "
+            f"{verify['wall_s']} s (load {verify['load']}), verify/quantize {rounds[-1]['ratio']}",
+            flush=True,
+        )
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-    lines = [f"{args.ckpt}: {size / 1e9:.2f} GB, --device {args.device}"
-             + (", page cache dropped before each command" if args.drop_caches else ", page cache warm"), "",
-             "| round | quantize wall s (load) | verify wall s (load) | verify / quantize | CPU s q / v | "
-             "peak RSS GiB q / v |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{args.ckpt}: {size / 1e9:.2f} GB, --device {args.device}"
+        + (", page cache dropped before each command" if args.drop_caches else ", page cache warm"),
+        "",
+        "| round | quantize wall s (load) | verify wall s (load) | verify / quantize | CPU s q / v | "
+        "peak RSS GiB q / v |",
+        "|---|---|---|---|---|---|",
+    ]
     for n, r in enumerate(rounds, 1):
         q, v = r["quantize"], r["verify"]
-        lines.append(f"| {n} | {q['wall_s']} ({q['load']}) | {v['wall_s']} ({v['load']}) | {r['ratio']} | "
-                     f"{q['cpu_s']} / {v['cpu_s']} | {q['rss_gib']} / {v['rss_gib']} |")
-    median = {k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall_s", "cpu_s")}
-              for k in ("quantize", "verify")}
-    lines.append(f"| median | {median['quantize']['wall_s']} | {median['verify']['wall_s']} | "
-                 f"{median['verify']['wall_s'] / median['quantize']['wall_s']:.2f} | "
-                 f"{median['quantize']['cpu_s']} / {median['verify']['cpu_s']} | |")
+        lines.append(
+            f"| {n} | {q['wall_s']} ({q['load']}) | {v['wall_s']} ({v['load']}) | {r['ratio']} | "
+            f"{q['cpu_s']} / {v['cpu_s']} | {q['rss_gib']} / {v['rss_gib']} |"
+        )
+    median = {
+        k: {m: statistics.median(r[k][m] for r in rounds) for m in ("wall_s", "cpu_s")} for k in ("quantize", "verify")
+    }
+    lines.append(
+        f"| median | {median['quantize']['wall_s']} | {median['verify']['wall_s']} | "
+        f"{median['verify']['wall_s'] / median['quantize']['wall_s']:.2f} | "
+        f"{median['quantize']['cpu_s']} / {median['verify']['cpu_s']} | |"
+    )
     print("\n".join(lines))
-    (args.out / "results.json").write_text(json.dumps({"ckpt": args.ckpt, "bytes": size, "device": args.device,
-                                                      "drop_caches": args.drop_caches, "rounds": rounds},
-                                                     indent=2))
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "ckpt": args.ckpt,
+                "bytes": size,
+                "device": args.device,
+                "drop_caches": args.drop_caches,
+                "rounds": rounds,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ something other than the disk (torch's import, CUDA start-up).
     sync; echo 3 > /proc/sys/vm/drop_caches
     python3 scripts/disk_timeline.py /var/tmp 0.25 -- fp8convert quantize CKPT /var/tmp/out --json
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,14 @@ def main() -> int:
     while proc.poll() is None:
         time.sleep(interval)
         now = counters(major, minor)
-        rows.append((time.monotonic() - start, (now[0] - before[0]) * 512 / 1e6 / interval,
-                     (now[1] - before[1]) * 512 / 1e6 / interval, 100 * (now[2] - before[2]) / 1000 / interval))
+        rows.append(
+            (
+                time.monotonic() - start,
+                (now[0] - before[0]) * 512 / 1e6 / interval,
+                (now[1] - before[1]) * 512 / 1e6 / interval,
+                100 * (now[2] - before[2]) / 1000 / interval,
+            )
+        )
         before = now
     out, err = proc.communicate()
     print(f"rc {proc.returncode}, wall {time.monotonic() - start:.2f} s")

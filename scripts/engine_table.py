@@ -2,12 +2,12 @@
 
     python scripts/engine_table.py [--families llama,qwen3_moe] [--work DIR] [--emulate always]
 
-For each registered model_type: the tiny engine-sized zoo model (tests/integration/engine/
-engine_models.py) runs in vLLM as the BF16 control, then as each output format vLLM's CPU build can
-run; each FP8 run is compared with the control (first generated token, teacher-forced prompt log-probs
-within engine_harness.logprob_bound: 32 times the control's distance from transformers in FP32). Needs the engine venv (`.ci/run` builds it, or
-$FP8CONVERT_ENGINE_VENV) and, for the conversions, fp8convert and transformers in this python.
-Takes about a minute per family on 2 cores.
+For each registered model_type: the tiny engine-sized zoo model (tests/integration/engine/engine_models.py)
+runs in vLLM as the BF16 control, then as each output format vLLM's CPU build can run; each FP8 run is
+compared with the control (first generated token, teacher-forced prompt log-probs within
+engine_harness.logprob_bound: 32 times the control's distance from transformers in FP32). Needs the engine
+venv (`.ci/run` builds it, or $FP8CONVERT_ENGINE_VENV) and, for the conversions, fp8convert and transformers
+in this python. Takes about a minute per family on 2 cores.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ for helper_dir in (REPO / "tests" / "integration" / "engine", REPO / "tests" / "
     sys.path.insert(0, str(helper_dir))
 sys.path.insert(0, str(REPO))
 
-import engine_harness as H
-import engine_models as M
+import engine_harness as H  # noqa: E402 (found through the path set above)
+import engine_models as M  # noqa: E402
 
 
 def registered_model_types() -> list[str]:
@@ -90,12 +90,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", help="comma-separated model_types (default: every registered one)")
     p.add_argument("--work", type=Path, help="where models are built (default: a temporary directory)")
-    p.add_argument("--emulate", choices=("auto", "always"), default="auto",
-                   help="always: emulate the block FP8 GEMM even where AMX kernels exist")
+    p.add_argument(
+        "--emulate",
+        choices=("auto", "always"),
+        default="auto",
+        help="always: emulate the block FP8 GEMM even where AMX kernels exist",
+    )
     a = p.parse_args(argv)
     if H.engine_python() is None:
-        print(f"no vLLM venv at {H.engine_venv()} (build it with .ci/run or set FP8CONVERT_ENGINE_VENV)",
-              file=sys.stderr)
+        print(
+            f"no vLLM venv at {H.engine_venv()} (build it with .ci/run or set FP8CONVERT_ENGINE_VENV)", file=sys.stderr
+        )
         return 2
     import transformers
 

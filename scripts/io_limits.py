@@ -18,6 +18,7 @@ write line also gives the fsync that follows. GB/s are of the bytes moved, befor
     python3 scripts/io_limits.py SOME_SHARD.safetensors /dev/shm --cuda
     python3 scripts/io_limits.py SOME_SHARD.safetensors /var/tmp/io --threads 1,4 --direct
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def buffers(n: int, cuda: bool) -> list[memoryview]:
     """Page-aligned buffers (O_DIRECT needs that): anonymous mmaps, or pinned tensors with --cuda."""
     if cuda:
         import torch
+
         return [memoryview(torch.full((CHUNK,), 7, dtype=torch.uint8).pin_memory().numpy()) for _ in range(n)]
     bufs = []
     for _ in range(n):
@@ -94,6 +96,7 @@ def memory_copy_test(n: int, size: int, cuda: bool) -> None:
 
     def copy(buf, offset: int) -> None:
         ctypes.memmove(base + offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), CHUNK)  # GIL released
+
     line("memory copy", n, size, in_threads(n, jobs, copy, cuda))
     target.close()
 
@@ -106,11 +109,22 @@ def whole_file_mapping(fd: int, size: int):
     def write(fd: int, buf, offset: int) -> None:
         ctypes.memmove(base + offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes)
         start_writeback(fd, offset, buf.nbytes)
+
     return write, view.close
 
 
-def write_test(out: Path, what: str, n: int, files: int, size: int, reserved: bool, cuda: bool,
-               direct: bool = False, mapped: bool = False, one_mapping: bool = False) -> None:
+def write_test(
+    out: Path,
+    what: str,
+    n: int,
+    files: int,
+    size: int,
+    reserved: bool,
+    cuda: bool,
+    direct: bool = False,
+    mapped: bool = False,
+    one_mapping: bool = False,
+) -> None:
     per_file = size // files // CHUNK * CHUNK
     paths = [out / f"io_limits.{i}" for i in range(files)]
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
@@ -173,18 +187,24 @@ def main() -> int:
             write_test(args.out, "O_DIRECT pwrite, 1 file, reserved", n, 1, size, True, args.cuda, direct=True)
     if args.cuda:
         import torch
+
         device = torch.empty(size, dtype=torch.uint8, device="cuda")
         for n in threads:
             streams = [torch.cuda.Stream() for _ in range(n)]
             pinned = [torch.empty(CHUNK, dtype=torch.uint8).pin_memory() for _ in range(n)]
             for what, to_device in (("H2D, pinned, sync per 32 MB", True), ("D2H, pinned, sync per 32 MB", False)):
-                def copy(k: int) -> None:
+
+                def copy(k: int, n=n, streams=streams, pinned=pinned, to_device=to_device) -> None:
                     for offset in range(k * CHUNK, size, n * CHUNK):
                         with torch.cuda.stream(streams[k]):
-                            dst, src = ((device[offset:offset + CHUNK], pinned[k]) if to_device
-                                        else (pinned[k], device[offset:offset + CHUNK]))
+                            dst, src = (
+                                (device[offset : offset + CHUNK], pinned[k])
+                                if to_device
+                                else (pinned[k], device[offset : offset + CHUNK])
+                            )
                             dst.copy_(src, non_blocking=True)
                         streams[k].synchronize()
+
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(n) as pool:
                     list(pool.map(copy, range(n)))

@@ -10,6 +10,7 @@ Checkpoints: the test suite's tiny models (tests/support/tiny_models.py), the de
 --work). Outputs go to fixed paths under --work, so the model cards (which name them) compare too.
 Exits 1 when --compare finds a difference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMBOS = [("tensor", "compressed-tensors"), ("channel", "compressed-tensors"), ("block", "compressed-tensors"),
-          ("tensor", "fp8"), ("block", "fp8")]
+COMBOS = [
+    ("tensor", "compressed-tensors"),
+    ("channel", "compressed-tensors"),
+    ("block", "compressed-tensors"),
+    ("tensor", "fp8"),
+    ("block", "fp8"),
+]
 
 
 def build_sources(work: Path, bench: bool) -> dict[str, Path]:
@@ -36,15 +42,34 @@ def build_sources(work: Path, bench: bool) -> dict[str, Path]:
         sources[kind] = path
     demo = work / "src" / "demo"
     if not (demo / "config.json").is_file():
-        subprocess.run([sys.executable, "-c", "import sys; from fp8convert.demo import make_demo_model; "
-                        "make_demo_model(sys.argv[1])", str(demo)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from fp8convert.demo import make_demo_model; make_demo_model(sys.argv[1])",
+                str(demo),
+            ],
+            check=True,
+        )
     sources["demo"] = demo
     if bench:
         for name, kind in (("moe2", "moe"), ("dense2", "dense")):
             path = work / "src" / name
             if not (path / "config.json").is_file():
-                subprocess.run([sys.executable, str(REPO / "scripts" / "anchor" / "make_ckpt.py"), str(path),
-                                "--kind", kind, "--layers", "2", "--shard-gb", "2"], check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        str(REPO / "scripts" / "anchor" / "make_ckpt.py"),
+                        str(path),
+                        "--kind",
+                        kind,
+                        "--layers",
+                        "2",
+                        "--shard-gb",
+                        "2",
+                    ],
+                    check=True,
+                )
             sources[name] = path
     return sources
 
@@ -75,18 +100,40 @@ def main() -> int:
         for scheme, fmt in COMBOS:
             key = f"{name}/{scheme}/{fmt}"
             out = args.work / "out" / f"{name}-{scheme}-{fmt}"
-            run = subprocess.run([sys.executable, "-m", "fp8convert", "quantize", str(src), str(out),
-                                  "--scheme", scheme, "--format", fmt, "--device", args.device, "--overwrite", "-q"],
-                                 capture_output=True, text=True)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "fp8convert",
+                    "quantize",
+                    str(src),
+                    str(out),
+                    "--scheme",
+                    scheme,
+                    "--format",
+                    fmt,
+                    "--device",
+                    args.device,
+                    "--overwrite",
+                    "-q",
+                ],
+                capture_output=True,
+                text=True,
+            )
             results[key] = digest_dir(out) if run.returncode == 0 else {"error": run.stderr.strip().splitlines()[-1]}
-            print(f"{key}: {len(results[key])} files" if run.returncode == 0 else f"{key}: {results[key]['error']}",
-                  flush=True)
+            print(
+                f"{key}: {len(results[key])} files" if run.returncode == 0 else f"{key}: {results[key]['error']}",
+                flush=True,
+            )
     if args.save:
         args.save.write_text(json.dumps(results, indent=1, sort_keys=True))
     if args.compare:
         before = json.loads(args.compare.read_text())
-        diffs = [f"{key}: {sorted(set(before.get(key, {}).items()) ^ set(results.get(key, {}).items()))[:4]}"
-                 for key in sorted(set(before) | set(results)) if before.get(key) != results.get(key)]
+        diffs = [
+            f"{key}: {sorted(set(before.get(key, {}).items()) ^ set(results.get(key, {}).items()))[:4]}"
+            for key in sorted(set(before) | set(results))
+            if before.get(key) != results.get(key)
+        ]
         print("\n".join(diffs) if diffs else f"identical: {len(results)} conversions")
         return 1 if diffs else 0
     return 0

@@ -12,6 +12,7 @@ look at.
 
     python3 scripts/profile_stages.py CKPT --device cuda --out /dev/shm/profile
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def warm(root: Path) -> float:
 def time_reads(plan, batches, reader, sync, line) -> None:
     """The read stage alone, then reads and quantizing (outputs dropped)."""
     from fp8convert.run.quantizer import quantize_batch, read_order
+
     with reader:
         t0 = time.perf_counter()
         for b in batches:
@@ -49,8 +51,14 @@ def time_reads(plan, batches, reader, sync, line) -> None:
         t0 = time.perf_counter()
         for b in batches:
             buf, offsets = reader.read(read_order(b))
-            outputs = quantize_batch(b, buf, offsets, plan.options.scheme, scale_format=plan.options.scale_format,
-                                     source_scheme=plan.source_scheme)
+            outputs = quantize_batch(
+                b,
+                buf,
+                offsets,
+                plan.options.scheme,
+                scale_format=plan.options.scale_format,
+                source_scheme=plan.source_scheme,
+            )
             sync()
             del outputs
             reader.recycle(buf)
@@ -76,10 +84,16 @@ def main() -> int:
     ap.add_argument("--write-ahead", type=int, help="batches quantized ahead of the writer (pipeline.WRITE_AHEAD)")
     ap.add_argument("--read-ahead", type=int, help="batches read ahead of the quantizer (pipeline.READ_AHEAD)")
     ap.add_argument("--pipeline-only", action="store_true", help="only the pipeline and no-write stages")
-    ap.add_argument("--no-preallocate", action="store_true",
-                    help="create each shard as its first bytes arrive, blocks unreserved (writer.PREALLOCATE)")
-    ap.add_argument("--no-mapped-writes", action="store_true",
-                    help="write every shard with pwrite, never through mappings (writer.MAPPED_WRITES)")
+    ap.add_argument(
+        "--no-preallocate",
+        action="store_true",
+        help="create each shard as its first bytes arrive, blocks unreserved (writer.PREALLOCATE)",
+    )
+    ap.add_argument(
+        "--no-mapped-writes",
+        action="store_true",
+        help="write every shard with pwrite, never through mappings (writer.MAPPED_WRITES)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -87,6 +101,8 @@ def main() -> int:
     from fp8convert.options import Settings
     from fp8convert.plan.batches import make_batches
     from fp8convert.plan.build import build_plan
+    from fp8convert.run import device as device_module
+    from fp8convert.run import numerics
     from fp8convert.run.device import budget_for, resolve_device
     from fp8convert.run.pipeline import convert
     from fp8convert.run.progress import Progress
@@ -95,31 +111,42 @@ def main() -> int:
     from fp8convert.source.local import open_local
     from fp8convert.source.streaming import NoFetcher
 
-    from fp8convert.run import device as device_module
-    from fp8convert.run import numerics
     if args.tile_mb:
         numerics.CPU_TILE_BYTES = int(args.tile_mb * 2**20)
     from fp8convert.run import pipeline as pipeline_module
+
     if args.write_ahead:
         pipeline_module.WRITE_AHEAD = args.write_ahead
     if args.read_ahead:
         pipeline_module.READ_AHEAD = args.read_ahead
     from fp8convert.run import writer as writer_module
+
     writer_module.PREALLOCATE = not args.no_preallocate
     writer_module.MAPPED_WRITES = not args.no_mapped_writes
     default_io = device_module.io_threads
-    device_module.io_threads = pipeline_module.io_threads = \
-        lambda kind: (args.readers or default_io(kind)[0], args.writers or default_io(kind)[1])
-    settings = Settings(scheme=args.scheme, format=args.format, device=args.device, max_resident=args.max_resident,
-                        dequantize=args.dequantize, dtype=args.dtype)
+    device_module.io_threads = pipeline_module.io_threads = lambda kind: (
+        args.readers or default_io(kind)[0],
+        args.writers or default_io(kind)[1],
+    )
+    settings = Settings(
+        scheme=args.scheme,
+        format=args.format,
+        device=args.device,
+        max_resident=args.max_resident,
+        dequantize=args.dequantize,
+        dtype=args.dtype,
+    )
     dev = resolve_device(args.device)
     torch.empty(1, device=dev)
     gb = warm(args.ckpt)
     plan = build_plan(open_local(args.ckpt), settings.options)
     batches = make_batches(plan.units, budget_for(dev, settings.max_resident))
     nbytes = sum(b.in_bytes for b in batches)
-    print(f"{args.ckpt.name}: {gb:.2f} GB in the page cache, {len(plan.tensors)} tensors, {len(batches)} batches, "
-          f"device {dev}", flush=True)
+    print(
+        f"{args.ckpt.name}: {gb:.2f} GB in the page cache, {len(plan.tensors)} tensors, {len(batches)} batches, "
+        f"device {dev}",
+        flush=True,
+    )
 
     def sync():
         if dev.type == "cuda":
@@ -139,8 +166,15 @@ def main() -> int:
                 writer.allocator.join()
                 print(f"  {'allocate':<10} {time.perf_counter() - t0:7.3f} s  (before the timer)", flush=True)
             t0 = time.perf_counter()
-            result = convert(plan, plan.units, writer, args.device, settings.max_resident, NoFetcher(),
-                             Progress(nbytes, "profile", enabled=False))
+            result = convert(
+                plan,
+                plan.units,
+                writer,
+                args.device,
+                settings.max_resident,
+                NoFetcher(),
+                Progress(nbytes, "profile", enabled=False),
+            )
         line(name, time.perf_counter() - t0)
         return result
 

@@ -5,6 +5,7 @@ every kind of error to it and to an exit code) and, with --json, an error object
 exits 130 and SIGTERM 143, each with a line saying what a rerun does. The `fp8convert` program is
 `run`: main, then the process ends without tearing torch down.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,16 +14,22 @@ import sys
 import typer
 
 from .._version import __version__
+from ..options import command_line
+from ..run.warmup import torch_starting
 from . import _failures, cluster, convert, publish, verify
 from ._options import Group
 from ._output import printed
-from ..options import command_line
-from ..run.warmup import torch_starting
 
-app = typer.Typer(name="fp8convert", cls=Group, no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False, rich_markup_mode="markdown",
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers.")
+app = typer.Typer(
+    name="fp8convert",
+    cls=Group,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers.",
+)
 
 
 def _print_version(value: bool) -> None:
@@ -32,8 +39,11 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _top(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
-                                      callback=_print_version, metavar="")) -> None:
+def _top(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version, metavar=""
+    ),
+) -> None:
     """Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers."""
 
 
@@ -78,9 +88,9 @@ def run(argv: list[str] | None = None) -> None:
     """The program: main(), then exit with its code. Once torch is loaded, or still loading (a run refused
     before the pipeline started does not wait for it), the exit skips the interpreter's teardown: unloading
     torch and destroying the CUDA context takes a second or so after every output is already fsynced and
-    renamed, and a teardown beside an import in progress can abort. main() has closed every file and joined every thread of its own by then; only
-    the streams' buffers are left to flush, and a flush that fails (a closed pipe, a full disk under
-    `> report.json`) fails the exit as Python's would."""
+    renamed, and a teardown beside an import in progress can abort. main() has closed every file and joined
+    every thread of its own by then; only the streams' buffers are left to flush, and a flush that fails (a
+    closed pipe, a full disk under `> report.json`) fails the exit as Python's would."""
     rc = main(argv)
     if "torch" not in sys.modules and not torch_starting():
         sys.exit(rc)

@@ -5,6 +5,7 @@ fp8convert's own errors already are one line. Everything else is mapped by the o
 as well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the same way: one
 line saying what a rerun does for that command, exit 130 or 143.
 """
+
 from __future__ import annotations
 
 import errno
@@ -14,8 +15,8 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import FP8ConvertError, UsageError
 from ..options import DEFAULT_MAX_RESIDENT
@@ -43,13 +44,14 @@ def _smaller_budget(error: BaseException) -> str:
 
 
 def _oom_line(error: BaseException) -> str:
-    return (f"CUDA out of memory ({_first_line(error)}); try a smaller batch: --max-resident "
-            f"{_smaller_budget(error)}")
+    return f"CUDA out of memory ({_first_line(error)}); try a smaller batch: --max-resident {_smaller_budget(error)}"
 
 
 def _host_memory_line(error: BaseException) -> str:
-    return (f"out of host memory ({type(error).__name__}); try a smaller batch: --max-resident "
-            f"{_smaller_budget(error)}, or free memory")
+    return (
+        f"out of host memory ({type(error).__name__}); try a smaller batch: --max-resident "
+        f"{_smaller_budget(error)}, or free memory"
+    )
 
 
 def _is_disk_full(error: BaseException) -> bool:
@@ -69,6 +71,7 @@ def _disk_full_line(error: OSError) -> str:
 
 def _is_network(error: BaseException) -> bool:
     from ..source.hub_calls import is_network_error
+
     return is_network_error(error)
 
 
@@ -108,10 +111,13 @@ def describe(error: BaseException) -> tuple[str, int]:
     for rule in RULES:
         if rule.matches(error):
             line = " ".join(rule.line(error).split())
-            return line, (getattr(error, "exit_code", rule.exit_code) if isinstance(error, FP8ConvertError)
-                          else rule.exit_code)
-    return (f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
-            "please report it)"), 1
+            return line, (
+                getattr(error, "exit_code", rule.exit_code) if isinstance(error, FP8ConvertError) else rule.exit_code
+            )
+    return (
+        f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
+        "please report it)"
+    ), 1
 
 
 def debugging() -> bool:
@@ -142,6 +148,7 @@ def report_usage(error, json_wanted: bool) -> int:
 
 def _print_error_object(line: str, code: int) -> None:
     import json
+
     try:
         print(json.dumps({"ok": False, "error": line, "exit_code": code}))
     except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line on stderr said so
@@ -182,7 +189,7 @@ class StopOnSigterm:
         self.received = False
         self.previous = None
 
-    def __enter__(self) -> "StopOnSigterm":
+    def __enter__(self) -> StopOnSigterm:
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGTERM, self._handle)
         return self

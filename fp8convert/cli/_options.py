@@ -1,9 +1,10 @@
 """Option aliases shared by the commands, defined once so every command spells them the same way, and
 the help conventions of every command (-h, usage `SRC OUT`, no type placeholders after flags)."""
+
 from __future__ import annotations
 
 import os
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -47,74 +48,160 @@ def flag(*names: str, help: str) -> typer.models.OptionInfo:
     return typer.Option(*names, help=help, metavar="")
 
 
-Scheme = Annotated[str, typer.Option(
-    "--scheme", metavar="|".join(SCHEMES),
-    help="Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
-         "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only). "
-         "llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK name tensor, channel and block.")]
-ScaleFormat = Annotated[str, typer.Option(
-    "--scale-format", metavar="|".join(SCALE_FORMATS),
-    help="Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as DeepGEMM on "
-         "Blackwell wants; the config says scale_fmt ue8m0).")]
-Format = Annotated[str, typer.Option("--format", metavar="|".join(FORMATS),
-                                     help="Output format: compressed-tensors, or fp8 (vLLM/DeepSeek native).")]
-Ignore = Annotated[Optional[list[str]], typer.Option(
-    "--ignore", metavar="PATTERN",
-    help="Keep matching modules in high precision, on top of the defaults: exact module name, "
-         "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.")]
-TargetTp = Annotated[Optional[list[int]], typer.Option(
-    "--target-tp", metavar="N",
-    help="Tensor-parallel size to check against vLLM's splitting rules (block scales per rank, MoE "
-         "intermediate size per rank); repeatable. Default: 1, 2, 4 and 8.")]
-Device = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda|cuda:N",
-                                     help="Where to compute: auto (CUDA when present), cpu, cuda or cuda:N.")]
-MaxShardSize = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE",
-                                           help="Largest output shard, e.g. 5GB, 500MB.")]
-MaxResident = Annotated[Optional[str], typer.Option(
-    "--max-resident", metavar="SIZE",
-    help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
-         "1GiB on CPU); larger layers are split, never inside a fused group.")]
-Prefetch = Annotated[str, typer.Option(
-    "--prefetch", metavar="SIZE",
-    help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); 0 turns it off. "
-         "Default auto: half the memory available at the start (within the job's cgroup limit), shared by "
-         "the run's workers, at most 32GiB. Page cache is reclaimable, but it counts in some job memory limits.")]
-Revision = Annotated[Optional[str], typer.Option("--revision", metavar="REV",
-                                                 help="Hub revision (branch, tag or commit) of SRC.")]
-Json = Annotated[bool, flag("--json", help="Print a JSON document on stdout instead of text (an error object "
-                                           "when the command fails).")]
-Worker = Annotated[Optional[str], typer.Option(
-    "--worker", metavar="K/N|auto",
-    help="Convert only worker K's share of N (output shards with index % N == K, counting from 0). Without "
-         "it, torchrun and multi-task srun are detected; 'auto' also detects a Slurm array or a Kubernetes "
-         "indexed Job. See docs/cluster.md.")]
-Devices = Annotated[Optional[str], typer.Option(
-    "--devices", metavar="LIST|all",
-    help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
-         "entries are allowed too.")]
-Dtype = Annotated[Optional[str], typer.Option(
-    "--dtype", metavar="bf16|fp16|fp32",
-    help="dtype of dequantized weights (default: the model's own, from config.json; bf16 when it names none).")]
-Overwrite = Annotated[bool, flag("--overwrite", help="Replace an earlier fp8convert output in OUT (a folder "
-                                                     "holding other files is refused).")]
-PushToHub = Annotated[Optional[str], typer.Option(
-    "--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed).")]
-StreamDownload = Annotated[bool, flag(
-    "--stream-download", help="Hub source: keep only a few source shards on disk, deleting each once "
-                              "converted (for models larger than the free disk).")]
-Quiet = Annotated[bool, flag("--quiet", "-q", help="No progress output and no summary line (warnings and errors "
-                                                  "are still printed, and --json's document).")]
-QuietReport = Annotated[bool, flag("--quiet", "-q", help="No progress output (the result, warnings and errors "
-                                                        "are still printed).")]
-Private = Annotated[bool, flag("--private", help="Create the Hub repo as private (an existing repo keeps "
-                                                 "its visibility).")]
-Token = Annotated[Optional[str], typer.Option(
-    "--token", metavar="TOKEN",
-    help="Hugging Face token for the Hub. Default: $HF_TOKEN, else the token saved by `hf auth login`.")]
-CacheDir = Annotated[Optional[str], typer.Option(
-    "--cache-dir", metavar="DIR",
-    help="Where Hub downloads are cached. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
-         "~/.cache/huggingface/hub (huggingface_hub's own rule).")]
+Scheme = Annotated[
+    str,
+    typer.Option(
+        "--scheme",
+        metavar="|".join(SCHEMES),
+        help="Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
+        "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only). "
+        "llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK name tensor, channel and block.",
+    ),
+]
+ScaleFormat = Annotated[
+    str,
+    typer.Option(
+        "--scale-format",
+        metavar="|".join(SCALE_FORMATS),
+        help="Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as DeepGEMM on "
+        "Blackwell wants; the config says scale_fmt ue8m0).",
+    ),
+]
+Format = Annotated[
+    str,
+    typer.Option(
+        "--format", metavar="|".join(FORMATS), help="Output format: compressed-tensors, or fp8 (vLLM/DeepSeek native)."
+    ),
+]
+Ignore = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--ignore",
+        metavar="PATTERN",
+        help="Keep matching modules in high precision, on top of the defaults: exact module name, "
+        "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.",
+    ),
+]
+TargetTp = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--target-tp",
+        metavar="N",
+        help="Tensor-parallel size to check against vLLM's splitting rules (block scales per rank, MoE "
+        "intermediate size per rank); repeatable. Default: 1, 2, 4 and 8.",
+    ),
+]
+Device = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="Where to compute: auto (CUDA when present), cpu, cuda or cuda:N.",
+    ),
+]
+MaxShardSize = Annotated[
+    str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB.")
+]
+MaxResident = Annotated[
+    str | None,
+    typer.Option(
+        "--max-resident",
+        metavar="SIZE",
+        help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
+        "1GiB on CPU); larger layers are split, never inside a fused group.",
+    ),
+]
+Prefetch = Annotated[
+    str,
+    typer.Option(
+        "--prefetch",
+        metavar="SIZE",
+        help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); 0 turns it off. "
+        "Default auto: half the memory available at the start (within the job's cgroup limit), shared by "
+        "the run's workers, at most 32GiB. Page cache is reclaimable, but it counts in some job memory limits.",
+    ),
+]
+Revision = Annotated[
+    str | None, typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) of SRC.")
+]
+Json = Annotated[
+    bool,
+    flag("--json", help="Print a JSON document on stdout instead of text (an error object when the command fails)."),
+]
+Worker = Annotated[
+    str | None,
+    typer.Option(
+        "--worker",
+        metavar="K/N|auto",
+        help="Convert only worker K's share of N (output shards with index % N == K, counting from 0). Without "
+        "it, torchrun and multi-task srun are detected; 'auto' also detects a Slurm array or a Kubernetes "
+        "indexed Job. See docs/cluster.md.",
+    ),
+]
+Devices = Annotated[
+    str | None,
+    typer.Option(
+        "--devices",
+        metavar="LIST|all",
+        help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
+        "entries are allowed too.",
+    ),
+]
+Dtype = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        metavar="bf16|fp16|fp32",
+        help="dtype of dequantized weights (default: the model's own, from config.json; bf16 when it names none).",
+    ),
+]
+Overwrite = Annotated[
+    bool,
+    flag("--overwrite", help="Replace an earlier fp8convert output in OUT (a folder holding other files is refused)."),
+]
+PushToHub = Annotated[
+    str | None,
+    typer.Option("--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed)."),
+]
+StreamDownload = Annotated[
+    bool,
+    flag(
+        "--stream-download",
+        help="Hub source: keep only a few source shards on disk, deleting each once "
+        "converted (for models larger than the free disk).",
+    ),
+]
+Quiet = Annotated[
+    bool,
+    flag(
+        "--quiet",
+        "-q",
+        help="No progress output and no summary line (warnings and errors are still printed, and --json's document).",
+    ),
+]
+QuietReport = Annotated[
+    bool, flag("--quiet", "-q", help="No progress output (the result, warnings and errors are still printed).")
+]
+Private = Annotated[
+    bool, flag("--private", help="Create the Hub repo as private (an existing repo keeps its visibility).")
+]
+Token = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        metavar="TOKEN",
+        help="Hugging Face token for the Hub. Default: $HF_TOKEN, else the token saved by `hf auth login`.",
+    ),
+]
+CacheDir = Annotated[
+    str | None,
+    typer.Option(
+        "--cache-dir",
+        metavar="DIR",
+        help="Where Hub downloads are cached. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub (huggingface_hub's own rule).",
+    ),
+]
 
 
 def token(given: str | None = None) -> str | None:

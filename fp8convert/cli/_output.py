@@ -1,5 +1,6 @@
 """JSON documents on stdout. A command's --json output goes through `print_json`, so that when the
 command then fails, main() knows a document went out already and does not print a second one."""
+
 from __future__ import annotations
 
 import json

@@ -1,10 +1,11 @@
 """finalize and batch: the commands for cluster jobs (docs/cluster.md)."""
+
 from __future__ import annotations
 
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,9 +17,12 @@ from .convert import print_warnings
 
 
 def finalize(
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="An output directory whose shards workers wrote.",
-                                        show_default=False)],
-    json_out: Json = False, hub_token: Token = None, cache_dir: CacheDir = None,
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT", help="An output directory whose shards workers wrote.", show_default=False)
+    ],
+    json_out: Json = False,
+    hub_token: Token = None,
+    cache_dir: CacheDir = None,
 ):
     """Check that every shard of OUT is present and complete (size and header), then write the index,
     config.json and model card. The plan is rebuilt from the source recorded in OUT/.fp8convert
@@ -36,20 +40,33 @@ def finalize(
     if json_out:
         print_json(asdict(report))
     else:
-        print(f"finalized {out}: {plural(report.shards, 'shard')}, {format_size(report.bytes_out)}, from "
-              f"{report.source}")
+        print(
+            f"finalized {out}: {plural(report.shards, 'shard')}, {format_size(report.bytes_out)}, from {report.source}"
+        )
 
 
 def batch(
-    jobs: Annotated[Path, typer.Argument(  # \\[ keeps rich from reading [[job]] as markup
-        metavar="JOBS", help="Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md).",
-        show_default=False)],
-    task_index: Annotated[Optional[int], typer.Option(
-        "--task-index", metavar="N", help="Run only job N (counting from 0). Default in a Slurm array: "
-                                          "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.")] = None,
+    jobs: Annotated[
+        Path,
+        typer.Argument(  # \\[ keeps rich from reading [[job]] as markup
+            metavar="JOBS",
+            help="Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md).",
+            show_default=False,
+        ),
+    ],
+    task_index: Annotated[
+        int | None,
+        typer.Option(
+            "--task-index",
+            metavar="N",
+            help="Run only job N (counting from 0). Default in a Slurm array: "
+            "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.",
+        ),
+    ] = None,
     json_out: Json = False,
     quiet: QuietReport = False,
-    hub_token: Token = None, cache_dir: CacheDir = None,
+    hub_token: Token = None,
+    cache_dir: CacheDir = None,
 ):
     """Convert every model listed in JOBS, in order: finished outputs are skipped, a failed job does not
     stop the others, and a summary table (job, source, out, status, seconds, GB) ends the run. Exits 1
@@ -65,17 +82,24 @@ def batch(
     """
     from ..cluster import batch as batch_mod
 
-    results = batch_mod.run_batch(jobs, task_index=task_index, progress=not quiet, token=token(hub_token),
-                                  cache_dir=cache_dir, on_plan=lambda job, plan: print_warnings(
-                                      plan, f"{batch_mod.job_title(job.index, job.name)}: "))
+    results = batch_mod.run_batch(
+        jobs,
+        task_index=task_index,
+        progress=not quiet,
+        token=token(hub_token),
+        cache_dir=cache_dir,
+        on_plan=lambda job, plan: print_warnings(plan, f"{batch_mod.job_title(job.index, job.name)}: "),
+    )
     if json_out:
         print_json(batch_mod.summary(results))
     else:
         print(batch_mod.render(results))
     failed = [r for r in results if r.status == "failed"]
     if failed:
-        raise FP8ConvertError(f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: "
-                              f"{batch_mod.result_title(failed[0])}: {failed[0].error})")
+        raise FP8ConvertError(
+            f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: "
+            f"{batch_mod.result_title(failed[0])}: {failed[0].error})"
+        )
     sys.stdout.flush()
 
 

@@ -1,4 +1,5 @@
 """quantize, dequantize, inspect and demo."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,34 +16,90 @@ from ..errors import UsageError
 from ..options import REPO_ID, TARGET_TP, Settings
 from ..plan.summary import describe, plan_warnings, render
 from ..units import format_size, plural
-from ._options import (CacheDir, Command, Device, Devices, Dtype, Format, Ignore, Json, MaxResident, MaxShardSize,
-                       Overwrite, Prefetch, Private, PushToHub, Quiet, Revision, ScaleFormat, Scheme, StreamDownload,
-                       TargetTp, Token, Worker, flag, token)
+from ._options import (
+    CacheDir,
+    Command,
+    Device,
+    Devices,
+    Dtype,
+    Format,
+    Ignore,
+    Json,
+    MaxResident,
+    MaxShardSize,
+    Overwrite,
+    Prefetch,
+    Private,
+    PushToHub,
+    Quiet,
+    Revision,
+    ScaleFormat,
+    Scheme,
+    StreamDownload,
+    TargetTp,
+    Token,
+    Worker,
+    flag,
+    token,
+)
 from ._output import print_json
 
-Src = Annotated[str, typer.Argument(metavar="SRC", show_default=False,
-                                    help="Local checkpoint directory or Hub repo id (owner/name).")]
-Out = Annotated[Path, typer.Argument(metavar="OUT", show_default=False,
-                                     help="Output directory (created; must be empty, or a partial run of the same "
-                                          "plan).")]
-WriteUnloadable = Annotated[bool, typer.Option(
-    "--write-unloadable",
-    help="Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
-         "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.")]
-BaseModel = Annotated[Optional[str], typer.Option(
-    "--base-model", metavar="REPO_ID",
-    help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
-         "local source).")]
+Src = Annotated[
+    str,
+    typer.Argument(metavar="SRC", show_default=False, help="Local checkpoint directory or Hub repo id (owner/name)."),
+]
+Out = Annotated[
+    Path,
+    typer.Argument(
+        metavar="OUT",
+        show_default=False,
+        help="Output directory (created; must be empty, or a partial run of the same plan).",
+    ),
+]
+WriteUnloadable = Annotated[
+    bool,
+    flag(
+        "--write-unloadable",
+        help="Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
+        "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.",
+    ),
+]
+BaseModel = Annotated[
+    str | None,
+    typer.Option(
+        "--base-model",
+        metavar="REPO_ID",
+        help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
+        "local source).",
+    ),
+]
 
 
 def quantize(
-    src: Src, out: Out, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
-    device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False, quiet: Quiet = False,
-    push_to_hub: PushToHub = None, private: Private = False, stream_download: StreamDownload = False,
-    worker: Worker = None, devices: Devices = None, prefetch: Prefetch = "auto", target_tp: TargetTp = None,
-    scale_format: ScaleFormat = "float", hub_token: Token = None, cache_dir: CacheDir = None,
-    base_model: BaseModel = None, write_unloadable: WriteUnloadable = False,
+    src: Src,
+    out: Out,
+    scheme: Scheme = "tensor",
+    format: Format = "compressed-tensors",
+    ignore: Ignore = None,
+    device: Device = "auto",
+    max_shard_size: MaxShardSize = "5GB",
+    max_resident: MaxResident = None,
+    overwrite: Overwrite = False,
+    revision: Revision = None,
+    json_out: Json = False,
+    quiet: Quiet = False,
+    push_to_hub: PushToHub = None,
+    private: Private = False,
+    stream_download: StreamDownload = False,
+    worker: Worker = None,
+    devices: Devices = None,
+    prefetch: Prefetch = "auto",
+    target_tp: TargetTp = None,
+    scale_format: ScaleFormat = "float",
+    hub_token: Token = None,
+    cache_dir: CacheDir = None,
+    base_model: BaseModel = None,
+    write_unloadable: WriteUnloadable = False,
 ):
     """Convert SRC to FP8 in OUT. Rerunning the same command resumes an interrupted run.
 
@@ -74,21 +131,50 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
-    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), device=device,
-                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
-                        max_shard_size=max_shard_size, max_resident=max_resident, overwrite=overwrite,
-                        revision=revision, token=token(hub_token), cache_dir=cache_dir, progress=not quiet,
-                        stream_download=stream_download, worker=worker, devices=devices, prefetch=prefetch,
-                        base_model=base_model, write_unloadable=write_unloadable or None)
+    settings = Settings(
+        scheme=scheme,
+        format=format,
+        ignore=tuple(ignore or ()),
+        device=device,
+        target_tp=tuple(target_tp or TARGET_TP),
+        scale_format=scale_format,
+        max_shard_size=max_shard_size,
+        max_resident=max_resident,
+        overwrite=overwrite,
+        revision=revision,
+        token=token(hub_token),
+        cache_dir=cache_dir,
+        progress=not quiet,
+        stream_download=stream_download,
+        worker=worker,
+        devices=devices,
+        prefetch=prefetch,
+        base_model=base_model,
+        write_unloadable=write_unloadable or None,
+    )
     _convert(src, out, settings, json_out, quiet, push_to_hub, private)
 
 
 def dequantize(
-    src: Src, out: Out, dtype: Dtype = None, device: Device = "auto", max_shard_size: MaxShardSize = "5GB",
-    max_resident: MaxResident = None, overwrite: Overwrite = False, revision: Revision = None, json_out: Json = False,
-    quiet: Quiet = False, push_to_hub: PushToHub = None, private: Private = False,
-    stream_download: StreamDownload = False, worker: Worker = None, devices: Devices = None,
-    prefetch: Prefetch = "auto", hub_token: Token = None, cache_dir: CacheDir = None, base_model: BaseModel = None,
+    src: Src,
+    out: Out,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    max_shard_size: MaxShardSize = "5GB",
+    max_resident: MaxResident = None,
+    overwrite: Overwrite = False,
+    revision: Revision = None,
+    json_out: Json = False,
+    quiet: Quiet = False,
+    push_to_hub: PushToHub = None,
+    private: Private = False,
+    stream_download: StreamDownload = False,
+    worker: Worker = None,
+    devices: Devices = None,
+    prefetch: Prefetch = "auto",
+    hub_token: Token = None,
+    cache_dir: CacheDir = None,
+    base_model: BaseModel = None,
 ):
     """Convert the FP8 checkpoint SRC (native fp8 or compressed-tensors) to high precision in OUT:
     every FP8 weight becomes float32(codes) x scale rounded once to --dtype, scales and
@@ -103,15 +189,29 @@ def dequantize(
 
       fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
     """
-    settings = Settings(dequantize=True, dtype=dtype, device=device, max_shard_size=max_shard_size,
-                        max_resident=max_resident, overwrite=overwrite, revision=revision, token=token(hub_token),
-                        cache_dir=cache_dir, progress=not quiet, stream_download=stream_download, worker=worker,
-                        devices=devices, prefetch=prefetch, base_model=base_model)
+    settings = Settings(
+        dequantize=True,
+        dtype=dtype,
+        device=device,
+        max_shard_size=max_shard_size,
+        max_resident=max_resident,
+        overwrite=overwrite,
+        revision=revision,
+        token=token(hub_token),
+        cache_dir=cache_dir,
+        progress=not quiet,
+        stream_download=stream_download,
+        worker=worker,
+        devices=devices,
+        prefetch=prefetch,
+        base_model=base_model,
+    )
     _convert(src, out, settings, json_out, quiet, push_to_hub, private)
 
 
-def _convert(src: str, out: Path, settings: Settings, json_out: bool, quiet: bool, push_to_hub: str | None,
-             private: bool) -> None:
+def _convert(
+    src: str, out: Path, settings: Settings, json_out: bool, quiet: bool, push_to_hub: str | None, private: bool
+) -> None:
     """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to_hub:
         raise UsageError("--private applies only with --push-to-hub REPO_ID")
@@ -126,8 +226,11 @@ def _convert(src: str, out: Path, settings: Settings, json_out: bool, quiet: boo
         url = publish.push(out, push_to_hub, private=private, token=settings.token)
         print(f"pushed {out} to {push_to_hub}: {url}", file=sys.stderr if json_out else sys.stdout)
     elif push_to_hub:
-        print(f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
-              f"(or run `fp8convert push {out} {push_to_hub}` after finalize)", file=sys.stderr)
+        print(
+            f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
+            f"(or run `fp8convert push {out} {push_to_hub}` after finalize)",
+            file=sys.stderr,
+        )
 
 
 def print_warnings(the_plan, prefix: str = "") -> None:
@@ -145,17 +248,21 @@ def summary_line(report: api.Report) -> str:
     if report.already_complete:
         return f"{out}: already complete (same plan); nothing to do"
     if not report.complete:
-        return (f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of "
-                f"{out} in {report.seconds:.1f}s on {report.device}; the worker that finds every shard written "
-                f"finalizes the output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every "
-                "worker is done")
+        return (
+            f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of "
+            f"{out} in {report.seconds:.1f}s on {report.device}; the worker that finds every shard written "
+            f"finalizes the output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every "
+            "worker is done"
+        )
     # written before this run began: by an earlier run of it, or (in a split) by the other workers
     before = f", {report.shards_resumed} already written" if report.shards_resumed else ""
     if report.units_resumed:  # in partial shards an earlier run left: the units it had written are kept
         before += f", resumed: {report.units_resumed} of {plural(report.units, 'unit')} already written"
-    return (f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{before}, {done_text(report)}, "
-            f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} in {report.seconds:.1f}s on "
-            f"{report.device}")
+    return (
+        f"wrote {report.out_dir}: {plural(report.shards, 'shard')}{before}, {done_text(report)}, "
+        f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} in {report.seconds:.1f}s on "
+        f"{report.device}"
+    )
 
 
 def done_text(report: api.Report) -> str:
@@ -165,21 +272,34 @@ def done_text(report: api.Report) -> str:
     parts = [f"{plural(report.tensors_quantized, 'tensor')} quantized"]
     if report.source_quantization:
         quantized_here = report.tensors_quantized - report.tensors_requantized - report.tensors_passed_through
-        parts = [f"{plural(report.tensors_passed_through, 'FP8 weight')} passed through",
-                 f"{report.tensors_requantized} requantized"]
+        parts = [
+            f"{plural(report.tensors_passed_through, 'FP8 weight')} passed through",
+            f"{report.tensors_requantized} requantized",
+        ]
         parts += [f"{quantized_here} quantized"] if quantized_here else []
         parts.append(f"{report.tensors_dequantized} dequantized")
     return ", ".join(parts + [f"{report.tensors_kept} kept"])
 
 
 def inspect(
-    src: Src, scheme: Scheme = "tensor", format: Format = "compressed-tensors", ignore: Ignore = None,
-    device: Device = "auto", max_shard_size: MaxShardSize = "5GB", max_resident: MaxResident = None,
-    revision: Revision = None, json_out: Json = False, target_tp: TargetTp = None, scale_format: ScaleFormat = "float",
+    src: Src,
+    scheme: Scheme = "tensor",
+    format: Format = "compressed-tensors",
+    ignore: Ignore = None,
+    device: Device = "auto",
+    max_shard_size: MaxShardSize = "5GB",
+    max_resident: MaxResident = None,
+    revision: Revision = None,
+    json_out: Json = False,
+    target_tp: TargetTp = None,
+    scale_format: ScaleFormat = "float",
     tensors: Annotated[bool, flag("--tensors", help="Also list every tensor and what becomes of it.")] = False,
-    dequantize: Annotated[bool, flag("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC "
-                                                          "instead of a quantize.")] = False,
-    dtype: Dtype = None, hub_token: Token = None, cache_dir: CacheDir = None,
+    dequantize: Annotated[
+        bool, flag("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC instead of a quantize.")
+    ] = False,
+    dtype: Dtype = None,
+    hub_token: Token = None,
+    cache_dir: CacheDir = None,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
     groups, output size, shard count, estimated peak memory, and which engines (and GPUs) load it. For
@@ -197,38 +317,67 @@ def inspect(
 
       fp8convert inspect ./DeepSeek-V3 --dequantize --dtype bf16
     """
-    settings = Settings(scheme=scheme, format=format, ignore=tuple(ignore or ()), max_shard_size=max_shard_size,
-                        target_tp=tuple(target_tp or TARGET_TP), scale_format=scale_format,
-                        dequantize=dequantize, dtype=dtype, device=device, max_resident=max_resident,
-                        revision=revision, token=token(hub_token), cache_dir=cache_dir)
+    settings = Settings(
+        scheme=scheme,
+        format=format,
+        ignore=tuple(ignore or ()),
+        max_shard_size=max_shard_size,
+        target_tp=tuple(target_tp or TARGET_TP),
+        scale_format=scale_format,
+        dequantize=dequantize,
+        dtype=dtype,
+        device=device,
+        max_resident=max_resident,
+        revision=revision,
+        token=token(hub_token),
+        cache_dir=cache_dir,
+    )
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
+
     dev = resolve_device(device)
     budget = budget_for(dev, settings.max_resident)
     info = describe(the_plan, budget, dev.type)
     if scheme != settings.scheme and not dequantize:  # an alias or another case: say which scheme it means
         info["scheme_given"] = scheme
     if tensors:
-        info["tensor_plan"] = [{"name": t.name, "shape": list(t.shape), "dtype": t.source.dtype,
-                                "quantize": t.quantize, "action": t.action.value, "reason": t.reason,
-                                "group": t.group, "from": t.cut.describe(t.source.name) if t.cut else None}
-                               for t in the_plan.tensors]
+        info["tensor_plan"] = [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": t.source.dtype,
+                "quantize": t.quantize,
+                "action": t.action.value,
+                "reason": t.reason,
+                "group": t.group,
+                "from": t.cut.describe(t.source.name) if t.cut else None,
+            }
+            for t in the_plan.tensors
+        ]
     if json_out:
         print_json(info)
         return
     print(render(info))
     if tensors:
         for t in info["tensor_plan"]:
-            what = {"quantize": "fp8", "pass": "fp8 (passed through)", "requantize": "fp8 (requantized)",
-                    "dequantize": f"dequantize ({t['reason']})"}.get(t["action"], f"keep ({t['reason']})")
+            what = {
+                "quantize": "fp8",
+                "pass": "fp8 (passed through)",
+                "requantize": "fp8 (requantized)",
+                "dequantize": f"dequantize ({t['reason']})",
+            }.get(t["action"], f"keep ({t['reason']})")
             origin = f"  <- {t['from']}" if t["from"] else ""
             print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
 
 def demo(
-    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to put the demo model and its FP8 "
-                                                                  "conversion.")] = Path("fp8convert-demo"),
-    scheme: Scheme = "tensor", format: Format = "compressed-tensors", device: Device = "auto", json_out: Json = False,
+    directory: Annotated[
+        Path, typer.Argument(metavar="DIR", help="Where to put the demo model and its FP8 conversion.")
+    ] = Path("fp8convert-demo"),
+    scheme: Scheme = "tensor",
+    format: Format = "compressed-tensors",
+    device: Device = "auto",
+    json_out: Json = False,
 ):
     """Build a small random Llama-shaped BF16 model (embedded, no download) in DIR/source and convert it
     to DIR/fp8.
@@ -239,10 +388,12 @@ def demo(
     """
     from ..demo import demo_source
     from ..run import startup_pages, warmup
+
     src = demo_source(directory / "source")
     print(f"built demo model {src}", file=sys.stderr if json_out else sys.stdout)
-    quantize(str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True,
-             json_out=json_out)
+    quantize(
+        str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True, json_out=json_out
+    )
     # Building the model imported torch before the conversion, which then records no start-up pages (a
     # caller's process maps much else); this process is the program's own, so it leaves the record, and
     # the first real conversion on this device starts torch as every later one does.
@@ -253,16 +404,25 @@ def demo(
 def next_steps(src: Path, out: Path, scheme: str, fmt: str) -> str:
     """What to try after the demo: verify the output, inspect a plan, load it in transformers."""
     from ..output.card import TRANSFORMERS_NEEDS, transformers_support
+
     source, target = shlex.quote(str(src)), shlex.quote(str(out))
-    lines = ["next:", f"  fp8convert verify {source} {target}    # compare every weight with the source",
-             f"  fp8convert inspect {source} --scheme block    # what a conversion would do, from headers only"]
+    lines = [
+        "next:",
+        f"  fp8convert verify {source} {target}    # compare every weight with the source",
+        f"  fp8convert inspect {source} --scheme block    # what a conversion would do, from headers only",
+    ]
     loads, why = transformers_support(fmt, scheme, None)
     if not loads:
         return "\n".join(lines + [f"  (not loadable in transformers: {why}; vLLM and SGLang serve it)"])
-    return "\n".join(lines + [f"  in Python (pip install {TRANSFORMERS_NEEDS[fmt]}):",
-                               "    import torch, transformers",
-                               f"    model = transformers.AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})",
-                               "    print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8))"])
+    return "\n".join(
+        lines
+        + [
+            f"  in Python (pip install {TRANSFORMERS_NEEDS[fmt]}):",
+            "    import torch, transformers",
+            f"    model = transformers.AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})",
+            "    print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8))",
+        ]
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,8 +1,9 @@
 """push: publish a finished conversion on the Hugging Face Hub."""
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -12,18 +13,32 @@ from ._output import print_json
 
 
 def push(
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="A complete fp8convert output directory.",
-                                        show_default=False)],
-    repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", show_default=False,
-                                           help="Hub repo to upload to (owner/name); created if needed.")],
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT", help="A complete fp8convert output directory.", show_default=False)
+    ],
+    repo_id: Annotated[
+        str,
+        typer.Argument(
+            metavar="REPO_ID", show_default=False, help="Hub repo to upload to (owner/name); created if needed."
+        ),
+    ],
     private: Private = False,
-    revision: Annotated[Optional[str], typer.Option(
-        "--revision", metavar="BRANCH", help="Branch to push to (created from main if needed).")] = None,
-    commit_message: Annotated[Optional[str], typer.Option("--commit-message", metavar="TEXT",
-                                                          help="Commit title.")] = None,
-    create_pr: Annotated[bool, flag("--create-pr", help="Open a pull request (against --revision, default main) "
-                                                        "instead of committing to the branch.")] = False,
-    hub_token: Token = None, json_out: Json = False,
+    revision: Annotated[
+        str | None,
+        typer.Option("--revision", metavar="BRANCH", help="Branch to push to (created from main if needed)."),
+    ] = None,
+    commit_message: Annotated[
+        str | None, typer.Option("--commit-message", metavar="TEXT", help="Commit title.")
+    ] = None,
+    create_pr: Annotated[
+        bool,
+        flag(
+            "--create-pr",
+            help="Open a pull request (against --revision, default main) instead of committing to the branch.",
+        ),
+    ] = False,
+    hub_token: Token = None,
+    json_out: Json = False,
 ):
     """Upload OUT to the Hub repo REPO_ID with its model card. Refuses an incomplete output; never
     uploads OUT/.fp8convert/. Rerunning an interrupted push resumes it. Uses --token, HF_TOKEN or the
@@ -37,8 +52,15 @@ def push(
 
       fp8convert push ./llama-fp8 their-org/llama-fp8 --create-pr       # a repo you may not write to directly
     """
-    url = publish.push(out, repo_id, private=private, revision=revision, commit_message=commit_message,
-                       token=token(hub_token), create_pr=create_pr)
+    url = publish.push(
+        out,
+        repo_id,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        token=token(hub_token),
+        create_pr=create_pr,
+    )
     if json_out:
         print_json({"out": str(out), "repo_id": repo_id, "revision": revision, "pull_request": create_pr, "url": url})
     else:

@@ -1,4 +1,5 @@
 """verify: check an FP8 checkpoint against its source, structure and numbers."""
+
 from __future__ import annotations
 
 import sys
@@ -8,21 +9,27 @@ from typing import Annotated
 import typer
 
 from ..units import plural
-from ._options import (CacheDir, Command, Device, Json, MaxResident, Prefetch, QuietReport, Revision, Token, flag,
-                       token)
+from ._options import CacheDir, Command, Device, Json, MaxResident, Prefetch, QuietReport, Revision, Token, flag, token
 from ._output import print_json
 
 
 def verify(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="The source checkpoint: directory or Hub repo id.",
-                                       show_default=False)],
+    src: Annotated[
+        str, typer.Argument(metavar="SRC", help="The source checkpoint: directory or Hub repo id.", show_default=False)
+    ],
     out: Annotated[Path, typer.Argument(metavar="OUT", help="The FP8 checkpoint to check.", show_default=False)],
-    revision: Revision = None, json_out: Json = False,
-    worst: Annotated[int, typer.Option("--worst", metavar="N", min=0,
-                                       help="How many of the worst tensors to list.")] = 10,
+    revision: Revision = None,
+    json_out: Json = False,
+    worst: Annotated[
+        int, typer.Option("--worst", metavar="N", min=0, help="How many of the worst tensors to list.")
+    ] = 10,
     every_problem: Annotated[bool, flag("--all", help="List every problem found, not one line per cause.")] = False,
-    device: Device = "auto", max_resident: MaxResident = None, prefetch: Prefetch = "auto", quiet: QuietReport = False,
-    hub_token: Token = None, cache_dir: CacheDir = None,
+    device: Device = "auto",
+    max_resident: MaxResident = None,
+    prefetch: Prefetch = "auto",
+    quiet: QuietReport = False,
+    hub_token: Token = None,
+    cache_dir: CacheDir = None,
 ):
     """Check OUT against SRC: every source tensor accounted for, dtypes, shapes, finite positive scales,
     config, ignore list and index consistent, kept tensors byte-identical, and each quantized tensor
@@ -40,8 +47,17 @@ def verify(
     """
     from .. import verify as verify_mod
 
-    report = verify_mod.verify(src, out, revision=revision, token=token(hub_token), cache_dir=cache_dir,
-                               device=device, max_resident=max_resident, prefetch=prefetch, progress=not quiet)
+    report = verify_mod.verify(
+        src,
+        out,
+        revision=revision,
+        token=token(hub_token),
+        cache_dir=cache_dir,
+        device=device,
+        max_resident=max_resident,
+        prefetch=prefetch,
+        progress=not quiet,
+    )
     if json_out:
         print_json(report.to_dict(worst))
     else:
@@ -51,8 +67,9 @@ def verify(
             print(f"warning: {problem}", file=sys.stderr)
     else:
         causes = report.causes()
-        raise verify_mod.VerifyFailed(f"{out}: verification failed, {plural(len(causes), 'problem')}; "
-                                      f"first: {causes[0]}")
+        raise verify_mod.VerifyFailed(
+            f"{out}: verification failed, {plural(len(causes), 'problem')}; first: {causes[0]}"
+        )
 
 
 def register(app: typer.Typer) -> None:

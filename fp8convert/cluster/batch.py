@@ -1,20 +1,22 @@
 """Batch conversion: many models from one jobs file, one after another or one per Slurm array task.
 
-A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one
-job object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may
-set the quantize options below (`dequantize = true`, with an optional `dtype`, makes it a dequantize). The whole file is validated before any job starts; then jobs run in
-order, a finished output is skipped (quantize recognises it at once), a failed job does not stop the
-others, and the summary says what happened to each.
+A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one job
+object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may set the
+quantize options below (`dequantize = true`, with an optional `dtype`, makes it a dequantize). The whole file
+is validated before any job starts; then jobs run in order, a finished output is skipped (quantize recognises
+it at once), a failed job does not stop the others, and the summary says what happened to each.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..errors import FP8ConvertError
 from ..options import REPO_ID, Settings
@@ -27,8 +29,19 @@ from .workers import log
 if TYPE_CHECKING:
     from ..plan.plan import Plan
 
-STRING_KEYS = ("name", "source", "out", "scheme", "format", "scale_format", "device", "revision", "push_to_hub",
-               "max_resident", "dtype")
+STRING_KEYS = (
+    "name",
+    "source",
+    "out",
+    "scheme",
+    "format",
+    "scale_format",
+    "device",
+    "revision",
+    "push_to_hub",
+    "max_resident",
+    "dtype",
+)
 BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
@@ -56,12 +69,12 @@ class JobResult:
     job: str
     source: str
     out: str
-    status: str                        # done, skipped (already complete), failed
+    status: str  # done, skipped (already complete), failed
     seconds: float
     gb_in: float = 0.0
     gb_out: float = 0.0
     error: str | None = None
-    pushed: str | None = None          # commit URL of the push
+    pushed: str | None = None  # commit URL of the push
     report: dict = field(default_factory=dict)
 
 
@@ -99,8 +112,9 @@ def read_jobs(path: str | Path) -> list[Job]:
             raise FP8ConvertError(f"{path}: not valid TOML ({e})") from e
         extra = sorted(set(data) - {"job", "defaults"})
         if extra:
-            raise FP8ConvertError(f"{path}: unknown top-level key {extra[0]!r} (expected [[job]] tables and an "
-                                  "optional [defaults] table)")
+            raise FP8ConvertError(
+                f"{path}: unknown top-level key {extra[0]!r} (expected [[job]] tables and an optional [defaults] table)"
+            )
         raw, defaults = data.get("job", []), data.get("defaults", {})
         if not isinstance(raw, list) or not isinstance(defaults, dict):
             raise FP8ConvertError(f"{path}: 'job' must be an array of tables ([[job]]) and 'defaults' a table")
@@ -112,8 +126,10 @@ def read_jobs(path: str | Path) -> list[Job]:
     for job in jobs:
         key = os.path.abspath(job.out)
         if key in seen:
-            raise FP8ConvertError(f"{path}: {job_title(job.index, job.name)} writes to {job.out}, as "
-                                  f"{job_title(seen[key].index, seen[key].name)} does")
+            raise FP8ConvertError(
+                f"{path}: {job_title(job.index, job.name)} writes to {job.out}, as "
+                f"{job_title(seen[key].index, seen[key].name)} does"
+            )
         seen[key] = job
     return jobs
 
@@ -148,15 +164,31 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise FP8ConvertError(f"{label}: 'ignore' must be a list of patterns")
     devices = merged.get("devices")
-    if devices is not None and not (isinstance(devices, str) or
-                                    (isinstance(devices, list) and all(isinstance(d, str) for d in devices))):
+    if devices is not None and not (
+        isinstance(devices, str) or (isinstance(devices, list) and all(isinstance(d, str) for d in devices))
+    ):
         raise FP8ConvertError(f"{label}: 'devices' must be a string (cuda:0,cuda:1 or all) or a list")
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
-    options = {k: merged[k] for k in ("scheme", "format", "scale_format", "device", "devices", "max_shard_size",
-                                       "max_resident", "revision", "stream_download", "overwrite", "dequantize",
-                                       "dtype") if k in merged}
+    options = {
+        k: merged[k]
+        for k in (
+            "scheme",
+            "format",
+            "scale_format",
+            "device",
+            "devices",
+            "max_shard_size",
+            "max_resident",
+            "revision",
+            "stream_download",
+            "overwrite",
+            "dequantize",
+            "dtype",
+        )
+        if k in merged
+    }
     try:
         settings = Settings(**options, ignore=tuple(ignore))
         if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs
@@ -168,8 +200,15 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
         raise FP8ConvertError(f"{label}: push_to_hub {push!r} is not a Hub repo id (owner/name)")
     if not push and merged.get("private"):
         raise FP8ConvertError(f"{label}: 'private' applies only with 'push_to_hub'")
-    return Job(index, merged.get("name") or str(index), merged["source"], merged["out"], settings, push,
-               bool(merged.get("private")))
+    return Job(
+        index,
+        merged.get("name") or str(index),
+        merged["source"],
+        merged["out"],
+        settings,
+        push,
+        bool(merged.get("private")),
+    )
 
 
 def task_index_from_env(env=None) -> int | None:
@@ -188,22 +227,36 @@ def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job
     if task_index is None:
         return jobs
     if not 0 <= task_index < len(jobs):
-        raise FP8ConvertError(f"task index {task_index}: {where} has {plural(len(jobs), 'job')}, numbered 0 to "
-                              f"{len(jobs) - 1}")
+        raise FP8ConvertError(
+            f"task index {task_index}: {where} has {plural(len(jobs), 'job')}, numbered 0 to {len(jobs) - 1}"
+        )
     return [jobs[task_index]]
 
 
-def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir: str | None = None,
-            on_plan: Callable[[Job, Plan], None] | None = None) -> JobResult:
+def run_job(
+    job: Job,
+    progress: bool = True,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    on_plan: Callable[[Job, Plan], None] | None = None,
+) -> JobResult:
     """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything).
     `on_plan(job, plan)` is called before the job reads any data (the CLI prints its warnings there)."""
     from .. import api, publish
+
     started = time.monotonic()
     result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
     log(f"{job_title(job.index, job.name)}: {job.source} -> {job.out}", progress)
     try:
-        report = api.quantize(job.source, job.out, job.settings, progress=progress, token=token, cache_dir=cache_dir,
-                              on_plan=(lambda plan: on_plan(job, plan)) if on_plan else None)
+        report = api.quantize(
+            job.source,
+            job.out,
+            job.settings,
+            progress=progress,
+            token=token,
+            cache_dir=cache_dir,
+            on_plan=(lambda plan: on_plan(job, plan)) if on_plan else None,
+        )
         result.report = asdict(report)
         result.gb_in, result.gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
         result.status = "skipped" if report.already_complete else "done"
@@ -223,14 +276,22 @@ def run_job(job: Job, progress: bool = True, token: str | None = None, cache_dir
     except Exception as e:  # an unexpected failure in one job must not stop the others
         result.error = " ".join(f"{type(e).__name__}: {e}".split())
     result.seconds = time.monotonic() - started
-    log(f"{job_title(job.index, job.name)}: {result.status} in {result.seconds:.1f}s"
-        + (f": {result.error}" if result.error else ""), progress)
+    log(
+        f"{job_title(job.index, job.name)}: {result.status} in {result.seconds:.1f}s"
+        + (f": {result.error}" if result.error else ""),
+        progress,
+    )
     return result
 
 
-def run_batch(path: str | Path, task_index: int | None = None, progress: bool = True,
-              token: str | None = None, cache_dir: str | None = None,
-              on_plan: Callable[[Job, Plan], None] | None = None) -> list[JobResult]:
+def run_batch(
+    path: str | Path,
+    task_index: int | None = None,
+    progress: bool = True,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    on_plan: Callable[[Job, Plan], None] | None = None,
+) -> list[JobResult]:
     """Validate the jobs file, then run its jobs in order (or only job `task_index`; by default the
     Slurm array task's). Returns one result per job run."""
     jobs = read_jobs(path)
@@ -242,11 +303,22 @@ def run_batch(path: str | Path, task_index: int | None = None, progress: bool = 
 def render(results: list[JobResult]) -> str:
     """The summary table, then one line per failure."""
     rows = [("job", "source", "out", "status", "seconds", "GB")]
-    rows += [(f"{r.index} {r.job}" if r.job != str(r.index) else r.job, r.source, r.out, r.status,
-              f"{r.seconds:.1f}", f"{r.gb_out:.2f}") for r in results]
+    rows += [
+        (
+            f"{r.index} {r.job}" if r.job != str(r.index) else r.job,
+            r.source,
+            r.out,
+            r.status,
+            f"{r.seconds:.1f}",
+            f"{r.gb_out:.2f}",
+        )
+        for r in results
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [f"{result_title(r)} failed: {r.error}" for r in results if r.status == "failed"]
     return "\n".join(line.rstrip() for line in lines)

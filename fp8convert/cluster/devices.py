@@ -3,12 +3,13 @@
 A child gets the parent's Settings whole, with only its device and worker slot changed, so every option
 reaches it by construction. The children never finalize; the parent does once they all succeeded.
 """
+
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Callable
 
 from ..errors import FP8ConvertError, UsageError
 from ..options import Settings
@@ -16,13 +17,14 @@ from ..units import plural
 from .workers import WorkerSpec
 
 
-def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
+def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
     """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device). 'cpu' entries are allowed
     (several CPU workers; mostly for tests). Bare 'cuda' is refused: say which GPU."""
     items = devices.split(",") if isinstance(devices, str) else list(devices)
     items = [d.strip() for d in items if d.strip()]
     if items == ["all"]:
         import torch
+
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not count:
             raise FP8ConvertError("--devices all: no CUDA device on this machine")
@@ -39,9 +41,17 @@ def parse_devices(devices: "str | list[str] | tuple[str, ...]") -> list[str]:
 def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> list[Settings]:
     """Each device's settings: its device, its part of worker `spec`'s shards, no finalize, and no
     --overwrite (the parent has already replaced OUT; a worker of several may not)."""
-    return [replace(settings, device=device, devices=None, worker=spec.split(len(devices), part), finalize=False,
-                    overwrite=False)
-            for part, device in enumerate(devices)]
+    return [
+        replace(
+            settings,
+            device=device,
+            devices=None,
+            worker=spec.split(len(devices), part),
+            finalize=False,
+            overwrite=False,
+        )
+        for part, device in enumerate(devices)
+    ]
 
 
 def run_on_devices(target: Callable, src: str, out: str, children: list[Settings]) -> list:

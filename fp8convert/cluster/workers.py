@@ -10,6 +10,7 @@ Launchers are detected from their environment variables (`detect_worker`): torch
 `srun` always, since N identical copies of one command would otherwise collide; Slurm arrays and
 Kubernetes indexed Jobs only with `--worker auto`, since an array also runs different models (batch).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,8 @@ from ..output.manifest import WORK_DIR
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
-CLAIM = "finalize.claim"       # in OUT/.fp8convert: the worker finalizing now (workers without a barrier)
-STALE_CLAIM_S = 600            # a claim older than this was left by a worker that died while finalizing
+CLAIM = "finalize.claim"  # in OUT/.fp8convert: the worker finalizing now (workers without a barrier)
+STALE_CLAIM_S = 600  # a claim older than this was left by a worker that died while finalizing
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class WorkerSpec:
 
     index: int = 0
     count: int = 1
-    launcher: str = "single"          # single, explicit, torchrun, slurm, slurm-array, k8s
-    local_rank: int | None = None     # picks the GPU when the launcher starts one process per GPU
+    launcher: str = "single"  # single, explicit, torchrun, slurm, slurm-array, k8s
+    local_rank: int | None = None  # picks the GPU when the launcher starts one process per GPU
     # How many of the `count` workers share this machine's memory and cores, where the launcher says
     # (torchrun's processes per node, srun's tasks per node; 1 for an array task or a pod, each its own
     # allocation). None: assume all of them do.
@@ -54,7 +55,7 @@ class WorkerSpec:
     def owned(self, shard_count: int) -> set[int]:
         return {i for i in range(shard_count) if i % self.count == self.index}
 
-    def split(self, parts: int, part: int) -> "WorkerSpec":
+    def split(self, parts: int, part: int) -> WorkerSpec:
         """Sub-worker `part` of `parts` within this worker's share (--devices): shard i with i % N == K
         goes to sub-worker (i // N) % parts, i.e. i % (N * parts) == K + N * part. The sub-workers own
         exactly this worker's shards, however many devices other workers split theirs over."""
@@ -73,8 +74,9 @@ def _int(env, name: str) -> int:
         raise FP8ConvertError(f"${name}={value!r}: not an integer") from None
 
 
-def _checked(index: int, count: int, launcher: str, where: str, local_rank: int | None = None,
-             on_this_machine: int | None = None) -> WorkerSpec:
+def _checked(
+    index: int, count: int, launcher: str, where: str, local_rank: int | None = None, on_this_machine: int | None = None
+) -> WorkerSpec:
     if count < 1 or not 0 <= index < count:
         raise FP8ConvertError(f"{where}: worker {index} of {count} is not a valid split (need 0 <= K < N)")
     if count == 1:
@@ -116,13 +118,20 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     if all(env.get(v) for v in TORCHRUN_VARS):
         local = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else None
         per_node = _int(env, "LOCAL_WORLD_SIZE") if env.get("LOCAL_WORLD_SIZE") else None
-        return _checked(_int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local,
-                        per_node)
+        return _checked(
+            _int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node
+        )
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
     if env.get("SLURM_PROCID") and env.get(tasks_var) and _int(env, tasks_var) > 1:
         local = _int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else None
-        return _checked(_int(env, "SLURM_PROCID"), _int(env, tasks_var), "slurm",
-                        f"srun ($SLURM_PROCID/${tasks_var})", local, tasks_per_node(env))
+        return _checked(
+            _int(env, "SLURM_PROCID"),
+            _int(env, tasks_var),
+            "slurm",
+            f"srun ($SLURM_PROCID/${tasks_var})",
+            local,
+            tasks_per_node(env),
+        )
     if not opt_in:
         return None
     if env.get("SLURM_ARRAY_TASK_ID"):
@@ -132,22 +141,36 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
         first = _int(env, "SLURM_ARRAY_TASK_MIN") if env.get("SLURM_ARRAY_TASK_MIN") else 0
         offset = _int(env, "SLURM_ARRAY_TASK_ID") - first
         if step < 1 or offset % step:
-            raise FP8ConvertError(f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; "
-                                  "pass --worker K/N")
-        return _checked(offset // step, _int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array",
-                        "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)",
-                        on_this_machine=1)
+            raise FP8ConvertError(
+                f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; pass --worker K/N"
+            )
+        return _checked(
+            offset // step,
+            _int(env, "SLURM_ARRAY_TASK_COUNT"),
+            "slurm-array",
+            "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)",
+            on_this_machine=1,
+        )
     if env.get("JOB_COMPLETION_INDEX"):
         if not env.get("JOB_COMPLETIONS"):
-            raise FP8ConvertError("Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
-                                  "completions, or pass --worker $JOB_COMPLETION_INDEX/N")
-        return _checked(_int(env, "JOB_COMPLETION_INDEX"), _int(env, "JOB_COMPLETIONS"), "k8s",
-                        "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)", on_this_machine=1)
-    raise FP8ConvertError("--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
-                          "or a Kubernetes indexed Job); pass --worker K/N")
+            raise FP8ConvertError(
+                "Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
+                "completions, or pass --worker $JOB_COMPLETION_INDEX/N"
+            )
+        return _checked(
+            _int(env, "JOB_COMPLETION_INDEX"),
+            _int(env, "JOB_COMPLETIONS"),
+            "k8s",
+            "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)",
+            on_this_machine=1,
+        )
+    raise FP8ConvertError(
+        "--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
+        "or a Kubernetes indexed Job); pass --worker K/N"
+    )
 
 
-def resolve_worker(worker: "str | tuple[int, int] | WorkerSpec | None", env=None) -> WorkerSpec:
+def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
     """None: detect torchrun / multi-task srun, else a single worker. 'auto': detect any launcher.
     'K/N' or (K, N): explicit."""
     if isinstance(worker, WorkerSpec):
@@ -166,6 +189,7 @@ def device_for(spec: WorkerSpec, device: str) -> str:
     if spec.local_rank is None or device not in ("auto", "cuda"):
         return device
     from ..run.warmup import cuda_device_count
+
     count = cuda_device_count()
     if not count:
         return "cpu" if device == "auto" else device
@@ -180,12 +204,14 @@ def log(message: str, enabled: bool = True) -> None:
 
 # ------------------------------------------------------------------ torchrun: wait for every rank
 
+
 def barrier() -> None:
     """Wait until every torchrun rank is here. A gloo group (CPU, no NCCL needed) is created just for
     this when the program has none, with a long timeout: ranks finish their shards at different times."""
     from datetime import timedelta
 
     import torch.distributed as dist
+
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", timeout=timedelta(seconds=BARRIER_TIMEOUT_S))
@@ -197,6 +223,7 @@ def barrier() -> None:
 
 
 # ------------------------------------------------------------------ workers without a barrier
+
 
 def claim_finalize(out_dir: Path) -> int | None:
     """Become the one worker that finalizes now: an O_EXCL claim file naming host and pid. None when

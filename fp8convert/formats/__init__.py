@@ -1,5 +1,6 @@
 """Output formats: how quantized tensors are named, the shapes of their scales, and what
 `quantization_config` says, both written (quantize) and read back (verify). One module each."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -37,8 +38,9 @@ def read_quantization_config(config: dict, where: str) -> QuantizationConfig:
     declared = kind.from_dict(qc, where)
     for pattern in declared.ignore:
         if problem := regex_error(pattern):
-            raise FP8ConvertError(f"{where}: quantization_config's ignore entry {pattern!r} is not a valid "
-                                  f"regular expression ({problem})")
+            raise FP8ConvertError(
+                f"{where}: quantization_config's ignore entry {pattern!r} is not a valid regular expression ({problem})"
+            )
     if declared.scale_format == "ue8m0" and declared.scheme != "block":
         raise FP8ConvertError(f"{where}: scale_fmt ue8m0 with {declared.scheme} scales (it describes block scales)")
     return declared

@@ -30,6 +30,7 @@ fp8 format. The scales stay float32 values that are powers of two.
 As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized, naive-quantized)
 are read, with the top-level scale_fmt if any; MXFP8 is written here but refused as a source.
 """
+
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
@@ -37,8 +38,12 @@ from ..options import BLOCK, MX_GROUP
 from .config import QuantizationConfig, declared_scale_fmt
 
 QUANT_METHOD = "compressed-tensors"
-FORMAT = {"tensor": "float-quantized", "channel": "float-quantized", "block": "float-quantized",
-          "mxfp8": "mxfp8-quantized"}
+FORMAT = {
+    "tensor": "float-quantized",
+    "channel": "float-quantized",
+    "block": "float-quantized",
+    "mxfp8": "mxfp8-quantized",
+}
 
 
 def scale_name(weight_name: str, scheme: str) -> str:
@@ -67,8 +72,15 @@ def scale_shape(shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
 
 
 def _mx_args(dynamic: bool) -> dict:
-    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": MX_GROUP, "strategy": "group",
-            "dynamic": dynamic, "scale_dtype": "torch.uint8"}
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": MX_GROUP,
+        "strategy": "group",
+        "dynamic": dynamic,
+        "scale_dtype": "torch.uint8",
+    }
 
 
 # compressed-tensors formats that store FP8 weights as they are (float8_e4m3fn codes and a scale); the
@@ -80,7 +92,7 @@ OTHER_FORMATS = {
     "nvfp4-pack-quantized": "NVFP4 (4-bit float) weights",
     "mxfp4-pack-quantized": "MXFP4 (4-bit float) weights",
     "mxfp8-quantized": "MXFP8 (FP8 with power-of-two scales per 32 values), which fp8convert writes but does not "
-                       "read as a source",
+    "read as a source",
     "marlin-24": "2:4 sparse int4 weights (Marlin)",
     "sparse-24-bitmask": "2:4 sparse weights",
     "sparse-bitmask": "sparse weights (bitmask)",
@@ -89,8 +101,10 @@ OTHER_FORMATS = {
 
 
 def _not_fp8(where: str, what: str) -> FP8ConvertError:
-    return FP8ConvertError(f"{where}: compressed-tensors checkpoint with {what}; fp8convert reads FP8 (float8_e4m3fn "
-                           "weights with tensor, channel or block scales) only")
+    return FP8ConvertError(
+        f"{where}: compressed-tensors checkpoint with {what}; fp8convert reads FP8 (float8_e4m3fn "
+        "weights with tensor, channel or block scales) only"
+    )
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -111,20 +125,31 @@ class CompressedTensorsConfig(QuantizationConfig):
         if self.scheme == "mxfp8":
             weights, activations = _mx_args(False), _mx_args(True)
         else:
-            weights = {"num_bits": 8, "type": "float", "strategy": self.scheme, "symmetric": True, "dynamic": False,
-                       "group_size": None, "block_structure": [BLOCK, BLOCK] if self.scheme == "block" else None}
+            weights = {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": self.scheme,
+                "symmetric": True,
+                "dynamic": False,
+                "group_size": None,
+                "block_structure": [BLOCK, BLOCK] if self.scheme == "block" else None,
+            }
             # Activations are quantized on the fly by the engine: per token with per-channel weights, per
             # 128-wide group with block weights, per tensor with per-tensor weights (what vLLM's MoE accepts).
             # Static ones (an FP8 source's calibrated input_scale, carried in the tensor scheme) are per tensor.
-            activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not self.static_activations,
-                           "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[self.scheme],
-                           "group_size": BLOCK if self.scheme == "block" else None}
+            activations = {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "dynamic": not self.static_activations,
+                "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[self.scheme],
+                "group_size": BLOCK if self.scheme == "block" else None,
+            }
         config = {
             "quant_method": QUANT_METHOD,
             "format": FORMAT[self.scheme],
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": activations}},
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
             "ignore": list(self.ignore),
             "kv_cache_scheme": None,
         }
@@ -140,8 +165,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         what fp8convert reads: no MXFP8, KV-cache scheme, zero points or uncompressed weights; an output
         lists these in `unkept` instead, for verify to report each."""
         readable = (*FP8_FORMATS, "mixed-precision", None) + (() if source else ("mxfp8-quantized",))
-        formats = [qc.get("format")] + [g.get("format") for g in (qc.get("config_groups") or {}).values()
-                                        if isinstance(g, dict) and g.get("format")]
+        formats = [qc.get("format")] + [
+            g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("format")
+        ]
         for fmt in formats:
             if fmt not in readable:
                 raise _not_fp8(where, f"format {fmt!r} ({OTHER_FORMATS.get(fmt, 'not an FP8 format')})")
@@ -151,13 +177,16 @@ class CompressedTensorsConfig(QuantizationConfig):
         unkept = []
         if qc.get("kv_cache_scheme"):
             if source:
-                raise FP8ConvertError(f"{where}: kv_cache_scheme is set: FP8 KV-cache scales (k_scale, v_scale) are "
-                                      "not supported in a source")
+                raise FP8ConvertError(
+                    f"{where}: kv_cache_scheme is set: FP8 KV-cache scales (k_scale, v_scale) are "
+                    "not supported in a source"
+                )
             unkept.append("declares a kv_cache_scheme, but fp8convert writes no KV-cache scales")
         if (status := qc.get("quantization_status")) not in (None, "compressed"):
             if source:
-                raise FP8ConvertError(f"{where}: quantization_status {status!r}: the weights are not stored compressed "
-                                      "(FP8)")
+                raise FP8ConvertError(
+                    f"{where}: quantization_status {status!r}: the weights are not stored compressed (FP8)"
+                )
             unkept.append(f"quantization_status is {status!r}, not 'compressed'")
         groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
         if not groups:
@@ -175,18 +204,28 @@ class CompressedTensorsConfig(QuantizationConfig):
                 raise _not_fp8(where, f"config group {name}: quantized output activations")
             a = group.get("input_activations")
             if a and not a.get("dynamic"):
-                if a.get("strategy") != "tensor" or a.get("type") != "float" or a.get("num_bits") != 8 or \
-                        a.get("symmetric") is False:
-                    raise _not_fp8(where, f"config group {name}: static input activations of strategy "
-                                          f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)")
+                if (
+                    a.get("strategy") != "tensor"
+                    or a.get("type") != "float"
+                    or a.get("num_bits") != 8
+                    or a.get("symmetric") is False
+                ):
+                    raise _not_fp8(
+                        where,
+                        f"config group {name}: static input activations of strategy "
+                        f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)",
+                    )
                 static.add(True)
             else:
                 static.add(False)
         if len(strategies) > 1 or len(static) > 1:
-            raise FP8ConvertError(f"{where}: config groups mix weight strategies or activation schemes "
-                                  f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint")
-        return cls(strategies.pop(), tuple(qc.get("ignore") or ()), declared_scale_fmt(qc, where), static.pop(),
-                   tuple(unkept))
+            raise FP8ConvertError(
+                f"{where}: config groups mix weight strategies or activation schemes "
+                f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint"
+            )
+        return cls(
+            strategies.pop(), tuple(qc.get("ignore") or ()), declared_scale_fmt(qc, where), static.pop(), tuple(unkept)
+        )
 
 
 def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[str]) -> str:
@@ -200,15 +239,23 @@ def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[
     if w.get("symmetric") is False:
         unkept.append(f"config group {name} declares asymmetric weights, but the output has no zero points")
     if w.get("strategy") == "block" and w.get("block_structure") != [BLOCK, BLOCK]:
-        raise FP8ConvertError(f"{where}: config group {name}: block_structure {w.get('block_structure')} is not "
-                              f"[{BLOCK}, {BLOCK}] (the only block size fp8convert reads)")
+        raise FP8ConvertError(
+            f"{where}: config group {name}: block_structure {w.get('block_structure')} is not "
+            f"[{BLOCK}, {BLOCK}] (the only block size fp8convert reads)"
+        )
     return w["strategy"]
 
 
 def _mxfp8_scheme(w: dict, where: str) -> str:
     """An output's MXFP8 weights, checked for what vLLM's MXFP8 path keys on."""
-    if w.get("strategy") != "group" or w.get("group_size") != MX_GROUP or w.get("symmetric") is not True or \
-            str(w.get("scale_dtype")).removeprefix("torch.") != "uint8":
-        raise FP8ConvertError(f"{where}: an MXFP8 config needs weights with strategy group, group_size {MX_GROUP}, "
-                              "symmetric and scale_dtype uint8 (what vLLM's MXFP8 path keys on)")
+    if (
+        w.get("strategy") != "group"
+        or w.get("group_size") != MX_GROUP
+        or w.get("symmetric") is not True
+        or str(w.get("scale_dtype")).removeprefix("torch.") != "uint8"
+    ):
+        raise FP8ConvertError(
+            f"{where}: an MXFP8 config needs weights with strategy group, group_size {MX_GROUP}, "
+            "symmetric and scale_dtype uint8 (what vLLM's MXFP8 path keys on)"
+        )
     return "mxfp8"

@@ -1,6 +1,7 @@
 """quantization_config as one typed record. Each format (fp8.py, compressed_tensors.py) has a subclass
 that parses its dict (`from_dict`, for an FP8 source and for fp8convert's own output alike) and writes
 it back (`to_dict`), so nothing else reads the raw dict."""
+
 from __future__ import annotations
 
 import re
@@ -15,13 +16,13 @@ class QuantizationConfig:
     """What a checkpoint's quantization_config declares. A subclass adds its format's tensor names:
     scale_name/scale_dtype/scale_shapes as it writes them, source_scale_names as a source may have them."""
 
-    format: ClassVar[str]                # fp8 | compressed-tensors (also its quant_method)
+    format: ClassVar[str]  # fp8 | compressed-tensors (also its quant_method)
     source_input_scale_names: ClassVar[tuple[str, ...]]  # a source's static activation scale suffixes
-    scheme: str                          # tensor | channel | block | mxfp8
-    ignore: tuple[str, ...] = ()         # modules left unquantized, as engines match them
-    scale_fmt: str | None = None         # `scale_fmt` as declared: "ue8m0" (block scales are powers of two)
-    static_activations: bool = False     # calibrated per-tensor input scales, one per FP8 linear
-    unkept: tuple[str, ...] = ()         # what it declares that loaders act on but fp8convert writes no tensor for
+    scheme: str  # tensor | channel | block | mxfp8
+    ignore: tuple[str, ...] = ()  # modules left unquantized, as engines match them
+    scale_fmt: str | None = None  # `scale_fmt` as declared: "ue8m0" (block scales are powers of two)
+    static_activations: bool = False  # calibrated per-tensor input scales, one per FP8 linear
+    unkept: tuple[str, ...] = ()  # what it declares that loaders act on but fp8convert writes no tensor for
 
     @property
     def scale_format(self) -> str:

@@ -8,6 +8,7 @@ vLLM reads it (any quant_method) to turn on DeepGEMM's UE8M0 mode; transformers 
 for the powers of two written here (never write scale_fmt over scales that are not). The scales stay
 float32 on disk, as DeepSeek-V3.1 ships them.
 """
+
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
@@ -63,8 +64,11 @@ class FP8Config(QuantizationConfig):
         return ("weight_scale_inv",) if self.scheme == "block" else ("weight_scale", "weight_scale_inv")
 
     def to_dict(self) -> dict:
-        config = {"quant_method": QUANT_METHOD, "fmt": "e4m3",
-                  "activation_scheme": "static" if self.static_activations else "dynamic"}
+        config = {
+            "quant_method": QUANT_METHOD,
+            "fmt": "e4m3",
+            "activation_scheme": "static" if self.static_activations else "dynamic",
+        }
         if self.scheme == "block":
             config["weight_block_size"] = [BLOCK, BLOCK]
         if self.scale_format == "ue8m0":
@@ -80,18 +84,27 @@ class FP8Config(QuantizationConfig):
         dynamic or static, the skip list under `ignored_layers` and `modules_to_not_convert` (each engine
         reads one). A source and an output are read alike."""
         if qc.get("fmt") not in E4M3_FMTS:
-            raise FP8ConvertError(f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
-                                  "float8_e4m3fn weights only)")
+            raise FP8ConvertError(
+                f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
+                "float8_e4m3fn weights only)"
+            )
         block = qc.get("weight_block_size")
         if block not in (None, [BLOCK, BLOCK]):
-            raise FP8ConvertError(f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}] (the only block size "
-                                  "fp8convert reads)")
+            raise FP8ConvertError(
+                f"{where}: weight_block_size {block} is not [{BLOCK}, {BLOCK}] (the only block size fp8convert reads)"
+            )
         activations = qc.get("activation_scheme") or "dynamic"
         if activations not in ("dynamic", "static"):
             raise FP8ConvertError(f"{where}: activation_scheme {activations!r} is neither dynamic nor static")
         if qc.get("expert_dtype") not in (None, "fp8"):
-            raise FP8ConvertError(f"{where}: expert_dtype {qc.get('expert_dtype')!r}: experts in another format than "
-                                  "FP8 are not supported")
+            raise FP8ConvertError(
+                f"{where}: expert_dtype {qc.get('expert_dtype')!r}: experts in another format than "
+                "FP8 are not supported"
+            )
         ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
-        return cls("block" if block else "tensor", tuple(dict.fromkeys(ignore)), declared_scale_fmt(qc, where),
-                   activations == "static")
+        return cls(
+            "block" if block else "tensor",
+            tuple(dict.fromkeys(ignore)),
+            declared_scale_fmt(qc, where),
+            activations == "static",
+        )

@@ -11,6 +11,7 @@ or dtype, a scale without its FP8 weight. Other quantization methods are refused
 
 The scales' values (finite, positive) are checked when they are read, with the weights.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,23 +26,53 @@ from .config import QuantizationConfig
 SCALE_DTYPES = ("F32", "BF16", "F16")  # every value of these is exact in float32
 # quant_method -> what it is, for refusals (transformers' QuantizationMethod and vLLM's names).
 OTHER_METHODS = {
-    "gptq": "GPTQ integer weights", "awq": "AWQ integer weights", "bitsandbytes": "bitsandbytes 4/8-bit weights",
-    "mxfp4": "MXFP4 (4-bit float) weights", "mxfp8": "MXFP8 weights", "nvfp4": "NVFP4 (4-bit float) weights",
-    "modelopt": "NVIDIA ModelOpt quantization", "fbgemm_fp8": "FBGEMM FP8 (per-channel, not read here)",
-    "gguf": "GGUF", "hqq": "HQQ", "eetq": "EETQ int8", "aqlm": "AQLM", "quanto": "optimum-quanto",
-    "torchao": "torchao", "auto-round": "AutoRound", "quark": "AMD Quark", "higgs": "HIGGS", "vptq": "VPTQ",
-    "spqr": "SpQR", "bitnet": "BitNet", "fp_quant": "FP-Quant",
+    "gptq": "GPTQ integer weights",
+    "awq": "AWQ integer weights",
+    "bitsandbytes": "bitsandbytes 4/8-bit weights",
+    "mxfp4": "MXFP4 (4-bit float) weights",
+    "mxfp8": "MXFP8 weights",
+    "nvfp4": "NVFP4 (4-bit float) weights",
+    "modelopt": "NVIDIA ModelOpt quantization",
+    "fbgemm_fp8": "FBGEMM FP8 (per-channel, not read here)",
+    "gguf": "GGUF",
+    "hqq": "HQQ",
+    "eetq": "EETQ int8",
+    "aqlm": "AQLM",
+    "quanto": "optimum-quanto",
+    "torchao": "torchao",
+    "auto-round": "AutoRound",
+    "quark": "AMD Quark",
+    "higgs": "HIGGS",
+    "vptq": "VPTQ",
+    "spqr": "SpQR",
+    "bitnet": "BitNet",
+    "fp_quant": "FP-Quant",
 }
 # Tensor names that only other quantization layouts have (packed integers, 4-bit float blocks, KV-cache
 # scales, scales fp8convert does not read): found in a checkpoint, they name what it is.
-FOREIGN_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".scales", ".weight_packed", ".weight_shape",
-                    ".weight_zero_point", ".weight_scale_2", ".weight_global_scale", ".input_global_scale",
-                    ".input_zero_point", ".absmax", ".SCB", "_blocks", ".k_scale", ".v_scale", ".qscale_weight",
-                    ".qscale_act")
+FOREIGN_SUFFIXES = (
+    ".qweight",
+    ".qzeros",
+    ".g_idx",
+    ".scales",
+    ".weight_packed",
+    ".weight_shape",
+    ".weight_zero_point",
+    ".weight_scale_2",
+    ".weight_global_scale",
+    ".input_global_scale",
+    ".input_zero_point",
+    ".absmax",
+    ".SCB",
+    "_blocks",
+    ".k_scale",
+    ".v_scale",
+    ".qscale_weight",
+    ".qscale_act",
+)
 # Scale names of other tools that fp8convert does not read: an FP8 weight with one of these and none of
 # its format's own names is refused with the name it has.
-OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", ".weight_scale_inv", ".weight_scale", ".scale_inv",
-                        ".qscale_weight")
+OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", ".weight_scale_inv", ".weight_scale", ".scale_inv", ".qscale_weight")
 
 
 @dataclass(frozen=True)
@@ -50,7 +81,7 @@ class FP8Weight:
 
     weight: TensorInfo
     scale: TensorInfo
-    input_scale: TensorInfo | None = None   # static activations: carried or dropped, never used to dequantize
+    input_scale: TensorInfo | None = None  # static activations: carried or dropped, never used to dequantize
 
 
 @dataclass(frozen=True)
@@ -58,7 +89,7 @@ class SourceQuantization:
     """How an FP8 source is quantized, and each FP8 weight's scale."""
 
     config: QuantizationConfig
-    weights: dict[str, FP8Weight]           # by the weight's name
+    weights: dict[str, FP8Weight]  # by the weight's name
 
     @property
     def scheme(self) -> str:
@@ -73,27 +104,34 @@ class SourceQuantization:
         c = self.config
         names = sorted({w.scale.name.rsplit(".", 1)[-1] for w in self.weights.values()})
         dtypes = sorted({w.scale.dtype for w in self.weights.values()})
-        text = (f"{c.format} {c.scheme} ({', '.join(names)} {'/'.join(dtypes)}), {len(self.weights)} FP8 weights, "
-                f"{'static' if c.static_activations else 'dynamic'} activations")
+        text = (
+            f"{c.format} {c.scheme} ({', '.join(names)} {'/'.join(dtypes)}), {len(self.weights)} FP8 weights, "
+            f"{'static' if c.static_activations else 'dynamic'} activations"
+        )
         return text + (f", scale_fmt {c.scale_fmt}" if c.scale_fmt else "")
 
 
-def read_source_quantization(config: dict, tensors: list[TensorInfo], where: str,
-                             files: list[str] = ()) -> SourceQuantization | None:
+def read_source_quantization(
+    config: dict, tensors: list[TensorInfo], where: str, files: list[str] = ()
+) -> SourceQuantization | None:
     """None for a high-precision checkpoint; the FP8 layout of an FP8 one; a one-line error for anything
     else. `where` names the checkpoint, `files` its other top-level files (ModelOpt keeps its config in
     hf_quant_config.json)."""
     if "hf_quant_config.json" in files:
-        raise FP8ConvertError(f"{where}/hf_quant_config.json: the model is quantized with NVIDIA ModelOpt; fp8convert "
-                              "reads BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8 or compressed-tensors)")
+        raise FP8ConvertError(
+            f"{where}/hf_quant_config.json: the model is quantized with NVIDIA ModelOpt; fp8convert "
+            "reads BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8 or compressed-tensors)"
+        )
     declared = _declared(config, f"{where}/config.json")
     if declared is None:
         _refuse_quantized_tensors(tensors)
         return None
     weights = match_scales(declared, tensors)
     if not weights:
-        raise FP8ConvertError(f"{where}/config.json: declares {declared.format} quantization, but no tensor is "
-                              f"{FP8} (float8_e4m3fn): nothing to read as FP8")
+        raise FP8ConvertError(
+            f"{where}/config.json: declares {declared.format} quantization, but no tensor is "
+            f"{FP8} (float8_e4m3fn): nothing to read as FP8"
+        )
     return SourceQuantization(declared, weights)
 
 
@@ -109,19 +147,24 @@ def _declared(config: dict, where: str) -> QuantizationConfig | None:
     if kind := config_type(method):
         return kind.from_dict(qc, where, source=True)
     what = OTHER_METHODS.get(str(method), "not an FP8 method fp8convert reads")
-    raise FP8ConvertError(f"{where}: the model is quantized with quant_method {method!r} ({what}); fp8convert reads "
-                          "BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8, or compressed-tensors with FP8 "
-                          "weights)")
+    raise FP8ConvertError(
+        f"{where}: the model is quantized with quant_method {method!r} ({what}); fp8convert reads "
+        "BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8, or compressed-tensors with FP8 "
+        "weights)"
+    )
 
 
 def _refuse_quantized_tensors(tensors: list[TensorInfo]) -> None:
     """A checkpoint without quantization_config must not hold quantized tensors."""
     for t in tensors:
-        if t.dtype.startswith("F8") or t.name.endswith(FOREIGN_SUFFIXES + (".weight_scale", ".weight_scale_inv",
-                                                                           ".input_scale")):
-            raise FP8ConvertError(f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
-                                  "config.json has no quantization_config saying how; fp8convert needs a "
-                                  "BF16/FP16/FP32 source or an FP8 one with its quantization_config")
+        if t.dtype.startswith("F8") or t.name.endswith(
+            FOREIGN_SUFFIXES + (".weight_scale", ".weight_scale_inv", ".input_scale")
+        ):
+            raise FP8ConvertError(
+                f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
+                "config.json has no quantization_config saying how; fp8convert needs a "
+                "BF16/FP16/FP32 source or an FP8 one with its quantization_config"
+            )
 
 
 def expected_scale_shape(shape: tuple[int, ...], scheme: str) -> list[tuple[int, ...]]:
@@ -142,35 +185,49 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
     used: set[str] = set()
     for t in tensors:
         if t.name.endswith(FOREIGN_SUFFIXES):
-            raise FP8ConvertError(f"{t.file}: tensor {t.name} ({t.dtype}) belongs to a quantization layout fp8convert "
-                                  f"does not read (the config says {declared.format})")
+            raise FP8ConvertError(
+                f"{t.file}: tensor {t.name} ({t.dtype}) belongs to a quantization layout fp8convert "
+                f"does not read (the config says {declared.format})"
+            )
         if t.dtype in ("F8_E5M2", "F8_E8M0"):
-            raise FP8ConvertError(f"{t.file}: tensor {t.name} is {t.dtype}; fp8convert reads float8_e4m3fn weights "
-                                  "with float scales only")
+            raise FP8ConvertError(
+                f"{t.file}: tensor {t.name} is {t.dtype}; fp8convert reads float8_e4m3fn weights with float scales only"
+            )
         if t.dtype != FP8:
             continue
         if not t.name.endswith(".weight") or len(t.shape) != 2:
-            raise FP8ConvertError(f"{t.file}: tensor {t.name} {list(t.shape)} is {FP8}, but only 2-D `.weight` "
-                                  "tensors are read as FP8 weights")
+            raise FP8ConvertError(
+                f"{t.file}: tensor {t.name} {list(t.shape)} is {FP8}, but only 2-D `.weight` "
+                "tensors are read as FP8 weights"
+            )
         module = t.name[: -len(".weight")]
         scale = _one(by_name, module, scale_names, t, "scale", required=True)
         if scale.dtype not in SCALE_DTYPES:
-            raise FP8ConvertError(f"{scale.file}: scale {scale.name} is {scale.dtype}; fp8convert reads "
-                                  f"{', '.join(SCALE_DTYPES)} scales")
+            raise FP8ConvertError(
+                f"{scale.file}: scale {scale.name} is {scale.dtype}; fp8convert reads {', '.join(SCALE_DTYPES)} scales"
+            )
         shapes = expected_scale_shape(t.shape, declared.scheme)
         if scale.shape not in shapes:
-            raise FP8ConvertError(f"{scale.file}: scale {scale.name} is shaped {list(scale.shape)}, but a {declared.scheme}"
-                                  f" scale of the {list(t.shape)} weight {t.name} is {' or '.join(map(str, map(list, shapes)))}")
+            raise FP8ConvertError(
+                f"{scale.file}: scale {scale.name} is shaped {list(scale.shape)}, but a {declared.scheme}"
+                f" scale of the {list(t.shape)} weight {t.name} is {' or '.join(map(str, map(list, shapes)))}"
+            )
         input_scale = _one(by_name, module, input_scale_names, t, "static activation scale", required=False)
         if input_scale is not None and (input_scale.shape not in [(), (1,)] or input_scale.dtype not in SCALE_DTYPES):
-            raise FP8ConvertError(f"{input_scale.file}: activation scale {input_scale.name} is {input_scale.dtype} "
-                                  f"{list(input_scale.shape)}; a per-tensor float scale was expected")
+            raise FP8ConvertError(
+                f"{input_scale.file}: activation scale {input_scale.name} is {input_scale.dtype} "
+                f"{list(input_scale.shape)}; a per-tensor float scale was expected"
+            )
         if declared.static_activations and input_scale is None:
-            raise FP8ConvertError(f"{t.file}: FP8 weight {t.name} has no {module}.{input_scale_names[0]}, but "
-                                  "the config declares static activations")
+            raise FP8ConvertError(
+                f"{t.file}: FP8 weight {t.name} has no {module}.{input_scale_names[0]}, but "
+                "the config declares static activations"
+            )
         if input_scale is not None and not declared.static_activations:
-            raise FP8ConvertError(f"{input_scale.file}: tensor {input_scale.name} is a static activation scale, but "
-                                  "the config declares dynamic activations")
+            raise FP8ConvertError(
+                f"{input_scale.file}: tensor {input_scale.name} is a static activation scale, but "
+                "the config declares dynamic activations"
+            )
         weights[t.name] = FP8Weight(t, scale, input_scale)
         used.update(x.name for x in (scale, input_scale) if x is not None)
     suffixes = tuple("." + s for s in scale_names + input_scale_names) + (".weight_scale", ".weight_scale_inv")
@@ -178,26 +235,41 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
         if t.name.endswith(suffixes) and t.name not in used:
             weight = t.name.rsplit(".", 1)[0] + ".weight"
             if weight in weights:
-                raise FP8ConvertError(f"{t.file}: tensor {t.name} is not a scale name of {declared.format} "
-                                      f"{declared.scheme} (the FP8 weight {weight} has its scale "
-                                      f"{weights[weight].scale.name}); one scale per weight is expected")
+                raise FP8ConvertError(
+                    f"{t.file}: tensor {t.name} is not a scale name of {declared.format} "
+                    f"{declared.scheme} (the FP8 weight {weight} has its scale "
+                    f"{weights[weight].scale.name}); one scale per weight is expected"
+                )
             has = f"is {by_name[weight].dtype}" if weight in by_name else "does not exist"
-            raise FP8ConvertError(f"{t.file}: tensor {t.name} is a scale, but its weight {weight} {has}: not an FP8 "
-                                  f"weight with this scale (the config says {declared.format} {declared.scheme})")
+            raise FP8ConvertError(
+                f"{t.file}: tensor {t.name} is a scale, but its weight {weight} {has}: not an FP8 "
+                f"weight with this scale (the config says {declared.format} {declared.scheme})"
+            )
     return weights
 
 
-def _one(by_name: dict[str, TensorInfo], module: str, suffixes: tuple[str, ...], weight: TensorInfo, what: str,
-         required: bool) -> TensorInfo | None:
+def _one(
+    by_name: dict[str, TensorInfo],
+    module: str,
+    suffixes: tuple[str, ...],
+    weight: TensorInfo,
+    what: str,
+    required: bool,
+) -> TensorInfo | None:
     """The one tensor `module.<suffix>` among `suffixes`; two, or none when `required`, is an error."""
     found = [by_name[f"{module}.{s}"] for s in suffixes if f"{module}.{s}" in by_name]
     if len(found) > 1:
-        raise FP8ConvertError(f"{weight.file}: FP8 weight {weight.name} has {len(found)} {what}s "
-                              f"({', '.join(f.name for f in found)}); exactly one is expected")
+        raise FP8ConvertError(
+            f"{weight.file}: FP8 weight {weight.name} has {len(found)} {what}s "
+            f"({', '.join(f.name for f in found)}); exactly one is expected"
+        )
     if found or not required:
         return found[0] if found else None
     wanted = " or ".join(f"{module}.{s}" for s in suffixes)
     others = [module + s for s in OTHER_SCALE_SUFFIXES if module + s in by_name]
-    hint = (f"; {', '.join(others)} is not a scale name of this format, and fp8convert will not guess that it is one"
-            if others else "")
+    hint = (
+        f"; {', '.join(others)} is not a scale name of this format, and fp8convert will not guess that it is one"
+        if others
+        else ""
+    )
     raise FP8ConvertError(f"{weight.file}: FP8 weight {weight.name} has no scale ({wanted}){hint}")

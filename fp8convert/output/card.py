@@ -4,6 +4,7 @@ A YAML header the Hub understands (base_model + base_model_relation: quantized l
 source; license and library_name carried over from the source card), then what was done, what stayed
 in high precision and why, the command that reproduces it, and how to load it.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,19 +18,19 @@ from .._version import __version__
 from ..errors import FP8ConvertError
 from ..formats import CompressedTensorsConfig, read_quantization_config
 from ..options import REPO_ID, Options
-from ..units import format_size, plural, size_text
 from ..plan.summary import describe
+from ..units import format_size, plural, size_text
 from .manifest import Manifest
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
 COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
 SCHEME_TEXT = {
     "tensor": "per-tensor: one float32 scale per weight (members of a fused q/k/v or gate/up group share one "
-              "scale, so engines that fuse them need no re-quantization)",
+    "scale, so engines that fuse them need no re-quantization)",
     "channel": "per-channel: one float32 scale per output row",
     "block": "block: one float32 scale per 128x128 weight block",
     "mxfp8": "MXFP8: one power-of-two scale per 32 consecutive inputs of each row, stored as its E8M0 exponent "
-             "byte (uint8)",
+    "byte (uint8)",
 }
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
@@ -37,7 +38,7 @@ ACTIVATIONS_TEXT = {
     ("compressed-tensors", "channel"): "dynamic per-token FP8",
     ("compressed-tensors", "block"): "dynamic per-group (128) FP8",
     ("compressed-tensors", "mxfp8"): "dynamic MXFP8 (groups of 32) on GPUs with MXFP8 GEMMs (Blackwell); BF16 "
-                                     "with weight-only kernels on earlier GPUs",
+    "with weight-only kernels on earlier GPUs",
     ("fp8", "tensor"): "dynamic FP8",
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
@@ -69,7 +70,7 @@ def split_front_matter(text: str | None) -> tuple[dict, str]:
         data = yaml.safe_load(m.group(1)) or {}
     except yaml.YAMLError:
         data = {}
-    return (data if isinstance(data, dict) else {}), text[m.end():]
+    return (data if isinstance(data, dict) else {}), text[m.end() :]
 
 
 def _plan_info(plan) -> tuple[dict, dict]:
@@ -77,8 +78,13 @@ def _plan_info(plan) -> tuple[dict, dict]:
     for a Hub source its commit; a local directory has no revision)."""
     info = describe(plan, 1 << 30, "cpu")
     source = plan.source
-    extra = {"ignore_patterns": list(plan.options.ignore), "max_shard_size": plan.options.max_shard_size,
-             "revision": source.revision, "root": str(source.root), "dtype": plan.options.dtype}
+    extra = {
+        "ignore_patterns": list(plan.options.ignore),
+        "max_shard_size": plan.options.max_shard_size,
+        "revision": source.revision,
+        "root": str(source.root),
+        "dtype": plan.options.dtype,
+    }
     return info, extra
 
 
@@ -101,10 +107,19 @@ def base_model_of(source: str, revision: str | None, root: str | None, given: st
 DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
-def reproduce_command(source: str, target: str, scheme: str, fmt: str, ignore_patterns=(),
-                      max_shard_size: int | None = None, revision: str | None = None,
-                      base_model: str | None = None, scale_format: str = "float", dequantize: bool = False,
-                      dtype: str | None = None) -> str:
+def reproduce_command(
+    source: str,
+    target: str,
+    scheme: str,
+    fmt: str,
+    ignore_patterns=(),
+    max_shard_size: int | None = None,
+    revision: str | None = None,
+    base_model: str | None = None,
+    scale_format: str = "float",
+    dequantize: bool = False,
+    dtype: str | None = None,
+) -> str:
     """The quantize (or dequantize) command line, sizes written as a user types them ('2GB', not 2000000000)."""
     if dequantize:
         args = ["fp8convert", "dequantize", source, target] + (["--dtype", DTYPE_TEXT[dtype]] if dtype else [])
@@ -141,9 +156,15 @@ def _fmt_value(value) -> str:
     return str(value)
 
 
-def make_card(plan_or_info, source_card_text: str | None = None, command: str | None = None,
-              verify: dict | None = None, repo_id: str | None = None, out_dir: str | Path | None = None,
-              base_model: str | None = None) -> str:
+def make_card(
+    plan_or_info,
+    source_card_text: str | None = None,
+    command: str | None = None,
+    verify: dict | None = None,
+    repo_id: str | None = None,
+    out_dir: str | Path | None = None,
+    base_model: str | None = None,
+) -> str:
     """The README.md of a converted checkpoint.
 
     `plan_or_info`: the Plan, or a `summary.describe()` dict (with "revision", the Hub commit of a Hub
@@ -153,9 +174,15 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     be published, else `out_dir`: where it was written (the load examples and the command use it;
     `push` later replaces it with the repo id). `base_model`: --base-model, when given."""
     if isinstance(plan_or_info, dict):
-        info, extra = plan_or_info, {"ignore_patterns": plan_or_info.get("ignore_patterns", []),
-                                     "max_shard_size": None, "revision": plan_or_info.get("revision"),
-                                     "root": plan_or_info.get("root")}
+        info, extra = (
+            plan_or_info,
+            {
+                "ignore_patterns": plan_or_info.get("ignore_patterns", []),
+                "max_shard_size": None,
+                "revision": plan_or_info.get("revision"),
+                "root": plan_or_info.get("root"),
+            },
+        )
     else:
         info, extra = _plan_info(plan_or_info)
     source = str(info["source"])
@@ -166,16 +193,33 @@ def make_card(plan_or_info, source_card_text: str | None = None, command: str | 
     if not repo_id:
         name = f"{name}-{info.get('dequantized_dtype') if dequantized else 'FP8'}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
-    cmd = command or reproduce_command(source, where, info["scheme"], info["format"],
-                                       extra.get("ignore_patterns") or (), extra.get("max_shard_size"),
-                                       extra.get("revision"), given, info.get("scale_format", "float"), dequantized,
-                                       extra.get("dtype"))
+    cmd = command or reproduce_command(
+        source,
+        where,
+        info["scheme"],
+        info["format"],
+        extra.get("ignore_patterns") or (),
+        extra.get("max_shard_size"),
+        extra.get("revision"),
+        given,
+        info.get("scale_format", "float"),
+        dequantized,
+        extra.get("dtype"),
+    )
     if dequantized:
-        body = [dequantized_introduction(info, source, base_model, extra.get("revision")), "",
-                *dequantization_section(info)]
+        body = [
+            dequantized_introduction(info, source, base_model, extra.get("revision")),
+            "",
+            *dequantization_section(info),
+        ]
     else:
-        body = [introduction(source, base_model, extra.get("revision"), info.get("static_activations")), "",
-                *quantization_section(info), "", *kept_section(info)]
+        body = [
+            introduction(source, base_model, extra.get("revision"), info.get("static_activations")),
+            "",
+            *quantization_section(info),
+            "",
+            *kept_section(info),
+        ]
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
     if verify:
         lines += ["", *verification_section(verify)]
@@ -196,8 +240,11 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
     for key in COPIED_FIELDS:
         if source_meta.get(key) not in (None, "", []):
             meta[key] = source_meta[key]
-    tags = [DTYPE_TEXT.get(info.get("dequantized_dtype"), "bf16"), "dequantized"] if dequantized else \
-        ["fp8", info["format"]]
+    tags = (
+        [DTYPE_TEXT.get(info.get("dequantized_dtype"), "bf16"), "dequantized"]
+        if dequantized
+        else ["fp8", info["format"]]
+    )
     meta["tags"] = list(dict.fromkeys(tags + ["fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
     return f"---\n{header}---"
@@ -205,53 +252,79 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
 
 def introduction(source: str, base_model: str | None, revision: str | None, static: bool = False) -> str:
     from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
-    return (f"FP8 (e4m3) weights of {from_text}" + (f" at commit `{revision[:12]}`" if revision else "")
-            + f", converted offline with fp8convert {__version__}. "
-            + ("Activations use the static per-tensor scales the source was calibrated with." if static else
-               "Activations are quantized dynamically at run time, so no calibration data was used."))
+    return (
+        f"FP8 (e4m3) weights of {from_text}"
+        + (f" at commit `{revision[:12]}`" if revision else "")
+        + f", converted offline with fp8convert {__version__}. "
+        + (
+            "Activations use the static per-tensor scales the source was calibrated with."
+            if static
+            else "Activations are quantized dynamically at run time, so no calibration data was used."
+        )
+    )
 
 
 def quantization_section(info: dict) -> list[str]:
     scheme, fmt = info["scheme"], info["format"]
-    lines = ["## Quantization", "",
-             f"- Format: `{fmt}` (`quantization_config` in config.json)",
-             f"- Weights: {UE8M0_TEXT if info.get('scale_format') == 'ue8m0' else SCHEME_TEXT.get(scheme, scheme)}",
-             "- Activations: " + ("static per-tensor FP8 (the source's calibrated input_scale)"
-                                   if info.get("static_activations") else
-                                   ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8"))]
+    lines = [
+        "## Quantization",
+        "",
+        f"- Format: `{fmt}` (`quantization_config` in config.json)",
+        f"- Weights: {UE8M0_TEXT if info.get('scale_format') == 'ue8m0' else SCHEME_TEXT.get(scheme, scheme)}",
+        "- Activations: "
+        + (
+            "static per-tensor FP8 (the source's calibrated input_scale)"
+            if info.get("static_activations")
+            else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
+        ),
+    ]
     q = info.get("quantized")
     if q:
-        lines.append(f"- Quantized: {q['tensors']} linear weights, {format_size(q['bytes_in'])} -> "
-                     f"{format_size(q['bytes_out'])} with scales")
+        lines.append(
+            f"- Quantized: {q['tensors']} linear weights, {format_size(q['bytes_in'])} -> "
+            f"{format_size(q['bytes_out'])} with scales"
+        )
     if info.get("source_quantization"):
         actions = info["actions"]
-        lines.append(f"- Source: FP8 ({info['source_quantization']}): {actions['pass']} weights passed through with "
-                     f"their codes and scales unchanged, {actions['requantize']} requantized from their dequantized "
-                     f"values (float32(q) * scale), {actions['dequantize']} dequantized")
+        lines.append(
+            f"- Source: FP8 ({info['source_quantization']}): {actions['pass']} weights passed through with "
+            f"their codes and scales unchanged, {actions['requantize']} requantized from their dequantized "
+            f"values (float32(q) * scale), {actions['dequantize']} dequantized"
+        )
     if info.get("bytes_in") and info.get("bytes_out"):
-        lines.append(f"- Checkpoint: {format_size(info['bytes_in'])} -> {format_size(info['bytes_out'])} "
-                     f"({info['bytes_out'] / info['bytes_in']:.0%})")
+        lines.append(
+            f"- Checkpoint: {format_size(info['bytes_in'])} -> {format_size(info['bytes_out'])} "
+            f"({info['bytes_out'] / info['bytes_in']:.0%})"
+        )
     return lines
 
 
 def dequantized_introduction(info: dict, source: str, base_model: str | None, revision: str | None) -> str:
     from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
-    return (f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}"
-            + (f" at commit `{revision[:12]}`" if revision else "")
-            + f" ({info.get('source_quantization')}), converted offline with fp8convert {__version__}.")
+    return (
+        f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}"
+        + (f" at commit `{revision[:12]}`" if revision else "")
+        + f" ({info.get('source_quantization')}), converted offline with fp8convert {__version__}."
+    )
 
 
 def dequantization_section(info: dict) -> list[str]:
     dtype = info.get("dequantized_dtype")
     kept = info.get("kept") or {}
     dequantized = kept.get("dequantized", {"tensors": 0, "bytes": 0})
-    lines = ["## Dequantization", "",
-             f"- {dequantized['tensors']} FP8 weights: w = float32(q) * scale (block scales over their 128x128 tiles, "
-             f"edge tiles included), rounded once to {dtype}: {format_size(dequantized['bytes'])}",
-             "- Scale tensors, static activation scales and `quantization_config` removed",
-             "- Every other tensor copied byte for byte:"]
-    lines += [f"  {k['tensors']} {reason} ({format_size(k['bytes'])})" for reason, k in kept.items()
-              if reason != "dequantized"]
+    lines = [
+        "## Dequantization",
+        "",
+        f"- {dequantized['tensors']} FP8 weights: w = float32(q) * scale (block scales over their 128x128 tiles, "
+        f"edge tiles included), rounded once to {dtype}: {format_size(dequantized['bytes'])}",
+        "- Scale tensors, static activation scales and `quantization_config` removed",
+        "- Every other tensor copied byte for byte:",
+    ]
+    lines += [
+        f"  {k['tensors']} {reason} ({format_size(k['bytes'])})"
+        for reason, k in kept.items()
+        if reason != "dequantized"
+    ]
     if info.get("bytes_in") and info.get("bytes_out"):
         lines.append(f"- Checkpoint: {format_size(info['bytes_in'])} -> {format_size(info['bytes_out'])}")
     return lines
@@ -265,29 +338,68 @@ def kept_section(info: dict) -> list[str]:
         lines += [f"| {reason} | {k['tensors']} | {format_size(k['bytes'])} |" for reason, k in kept.items()]
         lines.append("")
     ignore = info.get("ignore") or []
-    lines.append(f"Engines skip the {plural(len(ignore), 'linear module')} listed in the config's ignore list"
-                 + (f" ({', '.join(f'`{m}`' for m in ignore[:8])}{', ...' if len(ignore) > 8 else ''})."
-                    if ignore else "."))
+    lines.append(
+        f"Engines skip the {plural(len(ignore), 'linear module')} listed in the config's ignore list"
+        + (f" ({', '.join(f'`{m}`' for m in ignore[:8])}{', ...' if len(ignore) > 8 else ''})." if ignore else ".")
+    )
     return lines
 
 
 def use_section(info: dict, where: str) -> list[str]:
     """How to serve or load it: vLLM, SGLang, and transformers where it can."""
     if info.get("dequantize"):
-        return ["## Use", "", "A plain high-precision checkpoint:", "", "```bash", f"vllm serve {shlex.quote(where)}",
-                "```", "", "transformers:", "", "```bash", "pip install transformers", "```", "", "```python",
-                "from transformers import AutoModelForCausalLM", "",
-                f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})", "```"]
-    lines = ["## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "",
-             "```bash", f"vllm serve {shlex.quote(where)}", "```",
-             "", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
+        return [
+            "## Use",
+            "",
+            "A plain high-precision checkpoint:",
+            "",
+            "```bash",
+            f"vllm serve {shlex.quote(where)}",
+            "```",
+            "",
+            "transformers:",
+            "",
+            "```bash",
+            "pip install transformers",
+            "```",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})",
+            "```",
+        ]
+    lines = [
+        "## Use",
+        "",
+        "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):",
+        "",
+        "```bash",
+        f"vllm serve {shlex.quote(where)}",
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {shlex.quote(where)}",
+        "```",
+    ]
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:
-        lines += ["Loads with transformers, which dequantizes the weights on the CPU:", "",
-                  "```bash", f"pip install {TRANSFORMERS_NEEDS[info['format']]}", "```", "", "```python",
-                  "from transformers import AutoModelForCausalLM", "",
-                  f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})", "```"]
+        lines += [
+            "Loads with transformers, which dequantizes the weights on the CPU:",
+            "",
+            "```bash",
+            f"pip install {TRANSFORMERS_NEEDS[info['format']]}",
+            "```",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})",
+            "```",
+        ]
     else:
         lines += [f"Not loadable in transformers: {why.rstrip('.')}. Serve it with vLLM or SGLang."]
     caveats = [w for w in info.get("warnings") or [] if w != why]
@@ -297,8 +409,14 @@ def use_section(info: dict, where: str) -> list[str]:
 
 
 def verification_section(figures: dict) -> list[str]:
-    lines = ["## Verification", "", "Dequantized weights compared with the source (`fp8convert verify`):", "",
-             "| measure | value |", "|---|---|"]
+    lines = [
+        "## Verification",
+        "",
+        "Dequantized weights compared with the source (`fp8convert verify`):",
+        "",
+        "| measure | value |",
+        "|---|---|",
+    ]
     return lines + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
 
 
@@ -309,7 +427,7 @@ def with_verification(text: str, figures: dict) -> str:
     text = re.sub(r"^## Verification\n.*?(?=^## |^<!-- fp8convert card|\Z)", "", text, flags=re.M | re.S)
     m = re.search(r"^## Reproduce$", text, re.M)
     if m:
-        return text[:m.start()] + section + text[m.start():]
+        return text[: m.start()] + section + text[m.start() :]
     return text.rstrip() + "\n\n" + section
 
 
@@ -320,10 +438,12 @@ def retarget_card(text: str, repo_id: str) -> str:
     if not m:
         return text
     old = m.group(1)
-    body = text[:m.start()].rstrip() + "\n"
-    for before, after in ((f"vllm serve {shlex.quote(old)}\n", f"vllm serve {repo_id}\n"),
-                          (f"--model-path {shlex.quote(old)}\n", f"--model-path {repo_id}\n"),
-                          (f"from_pretrained({json.dumps(old)}", f"from_pretrained({json.dumps(repo_id)}")):
+    body = text[: m.start()].rstrip() + "\n"
+    for before, after in (
+        (f"vllm serve {shlex.quote(old)}\n", f"vllm serve {repo_id}\n"),
+        (f"--model-path {shlex.quote(old)}\n", f"--model-path {repo_id}\n"),
+        (f"from_pretrained({json.dumps(old)}", f"from_pretrained({json.dumps(repo_id)}"),
+    ):
         body = body.replace(before, after)
     return body + "\n" + TARGET_MARK.format(repo_id) + "\n"
 
@@ -337,13 +457,23 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
         manifest = {}
     config = json.loads((out / "config.json").read_text())
     # a dequantized output has no quantization_config (its manifest says what it is)
-    declared = read_quantization_config(config, str(out / "config.json")) if "quantization_config" in config else \
-        CompressedTensorsConfig("tensor")
+    declared = (
+        read_quantization_config(config, str(out / "config.json"))
+        if "quantization_config" in config
+        else CompressedTensorsConfig("tensor")
+    )
     source = manifest.get("source") or "unknown"
     source_card = read_source_card(source) if Path(source).is_dir() else None
-    info = {"source": source, "scheme": manifest.get("scheme") or declared.scheme,
-            "format": manifest.get("format") or declared.format, "kept": {},
-            "scale_format": manifest.get("scale_format") or declared.scale_format, "ignore": list(declared.ignore),
-            "warnings": [], "transformers_cannot_load": None, "revision": manifest.get("revision"),
-            "root": manifest.get("source_path")}
+    info = {
+        "source": source,
+        "scheme": manifest.get("scheme") or declared.scheme,
+        "format": manifest.get("format") or declared.format,
+        "kept": {},
+        "scale_format": manifest.get("scale_format") or declared.scale_format,
+        "ignore": list(declared.ignore),
+        "warnings": [],
+        "transformers_cannot_load": None,
+        "revision": manifest.get("revision"),
+        "root": manifest.get("source_path"),
+    }
     return make_card(info, source_card, repo_id=repo_id, base_model=manifest.get("base_model"))

@@ -1,4 +1,5 @@
 """Small files written whole and atomically: never seen half-written, whenever the process dies."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,15 +28,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise FP8ConvertError(f"{path}: cannot write ({e.strerror}); rerun the same command to resume once "
-                              "the problem is fixed") from e
+        raise FP8ConvertError(
+            f"{path}: cannot write ({e.strerror}); rerun the same command to resume once the problem is fixed"
+        ) from e
 
 
 def holds(path: Path, data: bytes) -> bool:
     """Whether `path` is a file (not a link) of exactly `data`."""
     try:
-        return path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) \
-            and path.read_bytes() == data
+        return (
+            path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) and path.read_bytes() == data
+        )
     except OSError:
         return False
 

@@ -8,6 +8,7 @@ partial.py). OUT is claimed (its manifest written) only once the run can start, 
 run wrote nothing yet claims nothing: a run of another plan that writes the whole output starts afresh
 there.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,14 @@ from .card import make_card, read_source_card
 from .files import json_bytes, write_atomic
 from .lock import OutputLock
 from .manifest import WORK_DIR, Manifest, plan_change, source_change
-from .ownership import (empty_work_folder, foreign_entries, killed_before_manifest, refuse_foreign, replace_advice,
-                        replace_output)
+from .ownership import (
+    empty_work_folder,
+    foreign_entries,
+    killed_before_manifest,
+    refuse_foreign,
+    replace_advice,
+    replace_output,
+)
 from .partial import RECORD_SUFFIX, remove_records
 
 
@@ -33,8 +40,9 @@ def is_inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
-def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False,
-                   lock: OutputLock | None = None) -> tuple[set[int], bool]:
+def prepare_output(
+    plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False, lock: OutputLock | None = None
+) -> tuple[set[int], bool]:
     """Make OUT ready, claiming nothing yet (Manifest.claim, once the run can start). Returns (indices of
     shards finished by an earlier run of this plan, complete?).
     `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source. `lock`: this
@@ -63,8 +71,9 @@ def prepare_output(plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = 
             empty_work_folder(out_dir)
         else:
             done = finished_shards(plan, out_dir)
-            return done, bool(state.get("complete")) and len(done) == len(plan.shards) \
-                and (out_dir / "config.json").is_file() and (out_dir / INDEX_NAME).is_file()
+            return done, bool(state.get("complete")) and len(done) == len(plan.shards) and (
+                out_dir / "config.json"
+            ).is_file() and (out_dir / INDEX_NAME).is_file()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / WORK_DIR).mkdir(exist_ok=True)
@@ -79,17 +88,22 @@ def wrote_nothing(state: dict, out_dir: Path) -> bool:
     """Whether the run that wrote this manifest left nothing to keep: none of the files it lists at OUT's
     top level, and no unit recorded as written in a partial shard."""
     outputs = state.get("outputs")
-    return isinstance(outputs, list) and not any((out_dir / name).exists() for name in outputs) \
+    return (
+        isinstance(outputs, list)
+        and not any((out_dir / name).exists() for name in outputs)
         and not any((out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX))
+    )
 
 
 def read_for_resume(manifest: Manifest, out_dir: Path) -> dict | None:
     try:
         return manifest.read()
     except FP8ConvertError as e:
-        raise FP8ConvertError(f"{e}: {out_dir} cannot be resumed, and fp8convert cannot tell its files there from "
-                              "others' to replace them; delete the folder yourself or choose another output "
-                              "directory") from e
+        raise FP8ConvertError(
+            f"{e}: {out_dir} cannot be resumed, and fp8convert cannot tell its files there from "
+            "others' to replace them; delete the folder yourself or choose another output "
+            "directory"
+        ) from e
 
 
 def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:
@@ -105,15 +119,19 @@ def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:
 def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
     """OUT holds a run of this very conversion: same plan, and the same source bytes."""
     if state.get("fingerprint") != plan.fingerprint:
-        raise PlanMismatchError(f"{out_dir}: holds a conversion with a different plan ({plan_change(state, plan)}); "
-                                "rerun the original command to resume it, or "
-                                + replace_advice(out_dir, "pass --overwrite to replace it"))
+        raise PlanMismatchError(
+            f"{out_dir}: holds a conversion with a different plan ({plan_change(state, plan)}); "
+            "rerun the original command to resume it, or " + replace_advice(out_dir, "pass --overwrite to replace it")
+        )
     changed = source_change(state, plan.source)
     if changed:
-        how = "" if plan.source.revision else "; fp8convert records each file's size and modification time, not its bytes"
-        raise PlanMismatchError(f"{out_dir}: was started from another state of the source ({changed}{how}); "
-                                + replace_advice(out_dir, "pass --overwrite to start again from the source as "
-                                                          "it is now"))
+        how = (
+            "" if plan.source.revision else "; fp8convert records each file's size and modification time, not its bytes"
+        )
+        raise PlanMismatchError(
+            f"{out_dir}: was started from another state of the source ({changed}{how}); "
+            + replace_advice(out_dir, "pass --overwrite to start again from the source as it is now")
+        )
 
 
 def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
@@ -130,12 +148,15 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     out_dir = Path(out_dir)
     missing = [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]
     if missing:
-        raise FP8ConvertError(f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
-                              f"{len(plan.shards)} shards); rerun the conversion to finish it")
+        raise FP8ConvertError(
+            f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
+            f"{len(plan.shards)} shards); rerun the conversion to finish it"
+        )
     for name in plan.source.copy_files:
         write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
-    card = make_card(plan, read_source_card(plan.source.root),
-                     base_model=(Manifest(out_dir).read() or {}).get("base_model"))
+    card = make_card(
+        plan, read_source_card(plan.source.root), base_model=(Manifest(out_dir).read() or {}).get("base_model")
+    )
     write_atomic(out_dir / "README.md", card.encode())
     write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
     write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
@@ -160,8 +181,10 @@ def output_config(plan: Plan) -> dict:
 
 def index_of(plan: Plan) -> dict:
     weight_map = {name: shard.name for shard in plan.shards for name in shard.tensors}
-    return {"metadata": {"total_size": sum(t.nbytes for s in plan.shards for t in s.tensors.values())},
-            "weight_map": dict(sorted(weight_map.items()))}
+    return {
+        "metadata": {"total_size": sum(t.nbytes for s in plan.shards for t in s.tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
 
 
 def check_shards(the_plan: Plan, out_dir: Path) -> None:
@@ -169,19 +192,25 @@ def check_shards(the_plan: Plan, out_dir: Path) -> None:
     out_dir = Path(out_dir)
     missing = [s for s in the_plan.shards if not (out_dir / s.name).is_file()]
     if missing:
-        raise FP8ConvertError(f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
-                              "shards); run the workers that own them (the same quantize command) first")
+        raise FP8ConvertError(
+            f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
+            "shards); run the workers that own them (the same quantize command) first"
+        )
     for shard in the_plan.shards:
         path = out_dir / shard.name
         size = path.stat().st_size
         if size != shard.size:
-            raise FP8ConvertError(f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
-                                  "plan); remove it and rerun the quantize command to rewrite it")
+            raise FP8ConvertError(
+                f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
+                "plan); remove it and rerun the quantize command to rewrite it"
+            )
         with open(path, "rb") as f:
             head = f.read(len(shard.header))
         if head != shard.header:
-            raise FP8ConvertError(f"{path}: its header differs from the plan's (not written by this conversion); "
-                                  "remove it and rerun the quantize command to rewrite it")
+            raise FP8ConvertError(
+                f"{path}: its header differs from the plan's (not written by this conversion); "
+                "remove it and rerun the quantize command to rewrite it"
+            )
 
 
 def check_output_complete(out: str | Path, action: str = "push") -> dict:
@@ -197,12 +226,16 @@ def check_output_complete(out: str | Path, action: str = "push") -> dict:
     except FP8ConvertError as e:
         raise FP8ConvertError(f"{e}; refusing to {action}") from e
     if state is not None and not state.get("complete"):
-        raise FP8ConvertError(f"{out}: the conversion is not complete (manifest says so); rerun the same "
-                              f"quantize command to finish it before you {action}")
+        raise FP8ConvertError(
+            f"{out}: the conversion is not complete (manifest says so); rerun the same "
+            f"quantize command to finish it before you {action}"
+        )
     for name in ("config.json", INDEX_NAME):
         if not (out / name).is_file():
-            raise FP8ConvertError(f"{out}: no {name}, so the conversion is not complete; rerun the same quantize "
-                                  f"command to finish it before you {action}")
+            raise FP8ConvertError(
+                f"{out}: no {name}, so the conversion is not complete; rerun the same quantize "
+                f"command to finish it before you {action}"
+            )
     try:
         config = json.loads((out / "config.json").read_text())
         shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))

@@ -13,6 +13,7 @@ it dies, so a killed run never leaves OUT locked (forked children hold them whil
 with the run). A file system that has no locks (some network mounts) gets none: the run goes on as it
 did before locks existed; nor does a read-only one, where no run can write.
 """
+
 from __future__ import annotations
 
 import errno
@@ -73,8 +74,10 @@ class OutputLock:
                     continue  # no locks on this file system
                 self.release()
                 share = "" if self.count == 1 else f" (worker {self.index}/{self.count}, or a run of the whole output)"
-                raise FP8ConvertError(f"{self.out_dir}: another fp8convert run is writing it{share}; wait for that "
-                                      "run to end, or stop it, then run this command again") from None
+                raise FP8ConvertError(
+                    f"{self.out_dir}: another fp8convert run is writing it{share}; wait for that "
+                    "run to end, or stop it, then run this command again"
+                ) from None
             self.fds.append(fd)
 
     def share(self) -> None:
@@ -93,7 +96,7 @@ class OutputLock:
             os.close(fd)
         self.fds = []
 
-    def __enter__(self) -> "OutputLock":
+    def __enter__(self) -> OutputLock:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,6 +9,7 @@ was made of (the source's config.json and a digest of each shard's tensor list),
 what changed, the names the conversion writes in OUT (see ownership.py) and whether the output is
 complete.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,9 @@ from ..source.checkpoint import Source
 from ..units import size_text
 from .files import json_bytes, write_atomic
 
-WORK_DIR = ".fp8convert"      # OUT's work folder: never uploaded, never part of the result
+WORK_DIR = ".fp8convert"  # OUT's work folder: never uploaded, never part of the result
 MANIFEST = "manifest.json"
-DOWNLOAD_DIR = "download"     # in the work folder: source shards of --stream-download
+DOWNLOAD_DIR = "download"  # in the work folder: source shards of --stream-download
 
 
 class Manifest:
@@ -80,8 +81,9 @@ class Manifest:
                 tmp.unlink()
             raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
         if (self.read() or {}).get("fingerprint") != plan.fingerprint:
-            raise PlanMismatchError(f"{path.parent.parent}: another run started a conversion with a different "
-                                    "plan in it at the same time")
+            raise PlanMismatchError(
+                f"{path.parent.parent}: another run started a conversion with a different plan in it at the same time"
+            )
         for leftover in path.parent.glob(f".{MANIFEST}*.tmp"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
@@ -94,8 +96,10 @@ class Manifest:
         if state is None:
             self.create(plan, base_model)
         elif state.get("fingerprint") != plan.fingerprint:
-            raise PlanMismatchError(f"{self.path.parent.parent}: another run started a conversion with a different "
-                                    "plan in it at the same time")
+            raise PlanMismatchError(
+                f"{self.path.parent.parent}: another run started a conversion with a different "
+                "plan in it at the same time"
+            )
 
     def mark_complete(self, plan: Plan) -> None:
         state = self.read() or new_manifest(plan)
@@ -142,20 +146,43 @@ def tensor_layout(source: Source) -> dict[str, str]:
 def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
     """`base_model`: --base-model, for the model card (finalize may run in another process)."""
     source = plan.source
-    return {"tool": "fp8convert", "version": __version__, "fingerprint": plan.fingerprint, "source": source.label,
-            "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
-            "revision": source.revision, "source_files": source_identity(source).get("files"),
-            "scheme": plan.options.scheme, "format": plan.options.format, "ignore": list(plan.options.ignore),
-            "max_shard_size": plan.options.max_shard_size, "target_tp": list(plan.options.target_tp),
-            "scale_format": plan.options.scale_format, "dequantize": plan.options.dequantize,
-            "dtype": plan.options.dtype, "shards": len(plan.shards),
-            "config": source.config, "tensor_layout": tensor_layout(source), "outputs": output_names(plan),
-            "base_model": base_model, "complete": False}
+    return {
+        "tool": "fp8convert",
+        "version": __version__,
+        "fingerprint": plan.fingerprint,
+        "source": source.label,
+        "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
+        "revision": source.revision,
+        "source_files": source_identity(source).get("files"),
+        "scheme": plan.options.scheme,
+        "format": plan.options.format,
+        "ignore": list(plan.options.ignore),
+        "max_shard_size": plan.options.max_shard_size,
+        "target_tp": list(plan.options.target_tp),
+        "scale_format": plan.options.scale_format,
+        "dequantize": plan.options.dequantize,
+        "dtype": plan.options.dtype,
+        "shards": len(plan.shards),
+        "config": source.config,
+        "tensor_layout": tensor_layout(source),
+        "outputs": output_names(plan),
+        "base_model": base_model,
+        "complete": False,
+    }
 
 
-OPTION_NAMES = {"source": "source", "scheme": "--scheme", "format": "--format", "ignore": "--ignore",
-                "max_shard_size": "--max-shard-size", "target_tp": "--target-tp", "scale_format": "--scale-format",
-                "dequantize": "dequantize", "dtype": "--dtype", "version": "fp8convert version"}
+OPTION_NAMES = {
+    "source": "source",
+    "scheme": "--scheme",
+    "format": "--format",
+    "ignore": "--ignore",
+    "max_shard_size": "--max-shard-size",
+    "target_tp": "--target-tp",
+    "scale_format": "--scale-format",
+    "dequantize": "dequantize",
+    "dtype": "--dtype",
+    "version": "fp8convert version",
+}
 
 
 def option_value(key: str, value) -> str:
@@ -169,8 +196,11 @@ def plan_change(state: dict, plan: Plan) -> str:
     """What differs between the recorded run and this one: each option with both values, then the
     source's config.json keys or the shard files whose tensors changed."""
     now = new_manifest(plan)
-    diffs = [f"{OPTION_NAMES[key]} was {option_value(key, state.get(key))}, now {option_value(key, now[key])}"
-             for key in OPTION_NAMES if key in state and state.get(key) != now[key]]
+    diffs = [
+        f"{OPTION_NAMES[key]} was {option_value(key, state.get(key))}, now {option_value(key, now[key])}"
+        for key in OPTION_NAMES
+        if key in state and state.get(key) != now[key]
+    ]
     if not diffs:
         diffs = source_layout_change(state, now)
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"
@@ -183,15 +213,19 @@ def source_layout_change(state: dict, now: dict) -> list[str]:
     was_config = state.get("config")
     if isinstance(was_config, dict) and was_config != now["config"]:
         keys = sorted(k for k in set(was_config) | set(now["config"]) if was_config.get(k) != now["config"].get(k))
-        shown = ", ".join(f"{k} was {json.dumps(was_config.get(k))}, now {json.dumps(now['config'].get(k))}"
-                          for k in keys[:3])
+        shown = ", ".join(
+            f"{k} was {json.dumps(was_config.get(k))}, now {json.dumps(now['config'].get(k))}" for k in keys[:3]
+        )
         more = f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
         diffs.append(f"the source's config.json changed ({shown}{more})")
     was_layout = state.get("tensor_layout")
     if isinstance(was_layout, dict) and was_layout != now["tensor_layout"]:
         files = sorted(set(was_layout) | set(now["tensor_layout"]))
-        changed = [f + (" (new)" if f not in was_layout else " (gone)" if f not in now["tensor_layout"] else "")
-                   for f in files if was_layout.get(f) != now["tensor_layout"].get(f)]
+        changed = [
+            f + (" (new)" if f not in was_layout else " (gone)" if f not in now["tensor_layout"] else "")
+            for f in files
+            if was_layout.get(f) != now["tensor_layout"].get(f)
+        ]
         diffs.append(f"the source's tensors (names, dtypes, shapes or offsets) changed in {', '.join(changed)}")
     return diffs
 

@@ -7,6 +7,7 @@ command that would replace OUT is refused instead, naming a few of them. Every c
 output (quantize, batch jobs, finalize's advice, and any later command that writes an OUT) asks
 `replace_output` or `foreign_entries`.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -24,8 +25,12 @@ def killed_before_manifest(out_dir: Path) -> bool:
     existed leaves, or what a worker started a moment earlier has made so far (several workers start
     together on an empty OUT). Such a directory is ours and empty in every way that matters."""
     work = Path(out_dir) / WORK_DIR
-    return [p.name for p in Path(out_dir).iterdir()] == [WORK_DIR] and work.is_dir() and not work.is_symlink() \
+    return (
+        [p.name for p in Path(out_dir).iterdir()] == [WORK_DIR]
+        and work.is_dir()
+        and not work.is_symlink()
         and not (work / MANIFEST).exists()
+    )
 
 
 def foreign_entries(out_dir: Path) -> list[str]:
@@ -43,17 +48,24 @@ def foreign_entries(out_dir: Path) -> list[str]:
         try:
             recorded = (manifest.read() or {}).get("outputs")
         except FP8ConvertError as e:
-            raise FP8ConvertError(f"{e}: fp8convert cannot tell its files in {out_dir} from others', so it "
-                                  "replaces nothing there; delete the folder yourself or choose another output "
-                                  "directory") from e
+            raise FP8ConvertError(
+                f"{e}: fp8convert cannot tell its files in {out_dir} from others', so it "
+                "replaces nothing there; delete the folder yourself or choose another output "
+                "directory"
+            ) from e
         if not isinstance(recorded, list):
-            raise FP8ConvertError(f"{manifest.path}: does not list the files fp8convert wrote (an older output), so "
-                                  f"it replaces nothing in {out_dir}; delete the folder yourself or choose another "
-                                  "output directory")
+            raise FP8ConvertError(
+                f"{manifest.path}: does not list the files fp8convert wrote (an older output), so "
+                f"it replaces nothing in {out_dir}; delete the folder yourself or choose another "
+                "output directory"
+            )
         ours = set(recorded)
     ours.add(WORK_DIR)
-    return sorted(name + ("/" if path.is_dir() and not path.is_symlink() else "")
-                  for name, path in entries.items() if name not in ours)
+    return sorted(
+        name + ("/" if path.is_dir() and not path.is_symlink() else "")
+        for name, path in entries.items()
+        if name not in ours
+    )
 
 
 def describe(names: list[str]) -> str:
@@ -66,8 +78,10 @@ def refuse_foreign(out_dir: Path, foreign: list[str], overwrite: bool) -> None:
     """The one refusal for an OUT that holds someone else's files. It never suggests --overwrite, which
     could not replace them anyway."""
     why = " (--overwrite replaces only an earlier fp8convert output)" if overwrite else ""
-    raise FP8ConvertError(f"{out_dir}: holds files fp8convert did not write ({describe(foreign)}); choose an "
-                          f"empty or new output directory{why}")
+    raise FP8ConvertError(
+        f"{out_dir}: holds files fp8convert did not write ({describe(foreign)}); choose an "
+        f"empty or new output directory{why}"
+    )
 
 
 def replace_output(out_dir: Path) -> None:

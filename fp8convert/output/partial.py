@@ -7,6 +7,7 @@ line is fsynced in turn; a line cut short by a kill or a crash is no line. A rer
 when the partial file has the planned size and header and the unit's bytes still give its checksum;
 every other unit of the shard is written again. The record goes once its shard has its final name.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,12 @@ def unit_spans(plan: Plan, shard: Shard) -> dict[int, list[tuple[int, int]]]:
     order, adjacent ones merged. Wider dtypes come first in a shard, so a unit has a range per dtype size."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for ui in shard.units:
-        ranges = sorted((len(shard.header) + placed.offset, len(shard.header) + placed.offset + placed.nbytes)
-                        for t in plan.units[ui].tensors for name, _, _ in t.outputs()
-                        if (placed := shard.tensors.get(name)) is not None)
+        ranges = sorted(
+            (len(shard.header) + placed.offset, len(shard.header) + placed.offset + placed.nbytes)
+            for t in plan.units[ui].tensors
+            for name, _, _ in t.outputs()
+            if (placed := shard.tensors.get(name)) is not None
+        )
         merged: list[tuple[int, int]] = []
         for start, end in ranges:
             if merged and merged[-1][1] == start:
@@ -51,8 +55,13 @@ def unit_spans(plan: Plan, shard: Shard) -> dict[int, list[tuple[int, int]]]:
 
 def written_bytes(plan: Plan, written: dict[int, set[int]]) -> int:
     """The bytes of the `written` units (per shard index) in their shards."""
-    return sum(end - start for index, units in written.items()
-               for ui, spans in unit_spans(plan, plan.shards[index]).items() if ui in units for start, end in spans)
+    return sum(
+        end - start
+        for index, units in written.items()
+        for ui, spans in unit_spans(plan, plan.shards[index]).items()
+        if ui in units
+        for start, end in spans
+    )
 
 
 def checksum(fd: int, ranges: list[tuple[int, int]]) -> int:

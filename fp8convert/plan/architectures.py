@@ -5,14 +5,29 @@ One `Architecture` (family.py says what its fields mean) per family, picked by c
 (`vllm/model_executor/models/...`) and transformers 5.24 (`transformers/models/...`). A model_type not
 listed here gets the generic rules, and `inspect` says so.
 """
+
 from __future__ import annotations
 
 import re
 
 from ..options import Format, Scheme
 from .caveats import Caveat
-from .family import (FUSED_SIBLINGS, IN_OUT, MTP_LAYERS, MTP_MODULE, OUT_IN, ROUTER, TOWER, Architecture, Experts,
-                     ExpertTensor, Keep, Limit, Rename, config_value)
+from .family import (
+    FUSED_SIBLINGS,
+    IN_OUT,
+    MTP_LAYERS,
+    MTP_MODULE,
+    OUT_IN,
+    ROUTER,
+    TOWER,
+    Architecture,
+    Experts,
+    ExpertTensor,
+    Keep,
+    Limit,
+    Rename,
+    config_value,
+)
 
 GENERIC = Architecture("generic", ())
 
@@ -26,7 +41,7 @@ GENERIC = Architecture("generic", ())
 _LLAVA_TRANSFORMERS = (
     Rename(r"^language_model\.model\.", "model.language_model."),
     Rename(r"^language_model\.lm_head$", "lm_head"),
-    Rename(r"^vision_tower\.vision_model\.", "model.vision_tower."),   # CLIP/SigLIP towers drop a level
+    Rename(r"^vision_tower\.vision_model\.", "model.vision_tower."),  # CLIP/SigLIP towers drop a level
     Rename(r"^vision_tower\.", "model.vision_tower."),
     Rename(r"^multi_modal_projector\.", "model.multi_modal_projector."),
 )
@@ -35,25 +50,36 @@ _LLAVA_TRANSFORMERS = (
 def _legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
     """vLLM's mapper from transformers' multimodal names back to the legacy ones: model.language_model.
     to language_model.model., model.{tower}. to {tower}., lm_head to language_model.lm_head."""
-    return (Rename(r"^model\.language_model\.", "language_model.model."),
-            *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
-            Rename(r"^lm_head$", "language_model.lm_head"))
+    return (
+        Rename(r"^model\.language_model\.", "language_model.model."),
+        *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
+        Rename(r"^lm_head$", "language_model.lm_head"),
+    )
 
 
 _LLAVA_VLLM = _legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
 _QWEN_VL_VLLM = _legacy_vllm_names("visual")
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
-_TOWER_NOTE = ("vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
-               "in transformers' and vLLM's names too")
+_TOWER_NOTE = (
+    "vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
+    "in transformers' and vLLM's names too"
+)
 
 
-def _gate_up_down(block: str, stored: tuple[str, ...], gate_up: str = "experts.gate_up_proj",
-                  down: str = "experts.down_proj", interleaved: bool = False) -> tuple[ExpertTensor, ExpertTensor]:
+def _gate_up_down(
+    block: str,
+    stored: tuple[str, ...],
+    gate_up: str = "experts.gate_up_proj",
+    down: str = "experts.down_proj",
+    interleaved: bool = False,
+) -> tuple[ExpertTensor, ExpertTensor]:
     """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate and up in one
     tensor, down in the other."""
-    return (ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
-            ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored))
+    return (
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
+    )
 
 
 def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architecture:
@@ -77,58 +103,87 @@ def _falcon_h1_vllm_name(module: str, config: dict) -> str:
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
-        "Llama-style dense", ("llama", "mistral", "qwen2", "qwen3", "gemma2", "glm4", "olmo2", "granite", "starcoder2"),
-        notes="q/k/v and gate/up share one scale per layer in the tensor scheme"),
+        "Llama-style dense",
+        ("llama", "mistral", "qwen2", "qwen3", "gemma2", "glm4", "olmo2", "granite", "starcoder2"),
+        notes="q/k/v and gate/up share one scale per layer in the tensor scheme",
+    ),
     Architecture(
         # vllm/model_executor/models/falcon.py FalconModel.load_weights: every query_key_value parameter
         # with an output dim, block scales included, is viewed as [kv_heads, q_per_kv + 2, -1] rows and
         # regrouped per head; a 128-row block scale grid spans several 64-row heads and cannot be.
-        "Falcon", ("falcon",),
-        keep=(Keep(r"\.self_attention\.query_key_value$",
-                   "vLLM's Falcon loader regroups query_key_value rows per KV head, scales included, which 128-row "
-                   "block scales cannot follow; --scheme channel or tensor quantizes it", schemes=("block",)),),
-        quantized="attention and MLP linears (query_key_value kept under --scheme block)"),
+        "Falcon",
+        ("falcon",),
+        keep=(
+            Keep(
+                r"\.self_attention\.query_key_value$",
+                "vLLM's Falcon loader regroups query_key_value rows per KV head, scales included, which 128-row "
+                "block scales cannot follow; --scheme channel or tensor quantizes it",
+                schemes=("block",),
+            ),
+        ),
+        quantized="attention and MLP linears (query_key_value kept under --scheme block)",
+    ),
     Architecture(
-        "Phi-3", ("phi3",),
-        quantized="attention and MLP linears (q/k/v and gate/up already fused in the checkpoint: one scale each)"),
+        "Phi-3",
+        ("phi3",),
+        quantized="attention and MLP linears (q/k/v and gate/up already fused in the checkpoint: one scale each)",
+    ),
     Architecture(
         # transformers/models/gpt2/modeling_gpt2.py: Conv1D computes x @ W + b with W stored [in, out].
-        "GPT-2", ("gpt2",),
+        "GPT-2",
+        ("gpt2",),
         keep=(Keep(r"\.(c_attn|c_proj|c_fc)$", "Conv1D weight stored [in, out] (transformers has no FP8 Conv1D)"),),
-        quantized="nothing: every linear is a Conv1D", notes="kept whole; the output equals the source"),
+        quantized="nothing: every linear is a Conv1D",
+        notes="kept whole; the output equals the source",
+    ),
     Architecture(
         # vllm/model_executor/models/qwen3_moe.py: the router `mlp.gate` is a GateLinear built with the
         # quant config, so it must be listed; experts load per expert (RoutedExperts.load_weights).
-        "Qwen-MoE", ("qwen2_moe", "qwen3_moe", "olmoe"),
+        "Qwen-MoE",
+        ("qwen2_moe", "qwen3_moe", "olmoe"),
         quantized=f"attention, shared experts, {_MOE_ROUTED}",
         notes="routers `mlp.gate` and `shared_expert_gate` kept and listed (vLLM builds Qwen3-MoE's router "
-              "with the quant config)"),
+        "with the quant config)",
+    ),
     Architecture(
         # transformers conversion_mapping.py "mixtral": block_sparse_moe -> mlp; PhiMoE also gate -> router,
         # an nn.Linear subclass that compressed-tensors would quantize unless its in-memory name is listed.
-        "Mixtral-style MoE", ("mixtral", "minimax_m2"),
+        "Mixtral-style MoE",
+        ("mixtral", "minimax_m2"),
         transformers_names=(Rename(r"\.block_sparse_moe\.", ".mlp."),),
-        quantized=f"attention, {_MOE_ROUTED} (w1/w3 share a scale)"),
+        quantized=f"attention, {_MOE_ROUTED} (w1/w3 share a scale)",
+    ),
     Architecture(
-        "PhiMoE", ("phimoe",),
-        transformers_names=(Rename(r"\.block_sparse_moe\.gate$", ".mlp.router"),
-                            Rename(r"\.block_sparse_moe\.", ".mlp.")),
+        "PhiMoE",
+        ("phimoe",),
+        transformers_names=(
+            Rename(r"\.block_sparse_moe\.gate$", ".mlp.router"),
+            Rename(r"\.block_sparse_moe\.", ".mlp."),
+        ),
         quantized=f"attention, {_MOE_ROUTED}",
-        notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)"),
+        notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)",
+    ),
     Architecture(
         # vllm/model_executor/models/deepseek_mtp.py: MTP layer L = num_hidden_layers + i is a full decoder
         # layer plus eh_proj (a torch nn.Linear, never quantized) and shared_head.head (a ParallelLMHead).
-        "DeepSeek-V3 / GLM-4.5", ("deepseek_v2", "deepseek_v3", "glm4_moe"),
-        keep=(Keep(r"\.eh_proj$", "MTP input projection (vLLM builds it as a plain nn.Linear)"),
-              Keep(r"\.shared_head\.head$", "output head")),
+        "DeepSeek-V3 / GLM-4.5",
+        ("deepseek_v2", "deepseek_v3", "glm4_moe"),
+        keep=(
+            Keep(r"\.eh_proj$", "MTP input projection (vLLM builds it as a plain nn.Linear)"),
+            Keep(r"\.shared_head\.head$", "output head"),
+        ),
         mtp=MTP_LAYERS,
         quantized=f"attention (q_a_proj + kv_a_proj_with_mqa share a scale), shared experts, {_MOE_ROUTED}, "
-                  "MTP decoder layers",
+        "MTP decoder layers",
         notes="MTP layers `model.layers.{num_hidden_layers + i}` converted like decoder layers (vLLM's MTP "
-              "loads them); their eh_proj and shared_head stay BF16"),
+        "loads them); their eh_proj and shared_head stay BF16",
+    ),
     Architecture(
         # vllm/model_executor/models/ernie45_moe.py: gate built without quant config; moe_statics 2-D bias.
-        "ERNIE-4.5-MoE", ("ernie4_5_moe",), quantized=f"attention, shared experts, {_MOE_ROUTED}"),
+        "ERNIE-4.5-MoE",
+        ("ernie4_5_moe",),
+        quantized=f"attention, shared experts, {_MOE_ROUTED}",
+    ),
     Architecture(
         # vllm/model_executor/models/llama4.py, Llama4Model.load_moe_expert_weights: per-expert 2-D
         # feed_forward.experts.{e}.gate_proj/up_proj/down_proj load for every scheme; the fused form loads
@@ -136,133 +191,198 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # 128x128 compressed-tensors block scales cannot follow. transformers' compressed-tensors path
         # replaces Llama4TextExperts by per-expert Linears (quantizers/base.py,
         # SequentialLlama4TextExperts), so it reads that split layout too, FP8 or BF16.
-        "Llama-4", ("llama4", "llama4_text"),
-        keep=(Keep(r"^(language_model\.)?model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)$",
-                   "vLLM's Llama-4 loader permutes q/k rows per head and cannot permute 128x128 block scales",
-                   formats=(Format.COMPRESSED_TENSORS,), schemes=(Scheme.BLOCK,)),),
-        experts=Experts(_gate_up_down(r".+\.feed_forward", (IN_OUT,)), split_when_kept=(Format.COMPRESSED_TENSORS,),
-                        transformers_loads_split=(Format.COMPRESSED_TENSORS,)),
+        "Llama-4",
+        ("llama4", "llama4_text"),
+        keep=(
+            Keep(
+                r"^(language_model\.)?model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)$",
+                "vLLM's Llama-4 loader permutes q/k rows per head and cannot permute 128x128 block scales",
+                formats=(Format.COMPRESSED_TENSORS,),
+                schemes=(Scheme.BLOCK,),
+            ),
+        ),
+        experts=Experts(
+            _gate_up_down(r".+\.feed_forward", (IN_OUT,)),
+            split_when_kept=(Format.COMPRESSED_TENSORS,),
+            transformers_loads_split=(Format.COMPRESSED_TENSORS,),
+        ),
         quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",
         notes="fused experts [E, hidden, 2*inter] (gate, up concatenated) split per expert and transposed to "
-              "[out, in]; transformers loads them under compressed-tensors only"),
+        "[out, in]; transformers loads them under compressed-tensors only",
+    ),
     Architecture(
         # vllm/model_executor/models/gpt_oss.py: GptOssModel.load_weights sends fp8 and compressed-tensors
         # checkpoints to _load_weights_other, the BF16 path (no expert scales); transformers 5.24 has no
         # gpt-oss expert converter. So the experts stay BF16, fused, as released.
-        "gpt-oss", ("gpt_oss",),
+        "gpt-oss",
+        ("gpt_oss",),
         experts=Experts(
             _gate_up_down(r".+\.mlp", (IN_OUT,), interleaved=True),
             kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
-                 "experts as BF16; transformers 5.24 has no converter for them)"),
+            "experts as BF16; transformers 5.24 has no converter for them)",
+        ),
         vllm_names=(Rename(r"\.self_attn\.", ".attn."),),
-        quantized="attention", notes="experts (gate/up interleaved, with biases) stay BF16, fused as released"),
+        quantized="attention",
+        notes="experts (gate/up interleaved, with biases) stay BF16, fused as released",
+    ),
     Architecture(
         # vllm/model_executor/models/qwen3_next.py: in_proj_ba is built with the quant config, but FP8
         # in_proj_ba corrupted output (vLLM #47445; "ba_proj doesn't support blockwise fp8"); conv1d is
         # built without it. qwen3_next_mtp.py: mtp.fc is quantizable; kept like DeepSeek's eh_proj.
-        "Qwen3-Next", ("qwen3_next",),
-        keep=(Keep(r"\.linear_attn\.in_proj_ba$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
-              Keep(r"^mtp\.fc$", "MTP input projection")),
+        "Qwen3-Next",
+        ("qwen3_next",),
+        keep=(
+            Keep(r"\.linear_attn\.in_proj_ba$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
+            Keep(r"^mtp\.fc$", "MTP input projection"),
+        ),
         mtp=MTP_MODULE,
         quantized=f"attention, DeltaNet in_proj_qkvz/out_proj, shared expert, {_MOE_ROUTED}, MTP layers",
-        notes="`mtp.*` layers converted like decoder layers"),
+        notes="`mtp.*` layers converted like decoder layers",
+    ),
     Architecture(
         # vllm/model_executor/models/qwen3_5.py: in_proj_qkv + in_proj_z -> in_proj_qkvz,
         # in_proj_b + in_proj_a -> in_proj_ba.
-        "Qwen3.5", ("qwen3_5", "qwen3_5_moe"),
+        "Qwen3.5",
+        ("qwen3_5", "qwen3_5_moe"),
         fused=FUSED_SIBLINGS + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")),
-        keep=(Keep(r"\.linear_attn\.in_proj_[ab]$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
-              Keep(r"^mtp\.fc$", "MTP input projection")),
-        mtp=MTP_MODULE, vllm_names=_QWEN_VL_VLLM,
-        quantized=f"language model attention, DeltaNet, MLPs / {_MOE_ROUTED}, MTP layers"),
+        keep=(
+            Keep(r"\.linear_attn\.in_proj_[ab]$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
+            Keep(r"^mtp\.fc$", "MTP input projection"),
+        ),
+        mtp=MTP_MODULE,
+        vllm_names=_QWEN_VL_VLLM,
+        quantized=f"language model attention, DeltaNet, MLPs / {_MOE_ROUTED}, MTP layers",
+    ),
     Architecture(
         # vllm/model_executor/models/nemotron_h.py: mapper backbone -> model, embeddings -> embed_tokens;
         # the router mixer.gate is an fp32 GateLinear; experts are non-gated (up, down).
         # transformers conversion_mapping.py: backbone. -> model.
-        "Nemotron-H", ("nemotron_h",),
+        "Nemotron-H",
+        ("nemotron_h",),
         keep=(Keep(r"\.mixer\.gate$", ROUTER),),
         mtp=MTP_MODULE,
         transformers_names=(Rename(r"^backbone\.", "model."),),
         vllm_names=(Rename(r"^backbone\.", "model."), Rename(r"\.embeddings$", ".embed_tokens")),
-        quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)"),
+        quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)",
+    ),
     Architecture(
         # vllm/model_executor/models/falcon_h1.py: attention at model.layers.N.{q,k,v,o}_proj, Mamba at
         # model.{L+N}.mixer.*: checkpoint names do not reach them through its mapper.
-        "Falcon-H1", ("falcon_h1",), vllm_name_fn=_falcon_h1_vllm_name,
+        "Falcon-H1",
+        ("falcon_h1",),
+        vllm_name_fn=_falcon_h1_vllm_name,
         quantized="attention, Mamba2 in_proj/out_proj, MLP",
-        notes="ignore list also in vLLM's own module names (its module tree differs from the checkpoint's)"),
+        notes="ignore list also in vLLM's own module names (its module tree differs from the checkpoint's)",
+    ),
     Architecture(
         # vllm/layers/mamba/mamba_mixer.py: MambaMixer builds in_proj, x_proj, dt_proj and out_proj without
         # the quant config. jamba.py mapper: .self_attn. -> .
-        "Jamba", ("jamba",),
+        "Jamba",
+        ("jamba",),
         keep=(Keep(r"\.mamba\.(in_proj|x_proj|dt_proj|out_proj)$", "Mamba mixer (vLLM builds it unquantized)"),),
         vllm_names=(Rename(r"\.self_attn\.", "."),),
-        quantized=f"attention, MLPs, {_MOE_ROUTED}", notes="Mamba mixers stay BF16"),
+        quantized=f"attention, MLPs, {_MOE_ROUTED}",
+        notes="Mamba mixers stay BF16",
+    ),
     Architecture(
         # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H] (gate|up, chunk(2)),
         # output_linear [E, H, I]; router.layer -> router. vllm/model_executor/models/granitemoe.py:
         # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted.
-        "GraniteMoE", ("granitemoe", "granitemoeshared", "granitemoehybrid"),
+        "GraniteMoE",
+        ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
-        experts=Experts(_gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight",
-                                      down="output_linear.weight")),
+        experts=Experts(
+            _gate_up_down(
+                r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight"
+            )
+        ),
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
-        notes="fused experts [E, 2*inter, hidden] split per expert"),
+        notes="fused experts [E, 2*inter, hidden] split per expert",
+    ),
     Architecture(
         # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors with [E]
         # per-tensor scales under odd names, and compressed-tensors never quantizes them (the class name
         # matches no target); its RoutedExperts prefix is `...ffn` (no "experts").
-        "DBRX", ("dbrx",),
+        "DBRX",
+        ("dbrx",),
         keep=(Keep(r"\.ffn\.router\.layer$", ROUTER),),
         experts=Experts(
-            (ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.(w1|v1)", ("gate_proj",), (OUT_IN,)),
-             ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.w2", ("down_proj",), (IN_OUT,))),
-            count=("ffn_config.moe_num_experts",), width=("ffn_config.ffn_hidden_size",),
+            (
+                ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.(w1|v1)", ("gate_proj",), (OUT_IN,)),
+                ExpertTensor(r"(?P<block>.+\.ffn)\.experts\.mlp\.w2", ("down_proj",), (IN_OUT,)),
+            ),
+            count=("ffn_config.moe_num_experts",),
+            width=("ffn_config.ffn_hidden_size",),
             kept="no FP8 expert layout loads for DBRX (vLLM's DbrxExperts take no compressed-tensors "
-                 "scales and no per-expert weights)"),
+            "scales and no per-expert weights)",
+        ),
         vllm_names=(Rename(r"\.ffn\.experts$", ".ffn"),),
-        quantized="attention (Wqkv, out_proj)", notes="experts [E*inter, hidden] stay BF16"),
+        quantized="attention (Wqkv, out_proj)",
+        notes="experts [E*inter, hidden] stay BF16",
+    ),
     Architecture(
         # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True (released
         # [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
-        "Qwen3-VL-MoE", ("qwen3_vl_moe",),
-        experts=Experts(_gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)), count=("num_experts", "num_local_experts"),
-                        width=("moe_intermediate_size",)),
+        "Qwen3-VL-MoE",
+        ("qwen3_vl_moe",),
+        experts=Experts(
+            _gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)),
+            count=("num_experts", "num_local_experts"),
+            width=("moe_intermediate_size",),
+        ),
         vllm_names=_QWEN_VL_VLLM,
         quantized=f"language model attention, {_MOE_ROUTED}",
         notes="fused experts ([E, hidden, 2*inter] as released, or [E, 2*inter, hidden] as transformers "
-              "saves them: told apart by the config's sizes) split per expert"),
+        "saves them: told apart by the config's sizes) split per expert",
+    ),
     Architecture(
         # vllm/model_executor/models/gemma4.py: router.proj built without quant config; experts fused
         # [E, 2I, H] (F.linear orientation); embed_vision.embedding_projection is quantizable there.
-        "Gemma-4", ("gemma4",),
+        "Gemma-4",
+        ("gemma4",),
         keep=(Keep(r"\.router\.proj$", ROUTER), Keep(r"(^|\.)embed_(vision|audio)\.", TOWER)),
-        experts=Experts(_gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",),
-                        width=("moe_intermediate_size",)),
+        experts=Experts(
+            _gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",), width=("moe_intermediate_size",)
+        ),
         vllm_names=_legacy_vllm_names("vision_tower", "embed_vision"),
-        quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}"),
+        quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}",
+    ),
     _multimodal(
         # vllm/model_executor/models/qwen2_5_vl.py: the vision tower is built with the quant config, so
         # every tower linear must be listed. transformers: visual. -> model.visual., model. ->
         # model.language_model.
-        "Qwen2.5-VL", ("qwen2_5_vl",),
-        transformers_names=(Rename(r"^visual\.", "model.visual."),
-                            Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model.")),
-        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),)),
+        "Qwen2.5-VL",
+        ("qwen2_5_vl",),
+        transformers_names=(
+            Rename(r"^visual\.", "model.visual."),
+            Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
+        ),
+        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
+    ),
     _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
     _multimodal("Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal("Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal(
         # vllm/model_executor/models/mistral3.py: its mapper renames `.weight_scale_inv` to `.weight_scale`,
         # which the fp8 format's block layers do not have.
-        "Mistral-3", ("mistral3",), transformers_names=_LLAVA_TRANSFORMERS,
+        "Mistral-3",
+        ("mistral3",),
+        transformers_names=_LLAVA_TRANSFORMERS,
         vllm_names=_LLAVA_VLLM + (Rename(r"^model\.", "language_model.model."),),
-        limits=(Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, "
-                                               "which fp8-format block layers do not have; use --format "
-                                               "compressed-tensors", formats=(Format.FP8,), schemes=(Scheme.BLOCK,)),),
-        notes=_TOWER_NOTE + "; fp8-format block scales do not load in vLLM (its loader renames weight_scale_inv)"),
+        limits=(
+            Limit(
+                Caveat.VLLM_CANNOT_LOAD,
+                "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, "
+                "which fp8-format block layers do not have; use --format "
+                "compressed-tensors",
+                formats=(Format.FP8,),
+                schemes=(Scheme.BLOCK,),
+            ),
+        ),
+        notes=_TOWER_NOTE + "; fp8-format block scales do not load in vLLM (its loader renames weight_scale_inv)",
+    ),
 )
 
 _BY_MODEL_TYPE = {t: arch for arch in ARCHITECTURES for t in arch.model_types}
@@ -275,9 +395,11 @@ def architecture_of(config: dict) -> Architecture | None:
 
 # ---------------------------------------------------------------- the README table
 
+
 def _kept_text(arch: Architecture) -> str:
-    kept = [f"{k.reason}" + (f" ({', '.join(k.formats + k.schemes)})" if k.formats or k.schemes else "")
-            for k in arch.keep]
+    kept = [
+        f"{k.reason}" + (f" ({', '.join(k.formats + k.schemes)})" if k.formats or k.schemes else "") for k in arch.keep
+    ]
     if arch.experts and arch.experts.kept:
         kept.append("fused experts: " + arch.experts.kept)
     return "; ".join(dict.fromkeys(kept)) or "generic only"
@@ -285,9 +407,13 @@ def _kept_text(arch: Architecture) -> str:
 
 def architectures_table() -> str:
     """The README's "Supported architectures" table, rendered from the registry."""
-    rows = ["| architecture | model_type | quantized | kept beyond the generic rules | notes |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| architecture | model_type | quantized | kept beyond the generic rules | notes |",
+        "|---|---|---|---|---|",
+    ]
     for arch in ARCHITECTURES:
-        rows.append(f"| {arch.name} | {', '.join(f'`{t}`' for t in arch.model_types)} | {arch.quantized} | "
-                    f"{_kept_text(arch)} | {arch.notes} |")
+        rows.append(
+            f"| {arch.name} | {', '.join(f'`{t}`' for t in arch.model_types)} | {arch.quantized} | "
+            f"{_kept_text(arch)} | {arch.notes} |"
+        )
     return "\n".join(rows)

@@ -1,4 +1,5 @@
 """Batches: the plan's units cut to a memory budget. A batch is what the device holds at once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -74,9 +75,15 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
         return [t]
     row = info.nbytes // info.shape[0]
     step = max(1, max_bytes // row)
-    return [replace(t, at=r * row, inputs=(replace(info, offset=info.offset + r * row, nbytes=n * row,
-                                                     shape=(n, *info.shape[1:])),))
-            for r in range(0, info.shape[0], step) for n in [min(step, info.shape[0] - r)]]
+    return [
+        replace(
+            t,
+            at=r * row,
+            inputs=(replace(info, offset=info.offset + r * row, nbytes=n * row, shape=(n, *info.shape[1:])),),
+        )
+        for r in range(0, info.shape[0], step)
+        for n in [min(step, info.shape[0] - r)]
+    ]
 
 
 def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:
@@ -91,8 +98,14 @@ def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPla
     pieces = []
     for first in range(0, info.shape[0], step):
         count = min(step, info.shape[0] - first)
-        piece = replace(info, offset=info.offset + first * per_expert, nbytes=count * per_expert,
-                        shape=(count, *info.shape[1:]))
-        pieces.append([replace(t, inputs=(piece,), cut=replace(t.cut, expert=t.cut.expert - first))
-                       for t in atom if first <= t.cut.expert < first + count])
+        piece = replace(
+            info, offset=info.offset + first * per_expert, nbytes=count * per_expert, shape=(count, *info.shape[1:])
+        )
+        pieces.append(
+            [
+                replace(t, inputs=(piece,), cut=replace(t.cut, expert=t.cut.expert - first))
+                for t in atom
+                if first <= t.cut.expert < first + count
+            ]
+        )
     return pieces

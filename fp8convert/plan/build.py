@@ -1,6 +1,7 @@
 """Building the plan, a pure, deterministic function of (headers, config.json, options): check the
 source's layers, decide every tensor (rules.py), say how each output is made (its Action), lay the
 outputs out in shards, list the modules engines must leave unquantized."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,9 @@ def build_plan(source: Source, options: Options) -> Plan:
     check_layers(source)
     quant = source.quant
     if options.dequantize and quant is None:
-        raise FP8ConvertError(f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); "
-                              "nothing to dequantize")
+        raise FP8ConvertError(
+            f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); nothing to dequantize"
+        )
     arch = architecture_of(source.config)
     decisions, notes, warnings = decide(source.tensors, source.config, options, arch or GENERIC, quant)
     high_precision = high_precision_dtype(options, source.config)
@@ -39,8 +41,10 @@ def build_plan(source: Source, options: Options) -> Plan:
     ignore = []
     if not options.dequantize:  # a dequantized output has no FP8 left for engines to skip
         if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
-            notes.append("the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
-                         "activations; consider serving with --dtype bfloat16")
+            notes.append(
+                "the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
+                "activations; consider serving with --dtype bfloat16"
+            )
         ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
     return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch, warnings)
 
@@ -59,14 +63,22 @@ def check_layers(source: Source) -> None:
     for prefix, indices in sorted(stacks.items()):
         missing = sorted(set(range(max(indices) + 1)) - indices)
         if missing:
-            raise FP8ConvertError(f"{source.label}: the weights hold {prefix} {describe_numbers(sorted(indices))} but "
-                                  f"not {describe_numbers(missing)}; a shard or its tensors are missing")
+            raise FP8ConvertError(
+                f"{source.label}: the weights hold {prefix} {describe_numbers(sorted(indices))} but "
+                f"not {describe_numbers(missing)}; a shard or its tensors are missing"
+            )
     declared = config_value(source.config, "num_hidden_layers")
-    if isinstance(declared, int) and not isinstance(declared, bool) and stacks and \
-            max(len(i) for i in stacks.values()) < declared:
+    if (
+        isinstance(declared, int)
+        and not isinstance(declared, bool)
+        and stacks
+        and max(len(i) for i in stacks.values()) < declared
+    ):
         prefix, indices = max(stacks.items(), key=lambda item: len(item[1]))
-        raise FP8ConvertError(f"{source.label}: config.json says num_hidden_layers {declared}, but the weights hold "
-                              f"{plural(len(indices), 'layer')} of {prefix}; a shard or its tensors are missing")
+        raise FP8ConvertError(
+            f"{source.label}: config.json says num_hidden_layers {declared}, but the weights hold "
+            f"{plural(len(indices), 'layer')} of {prefix}; a shard or its tensors are missing"
+        )
 
 
 def describe_numbers(numbers: list[int]) -> str:
@@ -89,12 +101,15 @@ def fingerprint(source: Source, options: Options) -> str:
         listed.append(options.scale_format)
     if options.dequantize or options.dtype:
         listed += [options.dequantize, options.dtype]
-    blob = json.dumps({
-        "tool": __version__,
-        "options": listed,
-        "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
-        "config": source.config,
-    }, sort_keys=True).encode()
+    blob = json.dumps(
+        {
+            "tool": __version__,
+            "options": listed,
+            "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
+            "config": source.config,
+        },
+        sort_keys=True,
+    ).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -118,8 +133,17 @@ def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options,
         if not d.quantize:
             return TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut)
         shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
-        return TensorPlan(d.name, (d.source,), Action.QUANTIZE, None, d.group, fmt.scale_name(d.name, options.scheme),
-                          fmt.scale_shape(shape, options.scheme), d.cut, scale_dtype=fmt.scale_dtype(options.scheme))
+        return TensorPlan(
+            d.name,
+            (d.source,),
+            Action.QUANTIZE,
+            None,
+            d.group,
+            fmt.scale_name(d.name, options.scheme),
+            fmt.scale_shape(shape, options.scheme),
+            d.cut,
+            scale_dtype=fmt.scale_dtype(options.scheme),
+        )
     inputs = (fp8_weight.weight, fp8_weight.scale)
     if not d.quantize:
         return TensorPlan(d.name, inputs, Action.DEQUANTIZE, d.reason, d.group, out_dtype=high_precision)
@@ -131,9 +155,17 @@ def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options,
         action, scale_dtype = Action.PASS, fp8_weight.scale.dtype
     else:
         action, scale_dtype = Action.REQUANTIZE, fmt.scale_dtype(options.scheme)
-    return TensorPlan(d.name, inputs, action, None, d.group, fmt.scale_name(d.name, options.scheme),
-                      fmt.scale_shape(d.source.shape, options.scheme), input_scale_name=carried,
-                      scale_dtype=scale_dtype)
+    return TensorPlan(
+        d.name,
+        inputs,
+        action,
+        None,
+        d.group,
+        fmt.scale_name(d.name, options.scheme),
+        fmt.scale_shape(d.source.shape, options.scheme),
+        input_scale_name=carried,
+        scale_dtype=scale_dtype,
+    )
 
 
 def passes_through(quant: SourceQuantization, options: Options) -> bool:
@@ -142,8 +174,9 @@ def passes_through(quant: SourceQuantization, options: Options) -> bool:
     powers of two (the pipeline checks each value). Re-deriving scales would change codes wherever the
     source's are not amax / 448, so a source that fits passes as it is; power-of-two scales are
     float scales too, so a ue8m0 source passes into a float output."""
-    return quant.scheme == options.scheme and (options.scale_format == ScaleFormat.FLOAT
-                                               or quant.config.scale_fmt == ScaleFormat.UE8M0)
+    return quant.scheme == options.scheme and (
+        options.scale_format == ScaleFormat.FLOAT or quant.config.scale_fmt == ScaleFormat.UE8M0
+    )
 
 
 def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
@@ -151,17 +184,30 @@ def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], opti
     if quant is None:
         return []
     notes = []
-    dropped = [t.name for t in plans if t.quantize and quant.weights.get(t.source.name)
-               and quant.weights[t.source.name].input_scale is not None and not t.input_scale_name]
+    dropped = [
+        t.name
+        for t in plans
+        if t.quantize
+        and quant.weights.get(t.source.name)
+        and quant.weights[t.source.name].input_scale is not None
+        and not t.input_scale_name
+    ]
     if dropped:
-        notes.append(f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
-                     f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
-                     "takes static per-tensor activation scales)")
-    if quant.config.scale_fmt == ScaleFormat.UE8M0 and not options.dequantize \
-            and options.scale_format != ScaleFormat.UE8M0:
-        notes.append("the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
-                     "they are (transformers would round scales that are not powers of two under it; "
-                     "--scheme block --scale-format ue8m0 keeps it)")
+        notes.append(
+            f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
+            f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
+            "takes static per-tensor activation scales)"
+        )
+    if (
+        quant.config.scale_fmt == ScaleFormat.UE8M0
+        and not options.dequantize
+        and options.scale_format != ScaleFormat.UE8M0
+    ):
+        notes.append(
+            "the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
+            "they are (transformers would round scales that are not powers of two under it; "
+            "--scheme block --scale-format ue8m0 keeps it)"
+        )
     return notes
 
 
@@ -208,10 +254,18 @@ def architecture_notes(arch: Architecture | None, source: Source) -> list[str]:
     """What the registry knows (or not) about this model, for the user."""
     config = source.config
     if arch is None:
-        return [f"model_type {config.get('model_type')!r} is not in fp8convert's architecture registry: the "
-                "generic rules apply (see the README's supported architectures); check the ignore list against "
-                "your engine and run fp8convert verify"]
+        return [
+            f"model_type {config.get('model_type')!r} is not in fp8convert's architecture registry: the "
+            "generic rules apply (see the README's supported architectures); check the ignore list against "
+            "your engine and run fp8convert verify"
+        ]
     names = {t.name for t in source.tensors}
     missing = [layer for layer in mtp_layers(arch, config) if not any(n.startswith(layer + ".") for n in names)]
-    return [f"config.json declares MTP layer(s) {', '.join(missing)} (num_nextn_predict_layers), but the "
-            "checkpoint has none: the output cannot serve MTP speculative decoding either"] if missing else []
+    return (
+        [
+            f"config.json declares MTP layer(s) {', '.join(missing)} (num_nextn_predict_layers), but the "
+            "checkpoint has none: the output cannot serve MTP speculative decoding either"
+        ]
+        if missing
+        else []
+    )

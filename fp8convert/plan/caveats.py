@@ -3,6 +3,7 @@
 Code that acts on a warning (the model card's transformers verdict, the tests) reads its Caveat, never
 its wording.
 """
+
 from __future__ import annotations
 
 import enum
@@ -13,9 +14,9 @@ class Caveat(enum.Enum):
     """What a warning means for the consumers."""
 
     TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
-    TRANSFORMERS_MISREADS = "transformers-misreads"     # loads, but some weights dequantize wrongly
+    TRANSFORMERS_MISREADS = "transformers-misreads"  # loads, but some weights dequantize wrongly
     VLLM_CANNOT_LOAD = "vllm-cannot-load"
-    VLLM_TP_LIMITS = "vllm-tp-limits"                    # loads at some tensor-parallel sizes only
+    VLLM_TP_LIMITS = "vllm-tp-limits"  # loads at some tensor-parallel sizes only
 
 
 @dataclass(frozen=True)

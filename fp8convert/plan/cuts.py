@@ -6,6 +6,7 @@ nn.Linear orientation [out, in]. Every step is a view (index, transpose, slice),
 from one source tensor share one read of it, and `apply` works on a torch tensor or on a stack that
 keeps the expert axis (expert None). No torch import: the plan stays a pure description.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -13,11 +14,11 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Cut:
-    expert: int | None = None      # index on the source's first axis (all experts of a layer)
-    transpose: bool = False        # the source stores [in, out] (used as x @ W): transpose to [out, in]
-    part: int = 0                  # which of `parts` members share the output axis (gate 0, up 1)
+    expert: int | None = None  # index on the source's first axis (all experts of a layer)
+    transpose: bool = False  # the source stores [in, out] (used as x @ W): transpose to [out, in]
+    part: int = 0  # which of `parts` members share the output axis (gate 0, up 1)
     parts: int = 1
-    interleaved: bool = False      # members alternate row by row (gpt-oss) instead of being concatenated
+    interleaved: bool = False  # members alternate row by row (gpt-oss) instead of being concatenated
 
     def apply(self, w):
         """This cut of `w`, the whole source tensor, as a view. With `expert` None, a leading axis
@@ -28,10 +29,10 @@ class Cut:
             w = w.transpose(-1, -2)
         if self.parts > 1:
             if self.interleaved:
-                w = w[..., self.part::self.parts, :]
+                w = w[..., self.part :: self.parts, :]
             else:
                 rows = w.shape[-2] // self.parts
-                w = w[..., self.part * rows:(self.part + 1) * rows, :]
+                w = w[..., self.part * rows : (self.part + 1) * rows, :]
         return w
 
     def shape(self, source_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -41,7 +42,7 @@ class Cut:
         shape[-2] //= self.parts
         return tuple(shape)
 
-    def across_experts(self) -> "Cut":
+    def across_experts(self) -> Cut:
         """The same cut for every expert at once (the expert axis kept)."""
         return replace(self, expert=None)
 

@@ -2,20 +2,21 @@
 precision beyond the generic rules, which modules vLLM fuses, how fused MoE experts are stored, where
 MTP layers live, how each consumer names a module, and what it cannot load.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .caveats import Caveat
 
 # vLLM fuses these sibling modules into one linear (the default `packed_modules_mapping` of most models).
 FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),          # qkv_proj
-    ("gate_proj", "up_proj"),                # gate_up_proj, also per expert and for shared experts
-    ("w1", "w3"),                            # Mixtral-style experts' gate/up (w13)
-    ("q_a_proj", "kv_a_proj_with_mqa"),      # DeepSeek MLA fused_qkv_a_proj
+    ("q_proj", "k_proj", "v_proj"),  # qkv_proj
+    ("gate_proj", "up_proj"),  # gate_up_proj, also per expert and for shared experts
+    ("w1", "w3"),  # Mixtral-style experts' gate/up (w13)
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA fused_qkv_a_proj
 )
 
 # Reasons for keeping a module that the generic rules (rules.py) and the registry both give.
@@ -37,12 +38,15 @@ class Keep:
 
     pattern: str
     reason: str
-    formats: tuple[str, ...] = ()    # only for these output formats (empty: all)
-    schemes: tuple[str, ...] = ()    # only for these schemes (empty: all)
+    formats: tuple[str, ...] = ()  # only for these output formats (empty: all)
+    schemes: tuple[str, ...] = ()  # only for these schemes (empty: all)
 
     def applies(self, module: str, fmt: str, scheme: str) -> bool:
-        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes) \
+        return (
+            (not self.formats or fmt in self.formats)
+            and (not self.schemes or scheme in self.schemes)
             and re.search(self.pattern, module) is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,11 @@ class ExpertTensor:
     `members` share the output axis: gate and up of a fused gate_up tensor, concatenated
     ([gate | up]) or `interleaved` (gate, up, gate, up, ... column by column)."""
 
-    pattern: str                  # regex over the tensor name; group "block" is the MoE block module
-    members: tuple[str, ...]      # per-expert module names, in order along the output axis
-    stored: tuple[str, ...]       # IN_OUT and/or OUT_IN
+    pattern: str  # regex over the tensor name; group "block" is the MoE block module
+    members: tuple[str, ...]  # per-expert module names, in order along the output axis
+    stored: tuple[str, ...]  # IN_OUT and/or OUT_IN
     interleaved: bool = False
-    experts: str = "{block}.experts"   # parent of the per-expert modules written: {experts}.{e}.{member}.weight
+    experts: str = "{block}.experts"  # parent of the per-expert modules written: {experts}.{e}.{member}.weight
 
     def match(self, name: str) -> str | None:
         """The per-expert modules' parent for a source tensor of this kind, or None."""
@@ -84,10 +88,10 @@ class Experts:
     for FP8 checkpoints; or they stay as they are, with the reason."""
 
     tensors: tuple[ExpertTensor, ...]
-    count: tuple[str, ...] = ("num_local_experts",)   # config keys (dotted paths) with the number of experts
-    width: tuple[str, ...] = ("intermediate_size",)   # config keys with each expert's intermediate size
-    kept: str | None = None           # why they stay as they are (no FP8 layout that loads)
-    split_when_kept: tuple[str, ...] = ()   # formats in which kept experts are still written per expert
+    count: tuple[str, ...] = ("num_local_experts",)  # config keys (dotted paths) with the number of experts
+    width: tuple[str, ...] = ("intermediate_size",)  # config keys with each expert's intermediate size
+    kept: str | None = None  # why they stay as they are (no FP8 layout that loads)
+    split_when_kept: tuple[str, ...] = ()  # formats in which kept experts are still written per expert
     transformers_loads_split: tuple[str, ...] = ()  # formats in which transformers loads per-expert FP8
 
 
@@ -99,31 +103,34 @@ class Limit:
     text: str
     formats: tuple[str, ...] = ()
     schemes: tuple[str, ...] = ()
-    experts: bool = False            # only where MoE experts are quantized
+    experts: bool = False  # only where MoE experts are quantized
 
     def applies(self, fmt: str, scheme: str, has_experts: bool) -> bool:
         """`has_experts`: the output holds quantized MoE experts."""
-        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes) \
+        return (
+            (not self.formats or fmt in self.formats)
+            and (not self.schemes or scheme in self.schemes)
             and (has_experts or not self.experts)
+        )
 
 
 @dataclass(frozen=True)
 class Architecture:
-    name: str                                   # family, as inspect and the README show it
-    model_types: tuple[str, ...]                # config.json's model_type values it covers
+    name: str  # family, as inspect and the README show it
+    model_types: tuple[str, ...]  # config.json's model_type values it covers
     # Sibling modules vLLM packs into one linear layer: in the tensor scheme they share one scale, and
     # they are kept or quantized together (vLLM refuses a half-quantized fused layer).
     fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS
-    keep: tuple[Keep, ...] = ()                 # kept in high precision beyond the generic rules of rules.py
+    keep: tuple[Keep, ...] = ()  # kept in high precision beyond the generic rules of rules.py
     experts: Experts | None = None
-    mtp: str | None = None                      # MTP_LAYERS or MTP_MODULE
+    mtp: str | None = None  # MTP_LAYERS or MTP_MODULE
     # How transformers (in memory, after its checkpoint conversion) and vLLM (after its hf_to_vllm_mapper)
     # name a checkpoint module, so the ignore list names every kept module the way each consumer matches it.
     transformers_names: tuple[Rename, ...] = ()
     vllm_names: tuple[Rename, ...] = ()
-    vllm_name_fn: Callable[[str, dict], str] | None = None   # where vLLM's module tree differs from the checkpoint's
-    limits: tuple[Limit, ...] = ()              # combinations a consumer cannot load, as warnings
-    quantized: str = "attention and MLP linears"    # for the README table
+    vllm_name_fn: Callable[[str, dict], str] | None = None  # where vLLM's module tree differs from the checkpoint's
+    limits: tuple[Limit, ...] = ()  # combinations a consumer cannot load, as warnings
+    quantized: str = "attention and MLP linears"  # for the README table
     notes: str = ""
 
     def transformers_name(self, module: str) -> str:

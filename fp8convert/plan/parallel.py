@@ -13,6 +13,7 @@ per 32 inputs of each row: a row-parallel layer's per-rank input size must be a 
 (`CompressedTensorsW8A8Mxfp8.create_weights`: weight_scale [out, in_per_rank // 32]), and so must the
 experts' per-rank intermediate size (w2_weight_scale [E, H, I_per_rank // 32]).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,20 +26,27 @@ from .family import config_value
 from .rules import experts_of, module_of
 
 ROW_PARALLEL = {"o_proj", "down_proj", "out_proj", "w2", "c_proj", "dense_4h_to_h", "fc2", "wo", "linear_2"}
-REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "fc1_latent_proj", "fc2_latent_proj", "eh_proj",
-              "per_layer_input_gate", "per_layer_projection"}
+REPLICATED = {
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "fc1_latent_proj",
+    "fc2_latent_proj",
+    "eh_proj",
+    "per_layer_input_gate",
+    "per_layer_projection",
+}
 KV_LEAVES = {"k_proj", "v_proj"}
-MIN_REFINED_BLOCK = 32   # the smallest block vLLM's fp8 MoE refinement accepts
+MIN_REFINED_BLOCK = 32  # the smallest block vLLM's fp8 MoE refinement accepts
 
 
 @dataclass(frozen=True)
 class Split:
     """A dim vLLM divides among tensor-parallel ranks."""
 
-    modules: str        # which modules, layer numbers as '*' (e.g. model.layers.*.self_attn.o_proj)
-    axis: str           # "output", "input" or "expert intermediate"
+    modules: str  # which modules, layer numbers as '*' (e.g. model.layers.*.self_attn.o_proj)
+    axis: str  # "output", "input" or "expert intermediate"
     size: int
-    heads: int | None = None   # k/v: number of KV heads (fewer than ranks: replicated per head)
+    heads: int | None = None  # k/v: number of KV heads (fewer than ranks: replicated per head)
 
 
 def split_of(name: str, shape: tuple[int, int], config: dict) -> Split | None:
@@ -48,8 +56,11 @@ def split_of(name: str, shape: tuple[int, int], config: dict) -> Split | None:
     modules = re.sub(r"\.\d+\.", ".*.", module)
     out, inp = shape
     if experts_of(name):
-        return Split(re.sub(r"\.experts\.\*\.[^.]+$", ".experts", modules), "expert intermediate",
-                     inp if leaf in ("down_proj", "w2") else out)
+        return Split(
+            re.sub(r"\.experts\.\*\.[^.]+$", ".experts", modules),
+            "expert intermediate",
+            inp if leaf in ("down_proj", "w2") else out,
+        )
     if leaf in REPLICATED:
         return None
     if leaf in ROW_PARALLEL:
@@ -108,8 +119,9 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
         modules = parent + (f".{'/'.join(leaves)}" if any(leaves) else "")
         failing = {tp: why for tp in sizes if (why := problem(split, tp, fmt, scheme, hidden))}
         ok = [tp for tp in sizes if tp not in failing]
-        refined = [tp for tp in ok
-                   if scheme == Scheme.BLOCK and axis == "expert intermediate" and per_rank(split, tp) % BLOCK]
+        refined = [
+            tp for tp in ok if scheme == Scheme.BLOCK and axis == "expert intermediate" and per_rank(split, tp) % BLOCK
+        ]
         if not failing and not refined:
             continue
         text = f"vLLM splits the {axis} size {size} of {modules} across tensor-parallel ranks"
@@ -117,15 +129,22 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
             text += ": " + "; ".join(
                 f"{why} at TP {', '.join(map(str, tps))}"
                 + ("" if why == DOES_NOT_DIVIDE else f" ({', '.join(str(per_rank(split, tp)) for tp in tps)} per rank)")
-                for why in sorted(set(failing.values())) for tps in [[tp for tp in failing if failing[tp] == why]])
+                for why in sorted(set(failing.values()))
+                for tps in [[tp for tp in failing if failing[tp] == why]]
+            )
         if ok:
-            text += (f"; it loads at TP {', '.join(map(str, ok))}"
-                     + (f" (at TP {', '.join(map(str, refined))} only with smaller blocks on vLLM's Triton MoE kernels)"
-                        if refined else ""))
+            text += f"; it loads at TP {', '.join(map(str, ok))}" + (
+                f" (at TP {', '.join(map(str, refined))} only with smaller blocks on vLLM's Triton MoE kernels)"
+                if refined
+                else ""
+            )
         if axis == "expert intermediate" and DOES_NOT_DIVIDE in failing.values():
             text += "; or use expert parallelism (vLLM's --enable-expert-parallel does not split experts)"
         elif scheme in (Scheme.BLOCK, Scheme.MXFP8) and failing:
-            text += "; or use --scheme " + (Scheme.CHANNEL if fmt == Format.COMPRESSED_TENSORS else Scheme.TENSOR) + \
-                    ", which vLLM splits at any size that divides"
+            text += (
+                "; or use --scheme "
+                + (Scheme.CHANNEL if fmt == Format.COMPRESSED_TENSORS else Scheme.TENSOR)
+                + ", which vLLM splits at any size that divides"
+            )
         warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS if ok else Caveat.VLLM_CANNOT_LOAD, text))
     return warnings

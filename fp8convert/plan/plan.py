@@ -4,6 +4,7 @@ offset, and how it is made from the source, fixed before any data is read (build
 So the writer streams into shards whose headers are already known, workers can split the work, and a
 rerun can tell whether an existing partial output came from the same plan (its fingerprint).
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,12 +26,12 @@ class Action(enum.Enum):
     """What is done to the source to make an output tensor. New kinds of source (an FP8 weight with
     its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
 
-    KEEP = "keep"                # the source bytes (or a cut of them) unchanged
-    QUANTIZE = "quantize"        # FP8 codes and scales (float32, or MXFP8's E8M0 bytes) from a high-precision weight
-    DEQUANTIZE = "dequantize"    # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
-    REQUANTIZE = "requantize"    # FP8 codes and scales in the output's scheme, as QUANTIZE makes them, from an FP8
-                                 # weight's dequantized (float32) values
-    PASS = "pass"                # an FP8 weight's codes and scale as they are: the output's scheme is the source's
+    KEEP = "keep"  # the source bytes (or a cut of them) unchanged
+    QUANTIZE = "quantize"  # FP8 codes and scales (float32, or MXFP8's E8M0 bytes) from a high-precision weight
+    DEQUANTIZE = "dequantize"  # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
+    REQUANTIZE = "requantize"  # FP8 codes and scales in the output's scheme, as QUANTIZE makes them, from an FP8
+    # weight's dequantized (float32) values
+    PASS = "pass"  # an FP8 weight's codes and scale as they are: the output's scheme is the source's
 
 
 FP8_OUT = (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
@@ -41,19 +42,19 @@ COMPUTED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)
 class TensorPlan:
     """One output tensor (and its scale, when quantized) and how it is made from the source."""
 
-    name: str                             # the output tensor's name
-    inputs: tuple[TensorInfo, ...]        # source tensors it is made from: the weight, then (FP8 sources) its
-                                          # scale, then the static activation scale carried to the output
+    name: str  # the output tensor's name
+    inputs: tuple[TensorInfo, ...]  # source tensors it is made from: the weight, then (FP8 sources) its
+    # scale, then the static activation scale carried to the output
     action: Action
-    reason: str | None                    # why it stays in high precision (None when quantized)
-    group: str | None                     # fused group: members share one scale in the tensor scheme
+    reason: str | None  # why it stays in high precision (None when quantized)
+    group: str | None  # fused group: members share one scale in the tensor scheme
     scale_name: str | None = None
     scale_shape: tuple[int, ...] | None = None
-    cut: Cut | None = None                # the part of the source it is (fused experts); None: all of it
-    at: int = 0                           # for a piece of a kept tensor (kept_pieces): where it starts in it
-    out_dtype: str | None = None          # DEQUANTIZE: the high-precision dtype written
-    input_scale_name: str | None = None   # a static activation scale (the last input) copied to this name
-    scale_dtype: str = "F32"              # U8 for MXFP8's E8M0 bytes; PASS: the source scale's own dtype
+    cut: Cut | None = None  # the part of the source it is (fused experts); None: all of it
+    at: int = 0  # for a piece of a kept tensor (kept_pieces): where it starts in it
+    out_dtype: str | None = None  # DEQUANTIZE: the high-precision dtype written
+    input_scale_name: str | None = None  # a static activation scale (the last input) copied to this name
+    scale_dtype: str = "F32"  # U8 for MXFP8's E8M0 bytes; PASS: the source scale's own dtype
 
     @property
     def source(self) -> TensorInfo:
@@ -144,8 +145,13 @@ class Unit:
         atoms: dict[str, list[TensorPlan]] = {}
         for t in self.tensors:
             shares_scale = t.action in (Action.QUANTIZE, Action.REQUANTIZE)
-            key = (f"cut:{t.source.name}" if t.cut else f"group:{t.group}" if t.group and shares_scale
-                   else f"tensor:{t.name}")
+            key = (
+                f"cut:{t.source.name}"
+                if t.cut
+                else f"group:{t.group}"
+                if t.group and shares_scale
+                else f"tensor:{t.name}"
+            )
             atoms.setdefault(key, []).append(t)
         return list(atoms.values())
 
@@ -154,9 +160,9 @@ class Unit:
 class Shard:
     index: int
     name: str
-    units: list[int]                      # indices of units with tensors in this shard
-    header: bytes                         # complete header, length prefix included
-    tensors: dict[str, OutputTensor]      # placement within the data buffer
+    units: list[int]  # indices of units with tensors in this shard
+    header: bytes  # complete header, length prefix included
+    tensors: dict[str, OutputTensor]  # placement within the data buffer
 
     @property
     def size(self) -> int:
@@ -169,11 +175,11 @@ class Plan:
     options: Options
     units: list[Unit]
     shards: list[Shard]
-    shard_of: dict[str, int]              # output tensor name -> shard index
-    ignore_list: list[str]                # linear modules left unquantized, as engines match them
+    shard_of: dict[str, int]  # output tensor name -> shard index
+    ignore_list: list[str]  # linear modules left unquantized, as engines match them
     notes: list[str]
     fingerprint: str
-    architecture: Architecture | None     # the registry's family; None: generic rules only
+    architecture: Architecture | None  # the registry's family; None: generic rules only
     # what the user asked for that did not happen as asked (summary.plan_warnings adds where it will not load)
     warnings: list[str]
 
@@ -199,11 +205,13 @@ class Plan:
         """The output's quantization_config; None for a dequantized output (it has none)."""
         if self.options.dequantize:
             return None
-        return CONFIGS[self.options.format](self.options.scheme, tuple(self.ignore_list), self.options.scale_format,
-                                            self.static_activations).to_dict()
+        return CONFIGS[self.options.format](
+            self.options.scheme, tuple(self.ignore_list), self.options.scale_format, self.static_activations
+        ).to_dict()
 
 
 # ---------------------------------------------------------------- units and shards
+
 
 def natural_key(text: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
@@ -216,8 +224,9 @@ def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
     for t in tensors:
         m = LAYER_PATTERN.match(t.name)
         by_label.setdefault(m.group(1) if m else t.name, []).append(t)
-    return [Unit(lbl, sorted(by_label[lbl], key=lambda t: natural_key(t.name)))
-            for lbl in sorted(by_label, key=natural_key)]
+    return [
+        Unit(lbl, sorted(by_label[lbl], key=lambda t: natural_key(t.name))) for lbl in sorted(by_label, key=natural_key)
+    ]
 
 
 def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int, list[TensorPlan]]]]:

@@ -5,6 +5,7 @@ checkpoint names; a "module" is a tensor name without its trailing ".weight". Th
 registry (architectures.py) adds each family's own rules to the generic ones here; a family it does
 not know gets the generic rules alone.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -19,15 +20,37 @@ from .architectures import GENERIC
 from .cuts import Cut
 from .family import FUSED_SIBLINGS, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
 
-EMBEDDING_LEAVES = {"embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings",
-                    "token_type_embeddings", "embeddings", "embed_positions", "tok_embeddings"}
+EMBEDDING_LEAVES = {
+    "embed_tokens",
+    "wte",
+    "wpe",
+    "word_embeddings",
+    "position_embeddings",
+    "token_type_embeddings",
+    "embeddings",
+    "embed_positions",
+    "tok_embeddings",
+}
 HEAD_LEAVES = {"lm_head", "embed_out", "score", "classifier", "output"}
 # MoE routers: tiny, precision-critical, and some engines build them without FP8 support.
 ROUTER_LEAVES = {"router", "shared_expert_gate", "e_score_correction_bias"}
 ROUTER_PARENTS = {"mlp", "block_sparse_moe", "feed_forward", "moe"}  # <parent>.gate is a router
-TOWER_PARTS = {"vision_tower", "vision_model", "visual", "vision_encoder", "vision", "audio_tower",
-               "audio_model", "audio_encoder", "multi_modal_projector", "mm_projector", "vision_projector",
-               "image_newline", "audio_projector", "vision_embed_tokens"}
+TOWER_PARTS = {
+    "vision_tower",
+    "vision_model",
+    "visual",
+    "vision_encoder",
+    "vision",
+    "audio_tower",
+    "audio_model",
+    "audio_encoder",
+    "multi_modal_projector",
+    "mm_projector",
+    "vision_projector",
+    "image_newline",
+    "audio_projector",
+    "vision_embed_tokens",
+}
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
 MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
@@ -77,8 +100,11 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
         return "embedding"
     if leaf in HEAD_LEAVES and "layers" not in parts:
         return "output head"
-    if leaf in ROUTER_LEAVES or (leaf == "gate" and parent in ROUTER_PARENTS) \
-            or (parent == "gate" and len(parts) > 2 and parts[-3] in ROUTER_PARENTS):  # Hunyuan's mlp.gate.wg
+    if (
+        leaf in ROUTER_LEAVES
+        or (leaf == "gate" and parent in ROUTER_PARENTS)
+        or (parent == "gate" and len(parts) > 2 and parts[-3] in ROUTER_PARENTS)
+    ):  # Hunyuan's mlp.gate.wg
         return ROUTER
     if len(info.shape) > 2:
         if "conv" in leaf:
@@ -119,14 +145,16 @@ class Decision:
     source: TensorInfo
     quantize: bool
     reason: str | None  # why kept; None when quantized
-    group: str | None   # fused group key (scale shared in the tensor scheme)
+    group: str | None  # fused group key (scale shared in the tensor scheme)
     cut: Cut | None = None
 
 
 # ---------------------------------------------------------------- fused expert tensors
 
-def expert_cuts(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
-                ) -> list[tuple[str, Cut]]:
+
+def expert_cuts(
+    info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
+) -> list[tuple[str, Cut]]:
     """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear
     orientation. The orientation comes from the registry and the config's sizes, never the shape
     alone; a tensor that fits no declared orientation, or more than one, is refused."""
@@ -134,25 +162,41 @@ def expert_cuts(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Arch
     width = config_value(config, *arch.experts.width)
     hidden = config_value(config, "hidden_size", "d_model")
     if not all(isinstance(v, int) and v > 0 for v in (count, width, hidden)):
-        raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts, but config.json does not "
-                                "give their number, width and the hidden size, which fix the layout")
+        raise UnsupportedLayout(
+            f"tensor {info.name} {list(info.shape)}: fused experts, but config.json does not "
+            "give their number, width and the hidden size, which fix the layout"
+        )
     out, inp = (hidden, width) if "down_proj" in layout.members else (width * len(layout.members), hidden)
     expected = {OUT_IN: (count, out, inp), IN_OUT: (count, inp, out)}
     fits = [o for o in layout.stored if expected[o] == tuple(info.shape)]
     if len(fits) != 1:
         want = " or ".join(f"{list(expected[o])} ({o.replace('_', ', ')})" for o in layout.stored)
         problem = "fits both orientations (hidden size == expert width x members)" if fits else f"expected {want}"
-        raise UnsupportedLayout(f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
-                                f"from config.json: {problem}; keep them with --ignore {module_of(info.name)}")
+        raise UnsupportedLayout(
+            f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
+            f"from config.json: {problem}; keep them with --ignore {module_of(info.name)}"
+        )
     transpose = fits[0] == IN_OUT
     parts = len(layout.members)
-    return [(f"{experts}.{e}.{member}.weight",
-             Cut(expert=e, transpose=transpose, part=j, parts=parts, interleaved=layout.interleaved))
-            for e in range(count) for j, member in enumerate(layout.members)]
+    return [
+        (
+            f"{experts}.{e}.{member}.weight",
+            Cut(expert=e, transpose=transpose, part=j, parts=parts, interleaved=layout.interleaved),
+        )
+        for e in range(count)
+        for j, member in enumerate(layout.members)
+    ]
 
 
-def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict,
-                      options: Options, hit: str | None) -> list[Decision]:
+def _expert_decisions(
+    info: TensorInfo,
+    layout: ExpertTensor,
+    experts: str,
+    arch: Architecture,
+    config: dict,
+    options: Options,
+    hit: str | None,
+) -> list[Decision]:
     reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
     if reason and options.format not in arch.experts.split_when_kept:
         return [Decision(info.name, info, False, reason, None)]
@@ -165,8 +209,14 @@ def _expert_decisions(info: TensorInfo, layout: ExpertTensor, experts: str, arch
 
 # ---------------------------------------------------------------- all tensors
 
-def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture = GENERIC,
-           quant: SourceQuantization | None = None) -> tuple[list[Decision], list[str], list[str]]:
+
+def decide(
+    tensors: list[TensorInfo],
+    config: dict,
+    options: Options,
+    arch: Architecture = GENERIC,
+    quant: SourceQuantization | None = None,
+) -> tuple[list[Decision], list[str], list[str]]:
     """Decide every output tensor. Returns (decisions in source order, notes and warnings for the user).
 
     An FP8 source (`quant`): its scales are inputs of their weights, never outputs of their own; its
@@ -216,14 +266,20 @@ def decide(tensors: list[TensorInfo], config: dict, options: Options, arch: Arch
         raise UnsupportedLayout(
             f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D, and fp8convert has no layout for it "
             f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
-            "precision with --ignore")
-    warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized"
-                for pattern in options.ignore if pattern not in used_patterns]
-    decisions = _keep_together(decisions, lambda d: d.group,
-                               "kept all of {key} because {kept} is kept ({reason})", notes)
+            "precision with --ignore"
+        )
+    warnings = [
+        f"--ignore {pattern!r} matched no weight that would otherwise be quantized"
+        for pattern in options.ignore
+        if pattern not in used_patterns
+    ]
+    decisions = _keep_together(
+        decisions, lambda d: d.group, "kept all of {key} because {kept} is kept ({reason})", notes
+    )
     # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
-    decisions = _keep_together(decisions, lambda d: experts_of(d.name),
-                               "kept every expert of {key} because {kept} is kept ({reason})", notes)
+    decisions = _keep_together(
+        decisions, lambda d: experts_of(d.name), "kept every expert of {key} because {kept} is kept ({reason})", notes
+    )
     return _unsplit_kept(decisions, arch, options), notes, warnings
 
 
@@ -252,8 +308,11 @@ def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Option
 def decide_dequantize(tensors: list[TensorInfo], quant: SourceQuantization) -> list[Decision]:
     """Dequantize: every FP8 weight becomes high precision, every other tensor (scales aside) is kept."""
     companions = quant.companions()
-    return [Decision(t.name, t, False, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT, None)
-            for t in tensors if t.name not in companions]
+    return [
+        Decision(t.name, t, False, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT, None)
+        for t in tensors
+        if t.name not in companions
+    ]
 
 
 def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str]) -> list[Decision]:
@@ -280,5 +339,9 @@ def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str 
     """Kept 2-D weights that engines build as linear layers, so the ignore list must name them. F64 too:
     fp8convert does not quantize it, but engines load it into a linear layer all the same (unlisted, they
     would build that layer for FP8 and cast the float64 values into it)."""
-    return (name.endswith(".weight") and len(shape) == 2
-            and reason not in ("embedding",) and (dtype in FLOAT_SOURCE_DTYPES or dtype == "F64"))
+    return (
+        name.endswith(".weight")
+        and len(shape) == 2
+        and reason not in ("embedding",)
+        and (dtype in FLOAT_SOURCE_DTYPES or dtype == "F64")
+    )

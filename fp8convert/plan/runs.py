@@ -4,6 +4,7 @@ The plan fixes where every output byte goes, so the outputs of one batch fall in
 ranges of a shard (in a layer: its scales, its kept tensors, its FP8 codes). The run stage fills each
 range, cut into runs of at most RUN_BYTES, in one buffer and writes it with a few large writes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """What `inspect` prints: the plan in numbers, estimated memory, and where the result will not load."""
+
 from __future__ import annotations
 
 import math
@@ -15,28 +16,40 @@ from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
 from .rules import MX_INPUT_DIM
 
-CUDA_CONTEXT_HOST_BYTES = 1 << 30   # torch + CUDA runtime resident memory, roughly
-PYTHON_HOST_BYTES = 400 << 20       # interpreter + torch on CPU, roughly
+CUDA_CONTEXT_HOST_BYTES = 1 << 30  # torch + CUDA runtime resident memory, roughly
+PYTHON_HOST_BYTES = 400 << 20  # interpreter + torch on CPU, roughly
 PINNED_HOST_BYTES = 9 * (32 << 20)  # pinned read chunks of 32 MiB: 8 reader threads and one more
 EXPERT = re.compile(r"\.experts\.\d+\.")
 
 # Where transformers cannot load an output of any family (the registry's limits add each family's own).
 LIMITS = (
-    Limit(Caveat.TRANSFORMERS_CANNOT_LOAD,
-          "transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense models load but "
-          "ignore the scales and give wrong outputs, MoE models fail; use --format compressed-tensors to load it in "
-          "transformers", formats=(Format.FP8,), schemes=(Scheme.TENSOR,)),
-    Limit(Caveat.TRANSFORMERS_CANNOT_LOAD,
-          "transformers cannot load compressed-tensors block scales for MoE experts (vLLM can); use --format fp8 "
-          "--scheme block, or --scheme channel, to load it in transformers",
-          formats=(Format.COMPRESSED_TENSORS,), schemes=(Scheme.BLOCK,), experts=True),
+    Limit(
+        Caveat.TRANSFORMERS_CANNOT_LOAD,
+        "transformers cannot use fp8-format per-tensor checkpoints (vLLM and SGLang can): dense models load but "
+        "ignore the scales and give wrong outputs, MoE models fail; use --format compressed-tensors to load it in "
+        "transformers",
+        formats=(Format.FP8,),
+        schemes=(Scheme.TENSOR,),
+    ),
+    Limit(
+        Caveat.TRANSFORMERS_CANNOT_LOAD,
+        "transformers cannot load compressed-tensors block scales for MoE experts (vLLM can); use --format fp8 "
+        "--scheme block, or --scheme channel, to load it in transformers",
+        formats=(Format.COMPRESSED_TENSORS,),
+        schemes=(Scheme.BLOCK,),
+        experts=True,
+    ),
     # transformers 5.24 (integrations/compressed_tensors.py, CompressedTensorsDequantize) decodes E8M0
     # scales only through the compressor of dense layers; its expert merge multiplies codes by the raw
     # [out, in/32] bytes and fails on the shapes.
-    Limit(Caveat.TRANSFORMERS_CANNOT_LOAD,
-          "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path does not decode per-group "
-          "E8M0 scales; dense MXFP8 layers load); vLLM can; use --scheme channel, or keep the experts with --ignore, "
-          "to load it in transformers", schemes=(Scheme.MXFP8,), experts=True),
+    Limit(
+        Caveat.TRANSFORMERS_CANNOT_LOAD,
+        "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path does not decode per-group "
+        "E8M0 scales; dense MXFP8 layers load); vLLM can; use --scheme channel, or keep the experts with --ignore, "
+        "to load it in transformers",
+        schemes=(Scheme.MXFP8,),
+        experts=True,
+    ),
 )
 
 
@@ -48,8 +61,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str) -> dict:
     largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.action in COMPUTED), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
     host = CUDA_CONTEXT_HOST_BYTES + PINNED_HOST_BYTES if device_type == "cuda" else PYTHON_HOST_BYTES + device
-    return {"batches": len(batches), "largest_batch_bytes": largest_batch, "device_bytes": device,
-            "host_bytes": host}
+    return {"batches": len(batches), "largest_batch_bytes": largest_batch, "device_bytes": device, "host_bytes": host}
 
 
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
@@ -78,17 +90,24 @@ def architecture_warnings(plan: Plan, has_experts: bool) -> list[PlanWarning]:
     arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
     if arch is None:
         return []
-    warnings = [PlanWarning(limit.caveat, limit.text) for limit in arch.limits
-                if limit.applies(fmt, scheme, has_experts)]
+    warnings = [
+        PlanWarning(limit.caveat, limit.text) for limit in arch.limits if limit.applies(fmt, scheme, has_experts)
+    ]
     split = arch.experts and any(t.cut for t in plan.tensors)
     if split and fmt not in arch.experts.transformers_loads_split:
         elsewhere = arch.experts.transformers_loads_split
-        warnings.append(PlanWarning(
-            Caveat.TRANSFORMERS_CANNOT_LOAD,
-            f"transformers cannot load {arch.name}'s experts written one weight per expert"
-            + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else
-               " (it reads only fused expert tensors, and copies FP8 ones without their scales)")
-            + "; vLLM can"))
+        warnings.append(
+            PlanWarning(
+                Caveat.TRANSFORMERS_CANNOT_LOAD,
+                f"transformers cannot load {arch.name}'s experts written one weight per expert"
+                + (
+                    f" in the {fmt} format (it can in {', '.join(elsewhere)})"
+                    if elsewhere
+                    else " (it reads only fused expert tensors, and copies FP8 ones without their scales)"
+                )
+                + "; vLLM can",
+            )
+        )
     return warnings
 
 
@@ -96,13 +115,19 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     warnings = []
     odd = [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]
     if odd:
-        caveat, what = ((Caveat.TRANSFORMERS_MISREADS,
-                         "transformers infers the block size from the scale grid and dequantizes these wrongly")
-                        if fmt == Format.FP8 else
-                        (Caveat.TRANSFORMERS_CANNOT_LOAD,
-                         "transformers cannot load these (needs both dims divisible by 128)"))
-        warnings.append(PlanWarning(caveat, f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} "
-                                            f"(e.g. {odd[0]}): {what}"))
+        caveat, what = (
+            (
+                Caveat.TRANSFORMERS_MISREADS,
+                "transformers infers the block size from the scale grid and dequantizes these wrongly",
+            )
+            if fmt == Format.FP8
+            else (Caveat.TRANSFORMERS_CANNOT_LOAD, "transformers cannot load these (needs both dims divisible by 128)")
+        )
+        warnings.append(
+            PlanWarning(
+                caveat, f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}"
+            )
+        )
     if why := unloadable_fused_groups(fmt, quantized):
         warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
     return warnings
@@ -130,10 +155,12 @@ def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
     group, example = broken[0]
     leaves = group.rsplit(".", 1)[-1]
     others = f" and {plural(len(broken) - 1, 'more group')} like it" if len(broken) > 1 else ""
-    return (f"vLLM cannot load {group}{others} in the {fmt} format's block scheme: its fused block GEMM needs "
-            f"every member but the last to have an output size divisible by {BLOCK}, and these do not "
-            f"(e.g. {example.name} {list(example.shape)}); use --scheme channel or tensor, or keep the group "
-            f"in high precision with --ignore 're:.*\\.({leaves.replace('/', '|')})$'")
+    return (
+        f"vLLM cannot load {group}{others} in the {fmt} format's block scheme: its fused block GEMM needs "
+        f"every member but the last to have an output size divisible by {BLOCK}, and these do not "
+        f"(e.g. {example.name} {list(example.shape)}); use --scheme channel or tensor, or keep the group "
+        f"in high precision with --ignore 're:.*\\.({leaves.replace('/', '|')})$'"
+    )
 
 
 def refuse_unloadable(plan: Plan) -> None:
@@ -156,10 +183,10 @@ def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
 VLLM_GPUS = {
     "e4m3": "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
     "mxfp8": "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
-             "to SM90, Hopper included",
+    "to SM90, Hopper included",
     "ue8m0": "FP8 GEMMs on SM89 and later, weight-only Marlin kernels from SM75; DeepGEMM (SM90, SM100, SM120) "
-             "takes the power-of-two block scales as written (its load-time rounding to powers of two changes "
-             "no value)",
+    "takes the power-of-two block scales as written (its load-time rounding to powers of two changes "
+    "no value)",
 }
 
 
@@ -169,13 +196,21 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
     caveats = {w.caveat for w in warnings}
-    layout = "mxfp8" if options.scheme == Scheme.MXFP8 else \
-        "e4m3" if options.scale_format == ScaleFormat.FLOAT else options.scale_format
+    layout = (
+        "mxfp8"
+        if options.scheme == Scheme.MXFP8
+        else "e4m3"
+        if options.scale_format == ScaleFormat.FLOAT
+        else options.scale_format
+    )
     if Caveat.VLLM_CANNOT_LOAD in caveats:
         vllm = "no (see the warnings)"
     else:
-        vllm = "yes: " + VLLM_GPUS[layout] + (
-            "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else "")
+        vllm = (
+            "yes: "
+            + VLLM_GPUS[layout]
+            + ("; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else "")
+        )
     cannot = transformers_verdict(warnings)
     if cannot:
         transformers = "no: " + cannot
@@ -183,7 +218,8 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
         transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
     else:
         transformers = "yes (dequantizes on load)" + (
-            "; needs the compressed-tensors package" if options.format == Format.COMPRESSED_TENSORS else "")
+            "; needs the compressed-tensors package" if options.format == Format.COMPRESSED_TENSORS else ""
+        )
     return {"vLLM": vllm, "transformers": transformers}
 
 
@@ -216,9 +252,11 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "fingerprint": plan.fingerprint,
         "tensors": len(tensors),
         "units": len(plan.units),
-        "quantized": {"tensors": sum(t.quantize for t in tensors),
-                      "bytes_in": sum(t.in_bytes for t in tensors if t.quantize),
-                      "bytes_out": sum(t.out_bytes for t in tensors if t.quantize)},
+        "quantized": {
+            "tensors": sum(t.quantize for t in tensors),
+            "bytes_in": sum(t.in_bytes for t in tensors if t.quantize),
+            "bytes_out": sum(t.out_bytes for t in tensors if t.quantize),
+        },
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
         "scale_sharing": plan.options.scheme == Scheme.TENSOR,
@@ -243,9 +281,11 @@ def split_experts(plan: Plan) -> list[str]:
     for t in plan.tensors:
         if t.cut:
             cuts.setdefault(t.source.name, []).append(t)
-    return [f"{name} {list(ts[0].source.shape)} -> {len(ts)} weights {list(ts[0].shape)} "
-            f"(e.g. {ts[0].name} = {ts[0].cut.describe(name.rsplit('.', 1)[-1])})"
-            for name, ts in cuts.items()]
+    return [
+        f"{name} {list(ts[0].source.shape)} -> {len(ts)} weights {list(ts[0].shape)} "
+        f"(e.g. {ts[0].name} = {ts[0].cut.describe(name.rsplit('.', 1)[-1])})"
+        for name, ts in cuts.items()
+    ]
 
 
 def mtp_summary(plan: Plan) -> str | None:
@@ -258,9 +298,11 @@ def mtp_summary(plan: Plan) -> str | None:
     found = [prefix for prefix in prefixes if any(n.startswith(prefix + ".") for n in names)]
     if not found:
         return None
-    return (f"{', '.join(found)}: converted like the decoder layers, as vLLM's MTP loads them (their input "
-            f"projection and head stay BF16); transformers' own MTP decoding reads them without dequantizing, "
-            f"--ignore {found[0]} keeps one in BF16 for it")
+    return (
+        f"{', '.join(found)}: converted like the decoder layers, as vLLM's MTP loads them (their input "
+        f"projection and head stay BF16); transformers' own MTP decoding reads them without dequantizing, "
+        f"--ignore {found[0]} keeps one in BF16 for it"
+    )
 
 
 def render(info: dict) -> str:
@@ -271,30 +313,41 @@ def render(info: dict) -> str:
     lines.append(f"family      {info['architecture']}")
     tensors = f"tensors     {info['tensors']} in {plural(info['units'], 'unit')} (at most one decoder layer each)"
     if info["dequantize"]:
-        lines += [f"dequantize  to {info['dequantized_dtype']}: w = float32(q) * scale, rounded once; scales and "
-                  f"quantization_config dropped   plan {info['fingerprint']}", tensors]
+        lines += [
+            f"dequantize  to {info['dequantized_dtype']}: w = float32(q) * scale, rounded once; scales and "
+            f"quantization_config dropped   plan {info['fingerprint']}",
+            tensors,
+        ]
     else:
         given = f" (from {info['scheme_given']})" if info.get("scheme_given") else ""
         scales = info.get("scale_format", ScaleFormat.FLOAT)
         scales = f"   scales {scales}" if scales != ScaleFormat.FLOAT else ""
-        lines += [f"scheme      {info['scheme']}{given}   format {info['format']}{scales}   plan {info['fingerprint']}",
-                  tensors,
-                  f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
-                  f"{format_size(q['bytes_out'])} with scales"]
+        lines += [
+            f"scheme      {info['scheme']}{given}   format {info['format']}{scales}   plan {info['fingerprint']}",
+            tensors,
+            f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
+            f"{format_size(q['bytes_out'])} with scales",
+        ]
         if info["source_quantization"]:
-            lines.append(f"from FP8    {actions['pass']} passed through (codes and scales as they are), "
-                         f"{actions['requantize']} requantized from their dequantized values, "
-                         f"{actions['dequantize']} dequantized to {info['dequantized_dtype'] or 'high precision'}")
+            lines.append(
+                f"from FP8    {actions['pass']} passed through (codes and scales as they are), "
+                f"{actions['requantize']} requantized from their dequantized values, "
+                f"{actions['dequantize']} dequantized to {info['dequantized_dtype'] or 'high precision'}"
+            )
     for reason, k in info["kept"].items():
-        lines.append(f"kept        {k['tensors']:>5} {'tensor ' if k['tensors'] == 1 else 'tensors'} "
-                     f"{format_size(k['bytes']):>10}  {reason}")
+        lines.append(
+            f"kept        {k['tensors']:>5} {'tensor ' if k['tensors'] == 1 else 'tensors'} "
+            f"{format_size(k['bytes']):>10}  {reason}"
+        )
     if info["fused_groups"]:
         share = "share one scale" if info["scale_sharing"] else "scales per row, block or group, no sharing needed"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
     if info["split_experts"]:
-        lines.append(f"experts     {plural(len(info['split_experts']), 'fused expert tensor')} split per expert, e.g. "
-                     f"{info['split_experts'][0]}")
+        lines.append(
+            f"experts     {plural(len(info['split_experts']), 'fused expert tensor')} split per expert, e.g. "
+            f"{info['split_experts'][0]}"
+        )
     if info["mtp"]:
         lines.append(f"mtp         {info['mtp']}")
     mem = info["memory"]
@@ -305,8 +358,10 @@ def render(info: dict) -> str:
         f"({plural(mem['batches'], 'batch', 'batches')}, largest {format_size(mem['largest_batch_bytes'])})",
     ]
     if not info["dequantize"]:
-        lines.append(f"ignore list {plural(len(info['ignore']), 'module')}: {', '.join(info['ignore'][:6])}"
-                     + (" ..." if len(info["ignore"]) > 6 else ""))
+        lines.append(
+            f"ignore list {plural(len(info['ignore']), 'module')}: {', '.join(info['ignore'][:6])}"
+            + (" ..." if len(info["ignore"]) > 6 else "")
+        )
     lines += [f"loads       {engine}: {verdict}" for engine, verdict in (info.get("loads") or {}).items()]
     lines += [f"warning     {w}" for w in info["warnings"]]
     lines += [f"note        {n}" for n in info["notes"]]

@@ -4,6 +4,7 @@ Each run is filled on the device, leaves it in a few large copies and is written
 pwrites, instead of thousands of per-tensor copies, synchronisations and writes (a MoE layer has
 hundreds of experts).
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ class BatchOutput:
             else:
                 if self.buffers[i] is None:
                     self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
-                targets.append(self.buffers[i][piece.offset:piece.offset + piece.nbytes])
+                targets.append(self.buffers[i][piece.offset : piece.offset + piece.nbytes])
                 sources.append(raw)
             self.pieces_left[i] -= 1
             if not self.pieces_left[i]:

@@ -1,4 +1,5 @@
 """How many cores a run may use: the CPUs this process may run on, not the machine's count."""
+
 from __future__ import annotations
 
 import os

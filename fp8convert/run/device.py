@@ -1,9 +1,10 @@
 """Which device quantizes, and how much of it (and of the host's threads) a run may use."""
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -5,6 +5,7 @@ A reader thread hands batches to the thread that consumes them through a bounded
 the thread ends even when an interrupt landed inside a queue operation and a notification was lost. A
 failure in the thread is handed over as `Failed`, for the consumer to raise in its own thread.
 """
+
 from __future__ import annotations
 
 import queue

@@ -22,6 +22,7 @@ Scales
   The exponent is found from the float32 bits of amax, not from log2: float32 log2 can round
   across the boundary for FP32 sources just above 448 * 2^k, bit arithmetic cannot.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,7 @@ UE8M0_MIN_AMAX = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamps block amax here
 # With power-of-two scales a group's largest value can round up to the next code: 248 * 2^120 and above
 # (within 3% of float32's maximum) give code 256 under scale 2^120, and 256 * 2^120 = 2^128 reads back as
 # Inf in float32. Scales of amax / 448 never exceed amax's magnitude when multiplied back.
-POW2_OVERFLOW_AMAX = 248.0 * 2.0 ** 120
+POW2_OVERFLOW_AMAX = 248.0 * 2.0**120
 
 
 class NonFiniteWeight(ValueError):
@@ -78,8 +79,9 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
             w = torch.nn.functional.pad(w, (0, cols * BLOCK - inp, 0, rows * BLOCK - out))
         w = w.reshape(*w.shape[:-2], rows, BLOCK, cols, BLOCK)
         dims = (-3, -1)
-    return torch.maximum(w.amax(dim=dims, keepdim=scheme != "block"),
-                         w.amin(dim=dims, keepdim=scheme != "block").neg()).float()
+    return torch.maximum(
+        w.amax(dim=dims, keepdim=scheme != "block"), w.amin(dim=dims, keepdim=scheme != "block").neg()
+    ).float()
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -137,8 +139,9 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
     return scale.repeat_interleave(BLOCK, dim=-2)[..., :out, :].repeat_interleave(BLOCK, dim=-1)[..., :inp]
 
 
-def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_path: bool | None = None
-                        ) -> torch.Tensor:
+def quantize_with_scale(
+    w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_path: bool | None = None
+) -> torch.Tensor:
     """q = clamp(float32(w) / scale, -448, 448) cast to e4m3 (round to nearest even). `w` is left as it
     was (a float32 weight is copied, not divided in place: it may be a view of the read buffer)."""
     if use_cpu_path(w, cpu_path) and w.dim() == 3:
@@ -174,18 +177,18 @@ def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.T
     q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
     for n in range(stack):
         for r in range(0, out, rows):
-            part = tile[:min(rows, out - r)]
-            part.copy_(w[n, r:r + rows])
+            part = tile[: min(rows, out - r)]
+            part.copy_(w[n, r : r + rows])
             if scheme == "mxfp8":
-                part.unflatten(-1, (inp // MX_GROUP, MX_GROUP)).div_(scale[n, r:r + rows].unsqueeze(-1))
+                part.unflatten(-1, (inp // MX_GROUP, MX_GROUP)).div_(scale[n, r : r + rows].unsqueeze(-1))
             elif scheme == "tensor":
                 part.div_(scale[n])
             elif scheme == "channel":
-                part.div_(scale[n, r:r + rows])
+                part.div_(scale[n, r : r + rows])
             else:
                 part.div_(scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp])
             part.clamp_(-FP8_MAX, FP8_MAX)
-            q[n, r:r + rows].copy_(part)
+            q[n, r : r + rows].copy_(part)
     return q
 
 
@@ -204,8 +207,9 @@ def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
     return s.reshape(1, 1) if scheme == "tensor" else s
 
 
-def dequantize_to(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype,
-                  cpu_path: bool | None = None) -> torch.Tensor:
+def dequantize_to(
+    q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype, cpu_path: bool | None = None
+) -> torch.Tensor:
     """(float32(q) * float32(scale)).to(dtype) for FP8 weights [..., out, in] (one, or a stack of
     same-shaped ones with their scales stacked alike): one float32 product, rounded once to `dtype`
     (nearest even), as DeepSeek's and transformers' own dequantizers compute it. Block scales are
@@ -230,16 +234,16 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
     codes = q.view(torch.uint8).reshape(-1, out, inp)
     count = codes.shape[0]
     tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values(q.device)).to(dtype)
-    tables = tables.reshape(count, -1)               # weight n's tables in row n, 256 entries each
+    tables = tables.reshape(count, -1)  # weight n's tables in row n, 256 entries each
     arange = functools.partial(torch.arange, dtype=torch.int32, device=q.device)
     offsets = None
-    if scheme == "channel":      # row r's table starts at r * 256
+    if scheme == "channel":  # row r's table starts at r * 256
         offsets = (arange(out) * 256).unsqueeze(1).expand(out, inp).contiguous()
-    elif scheme == "block":      # block (i, j)'s at (i * C + j) * 256
+    elif scheme == "block":  # block (i, j)'s at (i * C + j) * 256
         offsets = (arange(out) // BLOCK * (-(-inp // BLOCK) * 256)).unsqueeze(1) + arange(inp) // BLOCK * 256
     index = torch.empty(out, inp, dtype=torch.int32, device=q.device)
     result = torch.empty(codes.shape, dtype=dtype, device=q.device)
-    for n in range(count):       # (in-place int32 ops over a stack broadcast slowly on a CPU; per weight they do not)
+    for n in range(count):  # (in-place int32 ops over a stack broadcast slowly on a CPU; per weight they do not)
         index.copy_(codes[n])
         if offsets is not None:
             index += offsets
@@ -247,8 +251,7 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
     return result.view(q.shape)
 
 
-def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float"
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
     """(scale as written, scale the weight is divided by): the E8M0 bytes and their float32 value for
     mxfp8, else the same float32 tensor twice."""
     if scheme == "mxfp8":
@@ -258,8 +261,9 @@ def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float
     return scale, scale
 
 
-def quantize_group(members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None,
-                   scale_format: str = "float") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def quantize_group(
+    members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None, scale_format: str = "float"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize the members of a fused group together. Each member is a stack [N, out, in]; index n
     of every member belongs to the same group (N = 1 for a single group). In the tensor scheme members share the max
     amax (vLLM re-quantizes a fused layer to its largest scale, which sharing makes a no-op); per-row

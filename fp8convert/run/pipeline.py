@@ -10,6 +10,7 @@ quantized only once the previous one is written), so device memory stays under a
 largest batch. On CUDA, host memory is only the readers' and the writer's fixed pinned chunks; on the
 CPU the batches themselves live there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,8 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -61,9 +62,19 @@ class RunResult:
     peak_device_bytes: int | None
 
 
-def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max_resident: int | None, fetcher,
-            progress: Progress, *, read_threads: int | None = None,
-            on_read: Callable[[int], None] = lambda nbytes: None, started: float | None = None) -> RunResult:
+def convert(
+    plan: Plan,
+    units: list[Unit],
+    writer: ShardWriter,
+    device: str,
+    max_resident: int | None,
+    fetcher,
+    progress: Progress,
+    *,
+    read_threads: int | None = None,
+    on_read: Callable[[int], None] = lambda nbytes: None,
+    started: float | None = None,
+) -> RunResult:
     """Write the outputs of `units` through `writer`: the part of a conversion that needs torch.
     `fetcher` brings streamed source shards (a do-nothing one for files already on disk); `on_read(nbytes)`
     is told after each batch is read (the prefetcher's pace)."""
@@ -78,15 +89,20 @@ def convert(plan: Plan, units: list[Unit], writer: ShardWriter, device: str, max
     readers, writers = io_threads(dev.type)
     writer.use_threads(writers)
     try:
-        with BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader, \
-                (cpu_threads_for_quantizing() if dev.type == "cpu" else contextlib.nullcontext()):
+        with (
+            BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader,
+            cpu_threads_for_quantizing() if dev.type == "cpu" else contextlib.nullcontext(),
+        ):
             stages = Pipeline(plan, batches, reader, writer, dev, progress, fetcher, on_read).run()
     except (torch.OutOfMemoryError, MemoryError) as e:
         e.max_resident = budget  # the CLI suggests a smaller --max-resident than this
         raise
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    seconds = {"torch_ready_at": round(torch_ready - started, 3), **stages.as_dict(),
-               "pipeline": round(time.monotonic() - torch_ready, 3)}
+    seconds = {
+        "torch_ready_at": round(torch_ready - started, 3),
+        **stages.as_dict(),
+        "pipeline": round(time.monotonic() - torch_ready, 3),
+    }
     return RunResult(seconds, str(dev), peak)
 
 
@@ -105,13 +121,22 @@ class Pipeline:
     Files no later batch reads are released as soon as the batches reading them are written (a streamed
     source deletes them)."""
 
-    def __init__(self, plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter,
-                 device: torch.device, progress, fetcher, on_read: Callable[[int], None]):
+    def __init__(
+        self,
+        plan: Plan,
+        batches: list[Batch],
+        reader: BatchReader,
+        writer: ShardWriter,
+        device: torch.device,
+        progress,
+        fetcher,
+        on_read: Callable[[int], None],
+    ):
         self.plan, self.batches, self.reader, self.writer, self.device = plan, batches, reader, writer, device
         self.progress, self.fetcher, self.on_read = progress, fetcher, on_read
         self.seconds = StageSeconds()
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
-        self.writes_left = self.reads_left.copy()                             # the writer's count
+        self.writes_left = self.reads_left.copy()  # the writer's count
         self.to_main: queue.Queue = queue.Queue(maxsize=1)
         self.to_writer: queue.Queue = queue.Queue(maxsize=1)
         self.read_slot = threading.Semaphore(READ_AHEAD)  # batches read and not yet quantized
@@ -121,8 +146,10 @@ class Pipeline:
         self.writer_error: list[BaseException] = []
 
     def run(self) -> StageSeconds:
-        threads = [threading.Thread(target=self._read_loop, name="fp8convert-reader", daemon=True),
-                   threading.Thread(target=self._write_loop, name="fp8convert-writer", daemon=True)]
+        threads = [
+            threading.Thread(target=self._read_loop, name="fp8convert-reader", daemon=True),
+            threading.Thread(target=self._write_loop, name="fp8convert-writer", daemon=True),
+        ]
         for th in threads:
             th.start()
         try:
@@ -166,9 +193,16 @@ class Pipeline:
         assembled = BatchOutput(runs, self.device)
         options = self.plan.options
         keep_buf = False  # whether a run's bytes are a view of the read buffer
-        for outputs in quantize_steps(batch, pending.buf, pending.offsets, options.scheme,
-                                      scale_format=options.scale_format, source_scheme=self.plan.source_scheme,
-                                      root=self.reader.root, pending=pending):
+        for outputs in quantize_steps(
+            batch,
+            pending.buf,
+            pending.offsets,
+            options.scheme,
+            scale_format=options.scale_format,
+            source_scheme=self.plan.source_scheme,
+            root=self.reader.root,
+            pending=pending,
+        ):
             self._raise_writer_error()
             completed = assembled.put_all(outputs)
             if completed:

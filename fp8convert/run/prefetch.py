@@ -10,6 +10,7 @@ The window is larger than one might think it needs to be: while torch loads (sec
 files) the reader consumes nothing, so a window the disk fills before torch is ready leaves it idle
 until then. default_window sizes it from the memory this process may use.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,8 @@ def default_threads() -> int:
     return min(4, max(1, usable_cores() // 4))
 
 
-WINDOW_CAP = 32 << 30       # the default window's largest
-FALLBACK_WINDOW = 8 << 30   # where the available memory cannot be read (off Linux)
+WINDOW_CAP = 32 << 30  # the default window's largest
+FALLBACK_WINDOW = 8 << 30  # where the available memory cannot be read (off Linux)
 
 
 def default_window(workers: int = 1, available: int | None = None) -> int:
@@ -48,13 +49,17 @@ def window_for(prefetch: int | str, workers: int = 1) -> int:
 
 # Where each cgroup version keeps a cgroup's memory limit, its use, and (in memory.stat) the inactive file
 # pages the kernel reclaims first: v2's unified tree, v1's memory controller.
-CGROUP_MEMORY = {"v2": ("", "memory.max", "memory.current", ("inactive_file",)),
-                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                        ("total_inactive_file", "inactive_file"))}
+CGROUP_MEMORY = {
+    "v2": ("", "memory.max", "memory.current", ("inactive_file",)),
+    "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "inactive_file")),
+}
 
 
-def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroups: Path = Path("/sys/fs/cgroup"),
-                     own_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+def available_memory(
+    meminfo: Path = Path("/proc/meminfo"),
+    cgroups: Path = Path("/sys/fs/cgroup"),
+    own_cgroup: Path = Path("/proc/self/cgroup"),
+) -> int | None:
     """Bytes this process may still fill: the kernel's MemAvailable, or less where a cgroup above the
     process caps its memory (a job's limit counts page cache too): the least headroom of its cgroup and
     each one above it, the limit less what is used plus the inactive file pages the kernel reclaims
@@ -119,8 +124,9 @@ def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
 class Prefetcher:
     """A context manager: entering starts the reads, leaving stops them."""
 
-    def __init__(self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8,
-                 chunk_bytes: int = 16 << 20):
+    def __init__(
+        self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8, chunk_bytes: int = 16 << 20
+    ):
         self.root, self.window, self.chunk = Path(root), window_bytes, chunk_bytes
         self.spans = merge_spans(tensors)
         self.threads = threads
@@ -132,11 +138,11 @@ class Prefetcher:
         self.local = threading.local()
         self.sink: int | None = None
 
-    def start(self) -> "Prefetcher":
+    def start(self) -> Prefetcher:
         self.thread.start()
         return self
 
-    def __enter__(self) -> "Prefetcher":
+    def __enter__(self) -> Prefetcher:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -174,12 +180,13 @@ class Prefetcher:
                     for offset in range(start, end, self.chunk):
                         length = min(self.chunk, end - offset)
                         with self.cond:
-                            self.cond.wait_for(lambda: self.stopped or dispatched - self.consumed < self.window)
+                            self.cond.wait_for(lambda: self.stopped or dispatched - self.consumed < self.window)  # noqa: B023 (called here)
                             if self.stopped:
                                 return
                         in_flight.acquire()
                         pool.submit(self._read, fds[file], offset, length).add_done_callback(
-                            lambda _: in_flight.release())
+                            lambda _: in_flight.release()
+                        )
                         dispatched += length
         except OSError:
             return  # the reader will report the problem with the file itself

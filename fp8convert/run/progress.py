@@ -1,4 +1,5 @@
 """Progress: a rich bar (bytes, throughput, ETA) on a terminal; plain timestamped lines otherwise."""
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,15 @@ BAR_WIDTH = (10, 40)  # least, most
 
 
 class Progress:
-    def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, interval_s: float = 10.0,
-                 plain: bool = False):
+    def __init__(
+        self,
+        total_bytes: int,
+        label: str,
+        enabled: bool = True,
+        stream=None,
+        interval_s: float = 10.0,
+        plain: bool = False,
+    ):
         self.total, self.label, self.enabled = total_bytes, label, enabled
         self.stream = stream or sys.stderr
         self.done = 0
@@ -24,13 +32,27 @@ class Progress:
         self.bar = None
         # `plain`: one of several workers sharing a terminal logs lines; several live bars would garble it.
         if enabled and not plain and self.stream.isatty():
-            from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
-                                       TransferSpeedColumn)
             from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+            from rich.progress import (
+                Progress as RichProgress,
+            )
+
             self.bar_column = BarColumn()
-            self.bar = RichProgress("[bold]{task.description}", self.bar_column, DownloadColumn(),
-                                    TransferSpeedColumn(), TimeRemainingColumn(),
-                                    console=Console(file=self.stream), transient=False)
+            self.bar = RichProgress(
+                "[bold]{task.description}",
+                self.bar_column,
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream),
+                transient=False,
+            )
             self.bar.start()
             self.task = self.bar.add_task(self.fit(""), total=total_bytes)
 
@@ -44,7 +66,7 @@ class Progress:
         if len(text) > most:
             head = text.find(" ") + 1  # the command word, where it leaves room for the layer
             head = head if 0 < head <= most // 3 else most // 3
-            text = text[:head] + "…" + text[len(text) - (most - head - 1):]
+            text = text[:head] + "…" + text[len(text) - (most - head - 1) :]
         self.bar_column.bar_width = max(BAR_WIDTH[0], min(BAR_WIDTH[1], room - len(text)))
         return text
 
@@ -63,8 +85,10 @@ class Progress:
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        return (f"{self.label}: {format_size(self.done)} of {format_size(self.total)} ({pct:.0f}%), "
-                f"{format_size(rate)}/s, eta {eta:.0f}s")
+        return (
+            f"{self.label}: {format_size(self.done)} of {format_size(self.total)} ({pct:.0f}%), "
+            f"{format_size(rate)}/s, eta {eta:.0f}s"
+        )
 
     def log(self, message: str) -> None:
         if self.enabled and self.bar is None:

@@ -9,13 +9,14 @@ An FP8 source's weights are dequantized (float32(q) * scale, then one rounding),
 those float32 values, or passed through as they are: codes and scales copied, after the checks every
 read FP8 weight passes (no NaN code, every scale finite and positive).
 """
+
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -27,7 +28,7 @@ from .numerics import NonFiniteWeight, dequantize_to, powers_of_two, quantize_gr
 from .reader import ALIGN, PendingRead
 
 STACK_BYTES = 64 << 20  # input bytes per launch chain: large enough to amortise launches, small
-                        # enough that float32 temporaries stay a sliver of device memory
+# enough that float32 temporaries stay a sliver of device memory
 
 
 STACKED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)  # computed a stack of same-shaped weights at a time
@@ -42,7 +43,7 @@ class Family:
 
     def chunks(self) -> list[list[list[TensorPlan]]]:
         step = max(1, STACK_BYTES // sum(work_bytes(t) for t in self.groups[0]))
-        return [self.groups[i:i + step] for i in range(0, len(self.groups), step)]
+        return [self.groups[i : i + step] for i in range(0, len(self.groups), step)]
 
 
 def work_bytes(t: TensorPlan) -> int:
@@ -92,7 +93,7 @@ def read_order(batch: Batch) -> list[TensorInfo]:
 
 def source_view(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) -> torch.Tensor:
     start = offsets[info.name]
-    return buf[start:start + info.nbytes].view(torch_dtype(info.dtype)).view(info.shape)
+    return buf[start : start + info.nbytes].view(torch_dtype(info.dtype)).view(info.shape)
 
 
 def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan]) -> torch.Tensor:
@@ -101,19 +102,32 @@ def stack_view(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorP
     first = tensors[0]
     if first.cut is None:
         start, size = offsets[first.source.name], first.source.nbytes
-        if size % ALIGN == 0 and all(t.cut is None and offsets[t.source.name] == start + i * size
-                                     for i, t in enumerate(tensors)):
-            return buf[start:start + size * len(tensors)].view(torch_dtype(first.source.dtype)).view(
-                len(tensors), *first.source.shape)
-    elif all(t.source.name == first.source.name and t.cut == replace(first.cut, expert=first.cut.expert + i)
-             for i, t in enumerate(tensors)):
+        if size % ALIGN == 0 and all(
+            t.cut is None and offsets[t.source.name] == start + i * size for i, t in enumerate(tensors)
+        ):
+            return (
+                buf[start : start + size * len(tensors)]
+                .view(torch_dtype(first.source.dtype))
+                .view(len(tensors), *first.source.shape)
+            )
+    elif all(
+        t.source.name == first.source.name and t.cut == replace(first.cut, expert=first.cut.expert + i)
+        for i, t in enumerate(tensors)
+    ):
         e0 = first.cut.expert
-        return first.cut.across_experts().apply(source_view(buf, offsets, first.source)[e0:e0 + len(tensors)])
+        return first.cut.across_experts().apply(source_view(buf, offsets, first.source)[e0 : e0 + len(tensors)])
     return torch.stack([output_view(buf, offsets, t) for t in tensors])
 
 
-def dequantized(buf: torch.Tensor, offsets: dict[str, int], tensors: list[TensorPlan], source_scheme: str,
-                dtype: torch.dtype, cpu_path: bool | None = None, root: Path = Path()) -> torch.Tensor:
+def dequantized(
+    buf: torch.Tensor,
+    offsets: dict[str, int],
+    tensors: list[TensorPlan],
+    source_scheme: str,
+    dtype: torch.dtype,
+    cpu_path: bool | None = None,
+    root: Path = Path(),
+) -> torch.Tensor:
     """FP8 source weights' values [N, out, in], (float32(q) * scale).to(dtype), their scales checked
     first. A NaN code, or a value `dtype` cannot hold (float16 tops out at 65504), is refused."""
     scales = [source_view(buf, offsets, t.source_scale) for t in tensors]
@@ -123,8 +137,10 @@ def dequantized(buf: torch.Tensor, offsets: dict[str, int], tensors: list[Tensor
     w = dequantize_to(stack_view(buf, offsets, tensors), stacked, source_scheme, dtype, cpu_path)
     if not all_finite(w):
         t = next(t for t, values in zip(tensors, w) if not all_finite(values))
-        raise FP8ConvertError(f"{where(t, root)} dequantizes to NaN or Inf in {str(dtype).removeprefix('torch.')} "
-                              f"(a NaN code, or values beyond the dtype's range); refusing it")
+        raise FP8ConvertError(
+            f"{where(t, root)} dequantizes to NaN or Inf in {str(dtype).removeprefix('torch.')} "
+            f"(a NaN code, or values beyond the dtype's range); refusing it"
+        )
     return w
 
 
@@ -140,12 +156,15 @@ def finite_positive(values: torch.Tensor) -> bool:
 
 def check_scale(scale: torch.Tensor, t: TensorPlan, root: Path = Path()) -> None:
     if not finite_positive(scale):
-        raise FP8ConvertError(f"{root / t.source_scale.file}: scale {t.source_scale.name} of FP8 weight "
-                              f"{t.source.name} is not finite and positive everywhere; refusing it")
+        raise FP8ConvertError(
+            f"{root / t.source_scale.file}: scale {t.source_scale.name} of FP8 weight "
+            f"{t.source.name} is not finite and positive everywhere; refusing it"
+        )
 
 
-def passed_through(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, scale_format: str = "float",
-                   root: Path = Path()) -> list[tuple[str, torch.Tensor, int]]:
+def passed_through(
+    buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, scale_format: str = "float", root: Path = Path()
+) -> list[tuple[str, torch.Tensor, int]]:
     """A passed-through weight's outputs: its codes, scale (and activation scale) as they are, checked
     as kept.problem checks them where the copier copies them. Into a ue8m0 output (the source declares
     scale_fmt ue8m0) every scale must be a power of two: the output's config says so, and engines would
@@ -153,28 +172,32 @@ def passed_through(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, sc
     scale = source_view(buf, offsets, t.source_scale)
     check_scale(scale, t, root)
     if scale_format == "ue8m0" and not bool(powers_of_two(scale).all()):
-        raise FP8ConvertError(f"{root / t.source_scale.file}: scale {t.source_scale.name} of FP8 weight "
-                              f"{t.source.name} is not a power of two everywhere, though the source's config declares "
-                              "scale_fmt ue8m0 (it cannot pass into a --scale-format ue8m0 output); refusing it")
+        raise FP8ConvertError(
+            f"{root / t.source_scale.file}: scale {t.source_scale.name} of FP8 weight "
+            f"{t.source.name} is not a power of two everywhere, though the source's config declares "
+            "scale_fmt ue8m0 (it cannot pass into a --scale-format ue8m0 output); refusing it"
+        )
     if bool(raw_source(buf, offsets, t.source).bitwise_and(0x7F).eq(0x7F).any()):  # e4m3fn's NaN: S.1111.111
         raise FP8ConvertError(f"{where(t, root)} holds NaN codes; refusing it")
     return [(name, raw_source(buf, offsets, info), 0) for info, name in t.copies]
 
 
-def carried_scale(buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, root: Path = Path()
-                  ) -> list[tuple[str, torch.Tensor, int]]:
+def carried_scale(
+    buf: torch.Tensor, offsets: dict[str, int], t: TensorPlan, root: Path = Path()
+) -> list[tuple[str, torch.Tensor, int]]:
     """A static activation scale copied as it is (checked finite and positive)."""
     if not t.input_scale_name:
         return []
     info = t.inputs[-1]
     if not finite_positive(source_view(buf, offsets, info)):
-        raise FP8ConvertError(f"{root / info.file}: activation scale {info.name} is not finite and positive; "
-                              "refusing it")
+        raise FP8ConvertError(
+            f"{root / info.file}: activation scale {info.name} is not finite and positive; refusing it"
+        )
     return [(t.input_scale_name, raw_source(buf, offsets, info), 0)]
 
 
 def raw_source(buf: torch.Tensor, offsets: dict[str, int], info: TensorInfo) -> torch.Tensor:
-    return buf[offsets[info.name]:offsets[info.name] + info.nbytes]
+    return buf[offsets[info.name] : offsets[info.name] + info.nbytes]
 
 
 def where(t: TensorPlan, root: Path = Path()) -> str:
@@ -192,22 +215,39 @@ def all_finite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
 
 
-def quantize_batch(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
-                   cpu_path: bool | None = None, source_scheme: str = "", scale_format: str = "float",
-                   root: Path = Path()) -> list[tuple[str, torch.Tensor, int]]:
+def quantize_batch(
+    batch: Batch,
+    buf: torch.Tensor,
+    offsets: dict[str, int],
+    scheme: str,
+    cpu_path: bool | None = None,
+    source_scheme: str = "",
+    scale_format: str = "float",
+    root: Path = Path(),
+) -> list[tuple[str, torch.Tensor, int]]:
     """Outputs (name, tensor, byte offset in that output tensor) for the batch: whole tensors at 0, a
     piece of a kept tensor where it goes. Kept and passed-through tensors are views of `buf` (the caller
     copies them into the output runs, or writes them from `buf` itself). `cpu_path`: see
     numerics.use_cpu_path. `source_scheme`: an FP8 source's scheme. `scale_format`: see
     numerics.quantize_group. `root`: the source's directory, which errors name with the shard file."""
-    return [out for outputs in quantize_steps(batch, buf, offsets, scheme, cpu_path, source_scheme, scale_format,
-                                              root) for out in outputs]
+    return [
+        out
+        for outputs in quantize_steps(batch, buf, offsets, scheme, cpu_path, source_scheme, scale_format, root)
+        for out in outputs
+    ]
 
 
-def quantize_steps(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], scheme: str,
-                   cpu_path: bool | None = None, source_scheme: str = "", scale_format: str = "float",
-                   root: Path = Path(), pending: PendingRead | None = None
-                   ) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
+def quantize_steps(
+    batch: Batch,
+    buf: torch.Tensor,
+    offsets: dict[str, int],
+    scheme: str,
+    cpu_path: bool | None = None,
+    source_scheme: str = "",
+    scale_format: str = "float",
+    root: Path = Path(),
+    pending: PendingRead | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
     """quantize_batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped
     weights). `pending`: the batch's reads, still in flight: each step waits only for its own inputs, and
     the steps go in the order their inputs arrive, so quantizing overlaps reading."""
@@ -221,8 +261,11 @@ def quantize_steps(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
                 raise FP8ConvertError(f"{where(t, root)} contains NaN or Inf; refusing to copy it")
             return [(t.name, values.contiguous(), t.at)]
         raw = raw_source(buf, offsets, t.source)
-        if t.name.endswith(".weight") and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(
-                raw.view(torch_dtype(t.source.dtype))):
+        if (
+            t.name.endswith(".weight")
+            and t.source.dtype in FLOAT_SOURCE_DTYPES
+            and not all_finite(raw.view(torch_dtype(t.source.dtype)))
+        ):
             raise FP8ConvertError(f"{where(t, root)} contains NaN or Inf; refusing to copy it")
         return [(t.name, raw, t.at)]
 
@@ -240,15 +283,23 @@ def quantize_steps(batch: Batch, buf: torch.Tensor, offsets: dict[str, int], sch
         try:
             codes, scales = quantize_group(stacks, scheme, cpu_path, scale_format)
         except NonFiniteWeight as e:
-            raise FP8ConvertError(f"{where(members[e.member][e.index], root)} "
-                                  + (POW2_OVERFLOW if e.overflows else "contains NaN or Inf; refusing to quantize it")
-                                  ) from None
-        return [out for tensors, q, s in zip(members, codes, scales) for n, t in enumerate(tensors)
-                for out in [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + carried_scale(buf, offsets, t, root)]
+            raise FP8ConvertError(
+                f"{where(members[e.member][e.index], root)} "
+                + (POW2_OVERFLOW if e.overflows else "contains NaN or Inf; refusing to quantize it")
+            ) from None
+        return [
+            out
+            for tensors, q, s in zip(members, codes, scales)
+            for n, t in enumerate(tensors)
+            for out in [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + carried_scale(buf, offsets, t, root)
+        ]
 
     steps = [(list(t.inputs), functools.partial(single, t)) for t in batch.tensors if t.action not in STACKED]
-    steps += [([info for group in chunk for t in group for info in t.inputs], functools.partial(stacked, chunk))
-              for family in families(batch) for chunk in family.chunks()]
+    steps += [
+        ([info for group in chunk for t in group for info in t.inputs], functools.partial(stacked, chunk))
+        for family in families(batch)
+        for chunk in family.chunks()
+    ]
     if pending is not None:
         steps.sort(key=lambda step: pending.arrival(step[0]))
     for inputs, step in steps:

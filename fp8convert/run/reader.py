@@ -1,13 +1,14 @@
 """Read stage: bytes of one batch of tensors into one buffer on the device.
 
-Parallel preads (several threads help a cold disk). For CUDA the batch's tensors that lie back to back
-in a file are read together, in preads of up to one chunk, whatever order they take in the buffer; each
-thread owns one pinned staging chunk and its own stream, copies each tensor's part of the chunk to its
-place, and host memory stays threads x chunk whatever the layer size. (A MoE layer is hundreds of
-tensors of a few MB: reading neighbours together makes far fewer, larger preads.) For CPU the threads read each tensor straight into the
-batch buffer. `start` returns while the reads are in flight, so the batch's first stacks can be
-quantized before its last bytes land (PendingRead.wait).
+Parallel preads (several threads help a cold disk). For CUDA the batch's tensors that lie back to back in a
+file are read together, in preads of up to one chunk, whatever order they take in the buffer; each thread owns
+one pinned staging chunk and its own stream, copies each tensor's part of the chunk to its place, and host
+memory stays threads x chunk whatever the layer size. (A MoE layer is hundreds of tensors of a few MB: reading
+neighbours together makes far fewer, larger preads.) For CPU the threads read each tensor straight into the
+batch buffer. `start` returns while the reads are in flight, so the batch's first stacks can be quantized
+before its last bytes land (PendingRead.wait).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -114,7 +115,7 @@ class BatchReader:
         if buf.device.type == "cpu" and (self.spare is None or buf.untyped_storage().nbytes() > self.spare.numel()):
             self.spare = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
 
-    def __enter__(self) -> "BatchReader":
+    def __enter__(self) -> BatchReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -176,14 +177,14 @@ class BatchReader:
         fd, label = self._fd(piece.file), str(self.root / piece.file)
         if self.device.type == "cpu":  # one part, read into its place
             ((_, dest, length),) = piece.parts
-            pread_into(fd, memoryview(buf[dest:dest + length].numpy()), piece.offset, label)
+            pread_into(fd, memoryview(buf[dest : dest + length].numpy()), piece.offset, label)
             return
         if not hasattr(self.local, "staging"):
             self.local.staging = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True)
             self.local.stream = torch.cuda.Stream(self.device)
         staging, stream = self.local.staging, self.local.stream
-        pread_into(fd, memoryview(staging[:piece.length].numpy()), piece.offset, label)
+        pread_into(fd, memoryview(staging[: piece.length].numpy()), piece.offset, label)
         with torch.cuda.stream(stream):
             for at, dest, length in piece.parts:
-                buf[dest:dest + length].copy_(staging[at:at + length], non_blocking=True)
+                buf[dest : dest + length].copy_(staging[at : at + length], non_blocking=True)
         stream.synchronize()  # the staging chunk is reused by this thread's next read

@@ -1,13 +1,14 @@
 """torch's start-up reads, asked of the disk all at once.
 
 A cold `import torch` and CUDA's start read about 0.3 GB of shared libraries and a thousand small Python
-files, one page fault or file at a time, each waiting for the disk, and behind the checkpoint's reads
-they wait longer still. Which pages they are changes little from run to run. So a run that started torch itself records them in the user's cache (the
-pages of each mapped library that its page table holds, from /proc/self/pagemap, and the Python files it
-imported), and the next run asks the kernel for all of them at once (POSIX_FADV_WILLNEED) before the
-checkpoint's reads (docs/performance.md says what it gains). It is only a hint: a missing, stale or
-unreadable record costs nothing but a cold import.
+files, one page fault or file at a time, each waiting for the disk, and behind the checkpoint's reads they
+wait longer still. Which pages they are changes little from run to run. So a run that started torch itself
+records them in the user's cache (the pages of each mapped library that its page table holds, from
+/proc/self/pagemap, and the Python files it imported), and the next run asks the kernel for all of them at
+once (POSIX_FADV_WILLNEED) before the checkpoint's reads (docs/performance.md says what it gains). It is only
+a hint: a missing, stale or unreadable record costs nothing but a cold import.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,7 @@ from ..output.files import read_json_object
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 GAP_PAGES = 32  # pages touched closer than this are asked for as one range
-THREADS = 8     # opening a thousand cold files one after another would itself take a while
+THREADS = 8  # opening a thousand cold files one after another would itself take a while
 # Linux reads at most max(read_ahead_kb, max_sectors_kb) of the device of what one POSIX_FADV_WILLNEED asks
 # for and drops the rest (read_ahead_kb is 128 by default), so a longer range is asked for in pieces this
 # long. With both at 128 on the 2-core machine, a record of 131 MB put 123 MB in the page cache asked for

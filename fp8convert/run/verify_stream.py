@@ -6,14 +6,15 @@ and the device's own buffer on CUDA, the page-cache prefetcher ahead of it) whil
 the current one, and the progress display advances batch by batch, as in quantize. What a check does
 with its bytes is the caller's business (fp8convert.verify): this module knows nothing of FP8.
 """
+
 from __future__ import annotations
 
 import contextlib
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -75,17 +76,28 @@ def make_batches(reads: list[Read], budget: int) -> list[Batch]:
 
 def as_tensor(buf: torch.Tensor, offset: int, info: TensorInfo) -> torch.Tensor:
     """A piece of a batch buffer as the tensor it holds (dtype and shape of `info`)."""
-    raw = buf[offset:offset + info.nbytes]
-    return raw.view(torch_dtype(info.dtype)).view(info.shape) if info.nbytes else \
-        torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=buf.device)
+    raw = buf[offset : offset + info.nbytes]
+    return (
+        raw.view(torch_dtype(info.dtype)).view(info.shape)
+        if info.nbytes
+        else torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=buf.device)
+    )
 
 
 class VerifyStream:
     """A context manager over the batches of `reads`: iterate it for the batches, in the order of
     `reads`. At most two batches are in memory: the one being checked and the one being read."""
 
-    def __init__(self, reads: list[Read], source_root: Path, out_root: Path, device: torch.device, budget: int,
-                 progress: Progress, prefetch: int = 0):
+    def __init__(
+        self,
+        reads: list[Read],
+        source_root: Path,
+        out_root: Path,
+        device: torch.device,
+        budget: int,
+        progress: Progress,
+        prefetch: int = 0,
+    ):
         self.batches = make_batches(reads, max(1, budget // 2))
         self.device, self.progress, self.prefetch = device, progress, prefetch
         readers, _ = io_threads(device.type)
@@ -94,16 +106,16 @@ class VerifyStream:
         self.prefetchers = []
         if prefetch:
             window = max(1, prefetch // 2)
-            self.prefetchers = [Prefetcher(source_root, [t for b in self.batches for t in b.source], window,
-                                           threads=default_threads()),
-                                Prefetcher(out_root, [t for b in self.batches for t in b.output], window,
-                                           threads=default_threads())]
+            self.prefetchers = [
+                Prefetcher(source_root, [t for b in self.batches for t in b.source], window, threads=default_threads()),
+                Prefetcher(out_root, [t for b in self.batches for t in b.output], window, threads=default_threads()),
+            ]
         self.handoff: queue.Queue = queue.Queue(maxsize=1)
         self.slots = threading.Semaphore(2)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._read_loop, name="fp8convert-verify-read", daemon=True)
 
-    def __enter__(self) -> "VerifyStream":
+    def __enter__(self) -> VerifyStream:
         for p in self.prefetchers:
             p.start()
         self.thread.start()
@@ -126,9 +138,14 @@ class VerifyStream:
                 return
             batch, (src_buf, src_at), (out_buf, out_at) = item
             src_pieces, out_pieces = iter(batch.source), iter(batch.output)
-            views = [(read, [as_tensor(src_buf, src_at[t.name], t) for t in (next(src_pieces) for _ in read.source)],
-                      [as_tensor(out_buf, out_at[t.name], t) for t in (next(out_pieces) for _ in read.output)])
-                     for read in batch.reads]
+            views = [
+                (
+                    read,
+                    [as_tensor(src_buf, src_at[t.name], t) for t in (next(src_pieces) for _ in read.source)],
+                    [as_tensor(out_buf, out_at[t.name], t) for t in (next(out_pieces) for _ in read.output)],
+                )
+                for read in batch.reads
+            ]
             yield views
             del views
             self.progress.advance(batch.nbytes, batch.reads[-1].label)

@@ -4,6 +4,7 @@ Importing torch and creating a CUDA context take seconds (more with cold files).
 the main thread goes on with what needs neither (preparing OUT, copying kept tensors, reading ahead),
 and the pipeline's own `import torch` then finds it done, or waits for the rest.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -72,6 +73,7 @@ class TorchStart:
         self.pages_queued.wait(PAGES_WAIT_S)
         try:
             import torch
+
             if self.device != "cpu" and torch.cuda.is_available():
                 torch.empty(1, device="cuda" if self.device == "auto" else self.device)
         except Exception:  # noqa: BLE001 - reported by the pipeline, which tries again
@@ -84,6 +86,7 @@ def cuda_device_count() -> int:
     if not torch_has_cuda():
         return 0
     import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -121,6 +124,7 @@ def cuda_driver_present() -> bool:
     if not torch_has_cuda():
         return False
     import ctypes
+
     try:
         ctypes.CDLL(CUDA_DRIVER)
     except OSError:

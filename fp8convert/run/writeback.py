@@ -15,6 +15,7 @@ kernel serialises buffered writes (pwrite) to one file, so one shard is written 
 threads write it; copies into a mapping are not serialised. Each thread is slower (its page faults) but
 they add up (scripts/io_limits.py measures both).
 """
+
 from __future__ import annotations
 
 import ctypes

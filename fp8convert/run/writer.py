@@ -14,6 +14,7 @@ reserved shard on tmpfs or ext4 is filled through shared mappings instead, which
 once (writeback.write_mapped); from CUDA each chunk is first copied into one of a small ring of
 pinned buffers, so host memory stays fixed whatever the layer size.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -49,8 +50,16 @@ class ShardWriter:
     """A context manager: leaving it waits for writes in flight and closes the files (a shard left
     unfinished stays a partial file, of which the next run keeps the units recorded as written)."""
 
-    def __init__(self, plan: Plan, out_dir: Path, work_dir: Path, skip_shards: set[int], chunk_bytes: int = 32 << 20,
-                 threads: int = 4, written: dict[int, set[int]] | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        out_dir: Path,
+        work_dir: Path,
+        skip_shards: set[int],
+        chunk_bytes: int = 32 << 20,
+        threads: int = 4,
+        written: dict[int, set[int]] | None = None,
+    ):
         """`written`: per partial shard, the units an earlier run wrote in it (partial.written_units):
         its file is kept and only its other units are written."""
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
@@ -61,8 +70,12 @@ class ShardWriter:
         self.unit_ranges: dict[int, list[tuple[int, int, int]]] = {}
         for s in plan.shards:
             if s.index not in skip_shards:
-                ranges = [(start, end, ui) for ui, spans in self.recorder.spans[s.index].items()
-                          if ui not in self.written.get(s.index, ()) for start, end in spans]
+                ranges = [
+                    (start, end, ui)
+                    for ui, spans in self.recorder.spans[s.index].items()
+                    if ui not in self.written.get(s.index, ())
+                    for start, end in spans
+                ]
                 self.unit_ranges[s.index] = sorted(ranges)
                 self.unit_left[s.index] = {}
                 for start, end, ui in ranges:
@@ -78,7 +91,7 @@ class ShardWriter:
         self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
         self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
         self.lock = threading.Lock()  # the bookkeeping above, shared by the threads that call write()
-        self.ring: list = []          # pinned staging buffers and the write each one feeds (CUDA)
+        self.ring: list = []  # pinned staging buffers and the write each one feeds (CUDA)
         self.next_slot = 0
         self.stream = None
         self.closed = False
@@ -151,8 +164,10 @@ class ShardWriter:
                 return  # finished in an earlier run
             size = data.numel() if hasattr(data, "numel") else memoryview(data).nbytes
             if size != run.nbytes or run.nbytes > self.remaining[run.shard]:
-                raise AssertionError(f"shard {run.shard}: {size} bytes for a run of {run.nbytes}, "
-                                     f"{self.remaining[run.shard]} left to write")
+                raise AssertionError(
+                    f"shard {run.shard}: {size} bytes for a run of {run.nbytes}, "
+                    f"{self.remaining[run.shard]} left to write"
+                )
             fd = self._fd(run.shard)
         try:
             if getattr(data, "is_cuda", False):
@@ -161,9 +176,9 @@ class ShardWriter:
                 view = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
                 for start in range(0, run.nbytes, self.chunk):
                     if in_this_thread:
-                        self._write_host(run.shard, pwrite_all, fd, view[start:start + self.chunk], run.start + start)
+                        self._write_host(run.shard, pwrite_all, fd, view[start : start + self.chunk], run.start + start)
                     else:
-                        self._submit(run.shard, fd, view[start:start + self.chunk], run.start + start)
+                        self._submit(run.shard, fd, view[start : start + self.chunk], run.start + start)
         except OSError as e:
             self._raise_write_error(run.shard, e)
         self._count(run)
@@ -231,12 +246,14 @@ class ShardWriter:
     def _grow_ring(self, size: int) -> None:
         """Pin buffers until the ring holds `size` (the writer thread's own)."""
         import torch
+
         while len(self.ring) < size:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
     def _write_from_device(self, index: int, fd: int, raw, offset: int, ready=None) -> None:
         """Only the pipeline's writer thread writes device tensors, so the ring needs no lock."""
         import torch
+
         if self.stream is None:
             self.stream = torch.cuda.Stream(raw.device)
         if ready is not None:
@@ -250,7 +267,7 @@ class ShardWriter:
             if busy is not None:
                 busy.result()  # the buffer's previous write must finish before it is refilled
             with torch.cuda.stream(self.stream):
-                staging[:n].copy_(raw[start:start + n], non_blocking=True)
+                staging[:n].copy_(raw[start : start + n], non_blocking=True)
             self.stream.synchronize()
             self.ring[slot] = (staging, self._submit(index, fd, memoryview(staging[:n].numpy()), offset + start))
 
@@ -264,8 +281,9 @@ class ShardWriter:
             full = OSError(error.errno, error.strerror, str(path))
             full.bytes_needed = sum(self.remaining.values())
             return full
-        return FP8ConvertError(f"{path}: {what} ({error.strerror}); rerun the same command to resume once the "
-                               "problem is fixed")
+        return FP8ConvertError(
+            f"{path}: {what} ({error.strerror}); rerun the same command to resume once the problem is fixed"
+        )
 
     def _finish(self, index: int) -> None:
         """Called with the lock held, once the shard's last run was handed over."""
@@ -288,7 +306,7 @@ class ShardWriter:
         del self.remaining[index]
         self.recorder.shard_finished(index)
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         for index in [i for i, left in self.remaining.items() if not left]:
             with self.lock:  # every unit of it was written by an earlier run, which stopped before the rename
                 self._fd(index)

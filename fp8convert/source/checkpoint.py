@@ -1,5 +1,6 @@
 """What a source checkpoint is, wherever it lives: its shards, tensors, config and side files, and the
 checks every source passes (local directory or Hub repo alike). Reads headers, never tensor data."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ from ..units import plural
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES)
 # Files rewritten or generated rather than copied.
-NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json",
-              "model.safetensors.index.json.lock"}
+NOT_COPIED = {
+    "config.json",
+    "README.md",
+    INDEX_NAME,
+    "pytorch_model.bin.index.json",
+    "model.safetensors.index.json.lock",
+}
 
 
 @dataclass
@@ -28,10 +34,10 @@ class Source:
     for a high-precision one)."""
 
     root: Path
-    files: list[str]                  # safetensors shard names, sorted
-    tensors: list[TensorInfo]         # every tensor, in (file, offset) order
-    config: dict                      # config.json, key order kept
-    copy_files: list[str]             # files copied verbatim into the output
+    files: list[str]  # safetensors shard names, sorted
+    tensors: list[TensorInfo]  # every tensor, in (file, offset) order
+    config: dict  # config.json, key order kept
+    copy_files: list[str]  # files copied verbatim into the output
     label: str
     revision: str | None = None
     quant: SourceQuantization | None = None
@@ -44,14 +50,25 @@ class Source:
 def is_copied_file(name: str) -> bool:
     """Top-level non-weight files travel with the model: tokenizer, chat template, generation config,
     processor configs, remote-code .py files, license."""
-    return ("/" not in name and not name.startswith(".") and name not in NOT_COPIED
-            and not name.endswith(WEIGHT_SUFFIXES) and not name.endswith(".index.json"))
+    return (
+        "/" not in name
+        and not name.startswith(".")
+        and name not in NOT_COPIED
+        and not name.endswith(WEIGHT_SUFFIXES)
+        and not name.endswith(".index.json")
+    )
 
 
 def safe_relative_name(name: str, where: str) -> str:
     """A shard name from an index must stay inside the checkpoint directory."""
-    if not isinstance(name, str) or not name or name.startswith(("/", "\\")) or ":" in name[:3] \
-            or ".." in posixpath.normpath(name).split("/") or posixpath.normpath(name) != name:
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith(("/", "\\"))
+        or ":" in name[:3]
+        or ".." in posixpath.normpath(name).split("/")
+        or posixpath.normpath(name) != name
+    ):
         raise FP8ConvertError(f"{where}: refusing shard file name {name!r} (absolute or outside the checkpoint)")
     return name
 
@@ -84,18 +101,26 @@ def refuse_missing_numbered(names: list[str], where: str) -> None:
     for name in names:
         if m := NUMBERED_SHARD.match(name):
             sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
-    missing = [f"{stem}-{i:0{len(total)}d}-of-{total}.safetensors"
-               for (stem, total), have in sorted(sets.items()) for i in range(1, int(total) + 1) if i not in have]
+    missing = [
+        f"{stem}-{i:0{len(total)}d}-of-{total}.safetensors"
+        for (stem, total), have in sorted(sets.items())
+        for i in range(1, int(total) + 1)
+        if i not in have
+    ]
     if missing:
-        raise FP8ConvertError(f"{where}: {missing[0]} is missing ({plural(len(missing), 'numbered shard')} of the set, "
-                              f"and no {INDEX_NAME} says which files hold the weights)")
+        raise FP8ConvertError(
+            f"{where}: {missing[0]} is missing ({plural(len(missing), 'numbered shard')} of the set, "
+            f"and no {INDEX_NAME} says which files hold the weights)"
+        )
 
 
 def refuse_pickle_only(names: list[str], where: str) -> None:
     """Called when no safetensors shard was found among `names` (a file listing)."""
     if any(n.endswith(PICKLE_SUFFIXES) for n in names):
-        raise FP8ConvertError(f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
-                              "Convert to safetensors first")
+        raise FP8ConvertError(
+            f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
+            "Convert to safetensors first"
+        )
     raise FP8ConvertError(f"{where}: no safetensors weights found")
 
 
@@ -112,8 +137,9 @@ def load_config(root: Path) -> dict:
     return config
 
 
-def collect_tensors(headers: dict[str, dict[str, TensorInfo]], index_map: dict[str, str] | None,
-                    where: str = "the checkpoint") -> list[TensorInfo]:
+def collect_tensors(
+    headers: dict[str, dict[str, TensorInfo]], index_map: dict[str, str] | None, where: str = "the checkpoint"
+) -> list[TensorInfo]:
     """Merge per-file headers; a tensor named twice, or where the index says it is not, is an error."""
     seen: dict[str, TensorInfo] = {}
     for file in sorted(headers):

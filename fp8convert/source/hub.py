@@ -11,6 +11,7 @@ A repo id resolves to one commit, then either
 Every request goes through hub_calls.with_retries (timeouts, bounded retries) and every failure becomes
 one FP8ConvertError line that names the repo (hub_calls.hub_error).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,14 +23,22 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
-from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
-                         refuse_missing_numbered, refuse_pickle_only)
+from .checkpoint import (
+    Source,
+    collect_tensors,
+    index_files,
+    is_copied_file,
+    load_config,
+    parse_index,
+    refuse_missing_numbered,
+    refuse_pickle_only,
+)
 from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
 from .local import open_local
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 CARD_NAME = "README.md"
-FIRST_HEADER_READ = 100_000         # one Range request covers most headers (huggingface_hub does the same)
+FIRST_HEADER_READ = 100_000  # one Range request covers most headers (huggingface_hub does the same)
 PARALLEL_REQUESTS = 8
 
 
@@ -43,13 +52,20 @@ class RemoteRepo:
 
     repo_id: str
     sha: str
-    sizes: dict[str, int]             # every file of the commit -> size in bytes
+    sizes: dict[str, int]  # every file of the commit -> size in bytes
     token: str | None = None
     cache_dir: str | None = None
-    revision: str | None = None       # what the user asked for (branch, tag, commit), for messages
+    revision: str | None = None  # what the user asked for (branch, tag, commit), for messages
 
-    def call(self, fn, *args, then: str = "check the connection and rerun", needed_bytes: int | None = None,
-             retryable=is_transient, **kwargs):
+    def call(
+        self,
+        fn,
+        *args,
+        then: str = "check the connection and rerun",
+        needed_bytes: int | None = None,
+        retryable=is_transient,
+        **kwargs,
+    ):
         """Run a huggingface_hub call with timeouts and bounded retries (of failures `retryable` accepts);
         any failure becomes one FP8ConvertError line naming the repo (`then`, `needed_bytes`: see
         hub_calls.hub_error)."""
@@ -64,20 +80,36 @@ class RemoteRepo:
         """One file at the pinned commit: into the shared cache, or into `local_dir`. Resumes partial files.
         `weights`: a shard, which a rerun resumes (said when the download fails)."""
         from huggingface_hub import hf_hub_download
+
         then = "rerun to resume (finished downloads are kept)" if weights else "check the connection and rerun"
-        path = Path(self.call(hf_hub_download, self.repo_id, filename, revision=self.sha, token=self.token,
-                              cache_dir=self.cache_dir, local_dir=str(local_dir) if local_dir else None,
-                              then=then, needed_bytes=self.sizes.get(filename), retryable=download_is_retryable))
+        path = Path(
+            self.call(
+                hf_hub_download,
+                self.repo_id,
+                filename,
+                revision=self.sha,
+                token=self.token,
+                cache_dir=self.cache_dir,
+                local_dir=str(local_dir) if local_dir else None,
+                then=then,
+                needed_bytes=self.sizes.get(filename),
+                retryable=download_is_retryable,
+            )
+        )
         if filename in self.sizes and self.sizes[filename] is not None and path.stat().st_size != self.sizes[filename]:
-            raise FP8ConvertError(f"{self.repo_id}: {filename} arrived with {path.stat().st_size} bytes, the Hub "
-                                  f"lists {self.sizes[filename]}; rerun to fetch it again")
+            raise FP8ConvertError(
+                f"{self.repo_id}: {filename} arrived with {path.stat().st_size} bytes, the Hub "
+                f"lists {self.sizes[filename]}; rerun to fetch it again"
+            )
         return path
 
 
-def resolve_repo(repo_id: str, revision: str | None = None, token: str | None = None,
-                 cache_dir: str | None = None) -> RemoteRepo:
+def resolve_repo(
+    repo_id: str, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
+) -> RemoteRepo:
     """The commit `revision` points to, and the size of every file in it (one API call)."""
     from huggingface_hub import HfApi
+
     probe = RemoteRepo(repo_id, "", {}, token, cache_dir, revision)
     with also_no_folder(repo_id):
         info = probe.call(HfApi(token=token).model_info, repo_id, revision=revision, files_metadata=True)
@@ -90,14 +122,16 @@ def also_no_folder(repo_id: str):
     """`owner/name` is also a relative path: when the Hub cannot give that repo, the user may have
     meant a local folder (a typo, another working directory), so the error says both."""
     from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
+
     try:
         yield
     except FP8ConvertError as e:
         if Path(repo_id).exists() or any(isinstance(c, (GatedRepoError, RevisionNotFoundError)) for c in causes(e)):
             raise  # the Hub knows the repo: no doubt about what was meant
         hub_said = str(e).removeprefix(f"{repo_id}: ")
-        raise FP8ConvertError(f"{repo_id}: no local folder of that name (in {Path.cwd()}), and as a Hub repo id: "
-                              f"{hub_said}") from e
+        raise FP8ConvertError(
+            f"{repo_id}: no local folder of that name (in {Path.cwd()}), and as a Hub repo id: {hub_said}"
+        ) from e
 
 
 @dataclass
@@ -106,8 +140,8 @@ class RemoteLayout:
 
     shards: list[str]
     index_map: dict[str, str] | None
-    side_files: list[str]             # copied into the output (tokenizer, chat template, .py, ...)
-    card: str | None                  # the source's README.md, read for the model card
+    side_files: list[str]  # copied into the output (tokenizer, chat template, .py, ...)
+    card: str | None  # the source's README.md, read for the model card
 
 
 def remote_layout(repo: RemoteRepo) -> RemoteLayout:
@@ -135,8 +169,10 @@ def _read_range(url: str, headers: dict, start: int, length: int, timeout: float
     """`length` bytes from `start` with one Range request; streams and stops early if the server
     ignores the Range header, so a weight file is never read in full."""
     from huggingface_hub.utils import get_session, hf_raise_for_status
-    with get_session().stream("GET", url, headers={**headers, "Range": f"bytes={start}-{start + length - 1}"},
-                              timeout=timeout) as response:
+
+    with get_session().stream(
+        "GET", url, headers={**headers, "Range": f"bytes={start}-{start + length - 1}"}, timeout=timeout
+    ) as response:
         if response.status_code >= 400:
             response.read()
             hf_raise_for_status(response)
@@ -157,16 +193,18 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     (offsets absolute: 8 + header length + data_offsets begin; the file size from the repo listing)."""
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
+
     url = hf_hub_url(repo.repo_id, filename, revision=repo.sha)
     headers = build_hf_headers(token=repo.token)
     timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
     size = repo.sizes.get(filename)
     if size is not None and size < 8:
         raise FP8ConvertError(f"{filename}: not a safetensors file ({size} bytes)")
-    first = repo.call(_read_range, url, headers, 0, FIRST_HEADER_READ if size is None else min(size, FIRST_HEADER_READ),
-                      timeout)
+    first = repo.call(
+        _read_range, url, headers, 0, FIRST_HEADER_READ if size is None else min(size, FIRST_HEADER_READ), timeout
+    )
     header_len = header_length(first, size, filename)
-    raw = first[8:8 + header_len]
+    raw = first[8 : 8 + header_len]
     if len(raw) < header_len:
         raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
     return parse_header(decode_header(raw, filename), filename, data_start=8 + header_len, file_size=size)
@@ -182,12 +220,21 @@ def source_from_repo(repo: RemoteRepo, layout: RemoteLayout, root: Path) -> Sour
     headers = dict(zip(layout.shards, parallel(lambda f: remote_header(repo, f)[0], layout.shards)))
     tensors = collect_tensors(headers, layout.index_map, repo.repo_id)
     quant = read_source_quantization(config, tensors, repo.repo_id, list(layout.side_files))
-    return Source(Path(root), list(layout.shards), tensors, config, list(layout.side_files), repo.repo_id,
-                  revision=repo.sha, quant=quant)
+    return Source(
+        Path(root),
+        list(layout.shards),
+        tensors,
+        config,
+        list(layout.side_files),
+        repo.repo_id,
+        revision=repo.sha,
+        quant=quant,
+    )
 
 
 def hub_offline() -> bool:
     from huggingface_hub import constants
+
     return bool(constants.HF_HUB_OFFLINE)
 
 
@@ -196,6 +243,7 @@ def offline_source(repo_id: str, revision: str | None = None, cache_dir: str | N
     snapshot directory's name is its commit."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+
     if not hub_offline():
         return None
     with also_no_folder(repo_id):
@@ -203,14 +251,21 @@ def offline_source(repo_id: str, revision: str | None = None, cache_dir: str | N
             root = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
         except LocalEntryNotFoundError as e:
             at = f" at {revision}" if revision else ""
-            raise FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set and the download cache "
-                                  f"({cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
-                                  "HF_HUB_OFFLINE to download it") from e
+            raise FP8ConvertError(
+                f"{repo_id}: HF_HUB_OFFLINE is set and the download cache "
+                f"({cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
+                "HF_HUB_OFFLINE to download it"
+            ) from e
     return open_local(root, label=repo_id, revision=root.name)
 
 
-def remote_source(repo_id: str, revision: str | None = None, token: str | None = None,
-                  root: str | Path | None = None, cache_dir: str | None = None) -> Source:
+def remote_source(
+    repo_id: str,
+    revision: str | None = None,
+    token: str | None = None,
+    root: str | Path | None = None,
+    cache_dir: str | None = None,
+) -> Source:
     """A Source from the Hub without downloading weights: the repo listing, config.json and the
     index (small files, into the cache) and each shard's header (Range requests). `root` is where the
     files would be downloaded: by default the cache snapshot that `download_source` fills.
@@ -223,8 +278,9 @@ def remote_source(repo_id: str, revision: str | None = None, token: str | None =
     return source_from_repo(repo, layout, Path(root) if root is not None else _snapshot_dir(repo))
 
 
-def download_source(repo_id: str, revision: str | None = None, token: str | None = None,
-                    cache_dir: str | None = None) -> Source:
+def download_source(
+    repo_id: str, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
+) -> Source:
     """Download config, index, the shards the index names (or the top-level safetensors), the side
     files and README.md into the huggingface_hub cache; the Source read from that snapshot.
 
@@ -257,8 +313,10 @@ def _fetch(repo: RemoteRepo, layout: RemoteLayout, shards: list[str]) -> Path:
     small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
     for name in dict.fromkeys(small):
         repo.download(name)
-    parallel(lambda name: repo.download(name, weights=True),
-             sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)))  # biggest first
+    parallel(
+        lambda name: repo.download(name, weights=True),
+        sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)),
+    )  # biggest first
     return _snapshot_dir(repo)
 
 
@@ -284,8 +342,10 @@ def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
                 with lock:
                     failed.append(e)
 
-    threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True)
-               for _ in range(max(1, min(workers, len(items))))]
+    threads = [
+        threading.Thread(target=work, name="fp8convert-hub", daemon=True)
+        for _ in range(max(1, min(workers, len(items))))
+    ]
     for th in threads:
         th.start()
     for th in threads:

@@ -15,6 +15,7 @@ its shared client a connect and a read timeout, following huggingface_hub's own 
 Only timeouts a request left open are filled in or, for reads, lowered to these: huggingface_hub's own
 60 s metadata retry is one example.
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,8 +32,16 @@ MAX_RETRY_WAIT_S = 8.0
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 # huggingface_hub turns a failed metadata request into LocalEntryNotFoundError and an interrupted
 # download into other types: the network error is found by walking the exception's causes.
-NETWORK_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-                  errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE}
+NETWORK_ERRNOS = {
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.EPIPE,
+}
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,15 @@ class HubLimits:
     retry_wait_s: float
 
     @classmethod
-    def current(cls) -> "HubLimits":
+    def current(cls) -> HubLimits:
         from huggingface_hub import constants
-        return cls(float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
-                   max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int)),
-                   max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float)))
+
+        return cls(
+            float(constants.HF_HUB_ETAG_TIMEOUT),
+            float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
+            max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int)),
+            max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float)),
+        )
 
 
 _installed = threading.Lock()
@@ -62,6 +75,7 @@ def install_timeouts() -> None:
         if _done:
             return
         from huggingface_hub.utils import _http, close_session, set_client_factory
+
         base = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
 
         def factory():
@@ -112,6 +126,7 @@ def is_timeout(error: BaseException) -> bool:
 def is_network_error(error: BaseException) -> bool:
     """Timeouts, refused or dropped connections, unreachable hosts: a rerun may succeed."""
     from huggingface_hub.errors import OfflineModeIsEnabled
+
     http = http_module()
     for e in causes(error):
         if isinstance(e, OfflineModeIsEnabled):
@@ -125,6 +140,7 @@ def is_network_error(error: BaseException) -> bool:
 
 def http_status(error: BaseException) -> int | None:
     from huggingface_hub.errors import HfHubHTTPError
+
     for e in causes(error):
         if isinstance(e, HfHubHTTPError):
             return getattr(getattr(e, "response", None), "status_code", None)
@@ -180,19 +196,34 @@ def _tries(error: BaseException) -> str:
     return f", {attempts} attempts" if attempts > 1 else ""
 
 
-def hub_error(repo_id: str, error: Exception, revision: str | None = None, *,
-              then: str = "check the connection and rerun", needed_bytes: int | None = None) -> FP8ConvertError:
+def hub_error(
+    repo_id: str,
+    error: Exception,
+    revision: str | None = None,
+    *,
+    then: str = "check the connection and rerun",
+    needed_bytes: int | None = None,
+) -> FP8ConvertError:
     """One clear line for any huggingface_hub, network or download-cache failure. `then`: what to do
     about a network failure in this command (e.g. that a rerun resumes it); `needed_bytes`: the size of
     the file being downloaded, said when the cache's disk is full."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     if isinstance(error, FP8ConvertError):
         return error
     if isinstance(error, GatedRepoError):
-        return FP8ConvertError(f"{repo_id}: gated repository; accept its terms on the Hub and log in "
-                               "(hf auth login, or set HF_TOKEN or --token)")
+        return FP8ConvertError(
+            f"{repo_id}: gated repository; accept its terms on the Hub and log in "
+            "(hf auth login, or set HF_TOKEN or --token)"
+        )
     if isinstance(error, RepositoryNotFoundError):
         return FP8ConvertError(f"{repo_id}: repository not found (or private: log in, or set HF_TOKEN or --token)")
     if isinstance(error, RevisionNotFoundError):
@@ -200,32 +231,41 @@ def hub_error(repo_id: str, error: Exception, revision: str | None = None, *,
     if isinstance(error, RemoteEntryNotFoundError):
         return FP8ConvertError(f"{repo_id}: file not found on the Hub ({_first_line(error)})")
     if isinstance(error, OfflineModeIsEnabled):
-        return FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to "
-                               "download")
+        return FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download")
     if is_timeout(error):
-        return FP8ConvertError(f"{repo_id}: the Hub did not answer within {HubLimits.current().read_s:g} s"
-                               f"{_tries(error)} ({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets "
-                               "the wait)")
+        return FP8ConvertError(
+            f"{repo_id}: the Hub did not answer within {HubLimits.current().read_s:g} s"
+            f"{_tries(error)} ({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets "
+            "the wait)"
+        )
     if is_network_error(error) or isinstance(error, LocalEntryNotFoundError):
         cause = next((e for e in causes(error) if e is not error and is_network_error(e)), error)
-        return FP8ConvertError(f"{repo_id}: cannot reach the Hub (network error{_tries(error)}: "
-                               f"{type(cause).__name__}: {_first_line(cause)}); {then}")
+        return FP8ConvertError(
+            f"{repo_id}: cannot reach the Hub (network error{_tries(error)}: "
+            f"{type(cause).__name__}: {_first_line(cause)}); {then}"
+        )
     status = http_status(error)
     if status == 401:
-        return FP8ConvertError(f"{repo_id}: the Hub refused the credentials (401); check HF_TOKEN or --token, "
-                               "or run hf auth login")
+        return FP8ConvertError(
+            f"{repo_id}: the Hub refused the credentials (401); check HF_TOKEN or --token, or run hf auth login"
+        )
     if status == 403:
-        return FP8ConvertError(f"{repo_id}: access denied (403); the token may lack write or read "
-                               f"permission ({_first_line(error)})")
+        return FP8ConvertError(
+            f"{repo_id}: access denied (403); the token may lack write or read permission ({_first_line(error)})"
+        )
     if status is not None:
         return FP8ConvertError(f"{repo_id}: Hub request failed{_tries(error)} ({_first_line(error)})")
     if isinstance(error, OSError):  # not the network: the disk the download cache lives on
         where = error.filename or constants.HF_HUB_CACHE
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             need = f" (the file being downloaded is {format_size(needed_bytes)})" if needed_bytes else ""
-            return FP8ConvertError(f"{where}: no space left on the download cache's disk{need}; free space or "
-                                   "point HF_HUB_CACHE (or --cache-dir) elsewhere, then rerun (finished "
-                                   "downloads are kept)")
-        return FP8ConvertError(f"{where}: cannot write the download cache ({error.strerror or _first_line(error)}); "
-                               "fix it or point HF_HUB_CACHE (or --cache-dir) elsewhere")
+            return FP8ConvertError(
+                f"{where}: no space left on the download cache's disk{need}; free space or "
+                "point HF_HUB_CACHE (or --cache-dir) elsewhere, then rerun (finished "
+                "downloads are kept)"
+            )
+        return FP8ConvertError(
+            f"{where}: cannot write the download cache ({error.strerror or _first_line(error)}); "
+            "fix it or point HF_HUB_CACHE (or --cache-dir) elsewhere"
+        )
     return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {_first_line(error)})")

@@ -1,5 +1,6 @@
 """A checkpoint in a local directory: its layout from the index (or the top-level safetensors files) and
 every shard's header."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,16 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, read_header
-from .checkpoint import (Source, collect_tensors, index_files, is_copied_file, load_config, parse_index,
-                         refuse_missing_numbered, refuse_pickle_only)
+from .checkpoint import (
+    Source,
+    collect_tensors,
+    index_files,
+    is_copied_file,
+    load_config,
+    parse_index,
+    refuse_missing_numbered,
+    refuse_pickle_only,
+)
 
 
 def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
@@ -38,8 +47,10 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
         if not path.is_file():
             if index_map is not None and not path.exists() and not path.is_symlink():
                 raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
-            raise FP8ConvertError(f"{path}: not a regular file (a directory, pipe, device or broken link), so it "
-                                  "cannot be read as a shard")
+            raise FP8ConvertError(
+                f"{path}: not a regular file (a directory, pipe, device or broken link), so it "
+                "cannot be read as a shard"
+            )
         headers[name], _ = read_header(str(path), name)
     tensors = collect_tensors(headers, index_map, str(root))
     copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]

@@ -4,6 +4,7 @@ The pipeline talks to a fetcher through four calls (`need`, `done_reading`, `rel
 manager around the run). A source whose files are already on disk gets `NoFetcher`, which does nothing,
 so the pipeline has one code path for both.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -15,6 +16,7 @@ from ..errors import FP8ConvertError
 from .checkpoint import Source
 from .hub import RemoteRepo, remote_layout, resolve_repo, source_from_repo
 from .hub_calls import hub_error
+
 
 class NoFetcher:
     """The fetcher of a source already on disk: every file is there, nothing is ever deleted."""
@@ -34,7 +36,7 @@ class NoFetcher:
     def disk_bytes_needed(self) -> int:
         return 0
 
-    def __enter__(self) -> "NoFetcher":
+    def __enter__(self) -> NoFetcher:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,8 +63,9 @@ class StreamingFetcher:
 
     PENDING, DOWNLOADING, PRESENT, RELEASED, FAILED = "pending", "downloading", "present", "released", "failed"
 
-    def __init__(self, repo: RemoteRepo, download_dir: str | Path, shards: list[str], side_files: list[str] = (),
-                 keep: int = 2):
+    def __init__(
+        self, repo: RemoteRepo, download_dir: str | Path, shards: list[str], side_files: list[str] = (), keep: int = 2
+    ):
         self.repo = repo
         self.dir = Path(download_dir)
         self.shards = list(shards)
@@ -71,11 +74,11 @@ class StreamingFetcher:
         self.order: list[str] = list(self.shards)
         self.state: dict[str, str] = {f: self.PENDING for f in self.shards}
         self.errors: dict[str, FP8ConvertError] = {}
-        self.events: list[tuple[str, str]] = []    # ("download" | "release", file), in order: for tests, logs
-        self.peak_present = 0                      # most shards on disk (or downloading) at once
-        self._waiting: Counter = Counter()         # files some need() call is blocked on
+        self.events: list[tuple[str, str]] = []  # ("download" | "release", file), in order: for tests, logs
+        self.peak_present = 0  # most shards on disk (or downloading) at once
+        self._waiting: Counter = Counter()  # files some need() call is blocked on
         self._release_when_done: set[str] = set()
-        self._read_done: set[str] = set()          # on disk, read for the last time, not yet released
+        self._read_done: set[str] = set()  # on disk, read for the last time, not yet released
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -83,7 +86,7 @@ class StreamingFetcher:
 
     # -- pipeline side
 
-    def __enter__(self) -> "StreamingFetcher":
+    def __enter__(self) -> StreamingFetcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -186,7 +189,7 @@ class StreamingFetcher:
 
     def disk_bytes_needed(self) -> int:
         """Disk the streamed shards may need at once (the `keep` largest)."""
-        return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.shards), reverse=True)[:self.keep])
+        return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.shards), reverse=True)[: self.keep])
 
     def present(self) -> list[str]:
         with self._cond:
@@ -251,8 +254,14 @@ class StreamingFetcher:
         (self.dir / ".cache" / "huggingface" / "download" / f"{name}.metadata").unlink(missing_ok=True)
 
 
-def streaming_source(repo_id: str, download_dir: str | Path, revision: str | None = None, token: str | None = None,
-                     keep: int = 2, cache_dir: str | None = None) -> tuple[Source, StreamingFetcher]:
+def streaming_source(
+    repo_id: str,
+    download_dir: str | Path,
+    revision: str | None = None,
+    token: str | None = None,
+    keep: int = 2,
+    cache_dir: str | None = None,
+) -> tuple[Source, StreamingFetcher]:
     """The remote Source rooted at `download_dir` (in OUT's work folder), and the fetcher that fills it.
 
     Nothing is written until `fetcher.start(order)`, which must come after the output directory is

@@ -23,6 +23,7 @@ exact, its scales powers of two where the config says scale_fmt ue8m0. A static 
 the output must be the source's, byte for byte. All of it is read through the same stream, in slabs
 of whole 128-row blocks.
 """
+
 from __future__ import annotations
 
 import time
@@ -39,9 +40,18 @@ __all__ = ["VerifyFailed", "VerifyReport", "record_in_card", "render", "verify"]
 
 
 @python_spelling
-def verify(src: str | Path, out: str | Path, *, revision: str | None = None, token: str | None = None,
-           cache_dir: str | None = None, device: str = "auto", max_resident: int | str | None = None,
-           prefetch: int | str = AUTO, progress: bool = False) -> VerifyReport:
+def verify(
+    src: str | Path,
+    out: str | Path,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    device: str = "auto",
+    max_resident: int | str | None = None,
+    prefetch: int | str = AUTO,
+    progress: bool = False,
+) -> VerifyReport:
     """Verify the FP8 checkpoint in `out` (or an FP8 source's dequantized one) against its source `src`
     (directory or Hub repo id), reading both through the conversion's reader on `device` within
     `max_resident` bytes a batch."""
@@ -58,6 +68,7 @@ def verify(src: str | Path, out: str | Path, *, revision: str | None = None, tok
         report.format, report.scheme = (fmt.format, fmt.scheme) if fmt else ("dequantized", None)
         pairs = pair_tensors(source, out, fmt, report)
         from .stream import check_data  # torch and the reader: only once the structure could be read
+
         check_data(source, out, pairs, fmt, report, settings)
     report.finish(time.monotonic() - started)
     return report

@@ -29,6 +29,7 @@ scales, off round-to-nearest-even), and float32(code) comes from the code's bits
 same float64 sums of the same float32 values. Where any code differs (or a weight is not finite), that
 piece is measured by `exact_sums`, element by element, and its codes by `power_of_two_checks` too.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,12 +39,21 @@ import math
 import torch
 
 from ..options import BLOCK
-from ..run.numerics import (FP8_DTYPE, FP8_MAX, UE8M0_MIN_AMAX, amax, dequantize, e8m0_to_float, expand_scale,
-                            powers_of_two, scale_as_stored)
+from ..run.numerics import (
+    FP8_DTYPE,
+    FP8_MAX,
+    UE8M0_MIN_AMAX,
+    amax,
+    dequantize,
+    e8m0_to_float,
+    expand_scale,
+    powers_of_two,
+    scale_as_stored,
+)
 from ..run.quantizer import all_finite, finite_positive
 from .report import FLOAT_SLACK, ErrorSums
 
-TILE_ELEMENTS = 1 << 17         # on a CPU, a slab is measured a tile at a time, in the cores' caches
+TILE_ELEMENTS = 1 << 17  # on a CPU, a slab is measured a tile at a time, in the cores' caches
 
 
 def compare_kept(source, output, origin: str = "the source") -> str | None:
@@ -59,7 +69,7 @@ def exact_sums(w, q, s) -> ErrorSums:
     """The figures of one piece, element by element. `w` the source rows, `q` their codes, `s` the
     scale broadcastable to them (float32)."""
     w = w.float()
-    dq = q.float() * s                    # float32(q) * scale, as run.numerics.dequantize
+    dq = q.float() * s  # float32(q) * scale, as run.numerics.dequantize
     e2 = float((w.double() - dq.double()).square().sum())
     w2 = float(w.double().square().sum())
     # per element: max(2^-4 |w|, 2^-10 scale), the worst e4m3 rounding (module docstring)
@@ -109,7 +119,7 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     torch.bitwise_and(codes, 0x7F, out=magnitude)
     bits.copy_(magnitude).bitwise_left_shift_(7)
     dq = x  # x is done with: its buffer takes |dequant|
-    dq.copy_(bits.view(torch.float16)).mul_(s * 256.0)   # |float32(q) * scale|: one rounding, as dequantize
+    dq.copy_(bits.view(torch.float16)).mul_(s * 256.0)  # |float32(q) * scale|: one rounding, as dequantize
     # q has the sign of x = w / scale, so |w - dequant| = ||w| - |dequant||; float32 holds that
     # difference exactly here (it is at most half a step, far below both), and its square in float64
     wf.abs_()
@@ -163,7 +173,7 @@ def tile_scale(scale, r0: int, r1: int, scheme: str):
         return scale.reshape(1, 1)
     if scheme in ("channel", "mxfp8"):
         return scale[r0:r1]
-    return scale[r0 // BLOCK: -(-r1 // BLOCK)]
+    return scale[r0 // BLOCK : -(-r1 // BLOCK)]
 
 
 def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
@@ -191,8 +201,9 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
         tile = fast or exact_sums(w_tile, q_tile, s)
         stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
         if powers:  # where fast_sums answered, every code is RNE(w / scale) byte for byte: none inexact
-            tile.off_rule, tile.inexact = power_of_two_checks(w_tile.float(), q_tile, stored, scheme,
-                                                              codes=fast is None)
+            tile.off_rule, tile.inexact = power_of_two_checks(
+                w_tile.float(), q_tile, stored, scheme, codes=fast is None
+            )
         else:
             tile.oversized, tile.amax = float_scale_checks(w_tile, stored, scheme)
         sums.add(tile)

@@ -6,6 +6,7 @@ expert is checked output by output against the slice of the source it must come 
 architecture registry lays it out (plan/rules.py expert_cuts): the expert, its gate or up half, in
 nn.Linear orientation. Missing experts, extra tensors and a wrong slice all fail.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -22,8 +23,8 @@ from ..source.checkpoint import Source
 from .report import ErrorSums, VerifyReport
 from .structure import Expected, expected_outputs, read_output_layout
 
-CHUNK_ELEMENTS = 1 << 24        # elements per slab of a quantized tensor (one read of the stream)
-CHUNK_BYTES = 64 << 20          # bytes per piece when comparing kept tensors
+CHUNK_ELEMENTS = 1 << 24  # elements per slab of a quantized tensor (one read of the stream)
+CHUNK_BYTES = 64 << 20  # bytes per piece when comparing kept tensors
 
 # One read of a pair: (first row, end row, source pieces, output pieces). A kept tensor is read in pieces
 # of CHUNK_BYTES (its "rows" counted in bytes), a quantized one in slabs of rows, each slab with the whole
@@ -71,12 +72,12 @@ class QuantizedPair:
     fp8: FP8Weight | None = None
     failed: bool = False
     # FP8 sources only
-    may_pass: bool = False            # the scale's dtype and size are the source's: passed through if its bytes are
-    same_scale: bool = False          # the output's scale bytes are the source's
-    same_codes: bool = True           # every slab's codes are the source's
+    may_pass: bool = False  # the scale's dtype and size are the source's: passed through if its bytes are
+    same_scale: bool = False  # the output's scale bytes are the source's
+    same_codes: bool = True  # every slab's codes are the source's
     source_scale_ok: bool = True
-    scale_ok: bool = True             # the output's scale is finite and positive
-    scale_pow2: bool = True           # ... and every value a power of two
+    scale_ok: bool = True  # the output's scale is finite and positive
+    scale_pow2: bool = True  # ... and every value a power of two
     scale_value: float | None = None  # the tensor scheme's one scale
     requantized_problems: list[str] = field(default_factory=list)  # structure, if it was not passed through
 
@@ -89,8 +90,10 @@ class QuantizedPair:
         if self.cut is not None:
             return cut_read(self.source, self.cut, [self.codes, self.scale])
         extra = [self.fp8.scale] if self.fp8 else []
-        return [(r0, r0 + n, [rows_of(self.source, r0, n)] + extra, [rows_of(self.codes, r0, n), self.scale])
-                for r0, n in slabs(*self.codes.shape, whole_blocks=scheme == "block" or self.fp8 is not None)]
+        return [
+            (r0, r0 + n, [rows_of(self.source, r0, n)] + extra, [rows_of(self.codes, r0, n), self.scale])
+            for r0, n in slabs(*self.codes.shape, whole_blocks=scheme == "block" or self.fp8 is not None)
+        ]
 
 
 @dataclass(eq=False)
@@ -105,8 +108,10 @@ class DequantizedPair:
 
     def pieces(self, scheme: str | None) -> list[Piece]:
         weight, out = self.fp8, self.output
-        return [(r0, r0 + n, [rows_of(weight.weight, r0, n), weight.scale], [rows_of(out, r0, n)])
-                for r0, n in slabs(*out.shape, whole_blocks=True)]
+        return [
+            (r0, r0 + n, [rows_of(weight.weight, r0, n), weight.scale], [rows_of(out, r0, n)])
+            for r0, n in slabs(*out.shape, whole_blocks=True)
+        ]
 
 
 @dataclass(eq=False)
@@ -151,32 +156,45 @@ def cut_read(info: TensorInfo, cut: Cut, output: list[TensorInfo]) -> list[Piece
     return [(0, rows, [source], output)]
 
 
-def check_kept_structure(want: Expected, got: TensorInfo, fmt: QuantizationConfig | None, arch: Architecture,
-                         report: VerifyReport) -> bool:
+def check_kept_structure(
+    want: Expected, got: TensorInfo, fmt: QuantizationConfig | None, arch: Architecture, report: VerifyReport
+) -> bool:
     """A tensor kept in high precision: the dtype and shape of its source (or cut), and not a linear the
     config says is FP8."""
     name, info = want.name, want.info
     if got.dtype != info.dtype or got.shape != want.shape:
-        report.fail(name, f"kept as {got.dtype} {list(got.shape)} but the source ({want.where}) is "
-                          f"{info.dtype} {list(want.shape)}")
+        report.fail(
+            name,
+            f"kept as {got.dtype} {list(got.shape)} but the source ({want.where}) is {info.dtype} {list(want.shape)}",
+        )
         return False
     reason = default_keep_reason(info, arch, fmt.format, fmt.scheme) if fmt and len(info.shape) == 2 else None
     if fmt and is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
-        report.fail(name, f"kept in high precision, but {module_of(name)} is not in the ignore list "
-                          "(engines would expect FP8 weights for it)")
+        report.fail(
+            name,
+            f"kept in high precision, but {module_of(name)} is not in the ignore list "
+            "(engines would expect FP8 weights for it)",
+        )
     return True
 
 
-def quantized_structure_problems(want: Expected, got: TensorInfo, scale: TensorInfo | None, scale_name: str,
-                                 fmt: QuantizationConfig, fp8_source: bool = False) -> list[str]:
+def quantized_structure_problems(
+    want: Expected,
+    got: TensorInfo,
+    scale: TensorInfo | None,
+    scale_name: str,
+    fmt: QuantizationConfig,
+    fp8_source: bool = False,
+) -> list[str]:
     """What is wrong with a quantized tensor's structure: a 2-D float source (or an FP8 source weight),
     the same shape, a module the ignore list does not name, and a scale of the format's dtype and of a
     shape it allows."""
     info, shape = want.info, want.shape
     problems = []
     if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
-        problems.append(f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D "
-                        "float weight)")
+        problems.append(
+            f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D float weight)"
+        )
     elif got.shape != shape:
         problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
     if fmt.ignores(module_of(want.name)):
@@ -184,13 +202,21 @@ def quantized_structure_problems(want: Expected, got: TensorInfo, scale: TensorI
     if scale is None:
         problems.append(f"its scale {scale_name} is missing")
     elif scale.dtype != fmt.scale_dtype() or (not problems and scale.shape not in fmt.scale_shapes(shape)):
-        problems.append(f"scale {scale_name} is {scale.dtype} {list(scale.shape)}, expected "
-                        f"{fmt.scale_dtype()} {' or '.join(str(list(s)) for s in fmt.scale_shapes(shape))}")
+        problems.append(
+            f"scale {scale_name} is {scale.dtype} {list(scale.shape)}, expected "
+            f"{fmt.scale_dtype()} {' or '.join(str(list(s)) for s in fmt.scale_shapes(shape))}"
+        )
     return problems
 
 
-def pair_fp8_weight(weight: FP8Weight, got: TensorInfo, outputs: dict, fmt: QuantizationConfig | None,
-                    report: VerifyReport, accounted: set[str]) -> list:
+def pair_fp8_weight(
+    weight: FP8Weight,
+    got: TensorInfo,
+    outputs: dict,
+    fmt: QuantizationConfig | None,
+    report: VerifyReport,
+    accounted: set[str],
+) -> list:
     """The pairs that check an FP8 source weight's output: dequantized (exact), or FP8 (passed through:
     exact; requantized: within the e4m3 bound of the dequantized values), with its static activation
     scale if the output has one. Structure problems are reported here."""
@@ -199,31 +225,47 @@ def pair_fp8_weight(weight: FP8Weight, got: TensorInfo, outputs: dict, fmt: Quan
         report.tensors_dequantized += 1
         pairs = []
         if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.weight.shape:
-            report.fail(name, f"dequantized as {got.dtype} {list(got.shape)}, but the source is an FP8 weight "
-                              f"{list(weight.weight.shape)} (expected BF16, F16 or F32 of that shape)")
+            report.fail(
+                name,
+                f"dequantized as {got.dtype} {list(got.shape)}, but the source is an FP8 weight "
+                f"{list(weight.weight.shape)} (expected BF16, F16 or F32 of that shape)",
+            )
         else:
             pairs.append(DequantizedPair(name, weight, got))
         if fmt is not None and not fmt.ignores(module_of(name)):
-            report.fail(name, f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
-                              "(engines would expect FP8 weights for it)")
+            report.fail(
+                name,
+                f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
+                "(engines would expect FP8 weights for it)",
+            )
         return pairs
     report.tensors_quantized += 1
     scale_name = fmt.scale_name(name)
     accounted.add(scale_name)
     pairs = pair_activation_scale(weight, outputs, report, accounted)
     scale = outputs.get(scale_name)
-    may_pass = scale is not None and scale.dtype == weight.scale.dtype and scale.nbytes == weight.scale.nbytes \
+    may_pass = (
+        scale is not None
+        and scale.dtype == weight.scale.dtype
+        and scale.nbytes == weight.scale.nbytes
         and got.shape == weight.weight.shape
+    )
     if not may_pass and scale is not None and scale.dtype != fmt.scale_dtype():
-        report.fail(name, f"scale {scale_name} is {scale.dtype}, but its codes and scale are not the source's (a "
-                          f"requantized scale is {fmt.scale_dtype()})")
+        report.fail(
+            name,
+            f"scale {scale_name} is {scale.dtype}, but its codes and scale are not the source's (a "
+            f"requantized scale is {fmt.scale_dtype()})",
+        )
         return pairs
     problems = quantized_structure_problems(Expected(name, weight.weight), got, scale, scale_name, fmt, True)
     if not may_pass and problems:
         report.fail(name, "; ".join(problems))
         return pairs
-    return pairs + [QuantizedPair(name, weight.weight, got, scale, scale_name, fp8=weight, may_pass=may_pass,
-                                  requantized_problems=problems)]
+    return pairs + [
+        QuantizedPair(
+            name, weight.weight, got, scale, scale_name, fp8=weight, may_pass=may_pass, requantized_problems=problems
+        )
+    ]
 
 
 def pair_activation_scale(weight: FP8Weight, outputs: dict, report: VerifyReport, accounted: set[str]) -> list:
@@ -245,10 +287,16 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
     outputs and output tensors nothing in the source explains are problems."""
     layout = read_output_layout(out, report)
     outputs = layout.tensors
-    if fmt is not None and fmt.static_activations and \
-            not any(name.endswith((".input_scale", ".activation_scale")) for name in outputs):
-        report.fail(str(out / "config.json"), "declares static input activations, but the output holds no "
-                                              "input_scale tensors (engines would read scales that are not there)")
+    if (
+        fmt is not None
+        and fmt.static_activations
+        and not any(name.endswith((".input_scale", ".activation_scale")) for name in outputs)
+    ):
+        report.fail(
+            str(out / "config.json"),
+            "declares static input activations, but the output holds no "
+            "input_scale tensors (engines would read scales that are not there)",
+        )
     arch = architecture_of(source.config) or GENERIC
     accounted: set[str] = set()
     pairs: list = []
@@ -259,8 +307,10 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
             if file in layout.unreadable:
                 report.fail(name, f"not checked: {file} cannot be read", follows_from=file)
             else:
-                report.fail(name, f"missing from the output ({want.where})" if want.cut else
-                            "source tensor missing from the output")
+                report.fail(
+                    name,
+                    f"missing from the output ({want.where})" if want.cut else "source tensor missing from the output",
+                )
             continue
         accounted.add(name)
         got = outputs[name]

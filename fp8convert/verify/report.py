@@ -1,5 +1,6 @@
 """What verify found: a quantized tensor's figures, the problems (grouped by root cause), the report as
 text or JSON, and its figures in the output's model card."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,8 @@ from ..output.manifest import Manifest
 from ..source.hub import CARD_NAME
 from ..units import plural
 
-FLOAT_SLACK = 1e-5              # float32 arithmetic in dequant / division, far below any real error
-NAMED = 3                       # a grouped line names this many of its tensors
+FLOAT_SLACK = 1e-5  # float32 arithmetic in dequant / division, far below any real error
+NAMED = 3  # a grouped line names this many of its tensors
 
 
 class VerifyFailed(FP8ConvertError):
@@ -28,33 +29,42 @@ class TensorCheck:
     name: str
     shape: list[int]
     scale_shape: list[int]
-    rel_error: float          # ||w - dequant|| / ||w||; 0 when both are zero, inf when only w is zero
-    snr_db: float             # 20 log10(||w|| / ||w - dequant||); inf when exact
-    bound: float              # largest rel_error e4m3 rounding allows with these scales (numbers.py docstring)
-    off_grid: int             # elements whose code is not within half a step of w / scale (must be 0)
+    rel_error: float  # ||w - dequant|| / ||w||; 0 when both are zero, inf when only w is zero
+    snr_db: float  # 20 log10(||w|| / ||w - dequant||); inf when exact
+    bound: float  # largest rel_error e4m3 rounding allows with these scales (numbers.py docstring)
+    off_grid: int  # elements whose code is not within half a step of w / scale (must be 0)
     ok: bool
     off_rule_scales: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax (must be 0)
-    inexact_codes: int = 0    # with power-of-two scales: codes that are not RNE(w / scale) exactly (must be 0)
+    inexact_codes: int = 0  # with power-of-two scales: codes that are not RNE(w / scale) exactly (must be 0)
     oversized_scales: int = 0  # channel and block float scales above twice amax / 448 of theirs (must be 0)
 
     def problem(self, scheme: str) -> str:
         """What is wrong with these figures, one line."""
+
         def are(n: int) -> str:
             return "is" if n == 1 else "are"
+
         what = []
         if self.off_rule_scales:
-            what.append(f"{plural(self.off_rule_scales, 'scale')} {are(self.off_rule_scales)} not the smallest power "
-                        f"of two that fits their {'group' if scheme == 'mxfp8' else 'block'}")
+            what.append(
+                f"{plural(self.off_rule_scales, 'scale')} {are(self.off_rule_scales)} not the smallest power "
+                f"of two that fits their {'group' if scheme == 'mxfp8' else 'block'}"
+            )
         if self.oversized_scales:
-            what.append(f"{plural(self.oversized_scales, 'scale')} {are(self.oversized_scales)} more than twice "
-                        f"amax / 448 of their {'row' if scheme == 'channel' else 'block'} (codes lose precision, or "
-                        "round to zero)")
+            what.append(
+                f"{plural(self.oversized_scales, 'scale')} {are(self.oversized_scales)} more than twice "
+                f"amax / 448 of their {'row' if scheme == 'channel' else 'block'} (codes lose precision, or "
+                "round to zero)"
+            )
         if self.inexact_codes:
-            what.append(f"{plural(self.inexact_codes, 'code')} {are(self.inexact_codes)} not the "
-                        "round-to-nearest-even e4m3 value of weight/scale")
+            what.append(
+                f"{plural(self.inexact_codes, 'code')} {are(self.inexact_codes)} not the "
+                "round-to-nearest-even e4m3 value of weight/scale"
+            )
         if self.off_grid:
-            what.append(f"{plural(self.off_grid, 'code')} {are(self.off_grid)} not the nearest e4m3 value of "
-                        "weight/scale")
+            what.append(
+                f"{plural(self.off_grid, 'code')} {are(self.off_grid)} not the nearest e4m3 value of weight/scale"
+            )
         if not self.rel_error <= self.bound * (1 + FLOAT_SLACK):
             what.append(f"relative error {self.rel_error:.4g} exceeds the e4m3 bound {self.bound:.4g}")
         return f"{'; '.join(what)} (SNR {self.snr_db:.1f} dB)"
@@ -64,14 +74,14 @@ class TensorCheck:
 class ErrorSums:
     """What a quantized tensor's check adds up, slab by slab (numbers.py docstring)."""
 
-    w2: float = 0.0           # sum of w^2
-    e2: float = 0.0           # sum of (w - dequant)^2
-    bound2: float = 0.0       # sum of max(2^-4 |w|, 2^-10 scale)^2
-    off_grid: int = 0         # codes not within half an e4m3 step of w / scale
-    off_rule: int = 0         # power-of-two scales that are not the smallest 2^e fitting their amax
-    inexact: int = 0          # with power-of-two scales: codes that are not RNE(w / scale) exactly
-    oversized: int = 0        # channel and block float scales above twice amax / 448 of their row or block
-    amax: float = 0.0         # the largest |w| (the tensor scheme's scale is checked against it)
+    w2: float = 0.0  # sum of w^2
+    e2: float = 0.0  # sum of (w - dequant)^2
+    bound2: float = 0.0  # sum of max(2^-4 |w|, 2^-10 scale)^2
+    off_grid: int = 0  # codes not within half an e4m3 step of w / scale
+    off_rule: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax
+    inexact: int = 0  # with power-of-two scales: codes that are not RNE(w / scale) exactly
+    oversized: int = 0  # channel and block float scales above twice amax / 448 of their row or block
+    amax: float = 0.0  # the largest |w| (the tensor scheme's scale is checked against it)
 
     def add(self, other: ErrorSums) -> None:
         self.w2 += other.w2
@@ -90,10 +100,26 @@ class ErrorSums:
         # An infinite error (a code and scale that read back as Inf) leaves no signal at all
         snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm and math.isfinite(err) else -math.inf)
         bound = math.sqrt(self.bound2) / norm if norm else math.inf
-        ok = self.off_grid == 0 and self.off_rule == 0 and self.inexact == 0 and self.oversized == 0 and \
-            self.e2 <= self.bound2 * (1 + FLOAT_SLACK) ** 2
-        return TensorCheck(name, list(shape), list(scale_shape), rel, snr, bound, self.off_grid, ok, self.off_rule,
-                           self.inexact, self.oversized)
+        ok = (
+            self.off_grid == 0
+            and self.off_rule == 0
+            and self.inexact == 0
+            and self.oversized == 0
+            and self.e2 <= self.bound2 * (1 + FLOAT_SLACK) ** 2
+        )
+        return TensorCheck(
+            name,
+            list(shape),
+            list(scale_shape),
+            rel,
+            snr,
+            bound,
+            self.off_grid,
+            ok,
+            self.off_rule,
+            self.inexact,
+            self.oversized,
+        )
 
 
 @dataclass
@@ -118,7 +144,7 @@ class VerifyReport:
     ok: bool = False
     tensors_quantized: int = 0
     tensors_kept: int = 0
-    tensors_dequantized: int = 0      # FP8 source weights in high precision, each equal to its one rounding
+    tensors_dequantized: int = 0  # FP8 source weights in high precision, each equal to its one rounding
     max_rel_error: float = 0.0
     min_snr_db: float = math.inf
     problems: list[Problem] = field(default_factory=list)
@@ -126,7 +152,7 @@ class VerifyReport:
     tensors: list[TensorCheck] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
-    stage_seconds: dict = field(default_factory=dict)   # where the time went: waiting for reads, checking
+    stage_seconds: dict = field(default_factory=dict)  # where the time went: waiting for reads, checking
 
     def fail(self, subject: str, what: str, follows_from: str | None = None) -> None:
         self.problems.append(Problem(subject, " ".join(what.split()), follows_from))
@@ -153,8 +179,12 @@ class VerifyReport:
     def causes(self) -> list[str]:
         """The problems by root cause, one line each: the tensors of an unreadable file are counted on
         the file's line, and tensors with the same problem share one line."""
-        roots = [p for p in self.problems if p.follows_from is None or not any(
-            r.subject == p.follows_from and r.follows_from is None for r in self.problems)]
+        roots = [
+            p
+            for p in self.problems
+            if p.follows_from is None
+            or not any(r.subject == p.follows_from and r.follows_from is None for r in self.problems)
+        ]
         consequences: dict[str, int] = {}
         for p in self.problems:
             if p not in roots:
@@ -202,18 +232,28 @@ def _json_safe(obj):
 
 
 def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
-    what = f"{report.format or '?'} format, {report.scheme or '?'} scheme" if report.format != "dequantized" \
+    what = (
+        f"{report.format or '?'} format, {report.scheme or '?'} scheme"
+        if report.format != "dequantized"
         else "dequantized"
-    lines = [f"verify {report.src} -> {report.out}: {what}",
-             f"  {plural(report.tensors_quantized, 'tensor')} quantized, {report.tensors_kept} kept"
-             + (f", {report.tensors_dequantized} dequantized (each equal to its one rounding)"
-                if report.tensors_dequantized else "")]
+    )
+    lines = [
+        f"verify {report.src} -> {report.out}: {what}",
+        f"  {plural(report.tensors_quantized, 'tensor')} quantized, {report.tensors_kept} kept"
+        + (
+            f", {report.tensors_dequantized} dequantized (each equal to its one rounding)"
+            if report.tensors_dequantized
+            else ""
+        ),
+    ]
     if report.tensors:
         lines.append(f"  relative error max {report.max_rel_error:.4g}, SNR min {report.min_snr_db:.1f} dB")
         lines.append("  worst tensors:")
         for t in report.worst(worst):
-            lines.append(f"    {t.name:<60} rel {t.rel_error:.4g} (bound {t.bound:.4g})  SNR {t.snr_db:6.1f} dB"
-                         + ("" if t.ok else "  FAILED"))
+            lines.append(
+                f"    {t.name:<60} rel {t.rel_error:.4g} (bound {t.bound:.4g})  SNR {t.snr_db:6.1f} dB"
+                + ("" if t.ok else "  FAILED")
+            )
     for w in report.warnings:
         lines.append(f"  warning: {w}")
     if report.ok:
@@ -221,8 +261,11 @@ def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -
         return "\n".join(lines)
     causes = report.causes()
     shown = report.failures if every_problem else causes
-    more = "" if every_problem or len(shown) == len(report.failures) else \
-        f" ({len(report.failures)} findings in all; --all lists each)"
+    more = (
+        ""
+        if every_problem or len(shown) == len(report.failures)
+        else f" ({len(report.failures)} findings in all; --all lists each)"
+    )
     lines.append(f"  FAILED: {plural(len(causes), 'problem')}{more}")
     lines += [f"    - {f}" for f in shown]
     return "\n".join(lines)
@@ -236,17 +279,26 @@ def record_in_card(report: VerifyReport, out: str | Path) -> str | None:
     card = Path(out) / CARD_NAME
     if not card.is_file() or card.is_symlink() or not Manifest(out).path.is_file():
         return None
-    figures = {"tensors quantized": report.tensors_quantized, "tensors kept (byte-identical)": report.tensors_kept,
-               "worst relative error": report.max_rel_error, "lowest SNR (dB)": report.min_snr_db}
+    figures = {
+        "tensors quantized": report.tensors_quantized,
+        "tensors kept (byte-identical)": report.tensors_kept,
+        "worst relative error": report.max_rel_error,
+        "lowest SNR (dB)": report.min_snr_db,
+    }
     if report.tensors_dequantized:
         figures["tensors dequantized (every element its one rounding)"] = report.tensors_dequantized
     if report.format == "dequantized":
-        figures = {k: v for k, v in figures.items() if k not in ("tensors quantized", "worst relative error",
-                                                                  "lowest SNR (dB)")}
+        figures = {
+            k: v
+            for k, v in figures.items()
+            if k not in ("tensors quantized", "worst relative error", "lowest SNR (dB)")
+        }
     try:
         write_atomic(card, with_verification(card.read_text(), figures).encode())
     except (OSError, FP8ConvertError) as e:  # write_atomic says what failed in the OSError it was raised from
         cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
-        return (f"{card}: the verification figures were not added to the model card "
-                f"({getattr(cause, 'strerror', None) or cause})")
+        return (
+            f"{card}: the verification figures were not added to the model card "
+            f"({getattr(cause, 'strerror', None) or cause})"
+        )
     return None

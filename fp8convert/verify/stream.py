@@ -1,5 +1,6 @@
 """The data checks: every pair's pieces streamed through quantize's reader (run/verify_stream.py), each
 batch's pieces checked by worker threads, and their results recorded into the report in order."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,9 @@ from ..plan.rules import fused_group_key, module_of
 from ..run.cores import usable_cores
 from ..run.device import budget_for, resolve_device
 from ..run.numerics import FP8_MAX, powers_of_two
-from ..run.quantizer import finite_positive
 from ..run.prefetch import window_for
 from ..run.progress import Progress
+from ..run.quantizer import finite_positive
 from ..run.verify_stream import Read, VerifyStream
 from ..source.checkpoint import Source
 from ..units import plural
@@ -30,13 +31,17 @@ from .pairs import DequantizedPair, KeptPair, QuantizedPair, SameBytesPair
 from .report import ErrorSums, TensorCheck, VerifyReport
 
 
-def check_data(source: Source, out: Path, pairs: list, fmt: QuantizationConfig | None, report: VerifyReport,
-               settings) -> None:
+def check_data(
+    source: Source, out: Path, pairs: list, fmt: QuantizationConfig | None, report: VerifyReport, settings
+) -> None:
     """Stream every pair's bytes and check them; the problems and figures go into `report`."""
     dev = resolve_device(settings.device)
     how = Checking(fmt, source.quant.scheme if source.quant else None)
-    reads = [Read((pair, r0, r1), sources, outputs, pair.name)
-             for pair in pairs for r0, r1, sources, outputs in pair.pieces(how.scheme)]
+    reads = [
+        Read((pair, r0, r1), sources, outputs, pair.name)
+        for pair in pairs
+        for r0, r1, sources, outputs in pair.pieces(how.scheme)
+    ]
     report.bytes_read = sum(r.nbytes for r in reads)
     bar = Progress(report.bytes_read, f"verify {out}", enabled=settings.progress)
     group_scales: dict[str, SharedScale] = {}
@@ -45,8 +50,11 @@ def check_data(source: Source, out: Path, pairs: list, fmt: QuantizationConfig |
     seconds.update(wait_read=0.0, check=0.0)
     try:
         budget = budget_for(dev, settings.max_resident)
-        with VerifyStream(reads, source.root, out, dev, budget, bar, window_for(settings.prefetch)) as stream, \
-                checkers(dev) as run_all, torch.no_grad():
+        with (
+            VerifyStream(reads, source.root, out, dev, budget, bar, window_for(settings.prefetch)) as stream,
+            checkers(dev) as run_all,
+            torch.no_grad(),
+        ):
             waited = time.monotonic()
             for batch in stream:
                 checking = time.monotonic()
@@ -107,7 +115,7 @@ class SlabResult:
     """What one slab of a quantized tensor shows."""
 
     scale_ok: bool
-    scale_value: float | None       # the tensor scheme's one scale
+    scale_value: float | None  # the tensor scheme's one scale
     sums: ErrorSums | None
     # FP8 sources only
     source_scale_ok: bool = True
@@ -161,8 +169,7 @@ def check_dequantized_slab(codes, scale, stored, r0: int, source_scheme: str) ->
     return int((a.view(-1, size) != b.view(-1, size)).any(dim=1).sum())
 
 
-def check_fp8_source_slab(pair: QuantizedPair, codes, source_scale, q, scale, r0: int, how: Checking
-                          ) -> SlabResult:
+def check_fp8_source_slab(pair: QuantizedPair, codes, source_scale, q, scale, r0: int, how: Checking) -> SlabResult:
     """A slab of an FP8 output made from an FP8 source weight: whether its codes (and, in the first slab,
     its scale) are the source's, and its figures against the source's dequantized values."""
     result = SlabResult(True, None, None)
@@ -182,8 +189,16 @@ def check_fp8_source_slab(pair: QuantizedPair, codes, source_scale, q, scale, r0
     return result
 
 
-def record(pair, r0: int, r1: int, result, how: Checking, report: VerifyReport,
-           group_scales: dict[str, SharedScale], arch: Architecture) -> None:
+def record(
+    pair,
+    r0: int,
+    r1: int,
+    result,
+    how: Checking,
+    report: VerifyReport,
+    group_scales: dict[str, SharedScale],
+    arch: Architecture,
+) -> None:
     """A piece's result into the report, in the order of the pieces (the main thread): a tensor's
     problem once, and a quantized tensor's figures after its last slab."""
     if pair.failed:
@@ -205,8 +220,11 @@ def record(pair, r0: int, r1: int, result, how: Checking, report: VerifyReport,
             return
         pair.wrong += result
         if r1 == pair.output.shape[0] and pair.wrong:
-            report.fail(pair.name, f"{plural(pair.wrong, 'element')} {'differs' if pair.wrong == 1 else 'differ'} "
-                                   f"from float32(q) * scale rounded once to {pair.output.dtype}")
+            report.fail(
+                pair.name,
+                f"{plural(pair.wrong, 'element')} {'differs' if pair.wrong == 1 else 'differ'} "
+                f"from float32(q) * scale rounded once to {pair.output.dtype}",
+            )
         return
     if pair.fp8 is not None:
         record_fp8_source_slab(pair, r0, r1, result, how, report, group_scales, arch)
@@ -230,8 +248,16 @@ def finish_quantized(pair: QuantizedPair, how: Checking, report: VerifyReport) -
         report.fail(check.name, check.problem(how.scheme))
 
 
-def record_fp8_source_slab(pair: QuantizedPair, r0: int, r1: int, result: SlabResult, how: Checking,
-                           report: VerifyReport, group_scales: dict[str, SharedScale], arch: Architecture) -> None:
+def record_fp8_source_slab(
+    pair: QuantizedPair,
+    r0: int,
+    r1: int,
+    result: SlabResult,
+    how: Checking,
+    report: VerifyReport,
+    group_scales: dict[str, SharedScale],
+    arch: Architecture,
+) -> None:
     """An FP8 source weight's FP8 output, slab by slab; once all are in: passed through (its codes and
     scale the source's: exact) or requantized (measured against the source's dequantized values)."""
     if r0 == 0:
@@ -246,23 +272,33 @@ def record_fp8_source_slab(pair: QuantizedPair, r0: int, r1: int, result: SlabRe
     fmt, name, scale_name = how.fmt, pair.name, pair.scale_name
     if pair.may_pass and pair.same_scale and pair.same_codes:  # passed through
         if pair.scale.shape not in fmt.scale_shapes(pair.codes.shape):
-            report.fail(name, f"scale {scale_name} shaped {list(pair.scale.shape)}, expected "
-                              f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(pair.codes.shape))}")
+            report.fail(
+                name,
+                f"scale {scale_name} shaped {list(pair.scale.shape)}, expected "
+                f"{' or '.join(str(list(s)) for s in fmt.scale_shapes(pair.codes.shape))}",
+            )
         elif not pair.scale_ok:
             report.fail(name, f"scale {scale_name} is not finite and positive everywhere")
         elif fmt.scale_format == "ue8m0" and not pair.scale_pow2:
-            report.fail(name, f"scale {scale_name} passed through from the source is not a power of two "
-                              "everywhere, but the config says scale_fmt ue8m0")
+            report.fail(
+                name,
+                f"scale {scale_name} passed through from the source is not a power of two "
+                "everywhere, but the config says scale_fmt ue8m0",
+            )
         elif fmt.ignores(module_of(name)):
             report.fail(name, f"passed through in FP8, but the ignore list names {module_of(name)}")
         else:
-            report.tensors.append(TensorCheck(name, list(pair.codes.shape), list(pair.scale.shape), 0.0, math.inf,
-                                              0.0, 0, True))
+            report.tensors.append(
+                TensorCheck(name, list(pair.codes.shape), list(pair.scale.shape), 0.0, math.inf, 0.0, 0, True)
+            )
             add_group_scale(pair, how, group_scales, arch)
         return
     if pair.scale.dtype != fmt.scale_dtype():
-        report.fail(name, f"scale {scale_name} is {pair.scale.dtype}, but its codes and scale are not the source's "
-                          f"(a requantized scale is {fmt.scale_dtype()})")
+        report.fail(
+            name,
+            f"scale {scale_name} is {pair.scale.dtype}, but its codes and scale are not the source's "
+            f"(a requantized scale is {fmt.scale_dtype()})",
+        )
     elif not pair.source_scale_ok:
         report.fail(pair.fp8.scale.name, "the source's scale is not finite and positive everywhere")
     elif pair.requantized_problems:
@@ -282,11 +318,12 @@ class SharedScale:
     scales: set[float] = field(default_factory=set)
     names: list[str] = field(default_factory=list)
     measured_scale: float | None = None  # the largest scale of members quantized here (not passed through)
-    amax: float = 0.0                    # ... and their largest |w|
+    amax: float = 0.0  # ... and their largest |w|
 
 
-def add_group_scale(pair: QuantizedPair, how: Checking, group_scales: dict[str, SharedScale],
-                    arch: Architecture, measured: bool = False) -> None:
+def add_group_scale(
+    pair: QuantizedPair, how: Checking, group_scales: dict[str, SharedScale], arch: Architecture, measured: bool = False
+) -> None:
     """A finished tensor-scheme weight's scale, under its fused group (or its own name); `measured`: its
     codes were quantized here, and its largest |w| counts toward what the scale must fit."""
     if how.scheme != "tensor" or pair.scale_value is None:
@@ -305,8 +342,10 @@ def check_tensor_scales(group_scales: dict[str, SharedScale], report: VerifyRepo
     own and are not held to it. Fused members with different scales are a warning."""
     for key, shared in group_scales.items():
         if len(shared.scales) > 1:
-            report.warnings.append(f"{key}: fused members have different per-tensor scales; vLLM re-quantizes "
-                                   "them to the largest (a second rounding)")
+            report.warnings.append(
+                f"{key}: fused members have different per-tensor scales; vLLM re-quantizes "
+                "them to the largest (a second rounding)"
+            )
     as_double = functools.partial(torch.tensor, dtype=torch.float64)  # the arithmetic of Python's floats
     for shared in group_scales.values():
         scale = shared.measured_scale
@@ -315,5 +354,8 @@ def check_tensor_scales(group_scales: dict[str, SharedScale], report: VerifyRepo
         if oversized(as_double(scale), as_double(shared.amax)):
             whose = "its" if len(shared.names) == 1 else "its fused group's"
             for name in shared.names:
-                report.fail(name, f"scale {scale:.6g} is more than twice amax / 448 = {shared.amax / FP8_MAX:.6g} of "
-                                  f"{whose} weights (codes lose precision, or round to zero)")
+                report.fail(
+                    name,
+                    f"scale {scale:.6g} is more than twice amax / 448 = {shared.amax / FP8_MAX:.6g} of "
+                    f"{whose} weights (codes lose precision, or round to zero)",
+                )

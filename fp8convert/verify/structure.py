@@ -1,6 +1,7 @@
 """The output's structure, from headers and files alone (no tensor data, no torch): the index against
 the shards' headers, config.json against the source's, the manifest and side files, and the outputs the
 source implies."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,9 @@ from .report import VerifyReport
 
 @dataclass
 class OutputLayout:
-    tensors: dict[str, TensorInfo]                     # every output tensor (its .file: where it is)
-    placed_in: dict[str, str]                          # tensor -> file, as the index says
-    unreadable: set[str]                               # shard files whose header could not be read
+    tensors: dict[str, TensorInfo]  # every output tensor (its .file: where it is)
+    placed_in: dict[str, str]  # tensor -> file, as the index says
+    unreadable: set[str]  # shard files whose header could not be read
 
 
 def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
@@ -62,8 +63,11 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
             if name in tensors:
                 report.fail(f"tensor {name}", f"appears twice: in {tensors[name].file} and {file}")
             elif weight_map is not None and weight_map.get(name) != file:
-                report.fail(file, f"holds tensor {name}, which {INDEX_NAME} "
-                                  + (f"places in {weight_map[name]}" if name in weight_map else "does not list"))
+                report.fail(
+                    file,
+                    f"holds tensor {name}, which {INDEX_NAME} "
+                    + (f"places in {weight_map[name]}" if name in weight_map else "does not list"),
+                )
             tensors[name] = info
     if weight_map is not None:
         for name, file in weight_map.items():
@@ -104,8 +108,10 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
     source_rest = {k: v for k, v in source.config.items() if k not in ("quantization_config", "compression_config")}
     if rest != source_rest:
         keys = sorted(k for k in set(rest) | set(source_rest) if rest.get(k) != source_rest.get(k))
-        report.fail(str(config_path), f"differs from the source's config.json beyond quantization_config "
-                                      f"(keys: {', '.join(keys)})")
+        report.fail(
+            str(config_path),
+            f"differs from the source's config.json beyond quantization_config (keys: {', '.join(keys)})",
+        )
     return True, fmt
 
 
@@ -154,8 +160,9 @@ def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: 
             expected.append(Expected(info.name, info))
             continue
         try:
-            expected += [Expected(name, info, cut) for name, cut in
-                         expert_cuts(info, fused[0], fused[1], arch, source.config)]
+            expected += [
+                Expected(name, info, cut) for name, cut in expert_cuts(info, fused[0], fused[1], arch, source.config)
+            ]
         except UnsupportedLayout as e:
             report.fail_with(e)
     return expected

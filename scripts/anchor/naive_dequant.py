@@ -3,14 +3,22 @@ benchmark: load each shard whole onto the device (GPU if present), replace every
 float32(q) * its 128x128-block weight_scale_inv cast to BF16, drop the scales, save the shard; a scale in
 another shard is found by loading that shard too (at most two shards held). No fsync, no resume, and
 config.json is left alone (quantization_config included). A baseline, not a product."""
-import json, os, sys, time, torch
+
+import json
+import os
+import sys
+import time
+
+import torch
 from safetensors.torch import load_file, save_file
+
 src, out = sys.argv[1], sys.argv[2]
 os.makedirs(out, exist_ok=True)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 t0 = time.time()
 where = json.load(open(os.path.join(src, "model.safetensors.index.json")))["weight_map"]
 held = {}  # shard -> its tensors on the device, oldest first
+
 
 def shard(f):
     if f not in held:
@@ -19,10 +27,12 @@ def shard(f):
             del held[next(iter(held))]
     return held[f]
 
+
 def dequant(q, s):
     rows, cols = q.shape
     full = s.float().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
     return (q.float() * full).to(torch.bfloat16)
+
 
 wm = {}
 for f in sorted(set(where.values())):
@@ -39,4 +49,5 @@ for f in sorted(set(where.values())):
     wm.update({k: f for k in o})
     del o
 json.dump({"metadata": {}, "weight_map": wm}, open(os.path.join(out, "model.safetensors.index.json"), "w"))
-print(f"naive done {time.time()-t0:.1f}s peak_gpu={torch.cuda.max_memory_allocated()/2**30 if dev=='cuda' else 0:.2f}GiB")
+peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0
+print(f"naive done {time.time() - t0:.1f}s peak_gpu={peak_gpu:.2f}GiB")

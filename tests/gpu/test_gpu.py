@@ -1,5 +1,6 @@
 """The CUDA path: same bytes as the CPU path, whatever the batching. Skipped where there is no GPU
 (CI); run on a GPU machine with `python3 -m pytest -q tests/gpu`."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,13 @@ import fp8convert
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-COMBOS = [("tensor", "compressed-tensors"), ("channel", "compressed-tensors"), ("block", "compressed-tensors"),
-          ("tensor", "fp8"), ("block", "fp8")]
+COMBOS = [
+    ("tensor", "compressed-tensors"),
+    ("channel", "compressed-tensors"),
+    ("block", "compressed-tensors"),
+    ("tensor", "fp8"),
+    ("block", "fp8"),
+]
 
 
 def output_bytes(out: Path) -> dict[str, bytes]:
@@ -25,16 +31,16 @@ def output_bytes(out: Path) -> dict[str, bytes]:
 def test_cuda_writes_the_same_bytes_as_cpu(source_model, tmp_path, kind, scheme, fmt):
     src = source_model(kind)
     cpu = fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
-    cuda = fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda",
-                               max_shard_size="150KB")
+    cuda = fp8convert.quantize(src, tmp_path / "cuda", scheme=scheme, format=fmt, device="cuda", max_shard_size="150KB")
     assert cuda.device.startswith("cuda") and cuda.peak_device_bytes > 0
     assert cpu.shards == cuda.shards > 1
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("scheme,fmt", [("tensor", "compressed-tensors"), ("channel", "compressed-tensors"),
-                                        ("block", "fp8")])
+@pytest.mark.parametrize(
+    "scheme,fmt", [("tensor", "compressed-tensors"), ("channel", "compressed-tensors"), ("block", "fp8")]
+)
 def test_cuda_fp16_and_fp32_sources_give_the_bytes_of_cpu(source_model, tmp_path, dtype, scheme, fmt):
     src = source_model("qwen3_moe", dtype)
     fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
@@ -53,12 +59,19 @@ def test_cuda_split_batches_change_nothing(source_model, tmp_path, max_resident)
 
 def test_cuda_refuses_nan_naming_the_tensor(tmp_path):
     from safetensors.torch import save_file
+
     src = tmp_path / "src"
     src.mkdir()
     w = torch.randn(64, 64, dtype=torch.bfloat16)
     w[3, 5] = float("nan")
-    save_file({"model.layers.0.mlp.down_proj.weight": w, "model.layers.0.mlp.up_proj.weight": torch.randn(64, 64).bfloat16(),
-               "model.layers.0.mlp.gate_proj.weight": torch.randn(64, 64).bfloat16()}, str(src / "model.safetensors"))
+    save_file(
+        {
+            "model.layers.0.mlp.down_proj.weight": w,
+            "model.layers.0.mlp.up_proj.weight": torch.randn(64, 64).bfloat16(),
+            "model.layers.0.mlp.gate_proj.weight": torch.randn(64, 64).bfloat16(),
+        },
+        str(src / "model.safetensors"),
+    )
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(fp8convert.FP8ConvertError, match="model.layers.0.mlp.down_proj.weight"):
         fp8convert.quantize(src, tmp_path / "out", device="cuda")
@@ -70,6 +83,7 @@ def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fm
     and figures as on the CPU, every honest code on the fast path."""
     from fp8convert import verify as verify_mod
     from fp8convert.verify import numbers as verify_numbers
+
     src = source_model("qwen3_moe")
     out = tmp_path / "out"
     fp8convert.quantize(src, out, scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
@@ -77,6 +91,7 @@ def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fm
 
     def refuse(*args):
         raise AssertionError("exact_sums used on an honest conversion")
+
     monkeypatch.setattr(verify_numbers, "exact_sums", refuse)
     cuda = verify_mod.verify(src, out, device="cuda", max_resident="64KB")
     assert cpu.ok and cuda.ok and len(cuda.tensors) == len(cpu.tensors) > 0
@@ -88,14 +103,16 @@ def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fm
 
 def test_cuda_verify_finds_one_corrupted_code(source_model, tmp_path):
     import struct
+
     from fp8convert import verify as verify_mod
+
     src = source_model("llama")
     out = tmp_path / "out"
     fp8convert.quantize(src, out, device="cpu")
     shard = next(out.glob("model-*.safetensors"))
     data = bytearray(shard.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F8_E4M3")
     at = 8 + n + header[name]["data_offsets"][0] + 7
     data[at] ^= 0x01 if data[at] & 0x7F not in (0x7E, 0x7F) else 0x02
@@ -114,19 +131,23 @@ def test_cuda_cuts_fused_experts_like_cpu(zoo_source, tmp_path, arch, scheme, fm
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
 
 
-@pytest.mark.parametrize("layout", ["deepseek-native-block-ue8m0", "qwen-native-block-fp16", "ct-channel-bf16",
-                                    "autofp8-native-tensor-static"])
+@pytest.mark.parametrize(
+    "layout",
+    ["deepseek-native-block-ue8m0", "qwen-native-block-fp16", "ct-channel-bf16", "autofp8-native-tensor-static"],
+)
 def test_cuda_dequantizes_and_requantizes_fp8_sources_like_cpu(tmp_path, layout):
     """FP8 sources: the CPU's table lookup and CUDA's float32 product give the same bytes, in every
     dtype, and so do requantizations, to MXFP8 and UE8M0 blocks too (dims of 192 and 320: partial
     128x128 blocks)."""
     import fp8_reference as F
     from tiny_ckpt import llama_tensors, write_checkpoint
+
     bf16 = write_checkpoint(tmp_path / "bf16", llama_tensors(layers=3, hidden=192, inter=320))
     src = F.write_fp8(bf16, tmp_path / "src", F.LAYOUTS[layout])
     runs = [("dequantize", {"dtype": d}) for d in ("bf16", "fp16", "fp32")]
-    runs += [("quantize", {"scheme": s, "format": "compressed-tensors"})
-             for s in ("tensor", "channel", "block", "mxfp8")]
+    runs += [
+        ("quantize", {"scheme": s, "format": "compressed-tensors"}) for s in ("tensor", "channel", "block", "mxfp8")
+    ]
     runs += [("quantize", {"scheme": "block", "format": "fp8", "scale_format": "ue8m0"})]
     for n, (command, options) in enumerate(runs):
         convert = getattr(fp8convert, command)
@@ -137,8 +158,11 @@ def test_cuda_dequantizes_and_requantizes_fp8_sources_like_cpu(tmp_path, layout)
 
 # MXFP8 and power-of-two block scales: the exponents come from integer bit arithmetic and every division is
 # by a power of two, so CUDA must give the CPU's bytes here too.
-BLACKWELL = [("mxfp8", "compressed-tensors", "float"), ("block", "compressed-tensors", "ue8m0"),
-             ("block", "fp8", "ue8m0")]
+BLACKWELL = [
+    ("mxfp8", "compressed-tensors", "float"),
+    ("block", "compressed-tensors", "ue8m0"),
+    ("block", "fp8", "ue8m0"),
+]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"])
@@ -146,8 +170,15 @@ BLACKWELL = [("mxfp8", "compressed-tensors", "float"), ("block", "compressed-ten
 def test_cuda_mxfp8_and_ue8m0_bytes_equal_cpu(source_model, tmp_path, kind, scheme, fmt, scale_format):
     src = source_model(kind)
     for device in ("cpu", "cuda"):
-        fp8convert.quantize(src, tmp_path / device, scheme=scheme, format=fmt, scale_format=scale_format,
-                            device=device, max_shard_size="150KB")
+        fp8convert.quantize(
+            src,
+            tmp_path / device,
+            scheme=scheme,
+            format=fmt,
+            scale_format=scale_format,
+            device=device,
+            max_shard_size="150KB",
+        )
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
 
 
@@ -156,16 +187,24 @@ def test_cuda_mxfp8_and_ue8m0_bytes_equal_cpu(source_model, tmp_path, kind, sche
 def test_cuda_mxfp8_and_ue8m0_from_fp16_and_fp32_sources(source_model, tmp_path, dtype, scheme, fmt, scale_format):
     src = source_model("qwen3_moe", dtype)
     for device in ("cpu", "cuda"):
-        fp8convert.quantize(src, tmp_path / device, scheme=scheme, format=fmt, scale_format=scale_format,
-                            device=device, max_shard_size="150KB")
+        fp8convert.quantize(
+            src,
+            tmp_path / device,
+            scheme=scheme,
+            format=fmt,
+            scale_format=scale_format,
+            device=device,
+            max_shard_size="150KB",
+        )
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
 
 
 def test_cuda_mxfp8_edge_groups_equal_cpu():
     """amax exactly 1.75 * 2^k, subnormal, huge and zero groups (mxfp8_inputs.edge_groups), fp32 just
     above 448 * 2^k: the CUDA path's exponents and codes are the CPU path's."""
-    from fp8convert.run.numerics import quantize_group
     from mxfp8_inputs import edge_groups
+
+    from fp8convert.run.numerics import quantize_group
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         w = edge_groups(dtype)

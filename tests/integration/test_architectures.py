@@ -19,19 +19,26 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-
 import reference as R
+import torch
 import zoo
-from zoo import MORE_ARCHS, ZOO_ARCHS
 from checks import FP8, assert_codes_and_scales, assert_names_shapes_dtypes, ignore_lists, same_bytes
-from harness import (FORMAT_SCHEMES, MORE_ZOO_CASES, ZOO_CASES, fp8convert_module, in_turn, read_json,
-                     read_safetensors_dir, run_quantize)
-from vllm_rules import CONTRACTS, vllm_name
+from harness import (
+    FORMAT_SCHEMES,
+    MORE_ZOO_CASES,
+    ZOO_CASES,
+    fp8convert_module,
+    in_turn,
+    read_json,
+    read_safetensors_dir,
+    run_quantize,
+)
 from tiny_ckpt import llama_tensors, write_checkpoint
+from vllm_rules import CONTRACTS, vllm_name
+from zoo import MORE_ARCHS, ZOO_ARCHS
 
 MIN_COSINE = 0.99
-E4M3_BOUND = 2.0**-4 * 1.02   # relative error of a correctly dequantized weight (verify's bound, normal values)
+E4M3_BOUND = 2.0**-4 * 1.02  # relative error of a correctly dequantized weight (verify's bound, normal values)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,7 @@ def zoo_tensors(zoo_source):
 
 def plan_warnings(src: Path, fmt: str, scheme: str):
     from fp8convert.plan.summary import compatibility_warnings
+
     return compatibility_warnings(fp8convert_module().make_plan(str(src), scheme=scheme, format=fmt))
 
 
@@ -70,20 +78,20 @@ def plan_warnings(src: Path, fmt: str, scheme: str):
 
 # A tensor each checkpoint must hold for the tests to mean what they say.
 LAYOUT_MARKERS = {
-    "llama4": "language_model.model.layers.1.feed_forward.experts.gate_up_proj",   # [E, hidden, 2*inter]
-    "gpt_oss": "model.layers.0.mlp.experts.gate_up_proj",                          # interleaved gate/up
-    "granitemoe": "model.layers.0.block_sparse_moe.input_linear.weight",           # [E, 2*inter, hidden]
-    "qwen3_vl_moe": "model.language_model.layers.0.mlp.experts.gate_up_proj",      # released [E, hidden, 2*inter]
-    "gemma4": "model.language_model.layers.0.experts.gate_up_proj",                # [E, 2*inter, hidden]
-    "dbrx": "transformer.blocks.0.ffn.experts.mlp.w1",                             # [E*inter, hidden], no .weight
-    "deepseek_v3": "model.layers.2.eh_proj.weight",                                # MTP layer 2 (num_hidden_layers)
+    "llama4": "language_model.model.layers.1.feed_forward.experts.gate_up_proj",  # [E, hidden, 2*inter]
+    "gpt_oss": "model.layers.0.mlp.experts.gate_up_proj",  # interleaved gate/up
+    "granitemoe": "model.layers.0.block_sparse_moe.input_linear.weight",  # [E, 2*inter, hidden]
+    "qwen3_vl_moe": "model.language_model.layers.0.mlp.experts.gate_up_proj",  # released [E, hidden, 2*inter]
+    "gemma4": "model.language_model.layers.0.experts.gate_up_proj",  # [E, 2*inter, hidden]
+    "dbrx": "transformer.blocks.0.ffn.experts.mlp.w1",  # [E*inter, hidden], no .weight
+    "deepseek_v3": "model.layers.2.eh_proj.weight",  # MTP layer 2 (num_hidden_layers)
     "glm4_moe": "model.layers.2.shared_head.head.weight",
     "qwen3_next": "mtp.fc.weight",
-    "nemotron_h": "backbone.layers.1.mixer.gate.weight",                           # router named mixer.gate
-    "phimoe": "model.layers.1.block_sparse_moe.gate.weight",                       # mlp.router in transformers
+    "nemotron_h": "backbone.layers.1.mixer.gate.weight",  # router named mixer.gate
+    "phimoe": "model.layers.1.block_sparse_moe.gate.weight",  # mlp.router in transformers
     "qwen2_5_vl": "visual.merger.mlp.0.weight",
     "gemma3": "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight",
-    "gpt2": "transformer.h.0.attn.c_attn.weight",                                  # Conv1D [in, out]
+    "gpt2": "transformer.h.0.attn.c_attn.weight",  # Conv1D [in, out]
 }
 
 
@@ -117,6 +125,7 @@ def test_converts_exactly(arch, fmt, scheme, zoo_outputs, zoo_tensors, zoo_sourc
     kept = [n for n in exp if n not in quant and not n.endswith(("_scale", "_scale_inv"))]
     assert not [n for n in kept if not same_bytes(got[n], exp[n])], "kept tensors differ from the source"
     from fp8convert.verify import verify
+
     report = verify(zoo_source(arch), out)
     assert report.ok, report.failures[:5]
     assert report.tensors_quantized == len(quant)
@@ -132,15 +141,14 @@ def test_split_experts_are_the_source_slices(arch, zoo_outputs, zoo_tensors):
     inter = zoo.MOE_I
     fused = next(n for n in src if re.search(r"(experts\.gate_up_proj|input_linear\.weight)$", n))
     w = src[fused].float()
-    experts = (fused.replace(".input_linear.weight", ".experts") if "input_linear" in fused
-               else fused.rsplit(".", 1)[0])
+    experts = fused.replace(".input_linear.weight", ".experts") if "input_linear" in fused else fused.rsplit(".", 1)[0]
     scales = set()
     for e in range(zoo.N_EXPERTS):
         rows = w[e] if w.shape[1] == 2 * inter else w[e].T  # [2*inter, hidden] either way
         for part, member in enumerate(("gate_proj", "up_proj")):
             name = f"{experts}.{e}.{member}.weight"
             deq = got[name].float() * got[name + "_scale"].float()
-            want = rows[part * inter:(part + 1) * inter]
+            want = rows[part * inter : (part + 1) * inter]
             assert deq.shape == want.shape == (inter, zoo.HIDDEN)
             assert ((deq - want).norm() / want.norm()).item() <= E4M3_BOUND, name
         assert torch.equal(got[f"{experts}.{e}.gate_proj.weight_scale"], got[f"{experts}.{e}.up_proj.weight_scale"])
@@ -152,8 +160,12 @@ def test_split_experts_are_the_source_slices(arch, zoo_outputs, zoo_tensors):
 def test_gpt_oss_experts_stay_bf16_fused_with_their_reason(zoo_outputs, zoo_tensors):
     out, got, cfg, report = zoo_outputs("gpt_oss", "compressed-tensors", "tensor")
     src = zoo_tensors("gpt_oss")
-    for name in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
-                 "mlp.experts.down_proj_bias"):
+    for name in (
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.gate_up_proj_bias",
+        "mlp.experts.down_proj",
+        "mlp.experts.down_proj_bias",
+    ):
         full = f"model.layers.0.{name}"
         assert same_bytes(got[full], src[full]) and not any(k.startswith(full + "_scale") for k in got)
     assert got["model.layers.0.self_attn.q_proj.weight"].dtype == FP8  # the rest converts
@@ -216,16 +228,21 @@ def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memor
     lm_head); a `re:` entry (compressed-tensors only) matches at least one. Every kept linear of the
     checkpoint is listed by its checkpoint name."""
     _, got, cfg, _ = zoo_outputs(arch, fmt, scheme)
-    checkpoint = {n[: -len(".weight")] for n, t in got.items() if n.endswith(".weight")} | \
-        {n for n in got if not n.endswith((".weight", "_scale", "_scale_inv", ".bias"))}
+    checkpoint = {n[: -len(".weight")] for n, t in got.items() if n.endswith(".weight")} | {
+        n for n in got if not n.endswith((".weight", "_scale", "_scale_inv", ".bias"))
+    }
     names, modules = in_memory(arch)
     config = read_json(zoo_source(arch) / "config.json")
     contract = CONTRACTS[arch]
-    vllm = {vllm_name(contract, m, config) for m in checkpoint} | \
-        {vllm_name(contract, m.rsplit(".", 2)[0] if ".experts." in m else m, config) for m in checkpoint}
+    vllm = {vllm_name(contract, m, config) for m in checkpoint} | {
+        vllm_name(contract, m.rsplit(".", 2)[0] if ".experts." in m else m, config) for m in checkpoint
+    }
     real = checkpoint | set(modules) | vllm | {"lm_head"}
-    kept_linears = {n[: -len(".weight")] for n, t in got.items()
-                    if n.endswith(".weight") and t.dim() == 2 and t.dtype != FP8 and not R.is_embedding(n[:-7])}
+    kept_linears = {
+        n[: -len(".weight")]
+        for n, t in got.items()
+        if n.endswith(".weight") and t.dim() == 2 and t.dtype != FP8 and not R.is_embedding(n[:-7])
+    }
     for lst in ignore_lists(fmt, cfg):
         assert len(lst) == len(set(lst))
         for entry in lst:
@@ -234,15 +251,22 @@ def test_ignore_list_names_real_modules(arch, fmt, scheme, zoo_outputs, in_memor
                 assert any(re.match(entry[3:], m) for m in real), f"{entry} matches no module"
             else:
                 assert entry in real, f"{entry} is not a module of {arch} in any consumer's naming"
-        missing = sorted(m for m in kept_linears if m not in lst and not any(
-            e.startswith("re:") and re.match(e[3:], m) for e in lst))
+        missing = sorted(
+            m for m in kept_linears if m not in lst and not any(e.startswith("re:") and re.match(e[3:], m) for e in lst)
+        )
         assert not missing, f"kept linears not in the ignore list: {missing[:5]}"
 
 
-@pytest.mark.parametrize("arch,scheme", [  # the fast loop takes the conversions ZOO_CASES has there
-    pytest.param(a, s, marks=() if ("compressed-tensors", s) in in_turn(ZOO_ARCHS, FORMAT_SCHEMES)[a]
-                 else pytest.mark.slow)
-    for a in ZOO_ARCHS for s in ("tensor", "block")])
+@pytest.mark.parametrize(
+    "arch,scheme",
+    [  # the fast loop takes the conversions ZOO_CASES has there
+        pytest.param(
+            a, s, marks=() if ("compressed-tensors", s) in in_turn(ZOO_ARCHS, FORMAT_SCHEMES)[a] else pytest.mark.slow
+        )
+        for a in ZOO_ARCHS
+        for s in ("tensor", "block")
+    ],
+)
 def test_compressed_tensors_in_transformers_skips_exactly_the_kept_linears(arch, scheme, zoo_outputs, in_memory):
     """compressed-tensors inside transformers targets every nn.Linear by its in-memory name and skips
     what the ignore list names (compressed_tensors.utils.match.match_name: exact or re:). Every kept
@@ -313,19 +337,27 @@ def test_fused_experts_that_do_not_match_the_config_are_refused(zoo_source, tmp_
     assert "\n" not in message and "feed_forward.experts" in message and "expected [16, 64, 192]" in message
 
 
-@pytest.mark.parametrize("arch,fmt,scheme,caveat", [
-    ("llama4", "fp8", "block", "transformers-cannot-load"),          # Llama-4 per-expert only under CT
-    ("granitemoe", "compressed-tensors", "tensor", "transformers-cannot-load"),
-    ("qwen3_vl_moe", "compressed-tensors", "channel", "transformers-cannot-load"),
-    ("mistral3", "fp8", "block", "vllm-cannot-load"),                # vLLM renames weight_scale_inv away
-])
+@pytest.mark.parametrize(
+    "arch,fmt,scheme,caveat",
+    [
+        ("llama4", "fp8", "block", "transformers-cannot-load"),  # Llama-4 per-expert only under CT
+        ("granitemoe", "compressed-tensors", "tensor", "transformers-cannot-load"),
+        ("qwen3_vl_moe", "compressed-tensors", "channel", "transformers-cannot-load"),
+        ("mistral3", "fp8", "block", "vllm-cannot-load"),  # vLLM renames weight_scale_inv away
+    ],
+)
 def test_combinations_a_consumer_cannot_load_carry_their_caveat(arch, fmt, scheme, caveat, zoo_source):
     assert caveat in {w.caveat.value for w in plan_warnings(zoo_source(arch), fmt, scheme)}
 
 
-@pytest.mark.parametrize("arch,fmt,scheme", [("llama4", "compressed-tensors", "tensor"),
-                                             ("gpt_oss", "compressed-tensors", "channel"),
-                                             ("mistral3", "compressed-tensors", "tensor")])
+@pytest.mark.parametrize(
+    "arch,fmt,scheme",
+    [
+        ("llama4", "compressed-tensors", "tensor"),
+        ("gpt_oss", "compressed-tensors", "channel"),
+        ("mistral3", "compressed-tensors", "tensor"),
+    ],
+)
 def test_loadable_combinations_carry_no_caveat(arch, fmt, scheme, zoo_source):
     caveats = {w.caveat.value for w in plan_warnings(zoo_source(arch), fmt, scheme)}
     assert not caveats & {"transformers-cannot-load", "vllm-cannot-load"}, caveats
@@ -342,7 +374,7 @@ def test_llama4_experts_kept_by_the_user_stay_per_expert_under_compressed_tensor
     fused = LAYOUT_MARKERS["llama4"]
     experts = fused.rsplit(".", 1)[0]
     assert fused not in got
-    assert torch.equal(got[f"{experts}.3.up_proj.weight"], src[fused][3][:, zoo.MOE_I:].T.contiguous())
+    assert torch.equal(got[f"{experts}.3.up_proj.weight"], src[fused][3][:, zoo.MOE_I :].T.contiguous())
     ignore = read_json(ct / "config.json")["quantization_config"]["ignore"]
     assert f"{experts}.3.up_proj" in ignore
     fp8 = tmp_path / "fp8"
@@ -376,8 +408,12 @@ def as_source_param(loaded: dict, name: str) -> torch.Tensor:
     experts, _, kind = name.rpartition(".")
     count = 1 + max(int(m.group(1)) for k in loaded if (m := re.match(re.escape(experts) + r"\.(\d+)\.", k)))
     if kind == "gate_up_proj":
-        return torch.stack([torch.cat([loaded[f"{experts}.{e}.gate_proj.weight"],
-                                       loaded[f"{experts}.{e}.up_proj.weight"]]).T for e in range(count)]).detach()
+        return torch.stack(
+            [
+                torch.cat([loaded[f"{experts}.{e}.gate_proj.weight"], loaded[f"{experts}.{e}.up_proj.weight"]]).T
+                for e in range(count)
+            ]
+        ).detach()
     return torch.stack([loaded[f"{experts}.{e}.down_proj.weight"].T for e in range(count)]).detach()
 
 
@@ -392,8 +428,10 @@ def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, sourc
     warnings = plan_warnings(zoo_source(arch), fmt, scheme)
     caveats = {w.caveat for w in warnings}
     if Caveat.TRANSFORMERS_CANNOT_LOAD in caveats:
-        pytest.skip("the plan says transformers cannot load this: " +
-                    next(w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD)[:120])
+        pytest.skip(
+            "the plan says transformers cannot load this: "
+            + next(w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD)[:120]
+        )
     out, _, _, _ = zoo_outputs(arch, fmt, scheme)
     params, ref = source_state(arch)
     # compressed-tensors' MXFP8 decompressor yields bfloat16 weights whatever dtype is asked for (float32
@@ -416,12 +454,15 @@ def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, sourc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,ignore", [("qwen3_vl_moe", r"re:.*mlp\.experts"), ("llama4", r"re:.*feed_forward\.experts")])
+@pytest.mark.parametrize(
+    "arch,ignore", [("qwen3_vl_moe", r"re:.*mlp\.experts"), ("llama4", r"re:.*feed_forward\.experts")]
+)
 def test_experts_kept_by_the_user_load_in_transformers(arch, ignore, zoo_source, source_state, tmp_path):
     """The way to a transformers-loadable checkpoint when the per-expert FP8 layout is not one:
     --ignore the experts (fused as released; Llama-4 under compressed-tensors per expert)."""
-    assert not any(w.caveat.value == "transformers-cannot-load" for w in plan_warnings_with(
-        zoo_source(arch), ignore=(ignore,)))
+    assert not any(
+        w.caveat.value == "transformers-cannot-load" for w in plan_warnings_with(zoo_source(arch), ignore=(ignore,))
+    )
     out = tmp_path / "out"
     run_quantize(zoo_source(arch), out, ignore=(ignore,))
     _, ref = source_state(arch)
@@ -432,12 +473,14 @@ def test_experts_kept_by_the_user_load_in_transformers(arch, ignore, zoo_source,
 
 def plan_warnings_with(src: Path, **options):
     from fp8convert.plan.summary import compatibility_warnings
+
     return compatibility_warnings(fp8convert_module().make_plan(str(src), **options))
 
 
 def test_the_fused_block_warning_names_the_member_that_breaks_the_rule(tmp_path):
     """q_proj [128, 128] meets vLLM's rule; k_proj [32, 128] does not: the example is k_proj."""
     from fp8convert.plan.summary import Caveat
+
     src = write_checkpoint(tmp_path / "src", llama_tensors(hidden=128, inter=256))
     (warning,) = [w for w in plan_warnings_with(src, scheme="block") if w.caveat is Caveat.VLLM_CANNOT_LOAD]
     assert "(e.g. model.layers.0.self_attn.k_proj.weight [32, 128])" in warning.text, warning.text
@@ -448,14 +491,18 @@ def test_the_fused_block_warning_names_the_member_that_breaks_the_rule(tmp_path)
 
 def _tp(name: str, shape: tuple[int, int]):
     from types import SimpleNamespace
+
     return SimpleNamespace(name=name, shape=shape)
 
 
-QWEN3_30B = ([_tp(f"model.layers.0.mlp.experts.{e}.{p}.weight", (768, 2048)) for e in range(2) for p in ("gate_proj", "up_proj")]
-             + [_tp("model.layers.0.mlp.experts.0.down_proj.weight", (2048, 768)),
-                _tp("model.layers.0.self_attn.q_proj.weight", (4096, 2048)),
-                _tp("model.layers.0.self_attn.k_proj.weight", (512, 2048)),
-                _tp("model.layers.0.self_attn.o_proj.weight", (2048, 4096))])
+QWEN3_30B = [
+    _tp(f"model.layers.0.mlp.experts.{e}.{p}.weight", (768, 2048)) for e in range(2) for p in ("gate_proj", "up_proj")
+] + [
+    _tp("model.layers.0.mlp.experts.0.down_proj.weight", (2048, 768)),
+    _tp("model.layers.0.self_attn.q_proj.weight", (4096, 2048)),
+    _tp("model.layers.0.self_attn.k_proj.weight", (512, 2048)),
+    _tp("model.layers.0.self_attn.o_proj.weight", (2048, 4096)),
+]
 QWEN3_30B_CONFIG = {"hidden_size": 2048, "num_key_value_heads": 4}
 
 
@@ -525,16 +572,20 @@ def test_target_tp_option_in_inspect_and_quantize(source_model, capsys, tmp_path
 
 def test_docs_architecture_table_is_the_registry():
     from harness import REPO_ROOT
+
     from fp8convert.plan.architectures import ARCHITECTURES, architectures_table
 
     page = (REPO_ROOT / "docs" / "architectures.md").read_text()
     start = "<!-- architectures table: fp8convert.plan.architectures.architectures_table() -->\n"
     end = "\n<!-- end of architectures table -->"
     assert start in page and end in page
-    assert page[page.index(start) + len(start):page.index(end)] == architectures_table(), \
+    assert page[page.index(start) + len(start) : page.index(end)] == architectures_table(), (
         "docs/architectures.md's supported-architectures table differs from the registry: paste architectures_table()"
+    )
     listed = {t for arch in ARCHITECTURES for t in arch.model_types}
-    assert listed <= set(ZOO_ARCHS + MORE_ARCHS), f"registered but never converted in the tests: {listed - set(ZOO_ARCHS + MORE_ARCHS)}"
+    assert listed <= set(ZOO_ARCHS + MORE_ARCHS), (
+        f"registered but never converted in the tests: {listed - set(ZOO_ARCHS + MORE_ARCHS)}"
+    )
 
 
 # ------------------------------------------------------------------ memory
@@ -559,8 +610,9 @@ def test_fused_experts_over_the_budget_are_read_a_few_experts_at_a_time(zoo_sour
     out = tmp_path / "out"
     run_quantize(src, out, max_resident=budget)
     whole, _ = zoo_converted("llama4", "compressed-tensors", "tensor")
-    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
-        {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
+    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == {
+        p.name: p.read_bytes() for p in whole.glob("*.safetensors")
+    }
 
 
 @pytest.mark.parametrize("arch", ["llama4", "granitemoe", "gpt_oss"])

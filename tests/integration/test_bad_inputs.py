@@ -1,6 +1,7 @@
 """A corpus of bad inputs. Each must end in one `error:` line naming the file or tensor, a non-zero
 exit code, and no output that looks complete; inputs the headers already condemn must fail before
 OUT is even created (preflight: seconds, not 97 %). Plus the edge inputs that are valid."""
+
 from __future__ import annotations
 
 import errno
@@ -17,17 +18,28 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_ckpt import (
+    CONFIG,
+    INDEX,
+    assert_refused,
+    llama_tensors,
+    looks_complete,
+    rewrite_index,
+    run_cli,
+    tree_bytes,
+    write_checkpoint,
+    write_raw,
+)
 
 from fp8convert.cli import main
 from fp8convert.run import prefetch
-from tiny_ckpt import (CONFIG, INDEX, assert_refused, llama_tensors, looks_complete, rewrite_index, run_cli, tree_bytes,
-                       write_checkpoint, write_raw)
 
 SHARD2 = "model-00002-of-00003.safetensors"  # layer 1 (shard_by_layer: layer 0, layer 1, the rest)
 
 
 # ---------------------------------------------------------------- broken files and indexes
 # Each builder gets a valid checkpoint directory, breaks it, and returns the names the error must contain.
+
 
 def truncated_shard(src):
     path = src / SHARD2
@@ -68,15 +80,24 @@ def short_file(src):
 
 
 def shape_disagrees_with_bytes(src):
-    write_raw(src / SHARD2, {"model.layers.1.x.weight": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 30]}},
-              b"\0" * 30)
+    write_raw(
+        src / SHARD2,
+        {"model.layers.1.x.weight": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 30]}},
+        b"\0" * 30,
+    )
     rewrite_index(src, lambda ix: ix.update(weight_map={"model.layers.1.x.weight": SHARD2}))
     return SHARD2, "model.layers.1.x.weight"
 
 
 def overlapping_tensors(src):
-    write_raw(src / SHARD2, {"a.weight": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]},
-                             "b.weight": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8)
+    write_raw(
+        src / SHARD2,
+        {
+            "a.weight": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]},
+            "b.weight": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]},
+        },
+        b"\0" * 8,
+    )
     rewrite_index(src, lambda ix: ix.update(weight_map={"a.weight": SHARD2, "b.weight": SHARD2}))
     return SHARD2, "overlaps"
 
@@ -89,8 +110,11 @@ def non_integer_shape(src):
 
 def unsupported_dtype(src):
     # F8_E8M0 is a real safetensors dtype (MX scales) that no BF16 -> FP8 conversion can take
-    write_raw(src / SHARD2, {"model.layers.1.mlp.up_proj.weight": {"dtype": "F8_E8M0", "shape": [16, 16],
-                                                                  "data_offsets": [0, 256]}}, b"\0" * 256)
+    write_raw(
+        src / SHARD2,
+        {"model.layers.1.mlp.up_proj.weight": {"dtype": "F8_E8M0", "shape": [16, 16], "data_offsets": [0, 256]}},
+        b"\0" * 256,
+    )
     rewrite_index(src, lambda ix: ix.update(weight_map={"model.layers.1.mlp.up_proj.weight": SHARD2}))
     return SHARD2, "model.layers.1.mlp.up_proj.weight", "F8_E8M0"
 
@@ -136,8 +160,10 @@ def index_names_absent_tensor(src):
 
 
 def index_wrong_file(src):
-    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.layers.1.mlp.up_proj.weight":
-                                                            "model-00001-of-00003.safetensors"}))
+    rewrite_index(
+        src,
+        lambda ix: ix["weight_map"].update({"model.layers.1.mlp.up_proj.weight": "model-00001-of-00003.safetensors"}),
+    )
     return "model.layers.1.mlp.up_proj.weight", "model-00001-of-00003.safetensors", SHARD2
 
 
@@ -228,9 +254,11 @@ def layer_numbering_gap(src):
     """Layer 1's tensors renamed to layer 2: layers 0 and 2 of model.layers, no 1."""
     tensors = load_file(str(src / SHARD2))
     save_file({k.replace("layers.1.", "layers.2."): v for k, v in tensors.items()}, str(src / SHARD2))
-    rewrite_index(src, lambda ix: ix.update(weight_map={k.replace("layers.1.", "layers.2."): f
-                                                        for k, f in ix["weight_map"].items()}))
-    return "model.layers 0 and 2 but not 1",
+    rewrite_index(
+        src,
+        lambda ix: ix.update(weight_map={k.replace("layers.1.", "layers.2."): f for k, f in ix["weight_map"].items()}),
+    )
+    return ("model.layers 0 and 2 but not 1",)
 
 
 def config_declares_more_layers(src):
@@ -252,14 +280,43 @@ def shard_is_a_directory(src):
     return SHARD2, "not a regular file"
 
 
-BROKEN = [truncated_shard, trailing_bytes, corrupt_header_json, oversized_header, header_longer_than_file, short_file,
-          shape_disagrees_with_bytes, overlapping_tensors, non_integer_shape, unsupported_dtype,
-          named_twice_in_one_header, named_twice_in_two_shards, index_names_missing_file, index_dotdot,
-          index_dotdot_inside, index_absolute, index_names_absent_tensor, index_wrong_file, index_omits_tensor,
-          index_not_json, index_without_weight_map, config_missing, config_not_json, fp8_config_without_fp8_tensors,
-          already_quantized_tensors, scale_tensor_in_source, three_d_linear, empty_shard, no_weights_at_all,
-          pickle_only, numbered_shard_missing_without_index, layer_numbering_gap, config_declares_more_layers,
-          shard_is_a_directory, index_is_a_directory]
+BROKEN = [
+    truncated_shard,
+    trailing_bytes,
+    corrupt_header_json,
+    oversized_header,
+    header_longer_than_file,
+    short_file,
+    shape_disagrees_with_bytes,
+    overlapping_tensors,
+    non_integer_shape,
+    unsupported_dtype,
+    named_twice_in_one_header,
+    named_twice_in_two_shards,
+    index_names_missing_file,
+    index_dotdot,
+    index_dotdot_inside,
+    index_absolute,
+    index_names_absent_tensor,
+    index_wrong_file,
+    index_omits_tensor,
+    index_not_json,
+    index_without_weight_map,
+    config_missing,
+    config_not_json,
+    fp8_config_without_fp8_tensors,
+    already_quantized_tensors,
+    scale_tensor_in_source,
+    three_d_linear,
+    empty_shard,
+    no_weights_at_all,
+    pickle_only,
+    numbered_shard_missing_without_index,
+    layer_numbering_gap,
+    config_declares_more_layers,
+    shard_is_a_directory,
+    index_is_a_directory,
+]
 
 
 @pytest.mark.parametrize("breaker", BROKEN, ids=lambda f: f.__name__)
@@ -275,6 +332,7 @@ def test_broken_source_is_refused_before_any_output(tmp_path, capsys, breaker):
 
 
 # ---------------------------------------------------------------- bad weights (found while reading)
+
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_weight_names_the_tensor(tmp_path, capsys, value):
@@ -329,6 +387,7 @@ def test_all_zero_weights_are_valid(tmp_path, capsys):
 
 # ---------------------------------------------------------------- where the output goes
 
+
 def test_out_inside_src_is_refused(tmp_path, capsys):
     src = write_checkpoint(tmp_path / "src")
     out = src / "fp8"
@@ -369,11 +428,19 @@ def refusals(tmp_path, layers: int) -> tuple[list[tuple], Path, Path]:
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    lying = write_checkpoint(tmp_path / "lying", llama_tensors(layers=layers),
-                             config={**CONFIG, "num_hidden_layers": layers + 1})
-    return [("quantize", src, mine, "-q"), ("quantize", src, src / "fp8", "-q"),
+    lying = write_checkpoint(
+        tmp_path / "lying", llama_tensors(layers=layers), config={**CONFIG, "num_hidden_layers": layers + 1}
+    )
+    return (
+        [
+            ("quantize", src, mine, "-q"),
+            ("quantize", src, src / "fp8", "-q"),
             ("quantize", lying, tmp_path / "out", "-q"),
-            ("quantize", src, tmp_path / "out", "--scheme", "chanel")], src, mine
+            ("quantize", src, tmp_path / "out", "--scheme", "chanel"),
+        ],
+        src,
+        mine,
+    )
 
 
 def slow_reads(monkeypatch, delay: float) -> None:
@@ -396,11 +463,13 @@ def test_a_refused_run_leaves_no_thread_behind(tmp_path, capsys, monkeypatch):
 
 # What a refused run's process is given: a slow disk (each read into the page cache 0.05 s more) and the
 # read-ahead threads of a machine of 16 cores or more, where the stray traceback was reported.
-SLOW_DISK_CLI = ("import sys, time; from fp8convert import api; from fp8convert.run import prefetch; "
-                 "pull = prefetch.pull_into_cache; "
-                 "prefetch.pull_into_cache = lambda *a: (time.sleep(0.05), pull(*a))[1]; "
-                 "api.default_threads = lambda: 4; "
-                 "from fp8convert.cli import run; run(sys.argv[1:])")
+SLOW_DISK_CLI = (
+    "import sys, time; from fp8convert import api; from fp8convert.run import prefetch; "
+    "pull = prefetch.pull_into_cache; "
+    "prefetch.pull_into_cache = lambda *a: (time.sleep(0.05), pull(*a))[1]; "
+    "api.default_threads = lambda: 4; "
+    "from fp8convert.cli import run; run(sys.argv[1:])"
+)
 BUSY = "while True: pass"  # load beside a child run, so its threads are scheduled late
 
 
@@ -423,8 +492,14 @@ def test_a_refusal_is_its_one_line_alone_in_a_real_process_under_load(tmp_path, 
             if round in (2, 3):
                 busy.append(subprocess.Popen([sys.executable, "-c", BUSY]))
             for args, (rc, err) in zip(cases, expected):
-                child = subprocess.run([sys.executable, "-c", SLOW_DISK_CLI, *map(str, args)], check=False,
-                                       capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=60)
+                child = subprocess.run(
+                    [sys.executable, "-c", SLOW_DISK_CLI, *map(str, args)],
+                    check=False,
+                    capture_output=True,
+                    text=True,
+                    cwd=Path(__file__).parents[2],
+                    timeout=60,
+                )
                 assert (child.returncode, child.stderr) == (rc, err), (round, args)
     finally:
         for loop in busy:
@@ -475,6 +550,7 @@ def test_errors_through_the_python_api_name_keywords_not_flags(tmp_path, capsys)
     """The same refusal names `--overwrite` on the command line and `overwrite=True` from Python."""
     import fp8convert
     from fp8convert.errors import PlanMismatchError
+
     src = write_checkpoint(tmp_path / "src")
     out = tmp_path / "out"
     fp8convert.quantize(src, out, max_shard_size="20KB")
@@ -513,6 +589,7 @@ def test_overwrite_never_guesses_whose_files_an_unknown_manifest_covers(tmp_path
         assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
         assert str(path) in lines[0] and says in lines[0] and "pass --overwrite" not in lines[0], lines[0]
         assert tree_bytes(out) == before
+
     refusal("--scheme", "channel", "--overwrite", says="delete the folder yourself")
     if manifest == "unreadable":
         refusal(says="cannot be resumed")
@@ -526,14 +603,20 @@ def test_batch_job_into_a_foreign_folder_fails_and_keeps_it(tmp_path, capsys):
     (theirs / "keep.txt").write_text("k")
     assert run_cli(capsys, "quantize", src, mine, "-q")[0] == 0
     jobs = tmp_path / "jobs.toml"
-    jobs.write_text(f'[defaults]\noverwrite = true\nscheme = "channel"\n'
-                    f'[[job]]\nsource = "{src}"\nout = "{mine}"\n[[job]]\nsource = "{src}"\nout = "{theirs}"\n')
+    jobs.write_text(
+        f'[defaults]\noverwrite = true\nscheme = "channel"\n'
+        f'[[job]]\nsource = "{src}"\nout = "{mine}"\n[[job]]\nsource = "{src}"\nout = "{theirs}"\n'
+    )
     rc = main(["batch", str(jobs), "-q"])
     captured = capsys.readouterr()
     assert rc == 1 and "keep.txt" in captured.err, captured
     assert tree_bytes(theirs) == {"keep.txt": b"k"}
-    assert json.loads((mine / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
-        "weights"]["strategy"] == "channel"
+    assert (
+        json.loads((mine / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"][
+            "strategy"
+        ]
+        == "channel"
+    )
 
 
 def test_out_is_a_file_or_under_one(tmp_path, capsys):
@@ -551,8 +634,11 @@ def test_out_not_writable(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     real_access = os.access
     # chmod does not stop root, so deny write access the way the converter asks for it
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(out) and mode & os.W_OK
-                        else real_access(p, mode, **kw))
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode, **kw: False if str(p) == str(out) and mode & os.W_OK else real_access(p, mode, **kw),
+    )
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
     assert_refused(rc, err, out, str(out), "not writable", preflight=False)
 
@@ -642,8 +728,17 @@ def test_zero_sized_linear_weight(tmp_path, capsys):
         assert run_cli(capsys, "verify", src, out)[0] == 0
 
 
-@pytest.mark.parametrize("option,value", [("--prefetch", "lots"), ("--max-resident", "0"), ("--max-shard-size", "-1GB"),
-                                          ("--scheme", "row"), ("--format", "gguf"), ("--device", "tpu")])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("--prefetch", "lots"),
+        ("--max-resident", "0"),
+        ("--max-shard-size", "-1GB"),
+        ("--scheme", "row"),
+        ("--format", "gguf"),
+        ("--device", "tpu"),
+    ],
+)
 def test_bad_option_fails_before_output_exists(tmp_path, capsys, option, value):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     out = tmp_path / "out"

@@ -2,6 +2,7 @@
 --cache-dir), help a person can read, and how every failure ends: one line, an exit code, a JSON error
 object with --json, a traceback only with FP8CONVERT_DEBUG=1, and Ctrl-C or SIGTERM with a line that
 says what a rerun does."""
+
 from __future__ import annotations
 
 import errno
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 from fp8convert import __version__, api
 from fp8convert.cli import _failures, main
 from fp8convert.demo import make_demo_model
 from fp8convert.run.progress import Progress
 from fp8convert.units import format_size, plural, size_option, size_text
-from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 COMMANDS = ["quantize", "dequantize", "inspect", "demo", "verify", "push", "finalize", "batch"]
 HUB_COMMANDS = ["quantize", "dequantize", "inspect", "verify", "push", "finalize", "batch"]
@@ -84,14 +85,18 @@ def test_the_demo_ends_with_what_to_try_next_and_each_of_it_works(tmp_path, caps
     assert rc == 0, err
     after = out.split("\nnext:\n", 1)[1].splitlines()
     commands = [shlex.split(line.split("#")[0])[1:] for line in after if line.startswith("  fp8convert ")]
-    assert [c[0] for c in commands] == ["verify", "inspect"] and after[2] == "  in Python (pip install transformers compressed-tensors):"
+    assert [c[0] for c in commands] == ["verify", "inspect"] and after[
+        2
+    ] == "  in Python (pip install transformers compressed-tensors):"
     for command in commands:
         assert run(capsys, *command, "--device", "cpu")[0] == 0, command
     snippet = [line.strip() for line in after[3:]]
     assert len(snippet) == 3 and str(tmp_path / "d" / "fp8") in snippet[1]
     exec("\n".join(snippet), {})
     printed = capsys.readouterr().out
-    assert re.fullmatch(r"tensor\(\[\[ +1, +2, +3(, +\d+){1,8}\]\]\)\n", printed), printed  # prompt, then up to 8 new tokens
+    assert re.fullmatch(r"tensor\(\[\[ +1, +2, +3(, +\d+){1,8}\]\]\)\n", printed), (
+        printed
+    )  # prompt, then up to 8 new tokens
 
 
 def test_the_demo_reruns_into_its_own_folder_but_never_writes_over_other_files(tmp_path, capsys):
@@ -137,6 +142,7 @@ def test_units_helpers():
     assert [plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert format_size(6_320_000) == "6.32 MB" and format_size(999) == "999 B"
     from fp8convert.options import parse_size
+
     for n in (5 * 10**9, 2**31, 30_000, 1_500_000_000, 123_456_789, 512 << 20):
         assert parse_size(size_text(n)) == n
     assert (size_text(5 * 10**9), size_text(2**31), size_text(30_000)) == ("5GB", "2GiB", "30KB")
@@ -153,14 +159,17 @@ def usage_error(rc: int, out: str, err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command,option,value,meant", [
-    ("quantize", "--scheme", "chanel", "channel"),
-    ("quantize", "--format", "compresed-tensors", "compressed-tensors"),
-    ("quantize", "--scale-format", "ue8mo", "ue8m0"),
-    ("quantize", "--device", "cdua", "cuda"),
-    ("inspect", "--scheme", "FP8_DYNAMC", "fp8_dynamic"),
-    ("dequantize", "--dtype", "bf61", "bf16"),
-])
+@pytest.mark.parametrize(
+    "command,option,value,meant",
+    [
+        ("quantize", "--scheme", "chanel", "channel"),
+        ("quantize", "--format", "compresed-tensors", "compressed-tensors"),
+        ("quantize", "--scale-format", "ue8mo", "ue8m0"),
+        ("quantize", "--device", "cdua", "cuda"),
+        ("inspect", "--scheme", "FP8_DYNAMC", "fp8_dynamic"),
+        ("dequantize", "--dtype", "bf61", "bf16"),
+    ],
+)
 def test_a_misspelt_option_value_exits_2_and_offers_the_close_match(tmp_path, capsys, command, option, value, meant):
     src = write_checkpoint(tmp_path / "src")
     outs = [] if command == "inspect" else [tmp_path / "out"]
@@ -169,16 +178,19 @@ def test_a_misspelt_option_value_exits_2_and_offers_the_close_match(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args", [
-    ["--format", "fp8", "--scheme", "channel"],       # options that do not go together
-    ["--max-shard-size", "5XB"],
-    ["--target-tp", "0"],
-    ["--ignore", "re:(unclosed"],
-    ["--private"],                                    # only with --push-to-hub
-    ["--push-to-hub", "not a repo"],
-    ["--worker", "3/2"],
-    ["--devices", "gpu0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--format", "fp8", "--scheme", "channel"],  # options that do not go together
+        ["--max-shard-size", "5XB"],
+        ["--target-tp", "0"],
+        ["--ignore", "re:(unclosed"],
+        ["--private"],  # only with --push-to-hub
+        ["--push-to-hub", "not a repo"],
+        ["--worker", "3/2"],
+        ["--devices", "gpu0"],
+    ],
+)
 def test_every_wrong_command_line_exits_2(tmp_path, capsys, args):
     src = write_checkpoint(tmp_path / "src")
     usage_error(*run(capsys, "quantize", src, tmp_path / "out", *args))
@@ -201,6 +213,7 @@ def test_llm_compressor_scheme_names_give_the_same_bytes(tmp_path, capsys):
     line, the Python API and a jobs file alike; inspect says which scheme it chose."""
     import fp8convert
     from fp8convert.cluster.batch import read_jobs
+
     src = write_checkpoint(tmp_path / "src")
     for alias, scheme in [("FP8", "tensor"), ("fp8_dynamic", "channel"), ("FP8_BLOCK", "block"), ("MXFP8", "mxfp8")]:
         assert run(capsys, "quantize", src, tmp_path / scheme, "--scheme", scheme, "--device", "cpu", "-q")[0] == 0
@@ -230,8 +243,15 @@ def moe_checkpoint(root) -> Path:
             for name, shape in (("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128))):
                 tensors[f"{mlp}experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g).bfloat16()
     from tiny_ckpt import CONFIG
-    config = dict(CONFIG, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=128)
+
+    config = dict(
+        CONFIG,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+    )
     return write_checkpoint(root, tensors, config)
 
 
@@ -250,8 +270,10 @@ def test_quiet_drops_progress_and_the_summary_but_never_a_warning(tmp_path, caps
     assert rc == 0 and out.startswith(f"{tmp_path / 'out'}: already complete") and MOE_WARNING in err, (out, err)
 
     jobs = tmp_path / "jobs.toml"
-    jobs.write_text(f'[[job]]\nname = "moe"\nsource = "{src}"\nout = "{tmp_path / "b"}"\nscheme = "block"\n'
-                    f'ignore = ["re:.*down_prj"]\ndevice = "cpu"\n')
+    jobs.write_text(
+        f'[[job]]\nname = "moe"\nsource = "{src}"\nout = "{tmp_path / "b"}"\nscheme = "block"\n'
+        f'ignore = ["re:.*down_prj"]\ndevice = "cpu"\n'
+    )
     rc, out, err = run(capsys, "batch", jobs, "-q")
     assert rc == 0 and "done" in out, (out, err)
     assert f"warning: job 0 (moe): {IGNORE_WARNING}" in err and "job 0 (moe): transformers cannot load" in err, err
@@ -301,24 +323,40 @@ def test_json_failure_after_the_commands_own_document_prints_no_second_one(tmp_p
 
 def fails_with(monkeypatch, error: BaseException):
     """Make the quantize API raise `error` (what some library or the OS would raise mid-run)."""
+
     def boom(*args, **kwargs):
         raise error
+
     monkeypatch.setattr(api, "quantize", boom)
 
 
-@pytest.mark.parametrize("error,expected", [
-    (PermissionError(errno.EACCES, "Permission denied", "/data/model/config.json"),
-     r"^error: /data/model/config.json: Permission denied$"),
-    (OSError(errno.EIO, "Input/output error", "/data/model/model-00001-of-00002.safetensors"),
-     r"^error: /data/model/model-00001-of-00002.safetensors: Input/output error$"),
-    (IsADirectoryError(errno.EISDIR, "Is a directory", "/data/x", None, "/data/y"),
-     r"^error: /data/x -> /data/y: Is a directory$"),
-    (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
-     r"^error: network error \(ConnectionResetError: .*Connection reset by peer\); check the connection"),
-    (MemoryError(), r"^error: out of host memory \(MemoryError\); try a smaller batch: --max-resident 512MiB"),
-    (ValueError("something odd\nsecond line"),
-     r"^error: unexpected ValueError: something odd \(run with FP8CONVERT_DEBUG=1 to see where; please report it\)$"),
-])
+@pytest.mark.parametrize(
+    "error,expected",
+    [
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/data/model/config.json"),
+            r"^error: /data/model/config.json: Permission denied$",
+        ),
+        (
+            OSError(errno.EIO, "Input/output error", "/data/model/model-00001-of-00002.safetensors"),
+            r"^error: /data/model/model-00001-of-00002.safetensors: Input/output error$",
+        ),
+        (
+            IsADirectoryError(errno.EISDIR, "Is a directory", "/data/x", None, "/data/y"),
+            r"^error: /data/x -> /data/y: Is a directory$",
+        ),
+        (
+            ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+            r"^error: network error \(ConnectionResetError: .*Connection reset by peer\); check the connection",
+        ),
+        (MemoryError(), r"^error: out of host memory \(MemoryError\); try a smaller batch: --max-resident 512MiB"),
+        (
+            ValueError("something odd\nsecond line"),
+            r"^error: unexpected ValueError: something odd "
+            r"\(run with FP8CONVERT_DEBUG=1 to see where; please report it\)$",
+        ),
+    ],
+)
 def test_errors_other_than_fp8converts_own_are_one_line(tmp_path, capsys, monkeypatch, error, expected):
     monkeypatch.delenv("FP8CONVERT_DEBUG", raising=False)
     if isinstance(error, MemoryError):
@@ -336,23 +374,31 @@ def test_disk_full_says_how_much_is_free_and_needed(tmp_path, capsys, monkeypatc
     fails_with(monkeypatch, error)
     rc, _, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "out", "-q")
     assert rc == 1 and "Traceback" not in err
-    assert re.search(r"config.json: no space left on the device \(\d+\.\d\d [KMGT]?B free there\); 3.00 GB more is "
-                     r"needed; free space and rerun the same command to resume", err), err
+    assert re.search(
+        r"config.json: no space left on the device \(\d+\.\d\d [KMGT]?B free there\); 3.00 GB more is "
+        r"needed; free space and rerun the same command to resume",
+        err,
+    ), err
 
 
 def test_disk_full_while_writing_a_shard_says_free_and_needed(tmp_path, capsys, monkeypatch):
     """The shard writer's own full disk (pwrite failing with ENOSPC) reaches the same line: the partial
     shard named, the space free there and the bytes still to write."""
     import fp8convert.run.writer as writer_module
+
     src = write_checkpoint(tmp_path / "src")
 
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(writer_module.os, "pwrite", full)
     rc, _, err = run(capsys, "quantize", src, tmp_path / "out", "-q", "--device", "cpu")
     assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert re.search(r"\.safetensors\.partial: no space left on the device \(\d+\.\d\d [KMGT]?B free there\); "
-                     r"\d+\.\d\d [KMGT]?B more is needed; free space and rerun the same command to resume", err), err
+    assert re.search(
+        r"\.safetensors\.partial: no space left on the device \(\d+\.\d\d [KMGT]?B free there\); "
+        r"\d+\.\d\d [KMGT]?B more is needed; free space and rerun the same command to resume",
+        err,
+    ), err
 
 
 def test_cuda_out_of_memory_suggests_a_smaller_budget(tmp_path, capsys, monkeypatch):
@@ -361,8 +407,10 @@ def test_cuda_out_of_memory_suggests_a_smaller_budget(tmp_path, capsys, monkeypa
     error.max_resident = 4 << 30
     fails_with(monkeypatch, error)
     rc, _, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "b", "-q")
-    assert rc == 1 and err.strip() == ("error: CUDA out of memory (CUDA out of memory. Tried to allocate 2.00 GiB "
-                                       "(GPU 0; 79.1 GiB total)); try a smaller batch: --max-resident 2GiB")
+    assert rc == 1 and err.strip() == (
+        "error: CUDA out of memory (CUDA out of memory. Tried to allocate 2.00 GiB "
+        "(GPU 0; 79.1 GiB total)); try a smaller batch: --max-resident 2GiB"
+    )
 
 
 def test_out_of_memory_in_the_pipeline_carries_the_budget(tmp_path, capsys, monkeypatch):
@@ -371,6 +419,7 @@ def test_out_of_memory_in_the_pipeline_carries_the_budget(tmp_path, capsys, monk
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
     monkeypatch.setattr(pipeline, "quantize_steps", oom)
     src = write_checkpoint(tmp_path / "src")
     rc, _, err = run(capsys, "quantize", src, tmp_path / "out", "-q", "--device", "cpu", "--max-resident", "3GiB")
@@ -381,8 +430,13 @@ def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     fails_with(monkeypatch, ValueError("odd"))
     monkeypatch.setenv("FP8CONVERT_DEBUG", "1")
     rc, _, err = run(capsys, "quantize", tmp_path / "a", tmp_path / "b")
-    assert rc == 1 and "Traceback (most recent call last)" in err and err.strip().endswith(
-        "error: unexpected ValueError: odd (run with FP8CONVERT_DEBUG=1 to see where; please report it)")
+    assert (
+        rc == 1
+        and "Traceback (most recent call last)" in err
+        and err.strip().endswith(
+            "error: unexpected ValueError: odd (run with FP8CONVERT_DEBUG=1 to see where; please report it)"
+        )
+    )
     rc, _, err = run(capsys, "inspect", tmp_path / "missing")
     assert rc == 1 and "Traceback" in err and "FP8ConvertError" in err
 
@@ -402,6 +456,7 @@ def test_ctrl_c_in_verify_does_not_promise_a_resume(tmp_path, capsys, monkeypatc
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(verify_mod, "verify", interrupted)
     rc, _, err = run(capsys, "verify", src, out)
     assert rc == 130 and err.strip() == "interrupted: nothing was changed; rerun it to verify"
@@ -435,8 +490,7 @@ def demo(tmp_path_factory):
 def test_sigterm_mid_run_is_one_line_exit_143_and_resumable(demo, tmp_path):
     src, reference = demo
     out = tmp_path / "out"
-    proc = cli_subprocess(["quantize", src, out, "--device", "cpu", "--max-shard-size", "1MB", "-q"],
-                          write_delay=0.05)
+    proc = cli_subprocess(["quantize", src, out, "--device", "cpu", "--max-shard-size", "1MB", "-q"], write_delay=0.05)
     wait_for(lambda: len(list(out.glob("model-*.safetensors"))) >= 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -453,7 +507,8 @@ HELD_IN_FINALIZE = (
     "import sys, time, pathlib; import fp8convert.api as api; real = api.finalize; "
     "marker = pathlib.Path(sys.argv.pop(1)); "
     "api.finalize = lambda *a, **k: (marker.write_text('in'), time.sleep(60), real(*a, **k))[-1]; "
-    "from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))")
+    "from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 @pytest.mark.slow
@@ -463,8 +518,13 @@ def test_sigterm_while_finalizing_releases_the_claim(demo, tmp_path):
     args = ["quantize", str(src), str(out), "--device", "cpu", "--max-shard-size", "1MB", "-q"]
     assert main([*args, "--worker", "0/2"]) == 0
     marker = tmp_path / "in-finalize"
-    proc = subprocess.Popen([sys.executable, "-c", HELD_IN_FINALIZE, str(marker), *args, "--worker", "1/2"],
-                            cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_IN_FINALIZE, str(marker), *args, "--worker", "1/2"],
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     claim = out / ".fp8convert" / "finalize.claim"
     wait_for(marker.exists, proc)
     assert claim.exists()
@@ -477,8 +537,10 @@ def test_sigterm_while_finalizing_releases_the_claim(demo, tmp_path):
 
 
 # Every process of the run (the --devices workers are spawned: they import afresh) writes slowly.
-SLOW_EVERYWHERE = ("from fp8convert.run.writer import ShardWriter\nimport time\nwrite = ShardWriter.write\n"
-                   "ShardWriter.write = lambda self, *a, **k: (time.sleep({delay}), write(self, *a, **k))[1]\n")
+SLOW_EVERYWHERE = (
+    "from fp8convert.run.writer import ShardWriter\nimport time\nwrite = ShardWriter.write\n"
+    "ShardWriter.write = lambda self, *a, **k: (time.sleep({delay}), write(self, *a, **k))[1]\n"
+)
 
 
 @pytest.mark.slow
@@ -490,8 +552,10 @@ def test_sigterm_reaches_the_device_workers(demo, tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_EVERYWHERE.format(delay=0.5))
-    proc = cli_subprocess(["quantize", src, out, "--devices", "cpu,cpu", "--max-shard-size", "1MB", "-q"],
-                          env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[2])])})
+    proc = cli_subprocess(
+        ["quantize", src, out, "--devices", "cpu,cpu", "--max-shard-size", "1MB", "-q"],
+        env_extra={"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parents[2])])},
+    )
     wait_for(lambda: any(out.glob(".fp8convert/*.partial")), proc)
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -524,8 +588,11 @@ def test_the_progress_bar_fits_the_terminal_on_one_line(monkeypatch, columns):
     layer = "model.layers.125.mlp.experts.gate_up_proj (part 12/16)"
     bar.advance(123_400_000_000, layer)
     bar.close()
-    frames = [line for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n").split("\n")
-              if line.strip()]
+    frames = [
+        line
+        for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n").split("\n")
+        if line.strip()
+    ]
     assert frames and all(len(line) <= columns for line in frames), frames
     assert all(re.search(r" ━[━╸╺]+ \d+\.\d/456\.7 GB ", line) for line in frames), frames
     start, end = frames[-1].split(" ━")[0].split("…")  # shortened in the middle: which run, which layer
@@ -537,12 +604,19 @@ def test_the_progress_bar_fits_the_terminal_on_one_line(monkeypatch, columns):
 PROGRAM_WITH_ATEXIT_MARK = (
     "import atexit, pathlib, sys; mark = pathlib.Path(sys.argv.pop(1)); "
     "atexit.register(lambda: mark.write_text('torn down')); "
-    "from fp8convert.cli import run; run(sys.argv[1:])")
+    "from fp8convert.cli import run; run(sys.argv[1:])"
+)
 
 
 def program(mark: Path, *args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(mark), *map(str, args)],
-                          cwd=Path(__file__).parents[2], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", PROGRAM_WITH_ATEXIT_MARK, str(mark), *map(str, args)],
+        cwd=Path(__file__).parents[2],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
 
 
 # The program, as `fp8convert` starts it, with Ctrl-C landing while the command line is imported (typer is
@@ -554,13 +628,19 @@ CTRL_C_DURING_IMPORTS = (
     "        raise KeyboardInterrupt\n"
     "    return real(name, *a, **k)\n"
     "builtins.__import__ = interrupted\n"
-    "from fp8convert.__main__ import main; sys.argv[1:] = ['inspect', 'anything']; main()")
+    "from fp8convert.__main__ import main; sys.argv[1:] = ['inspect', 'anything']; main()"
+)
 
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_program_imports_itself_is_one_line_and_130():
-    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_IMPORTS], cwd=Path(__file__).parents[2],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_IMPORTS],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == "interrupted before the command started: nothing was read or written\n"
 
@@ -584,8 +664,9 @@ def test_the_program_skips_teardown_once_torch_is_loaded_and_loses_no_output(tmp
     assert not (tmp_path / "mark2").exists()
 
     with open("/dev/full", "w") as full:  # every write to stdout fails (no space left): a failure, one line
-        unflushed = program(tmp_path / "mark4", "quantize", src, tmp_path / "out4", "--device", "cpu", "-q", "--json",
-                            stdout=full)
+        unflushed = program(
+            tmp_path / "mark4", "quantize", src, tmp_path / "out4", "--device", "cpu", "-q", "--json", stdout=full
+        )
     err = unflushed.stderr
     assert unflushed.returncode != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "stdout" in err and "space" in err.lower(), err
@@ -603,6 +684,7 @@ def test_the_program_fails_when_its_last_output_cannot_be_flushed(monkeypatch, c
     class Unflushable(io.StringIO):
         def flush(self):
             raise failure
+
     exits = []
     monkeypatch.setattr(cli, "main", lambda argv: 0)
     monkeypatch.setattr(cli.sys, "stdout", Unflushable())

@@ -1,6 +1,7 @@
 """Batch and distributed conversion (docs/cluster.md): the work split over workers, launcher detection,
 finalize, several devices, and batch jobs files. Every split run must give the bytes of one process,
 every file of OUT included (shards, index, config, card, manifest)."""
+
 from __future__ import annotations
 
 import errno
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes
 
 from fp8convert import api
 from fp8convert.cli import main
@@ -20,7 +22,6 @@ from fp8convert.cluster.devices import parse_devices
 from fp8convert.cluster.workers import WorkerSpec, detect_worker, resolve_worker
 from fp8convert.demo import make_demo_model
 from fp8convert.errors import FP8ConvertError
-from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes
 
 try:
     from fakehub import fake_hub  # noqa: F401  (a fixture)
@@ -62,14 +63,35 @@ def shard_paths(out: Path) -> list[Path]:
 
 # ---------------------------------------------------------------- same bytes, however the work is split
 
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_give_the_bytes_of_one_process(ref, tmp_path):
     src, reference = ref
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "fp8convert", "quantize", str(src), str(out), "--device", "cpu", *ARGS],
-                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fp8convert",
+            "quantize",
+            str(src),
+            str(out),
+            "--device",
+            "cpu",
+            *ARGS,
+        ],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tree_bytes(out) == reference
 
@@ -89,8 +111,7 @@ def test_explicit_workers_then_finalize(ref, tmp_path, capsys):
     assert tree_bytes(out) == reference
 
 
-def test_finalizing_a_complete_output_writes_nothing_so_a_read_only_copy_finalizes(ref, tmp_path, capsys,
-                                                                                     monkeypatch):
+def test_finalizing_a_complete_output_writes_nothing_so_a_read_only_copy_finalizes(ref, tmp_path, capsys, monkeypatch):
     """Every file already holds its bytes: none is rewritten (a read-only model store finalizes too, its
     lock folder unwritable)."""
     src, reference = ref
@@ -107,6 +128,7 @@ def test_finalizing_a_complete_output_writes_nothing_so_a_read_only_copy_finaliz
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
             read_only(path)
         return real_open(path, flags, *args)
+
     monkeypatch.setattr(os, "replace", read_only)
     monkeypatch.setattr(os, "open", open_for_reading_only)
     rc, _, err = run_cli(capsys, "finalize", out)
@@ -195,22 +217,28 @@ def test_devices_with_overwrite_replace_an_earlier_output(ref, tmp_path, capsys,
     which may not replace OUT themselves) write it again; the same through a batch job."""
     src, reference = ref
     out = tmp_path / "out"
-    rc, _, err = run_cli(capsys, "quantize", src, out, "--device", "cpu", "--scheme", "channel", "-q",
-                         "--max-shard-size", "1MB")
+    rc, _, err = run_cli(
+        capsys, "quantize", src, out, "--device", "cpu", "--scheme", "channel", "-q", "--max-shard-size", "1MB"
+    )
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "quantize", src, out, "--devices", "cpu,cpu", "--overwrite", *ARGS)
     assert rc == 0, err
     assert tree_bytes(out) == reference
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
     jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text(json.dumps({"source": str(src), "out": str(out), "overwrite": True, "devices": "cpu,cpu",
-                                "max_shard_size": "1MB"}) + "\n")
+    jobs.write_text(
+        json.dumps(
+            {"source": str(src), "out": str(out), "overwrite": True, "devices": "cpu,cpu", "max_shard_size": "1MB"}
+        )
+        + "\n"
+    )
     rc, _, err = run_cli(capsys, "batch", jobs, "-q")
     assert rc == 0, err
     assert tree_bytes(out) == reference
 
 
 # ---------------------------------------------------------------- finalize refuses what is not complete
+
 
 @pytest.mark.parametrize("breakage", ["missing", "truncated", "header"])
 def test_finalize_refuses_a_missing_or_partial_shard(ref, tmp_path, capsys, breakage):
@@ -257,6 +285,7 @@ def test_finalize_a_hub_source(fake_hub, tmp_path):
     import shutil
 
     from huggingface_hub import constants
+
     root = make_demo_model(tmp_path / "model", shards=4)
     (root / "README.md").write_text("---\nlicense: apache-2.0\n---\n# demo\n")
     (root / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
@@ -281,13 +310,18 @@ def test_finalize_a_hub_source(fake_hub, tmp_path):
 
 # ---------------------------------------------------------------- what is refused up front
 
+
 def test_refusals(ref, tmp_path, capsys):
     src, _ = ref
     out = tmp_path / "out"
     # exit 2: the command line is wrong whatever the machine; 1: it is wrong here (or for this OUT)
-    cases = [(["--worker", "0/2", "--overwrite"], "--overwrite", 1), (["--worker", "2/2"], "--worker 2/2", 2),
-             (["--worker", "x"], "K/N", 2), (["--devices", "tpu:0"], "tpu:0", 2),
-             (["--devices", "cpu,cpu", "--device", "cpu"], "--devices", 2)]
+    cases = [
+        (["--worker", "0/2", "--overwrite"], "--overwrite", 1),
+        (["--worker", "2/2"], "--worker 2/2", 2),
+        (["--worker", "x"], "K/N", 2),
+        (["--devices", "tpu:0"], "tpu:0", 2),
+        (["--devices", "cpu,cpu", "--device", "cpu"], "--devices", 2),
+    ]
     if not torch.cuda.is_available():  # one GPU this machine lacks: named as --devices, not --device
         cases += [(["--devices", "cuda:0"], "--devices cuda:0: CUDA is not available", 1)]
     for extra, needle, exit_code in cases:
@@ -298,44 +332,74 @@ def test_refusals(ref, tmp_path, capsys):
 
 # ---------------------------------------------------------------- launcher detection (pure)
 
-@pytest.mark.parametrize("env,opt_in,expected", [
-    ({}, False, None),
-    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, False, WorkerSpec(3, 8, "torchrun", 1)),
-    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, False, WorkerSpec(0, 1, "single", 0)),
-    # torchrun inside an srun step: torchrun's ranks win
-    ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, False,
-     WorkerSpec(5, 16, "torchrun", 5)),
-    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, False, WorkerSpec(2, 4, "slurm", 0)),
-    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}, False, WorkerSpec(1, 2, "slurm")),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, False, None),
-    # arrays and indexed Jobs only with --worker auto
-    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, False, None),
-    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, True,
-     WorkerSpec(2, 4, "slurm-array", on_this_machine=1)),  # each array task is its own allocation
-    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2",
-      "SLURM_ARRAY_TASK_COUNT": "3"}, True, WorkerSpec(2, 3, "slurm-array", on_this_machine=1)),
-    ({"JOB_COMPLETION_INDEX": "0", "JOB_COMPLETIONS": "3"}, False, None),
-    ({"JOB_COMPLETION_INDEX": "2", "JOB_COMPLETIONS": "3"}, True, WorkerSpec(2, 3, "k8s", on_this_machine=1)),
-    # the workers on this node: torchrun's LOCAL_WORLD_SIZE, the most srun tasks on any node
-    ({"RANK": "9", "WORLD_SIZE": "32", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"}, False,
-     WorkerSpec(9, 32, "torchrun", 1, on_this_machine=8)),
-    ({"SLURM_PROCID": "9", "SLURM_NTASKS": "32", "SLURM_STEP_TASKS_PER_NODE": "8(x4)"}, False,
-     WorkerSpec(9, 32, "slurm", on_this_machine=8)),
-    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_TASKS_PER_NODE": "2(x3),1"}, False,
-     WorkerSpec(6, 7, "slurm", on_this_machine=2)),
-    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "two"}, False, WorkerSpec(1, 2, "slurm")),
-])
+
+@pytest.mark.parametrize(
+    "env,opt_in,expected",
+    [
+        ({}, False, None),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, False, WorkerSpec(3, 8, "torchrun", 1)),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, False, WorkerSpec(0, 1, "single", 0)),
+        # torchrun inside an srun step: torchrun's ranks win
+        (
+            {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+            False,
+            WorkerSpec(5, 16, "torchrun", 5),
+        ),
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, False, WorkerSpec(2, 4, "slurm", 0)),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}, False, WorkerSpec(1, 2, "slurm")),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, False, None),
+        # arrays and indexed Jobs only with --worker auto
+        ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, False, None),
+        (
+            {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"},
+            True,
+            WorkerSpec(2, 4, "slurm-array", on_this_machine=1),
+        ),  # each array task is its own allocation
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "4",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "SLURM_ARRAY_TASK_STEP": "2",
+                "SLURM_ARRAY_TASK_COUNT": "3",
+            },
+            True,
+            WorkerSpec(2, 3, "slurm-array", on_this_machine=1),
+        ),
+        ({"JOB_COMPLETION_INDEX": "0", "JOB_COMPLETIONS": "3"}, False, None),
+        ({"JOB_COMPLETION_INDEX": "2", "JOB_COMPLETIONS": "3"}, True, WorkerSpec(2, 3, "k8s", on_this_machine=1)),
+        # the workers on this node: torchrun's LOCAL_WORLD_SIZE, the most srun tasks on any node
+        (
+            {"RANK": "9", "WORLD_SIZE": "32", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"},
+            False,
+            WorkerSpec(9, 32, "torchrun", 1, on_this_machine=8),
+        ),
+        (
+            {"SLURM_PROCID": "9", "SLURM_NTASKS": "32", "SLURM_STEP_TASKS_PER_NODE": "8(x4)"},
+            False,
+            WorkerSpec(9, 32, "slurm", on_this_machine=8),
+        ),
+        (
+            {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_TASKS_PER_NODE": "2(x3),1"},
+            False,
+            WorkerSpec(6, 7, "slurm", on_this_machine=2),
+        ),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "two"}, False, WorkerSpec(1, 2, "slurm")),
+    ],
+)
 def test_detect_worker(env, opt_in, expected):
     assert detect_worker(env, opt_in=opt_in) == expected
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({}, "no launcher"),
-    ({"JOB_COMPLETION_INDEX": "1"}, "JOB_COMPLETIONS"),
-    ({"SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_TASK_COUNT"),
-    ({"JOB_COMPLETION_INDEX": "3", "JOB_COMPLETIONS": "3"}, "not a valid split"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({}, "no launcher"),
+        ({"JOB_COMPLETION_INDEX": "1"}, "JOB_COMPLETIONS"),
+        ({"SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_TASK_COUNT"),
+        ({"JOB_COMPLETION_INDEX": "3", "JOB_COMPLETIONS": "3"}, "not a valid split"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
+    ],
+)
 def test_detect_worker_errors(env, needle):
     with pytest.raises(FP8ConvertError, match=needle):
         detect_worker(env, opt_in=True)
@@ -389,6 +453,7 @@ def test_parse_devices():
 
 # ---------------------------------------------------------------- batch
 
+
 def write_jobs(path: Path, src: Path, base: Path) -> Path:
     path.write_text(f"""
 [defaults]
@@ -398,17 +463,17 @@ device = "cpu"
 [[job]]
 name = "first"
 source = "{src}"
-out = "{base / 'a'}"
+out = "{base / "a"}"
 
 [[job]]
 name = "broken"
-source = "{base / 'no-such-model'}"
-out = "{base / 'b'}"
+source = "{base / "no-such-model"}"
+out = "{base / "b"}"
 
 [[job]]
 name = "channel"
 source = "{src}"
-out = "{base / 'c'}"
+out = "{base / "c"}"
 scheme = "channel"
 ignore = ["re:.*down_proj$"]
 """)
@@ -472,8 +537,11 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
     src, _ = ref
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
     good = tmp_path / "jobs.jsonl"
-    good.write_text("# models\n" + json.dumps({"source": str(src), "out": str(tmp_path / "x"), "device": "cpu",
-                                               "max_shard_size": "1MB"}) + "\n\n")
+    good.write_text(
+        "# models\n"
+        + json.dumps({"source": str(src), "out": str(tmp_path / "x"), "device": "cpu", "max_shard_size": "1MB"})
+        + "\n\n"
+    )
     assert [j.source for j in read_jobs(good)] == [str(src)]
     rc, stdout, err = run_cli(capsys, "batch", good, "-q", "--json")
     assert rc == 0, err
@@ -481,15 +549,23 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
     bad = {
         "unknown.toml": ('[[job]]\nsource = "a"\nout = "b"\nschme = "block"\n', ["job 0", "schme"]),
         "no_out.toml": ('[[job]]\nname = "m"\nsource = "a"\n', ["job 0 (m)", "'out'"]),
-        "scheme.jsonl": ('{"source": "a", "out": "b"}\n{"source": "a", "out": "c", "scheme": "x"}\n',
-                         ["job 1", "--scheme"]),
-        "twice.toml": ('[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "b"\nout = "o"\n', ["job 1 writes to o, as job 0 does"]),
+        "scheme.jsonl": (
+            '{"source": "a", "out": "b"}\n{"source": "a", "out": "c", "scheme": "x"}\n',
+            ["job 1", "--scheme"],
+        ),
+        "twice.toml": (
+            '[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "b"\nout = "o"\n',
+            ["job 1 writes to o, as job 0 does"],
+        ),
         "types.toml": ('[[job]]\nsource = "a"\nout = "b"\nprivate = "yes"\n', ["job 0", "private"]),
         "push.toml": ('[[job]]\nsource = "a"\nout = "b"\npush_to_hub = "not a repo"\n', ["job 0", "push_to_hub"]),
         "defaults.toml": ('[defaults]\nout = "x"\n[[job]]\nsource = "a"\nout = "b"\n', ["[defaults]", "out"]),
         "empty.toml": ("", ["no jobs"]),
         "broken.jsonl": ('{"source": \n', ["broken.jsonl:1"]),
-        "dtype.toml": ('[[job]]\nsource = "a"\nout = "b"\ndtype = "fp16"\n', ["job 0", "--dtype applies to dequantize"]),
+        "dtype.toml": (
+            '[[job]]\nsource = "a"\nout = "b"\ndtype = "fp16"\n',
+            ["job 0", "--dtype applies to dequantize"],
+        ),
     }
     for name, (text, needles) in bad.items():
         (tmp_path / name).write_text(text)
@@ -503,5 +579,9 @@ def test_task_index_from_env():
     assert task_index_from_env({}) is None
     assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7"}) == 7
     # --array=3,7 reruns jobs 3 and 7 (not 0 and 4)
-    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"}) == 3
-    assert task_index_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"}) == 7
+    assert (
+        task_index_from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"}) == 3
+    )
+    assert (
+        task_index_from_env({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"}) == 7
+    )

@@ -1,16 +1,17 @@
 """`fp8convert dequantize` at the edges a user meets: the same rules as quantize for what OUT may hold
 (--overwrite replaces only fp8convert's own output), the same one-line failures and --json error
 object, the same conventions (--token, --cache-dir, --base-model, plurals and units), and batch jobs."""
+
 from __future__ import annotations
 
 import json
 import re
 
 import pytest
+from tiny_ckpt import llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 import fp8convert
 from fp8convert.cli import _failures, main
-from tiny_ckpt import llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 
 def run(capsys, *args) -> tuple[int, str, str]:
@@ -103,8 +104,11 @@ def test_dequantize_summary_speaks_in_plurals_and_units(fp8_src, tmp_path, capsy
     rc, stdout, err = run(capsys, "dequantize", fp8_src, tmp_path / "out", "--device", "cpu")
     assert rc == 0, err
     line = stdout.strip().splitlines()[-1]
-    assert re.match(r"wrote \S+: 1 shard, 14 FP8 weights dequantized, \d+ kept, \d+\.\d\d (KB|MB) -> "
-                    r"\d+\.\d\d (KB|MB) in ", line), line
+    assert re.match(
+        r"wrote \S+: 1 shard, 14 FP8 weights dequantized, \d+ kept, \d+\.\d\d (KB|MB) -> "
+        r"\d+\.\d\d (KB|MB) in ",
+        line,
+    ), line
     assert "(s)" not in line and "0.00 GB" not in line
 
 
@@ -149,7 +153,8 @@ def test_batch_dequantize_job_into_a_foreign_folder_keeps_it(fp8_src, tmp_path, 
     theirs.mkdir()
     (theirs / "keep.txt").write_text("k")
     jobs = tmp_path / "jobs.toml"
-    jobs.write_text(f'[[job]]\nsource = "{fp8_src}"\nout = "{theirs}"\ndequantize = true\noverwrite = true\n'
-                    'device = "cpu"\n')
+    jobs.write_text(
+        f'[[job]]\nsource = "{fp8_src}"\nout = "{theirs}"\ndequantize = true\noverwrite = true\ndevice = "cpu"\n'
+    )
     rc, _, err = run(capsys, "batch", jobs, "-q")
     assert rc == 1 and "keep.txt" in err and tree_bytes(theirs) == {"keep.txt": b"k"}, err

@@ -44,8 +44,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationW
 
 REPO = "acme/tiny-llama"
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 8,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "intermediate_size": 8,
+    "vocab_size": 8,
 }
 
 
@@ -129,9 +135,7 @@ def test_hf_hub_download_regular_and_lfs_files(fake_hub: FakeHub, tiny_model: di
         hf_hub_download(REPO, "missing.bin")
 
 
-def test_snapshot_download_with_allow_patterns(
-    fake_hub: FakeHub, tiny_model: dict[str, bytes], tmp_path: Path
-) -> None:
+def test_snapshot_download_with_allow_patterns(fake_hub: FakeHub, tiny_model: dict[str, bytes], tmp_path: Path) -> None:
     folder = Path(snapshot_download(REPO, allow_patterns=["*.json"]))
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "tokenizer.json"]
     assert (folder / "config.json").read_bytes() == tiny_model["config.json"]
@@ -158,14 +162,19 @@ def test_safetensors_metadata_with_range_requests(fake_hub: FakeHub, tiny_model:
     shard2 = safetensors_bytes(tmp_path, {"lm_head.weight": torch.zeros(2, 2, dtype=torch.float16)}, "s2.safetensors")
     index = {
         "metadata": {"total_size": 123},
-        "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in many},
-                       "lm_head.weight": "model-00002-of-00002.safetensors"},
+        "weight_map": {
+            **{k: "model-00001-of-00002.safetensors" for k in many},
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        },
     }
-    fake_hub.add_repo("acme/sharded", {
-        "model.safetensors.index.json": json.dumps(index).encode(),
-        "model-00001-of-00002.safetensors": shard1,
-        "model-00002-of-00002.safetensors": shard2,
-    })
+    fake_hub.add_repo(
+        "acme/sharded",
+        {
+            "model.safetensors.index.json": json.dumps(index).encode(),
+            "model-00001-of-00002.safetensors": shard1,
+            "model-00002-of-00002.safetensors": shard2,
+        },
+    )
     meta = HfApi().get_safetensors_metadata("acme/sharded")
     assert meta.sharded and meta.metadata == {"total_size": 123}
     assert meta.parameter_count == {"F32": 2000, "F16": 4}
@@ -223,8 +232,11 @@ def test_upload_folder_with_lfs_and_skip_unchanged(fake_hub: FakeHub, tmp_path: 
     ops = [json.loads(line) for line in fake_hub.requests_to("/commit/main", "POST")[0].body.splitlines()]
     assert ops[0] == {"key": "header", "value": {"summary": "fp8 weights", "description": ""}}
     assert {op["value"]["path"]: op["key"] for op in ops[1:]} == {
-        "config.json": "file", "README.md": "file", "nested/notes.txt": "file",
-        "model.safetensors": "lfsFile", "big.bin": "lfsFile",
+        "config.json": "file",
+        "README.md": "file",
+        "nested/notes.txt": "file",
+        "model.safetensors": "lfsFile",
+        "big.bin": "lfsFile",
     }
     assert Path(hf_hub_download("acme/upload", "big.bin")).read_bytes() == local["big.bin"]
 

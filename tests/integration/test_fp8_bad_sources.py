@@ -2,15 +2,15 @@
 tensor (or the method found), a non-zero exit, and no output that looks complete; what the headers
 already condemn fails before OUT is created, what only the values show (a scale of 0 or Inf, a NaN
 code, a value float16 cannot hold) fails while reading, naming the tensor, leaving a resumable output."""
+
 from __future__ import annotations
 
 import json
 
+import fp8_reference as F
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-import fp8_reference as F
 from tiny_ckpt import assert_refused, llama_tensors, rewrite_index, run_cli, write_checkpoint
 
 try:
@@ -19,7 +19,7 @@ except ImportError:  # tests/ imported as a package
     from tests.fakehub import fake_hub  # noqa: F401
 
 SHARD2 = "model-00002-of-00003.safetensors"  # layer 1
-W = "model.layers.1.mlp.up_proj"             # an FP8 weight in SHARD2: [128, 64]
+W = "model.layers.1.mlp.up_proj"  # an FP8 weight in SHARD2: [128, 64]
 
 
 def fp8_checkpoint(root, layout: F.Layout = F.LAYOUTS["qwen-native-block-bf16"]):
@@ -32,8 +32,12 @@ def edit_shard(src, edit, file=SHARD2):
     tensors = load_file(str(src / file))
     edit(tensors)
     save_file(tensors, str(src / file), metadata={"format": "pt"})
-    rewrite_index(src, lambda ix: ix.update(weight_map={**{k: v for k, v in ix["weight_map"].items() if v != file},
-                                                        **{k: file for k in tensors}}))
+    rewrite_index(
+        src,
+        lambda ix: ix.update(
+            weight_map={**{k: v for k, v in ix["weight_map"].items() if v != file}, **{k: file for k in tensors}}
+        ),
+    )
 
 
 def edit_config(src, edit):
@@ -43,6 +47,7 @@ def edit_config(src, edit):
 
 
 # ---------------------------------------------------------------- refused from the headers
+
 
 def scale_missing(src):
     edit_shard(src, lambda t: t.pop(W + ".weight_scale_inv"))
@@ -100,8 +105,10 @@ def orphan_scale(src):
 
 
 def three_d_fp8(src):
-    edit_shard(src, lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj": torch.zeros(2, 32, 64).to(
-        torch.float8_e4m3fn)}))
+    edit_shard(
+        src,
+        lambda t: t.update({"model.layers.1.mlp.experts.gate_up_proj": torch.zeros(2, 32, 64).to(torch.float8_e4m3fn)}),
+    )
     return "model.layers.1.mlp.experts.gate_up_proj", "2-D"
 
 
@@ -140,14 +147,32 @@ def kv_cache_scales(src):
     return "model.layers.1.self_attn.k_scale"
 
 
-FP8_BROKEN = [scale_missing, scale_named_otherwise, two_scales, scale_of_another_format, scale_wrong_shape, scale_per_channel_in_a_block_model,
-              scale_e8m0, scale_integer, scale_without_fp8_weight, orphan_scale, three_d_fp8, e5m2_weight,
-              static_without_input_scale, input_scale_but_dynamic, block_size_64, fmt_e5m2,
-              fp8_tensors_without_config, kv_cache_scales]
+FP8_BROKEN = [
+    scale_missing,
+    scale_named_otherwise,
+    two_scales,
+    scale_of_another_format,
+    scale_wrong_shape,
+    scale_per_channel_in_a_block_model,
+    scale_e8m0,
+    scale_integer,
+    scale_without_fp8_weight,
+    orphan_scale,
+    three_d_fp8,
+    e5m2_weight,
+    static_without_input_scale,
+    input_scale_but_dynamic,
+    block_size_64,
+    fmt_e5m2,
+    fp8_tensors_without_config,
+    kv_cache_scales,
+]
 
 
 @pytest.mark.parametrize("breaker", FP8_BROKEN, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("command", [["dequantize"], ["quantize", "--scheme", "channel"]], ids=["dequantize", "quantize"])
+@pytest.mark.parametrize(
+    "command", [["dequantize"], ["quantize", "--scheme", "channel"]], ids=["dequantize", "quantize"]
+)
 def test_bad_fp8_source_is_refused_before_any_output(tmp_path, capsys, breaker, command):
     src = fp8_checkpoint(tmp_path / "src", getattr(breaker, "layout", F.LAYOUTS["qwen-native-block-bf16"]))
     names = breaker(src)
@@ -159,6 +184,7 @@ def test_bad_fp8_source_is_refused_before_any_output(tmp_path, capsys, breaker, 
 
 
 # ---------------------------------------------------------------- other quantization methods
+
 
 def gptq(src):
     edit_config(src, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128}))
@@ -181,55 +207,118 @@ def gpt_oss_mxfp4(src):
 
 
 def modelopt_nvfp4(src):
-    (src / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
-                                                         "quantization": {"quant_algo": "NVFP4"}}))
+    (src / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4"}})
+    )
     return "hf_quant_config.json", "ModelOpt"
 
 
 def ct_int4_packed(src):
-    edit_config(src, lambda c: c.update(quantization_config={
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}))
+    edit_config(
+        src,
+        lambda c: c.update(
+            quantization_config={
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
+                },
+            }
+        ),
+    )
     return "config.json", "pack-quantized", "integer"
 
 
 def ct_nvfp4(src):
-    edit_config(src, lambda c: c.update(quantization_config={
-        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-                                                  "group_size": 16}}}}))
+    edit_config(
+        src,
+        lambda c: c.update(
+            quantization_config={
+                "quant_method": "compressed-tensors",
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+                    }
+                },
+            }
+        ),
+    )
     return "config.json", "NVFP4"
 
 
 def ct_fp8_and_int4_groups(src):
     # Kimi-K2-Thinking-style: FP8 attention and int4 experts in one mixed-precision config
     fp8 = {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}
-    int4 = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}, "format": "pack-quantized"}
-    edit_config(src, lambda c: c.update(quantization_config={
-        "quant_method": "compressed-tensors", "format": "mixed-precision",
-        "config_groups": {"group_0": fp8, "group_1": int4}}))
+    int4 = {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
+        "format": "pack-quantized",
+    }
+    edit_config(
+        src,
+        lambda c: c.update(
+            quantization_config={
+                "quant_method": "compressed-tensors",
+                "format": "mixed-precision",
+                "config_groups": {"group_0": fp8, "group_1": int4},
+            }
+        ),
+    )
     return "config.json", "pack-quantized"
 
 
 def ct_mxfp8(src):
-    edit_config(src, lambda c: c.update(quantization_config={
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32,
-                                                  "scale_dtype": "torch.uint8"}}}}))
+    edit_config(
+        src,
+        lambda c: c.update(
+            quantization_config={
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "float",
+                            "strategy": "group",
+                            "group_size": 32,
+                            "scale_dtype": "torch.uint8",
+                        }
+                    }
+                },
+            }
+        ),
+    )
     return "config.json", "MXFP8"
 
 
 def ct_asymmetric_static_activations(src):
-    fp8 = {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
-           "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                 "symmetric": False}}
-    edit_config(src, lambda c: c.update(quantization_config={
-        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": fp8}}))
+    fp8 = {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+        "input_activations": {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "tensor",
+            "dynamic": False,
+            "symmetric": False,
+        },
+    }
+    edit_config(
+        src,
+        lambda c: c.update(
+            quantization_config={
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"group_0": fp8},
+            }
+        ),
+    )
     return "config.json", "static input activations"
 
 
 def fbgemm(src):
-    edit_config(src, lambda c: c.update(quantization_config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200}))
+    edit_config(
+        src, lambda c: c.update(quantization_config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200})
+    )
     return "config.json", "'fbgemm_fp8'"
 
 
@@ -239,9 +328,20 @@ def gptq_tensors_without_config(src):
     return W + ".qweight"
 
 
-OTHER_METHODS = [gptq, awq, bitsandbytes_4bit, gpt_oss_mxfp4, modelopt_nvfp4, ct_int4_packed, ct_nvfp4,
-                 ct_fp8_and_int4_groups, ct_mxfp8, ct_asymmetric_static_activations, fbgemm,
-                 gptq_tensors_without_config]
+OTHER_METHODS = [
+    gptq,
+    awq,
+    bitsandbytes_4bit,
+    gpt_oss_mxfp4,
+    modelopt_nvfp4,
+    ct_int4_packed,
+    ct_nvfp4,
+    ct_fp8_and_int4_groups,
+    ct_mxfp8,
+    ct_asymmetric_static_activations,
+    fbgemm,
+    gptq_tensors_without_config,
+]
 
 
 @pytest.mark.parametrize("breaker", OTHER_METHODS, ids=lambda f: f.__name__)
@@ -268,6 +368,7 @@ def test_mxfp8_checkpoints_are_refused_as_sources(tmp_path, capsys):
 def test_dequantize_takes_no_scale_format():
     from fp8convert import Settings
     from fp8convert.errors import FP8ConvertError
+
     with pytest.raises(FP8ConvertError, match="^scale_format does not apply to dequantize"):
         Settings(dequantize=True, scheme="block", scale_format="ue8m0")
 
@@ -288,8 +389,22 @@ def test_ue8m0_source_scales_that_are_not_powers_of_two(tmp_path, capsys, monkey
         fake_hub.add_repo("acme/ue8m0", from_dir=src)
         monkeypatch.setenv("HF_TOKEN", fake_hub.token)
         where = ["acme/ue8m0", "--stream-download"]
-    rc, err = run_cli(capsys, "quantize", where[0], out, *where[1:], "--format", "fp8", "--scheme", "block",
-                      "--scale-format", "ue8m0", "-q", "--device", "cpu")
+    rc, err = run_cli(
+        capsys,
+        "quantize",
+        where[0],
+        out,
+        *where[1:],
+        "--format",
+        "fp8",
+        "--scheme",
+        "block",
+        "--scale-format",
+        "ue8m0",
+        "-q",
+        "--device",
+        "cpu",
+    )
     line = assert_refused(rc, err, out, W + ".weight_scale_inv", SHARD2, preflight=False)
     assert "not a power of two" in line and "scale_fmt ue8m0" in line
     if streamed:
@@ -298,6 +413,7 @@ def test_ue8m0_source_scales_that_are_not_powers_of_two(tmp_path, capsys, monkey
     rc, err = run_cli(capsys, "quantize", src, plain, "--format", "fp8", "--scheme", "block", "-q", "--device", "cpu")
     assert rc == 0, err
     from fp8convert.verify import verify
+
     assert verify(src, plain).ok
     edit_config(plain, lambda c: c["quantization_config"].update(scale_fmt="ue8m0"))
     report = verify(src, plain)
@@ -315,6 +431,7 @@ def test_dequantize_of_a_bf16_source_and_a_bad_dtype_are_refused(tmp_path, capsy
 
 
 # ---------------------------------------------------------------- refused while reading
+
 
 def scale_zero(t):
     t[W + ".weight_scale_inv"] = torch.zeros_like(t[W + ".weight_scale_inv"])
@@ -339,9 +456,11 @@ def nan_code(t):
 
 
 @pytest.mark.parametrize("breaker", [scale_zero, scale_infinite, scale_negative, nan_code], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("command", [["dequantize"], ["quantize", "--scheme", "channel"],
-                                     ["quantize", "--format", "fp8", "--scheme", "block"]],
-                         ids=["dequantize", "requantize", "pass-through"])
+@pytest.mark.parametrize(
+    "command",
+    [["dequantize"], ["quantize", "--scheme", "channel"], ["quantize", "--format", "fp8", "--scheme", "block"]],
+    ids=["dequantize", "requantize", "pass-through"],
+)
 def test_bad_values_are_refused_while_reading_naming_the_tensor(tmp_path, capsys, breaker, command):
     src = fp8_checkpoint(tmp_path / "src")
     tensors = load_file(str(src / SHARD2))

@@ -8,17 +8,17 @@ tests/support/reference.py, never read from the product's output: dequantized we
 scale rounded once, bit for bit; requantized ones must be tests/support/reference.py's quantization of those
 float32 values; a source already in the asked scheme must come out with its own codes and scales.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
-
 import fp8_reference as F
+import pytest
 import reference as R
+import torch
 from checks import as_bytes, same_bytes
 from harness import cases_in_turn, model_logits, read_json, read_safetensors_dir, run_quantize
 
@@ -27,8 +27,13 @@ from fp8convert.verify import verify
 
 FP8 = torch.float8_e4m3fn
 MIN_COSINE = 0.99
-COMBOS = [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("compressed-tensors", "block"),
-          ("fp8", "tensor"), ("fp8", "block")]
+COMBOS = [
+    ("compressed-tensors", "tensor"),
+    ("compressed-tensors", "channel"),
+    ("compressed-tensors", "block"),
+    ("fp8", "tensor"),
+    ("fp8", "block"),
+]
 COMBO_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block"]
 
 # name -> (BF16 model it is made from, how): a reference layout, or ("fp8convert", format, scheme)
@@ -61,9 +66,12 @@ def bf16_model(tmp_path_factory, source_model):
             return source_model(kind)
         if kind not in cache:
             import zoo
-            cache[kind] = zoo.make("deepseek_v3", tmp_path_factory.mktemp("ds-bf16") / "model",
-                                   config_overrides={"hidden_size": 192})
+
+            cache[kind] = zoo.make(
+                "deepseek_v3", tmp_path_factory.mktemp("ds-bf16") / "model", config_overrides={"hidden_size": 192}
+            )
         return cache[kind]
+
     return get
 
 
@@ -82,6 +90,7 @@ def fp8_source(tmp_path_factory, bf16_model):
                 run_quantize(bf16_model(kind), out, format=how[1], scheme=how[2])
             cache[name] = out
         return cache[name]
+
     return get
 
 
@@ -97,6 +106,7 @@ def dequantized_out(tmp_path_factory, fp8_source):
             assert report.complete and report.dequantize
             cache[(name, dtype)] = out
         return cache[(name, dtype)]
+
     return get
 
 
@@ -143,9 +153,13 @@ def test_deepseek_source_keeps_its_mtp_layer_router_and_bias(fp8_source, dequant
     assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert tensors["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape == (1, 2)  # [128, 192]: a partial block
     got = read_safetensors_dir(dequantized_out("deepseek-native-block-ue8m0"))
-    for name in ("model.layers.2.eh_proj.weight", "model.layers.2.shared_head.head.weight",
-                 "model.layers.2.embed_tokens.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
-                 "model.layers.1.mlp.gate.weight"):
+    for name in (
+        "model.layers.2.eh_proj.weight",
+        "model.layers.2.shared_head.head.weight",
+        "model.layers.2.embed_tokens.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.1.mlp.gate.weight",
+    ):
         assert same_bytes(got[name], tensors[name]), name
 
 
@@ -161,8 +175,16 @@ def test_dequantize_to_other_dtypes(dtype, torch_dtype, fp8_source, dequantized_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepseek-native-block-ue8m0", "qwen3-native-block-bf16", "qwen3_moe-ct-channel-bf16",
-                                  "llama-autofp8-tensor-static", "llama-fp8convert-fp8-block"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "deepseek-native-block-ue8m0",
+        "qwen3-native-block-bf16",
+        "qwen3_moe-ct-channel-bf16",
+        "llama-autofp8-tensor-static",
+        "llama-fp8convert-fp8-block",
+    ],
+)
 def test_dequantized_model_loads_in_transformers_close_to_the_bf16_model(name, bf16_model, dequantized_out):
     kind = SOURCES[name][0]
     ref, got = model_logits(bf16_model(kind)), model_logits(dequantized_out(name))
@@ -173,15 +195,22 @@ def test_dequantized_model_loads_in_transformers_close_to_the_bf16_model(name, b
 # ------------------------------------------------------------------ requantize
 
 
-def expected_requantized(tensors: dict, scheme_in: str, fmt: str, scheme: str, kind: str, config: dict,
-                         passes: bool | None = None, scale_format: str = "float"):
+def expected_requantized(
+    tensors: dict,
+    scheme_in: str,
+    fmt: str,
+    scheme: str,
+    kind: str,
+    config: dict,
+    passes: bool | None = None,
+    scale_format: str = "float",
+):
     """(expected outputs, FP8 output names) of requantizing an FP8 checkpoint: a source that `passes`
     (by default: one already in `scheme`) keeps its codes and scale values (its scale named and shaped as
     `fmt` writes them, dtype as stored); otherwise tests/support/reference.py quantizes the dequantized float32
     values in `scheme` and `scale_format`."""
     weights = F.fp8_weights(tensors, scheme_in)
-    plain = {n: t for n, t in tensors.items() if not n.endswith((".weight_scale", ".weight_scale_inv",
-                                                                   ".input_scale"))}
+    plain = {n: t for n, t in tensors.items() if not n.endswith((".weight_scale", ".weight_scale_inv", ".input_scale"))}
     if not (scheme_in == scheme if passes is None else passes):
         values = {**plain, **F.dequantized(tensors, scheme_in)}
         out, quantized = R.expected_outputs(values, fmt, scheme, arch=kind, config=config, scale_format=scale_format)
@@ -203,8 +232,9 @@ def test_requantize_to_every_scheme_and_format(name, fmt, scheme, fp8_source, tm
     out = tmp_path / "out"
     report = run_quantize(src, out, format=fmt, scheme=scheme)
     got = read_safetensors_dir(out)
-    expected, fp8_names = expected_requantized(tensors, source_scheme(name), fmt, scheme, kind,
-                                               read_json(src / "config.json"))
+    expected, fp8_names = expected_requantized(
+        tensors, source_scheme(name), fmt, scheme, kind, read_json(src / "config.json")
+    )
     static = {n for n in tensors if n.endswith(".input_scale")}
     carried = static if scheme == "tensor" else set()
     assert set(got) == set(expected) | carried, (sorted(set(got) ^ (set(expected) | carried)))[:6]
@@ -243,12 +273,17 @@ def test_requantizing_fp8convert_output_to_its_own_scheme_gives_its_bytes(fmt, s
     assert read_json(out / "config.json") == read_json(src / "config.json")
 
 
-BLACKWELL = [("compressed-tensors", "mxfp8", "float"), ("compressed-tensors", "block", "ue8m0"),
-             ("fp8", "block", "ue8m0")]
+BLACKWELL = [
+    ("compressed-tensors", "mxfp8", "float"),
+    ("compressed-tensors", "block", "ue8m0"),
+    ("fp8", "block", "ue8m0"),
+]
 
 
-@pytest.mark.parametrize("name,fmt,scheme,scale_format",
-                         cases_in_turn(REFERENCE_SOURCES, BLACKWELL, ["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"]))
+@pytest.mark.parametrize(
+    "name,fmt,scheme,scale_format",
+    cases_in_turn(REFERENCE_SOURCES, BLACKWELL, ["ct-mxfp8", "ct-block-ue8m0", "fp8-block-ue8m0"]),
+)
 def test_requantize_to_mxfp8_and_ue8m0_blocks(name, fmt, scheme, scale_format, fp8_source, tmp_path):
     """FP8 sources to the Blackwell layouts: requantized from their dequantized float32 values with the
     power-of-two rules, as tests/support/reference.py computes them, except a block source that declares
@@ -260,8 +295,9 @@ def test_requantize_to_mxfp8_and_ue8m0_blocks(name, fmt, scheme, scale_format, f
     out = tmp_path / "out"
     report = run_quantize(src, out, format=fmt, scheme=scheme, scale_format=scale_format)
     got = read_safetensors_dir(out)
-    expected, fp8_names = expected_requantized(tensors, source_scheme(name), fmt, scheme, SOURCES[name][0], config,
-                                               passes, scale_format)
+    expected, fp8_names = expected_requantized(
+        tensors, source_scheme(name), fmt, scheme, SOURCES[name][0], config, passes, scale_format
+    )
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))[:6]  # static activation scales dropped
     wrong = [n for n in expected if not same_bytes(got[n], expected[n])]
     assert not wrong, f"differ from the reference: {wrong[:6]}"
@@ -275,8 +311,9 @@ def test_requantize_to_mxfp8_and_ue8m0_blocks(name, fmt, scheme, scale_format, f
         assert all(got[R.module_of(n) + ".weight_scale"].dtype == torch.uint8 for n in fp8_names)
     dropped_fmt = config["quantization_config"].get("scale_fmt") == "ue8m0" and scale_format != "ue8m0"
     assert any("scale_fmt 'ue8m0' is not written" in n for n in report.notes) == dropped_fmt
-    assert any("static activation scales" in n for n in report.notes) == any(n.endswith(".input_scale")
-                                                                              for n in tensors)
+    assert any("static activation scales" in n for n in report.notes) == any(
+        n.endswith(".input_scale") for n in tensors
+    )
     check = verify(src, out)
     assert check.ok, check.failures[:3]
 
@@ -286,8 +323,7 @@ def test_ignored_fp8_weights_are_dequantized_and_listed(fp8_source, tmp_path):
     src = fp8_source(name)
     tensors = read_safetensors_dir(src)
     out = tmp_path / "out"
-    report = run_quantize(src, out, format="compressed-tensors", scheme="channel",
-                          ignore=["re:.*self_attn\\.o_proj$"])
+    report = run_quantize(src, out, format="compressed-tensors", scheme="channel", ignore=["re:.*self_attn\\.o_proj$"])
     got = read_safetensors_dir(out)
     deq = F.dequantized(tensors, "block")
     o_projs = [n for n in tensors if n.endswith("self_attn.o_proj.weight")]
@@ -299,15 +335,19 @@ def test_ignored_fp8_weights_are_dequantized_and_listed(fp8_source, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,fmt,scheme", [
-    ("deepseek-native-block-ue8m0", "compressed-tensors", "channel"),
-    ("qwen3-ct-tensor-static-bf16", "compressed-tensors", "tensor"),
-    ("qwen3-native-block-fp16", "compressed-tensors", "channel"),
-    ("qwen3_moe-ct-channel-bf16", "fp8", "block"),
-    ("llama-autofp8-tensor-static", "compressed-tensors", "tensor"),
-])
-def test_requantized_model_loads_in_transformers_close_to_the_bf16_model(name, fmt, scheme, bf16_model, fp8_source,
-                                                                        tmp_path):
+@pytest.mark.parametrize(
+    "name,fmt,scheme",
+    [
+        ("deepseek-native-block-ue8m0", "compressed-tensors", "channel"),
+        ("qwen3-ct-tensor-static-bf16", "compressed-tensors", "tensor"),
+        ("qwen3-native-block-fp16", "compressed-tensors", "channel"),
+        ("qwen3_moe-ct-channel-bf16", "fp8", "block"),
+        ("llama-autofp8-tensor-static", "compressed-tensors", "tensor"),
+    ],
+)
+def test_requantized_model_loads_in_transformers_close_to_the_bf16_model(
+    name, fmt, scheme, bf16_model, fp8_source, tmp_path
+):
     out = tmp_path / "out"
     run_quantize(fp8_source(name), out, format=fmt, scheme=scheme)
     ref, got = model_logits(bf16_model(SOURCES[name][0])), model_logits(out)
@@ -320,6 +360,7 @@ def test_requantized_model_loads_in_transformers_close_to_the_bf16_model(name, f
 
 def test_inspect_shows_the_source_and_what_becomes_of_each_weight(fp8_source, capsys):
     from fp8convert.cli import main
+
     src = fp8_source("deepseek-native-block-ue8m0")
     assert main(["inspect", str(src), "--scheme", "channel", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -335,6 +376,7 @@ def test_inspect_shows_the_source_and_what_becomes_of_each_weight(fp8_source, ca
 def test_dequantize_batches_fit_the_budget_on_their_outputs(fp8_source):
     """Dequantized weights are larger than their codes: batches are cut on whichever is larger."""
     from fp8convert.plan.batches import make_batches, resident_bytes
+
     plan = fp8convert.make_plan(fp8_source("qwen3_moe-ct-channel-bf16"), dequantize=True, dtype="fp32")
     budget = 64 << 10
     batches = make_batches(plan.units, budget)
@@ -344,11 +386,13 @@ def test_dequantize_batches_fit_the_budget_on_their_outputs(fp8_source):
     assert sorted(t.name for b in batches for t in b.tensors) == sorted(t.name for t in plan.tensors)
 
 
-@pytest.mark.parametrize("scheme,shape", [("tensor", (200, 96)), ("channel", (130, 48)), ("block", (300, 260)),
-                                          ("block", (64, 16))])
+@pytest.mark.parametrize(
+    "scheme,shape", [("tensor", (200, 96)), ("channel", (130, 48)), ("block", (300, 260)), ("block", (64, 16))]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_both_dequantize_paths_match_reference(scheme, shape, dtype, monkeypatch):
     from fp8convert.run import numerics
+
     monkeypatch.setattr(numerics, "CPU_TILE_BYTES", 4 * 1024)  # several tiles, a partial last one
     g = torch.Generator().manual_seed(1)
     w = torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g)
@@ -366,6 +410,7 @@ def test_verify_catches_a_wrong_dequantized_element_and_a_left_scale(fp8_source,
     name = "model.layers.1.mlp.down_proj.weight"
     shard = out / read_json(out / "model.safetensors.index.json")["weight_map"][name]
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(shard))
     w = tensors[name].clone()
     w.view(torch.int16)[3, 5] += 1  # one bf16 ulp: a second rounding would do this
@@ -382,6 +427,7 @@ def test_verify_catches_a_requantized_code_off_the_grid(fp8_source, tmp_path):
     name = "model.layers.0.self_attn.q_proj.weight"
     shard = out / read_json(out / "model.safetensors.index.json")["weight_map"][name]
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(shard))
     q = tensors[name].clone()
     q.view(torch.uint8)[2, 2] ^= 0x02  # another code, two steps away

@@ -2,13 +2,13 @@
 one; workers with finalize, several devices and a streamed Hub source give the bytes of one process;
 the result can be pushed. Also for requantize and pass-through (the path that copies codes and scales
 without torch)."""
+
 from __future__ import annotations
 
 import signal
 
-import pytest
-
 import fp8_reference as F
+import pytest
 from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, wait_for, write_checkpoint
 
 from fp8convert import api, publish
@@ -24,10 +24,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationW
 
 # 6 layers in 20 KB output shards, 8 KB batches: many shards and batches of a tiny model.
 ARGS = ["--max-shard-size", "20KB", "--max-resident", "8KB", "--device", "cpu", "-q"]
-COMMANDS = {"dequantize": ["dequantize"], "requantize": ["quantize", "--scheme", "channel"],
-            "pass-through": ["quantize", "--format", "fp8", "--scheme", "block"]}
-API = {"dequantize": (api.dequantize, {}), "requantize": (api.quantize, {"scheme": "channel"}),
-       "pass-through": (api.quantize, {"format": "fp8", "scheme": "block"})}
+COMMANDS = {
+    "dequantize": ["dequantize"],
+    "requantize": ["quantize", "--scheme", "channel"],
+    "pass-through": ["quantize", "--format", "fp8", "--scheme", "block"],
+}
+API = {
+    "dequantize": (api.dequantize, {}),
+    "requantize": (api.quantize, {"scheme": "channel"}),
+    "pass-through": (api.quantize, {"format": "fp8", "scheme": "block"}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,16 @@ def test_workers_then_finalize_give_the_bytes_of_one_process(fp8_src, tmp_path, 
     out = tmp_path / "out"
     convert, options = API[name]
     for k in range(2):
-        report = convert(src, out, device="cpu", max_shard_size="20KB", max_resident="8KB", worker=f"{k}/2",
-                         finalize=False, **options)
+        report = convert(
+            src,
+            out,
+            device="cpu",
+            max_shard_size="20KB",
+            max_resident="8KB",
+            worker=f"{k}/2",
+            finalize=False,
+            **options,
+        )
         assert report.shards_written > 0 and not report.complete
     assert not looks_complete(out)
     assert main(["finalize", str(out)]) == 0
@@ -97,8 +111,18 @@ def test_streamed_hub_source_and_push(fake_hub, fp8_src, tmp_path, monkeypatch, 
     monkeypatch.setenv("HF_TOKEN", fake_hub.token)
     out = tmp_path / "out"
     command = COMMANDS[name]
-    rc = main([command[0], "acme/tiny-fp8", str(out), *command[1:], *ARGS, "--stream-download",
-               "--push-to-hub", "fake-user/tiny-out"])
+    rc = main(
+        [
+            command[0],
+            "acme/tiny-fp8",
+            str(out),
+            *command[1:],
+            *ARGS,
+            "--stream-download",
+            "--push-to-hub",
+            "fake-user/tiny-out",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert without_card(tree_bytes(out)) == without_card(refs[name])
     assert not (out / ".fp8convert" / "download").exists()
@@ -138,12 +162,12 @@ max_resident = "8KB"
 
 [[job]]
 source = "{src}"
-out = "{tmp_path / 'deq'}"
+out = "{tmp_path / "deq"}"
 dequantize = true
 
 [[job]]
 source = "{src}"
-out = "{tmp_path / 'rq'}"
+out = "{tmp_path / "rq"}"
 scheme = "channel"
 """)
     assert main(["batch", str(jobs), "-q"]) == 0, capsys.readouterr().err

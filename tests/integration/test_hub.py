@@ -6,6 +6,7 @@ re-uses what the failed run downloaded; `inspect` reads headers with Range reque
 Streaming: StreamingFetcher keeps at most `keep` shards on disk. Publishing: push and
 quantize --push-to-hub upload every file byte for byte with a model card, never .fp8convert/.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,11 @@ from tiny_ckpt import llama_tensors, slow_writes, write_checkpoint
 from fp8convert import api, publish
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
-from fp8convert.units import format_size
 from fp8convert.output.card import make_card, retarget_card, split_front_matter
 from fp8convert.safetensors_io import INDEX_NAME
 from fp8convert.source import hub
 from fp8convert.source.streaming import StreamingFetcher
+from fp8convert.units import format_size
 
 # huggingface_hub's own LFS upload passes a file object as `data=`, which httpx2 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
@@ -46,8 +47,11 @@ tags: [llama]
 A source model card.
 """
 # Files a conversion must never fetch: other weight formats and the original/ folder.
-UNWANTED = {"pytorch_model.bin": b"\x80\x02pickle" * 4096, "original/consolidated.00.pth": b"\x80\x02" * 4096,
-            "original/params.json": b'{"dim": 64}'}
+UNWANTED = {
+    "pytorch_model.bin": b"\x80\x02pickle" * 4096,
+    "original/consolidated.00.pth": b"\x80\x02" * 4096,
+    "original/params.json": b'{"dim": 64}',
+}
 
 
 def _hub_files(root: Path) -> dict[str, bytes]:
@@ -87,8 +91,10 @@ def out_files(out: Path) -> dict[str, bytes]:
 
 def same_conversion(a: Path, b: Path) -> bool:
     """Same files, byte for byte, except the card (its examples name the output directory)."""
+
     def strip(files):
         return {k: v for k, v in files.items() if k != "README.md"}
+
     return strip(out_files(a)) == strip(out_files(b))
 
 
@@ -138,8 +144,9 @@ def test_bin_only_repo_is_refused_before_any_weight_download(fake_hub, tmp_path)
 
 
 @pytest.mark.parametrize("with_token", [False, True])
-def test_gated_repo_is_one_line_naming_the_repo_and_exit_1(fake_hub, tiny_ckpt, tmp_path, capsys, monkeypatch,
-                                                           with_token):
+def test_gated_repo_is_one_line_naming_the_repo_and_exit_1(
+    fake_hub, tiny_ckpt, tmp_path, capsys, monkeypatch, with_token
+):
     fake_hub.add_repo("acme/gated", from_dir=tiny_ckpt, gated=True)
     if with_token:  # logged in but not granted: 403 rather than 401, same message
         monkeypatch.setenv("HF_TOKEN", fake_hub.token)
@@ -158,8 +165,11 @@ def test_gated_repo_is_one_line_naming_the_repo_and_exit_1(fake_hub, tiny_ckpt, 
 
 
 def test_missing_repo_and_revision(fake_hub, tiny_repo, tmp_path, capsys):
-    with pytest.raises(FP8ConvertError, match=r"^acme/nope: no local folder of that name .*, and as a Hub repo id: "
-                                              r"repository not found"):
+    with pytest.raises(
+        FP8ConvertError,
+        match=r"^acme/nope: no local folder of that name .*, and as a Hub repo id: "
+        r"repository not found",
+    ):
         api.quantize("acme/nope", tmp_path / "out", device="cpu")
     with pytest.raises(FP8ConvertError, match=rf"^{REPO}: revision no-such-branch not found"):
         api.make_plan(REPO, revision="no-such-branch")
@@ -192,6 +202,7 @@ def test_network_failure_is_clear_and_rerun_reuses_downloads(fake_hub, tiny_repo
 
 def test_offline_rerun_uses_the_cached_snapshot(fake_hub, tiny_repo, tmp_path, monkeypatch):
     from huggingface_hub import constants
+
     api.quantize(REPO, tmp_path / "out", revision="main", device="cpu")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     start = len(fake_hub.requests)
@@ -203,11 +214,13 @@ def test_offline_rerun_uses_the_cached_snapshot(fake_hub, tiny_repo, tmp_path, m
 
 def fake_hub_cache(fake_hub: FakeHub) -> str:
     from huggingface_hub import constants
+
     return constants.HF_HUB_CACHE
 
 
 def test_hub_error_lines():
     from huggingface_hub.errors import LocalEntryNotFoundError
+
     err = hub.hub_error("a/b", LocalEntryNotFoundError("long\nmessage"))
     assert str(err).startswith("a/b: cannot reach the Hub") and "\n" not in str(err)
     err = hub.hub_error("a/b", ConnectionResetError("reset\nby peer"))
@@ -215,6 +228,7 @@ def test_hub_error_lines():
 
 
 # --------------------------------------------------------------------------- never hang, never mislead
+
 
 def in_thread(fn, limit_s: float):
     """fn() on a daemon thread: (returned, raised), or a test failure if it is still running after
@@ -238,6 +252,7 @@ def in_thread(fn, limit_s: float):
 def short_hub_limits(monkeypatch):
     """0.5 s timeouts and one retry (huggingface_hub reads its HF_HUB_*_TIMEOUT settings at import)."""
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.5)
     monkeypatch.setenv("FP8CONVERT_HUB_RETRIES", "1")
@@ -268,13 +283,15 @@ def test_verify_of_an_unreachable_hub_source_promises_no_resume(fake_hub, tiny_r
 
 
 @pytest.mark.slow
-def test_a_shard_download_that_never_answers_ends_in_one_line(fake_hub, tiny_repo, short_hub_limits, tmp_path,
-                                                            monkeypatch):
+def test_a_shard_download_that_never_answers_ends_in_one_line(
+    fake_hub, tiny_repo, short_hub_limits, tmp_path, monkeypatch
+):
     """huggingface_hub retries a stalled download itself (five times, resuming): fp8convert adds the
     read timeout that makes it stall at all, and no retries of its own."""
     from types import SimpleNamespace
 
     import huggingface_hub.file_download as file_download
+
     monkeypatch.setattr(file_download, "time", SimpleNamespace(sleep=lambda s: None))  # its 1 s between retries
     fake_hub.fail("hang", method="GET", path_contains="model-00002-of-00003")
     _, raised = in_thread(lambda: api.quantize(REPO, tmp_path / "out", device="cpu"), limit_s=60)
@@ -291,8 +308,10 @@ def test_a_mistyped_relative_path_says_both_readings(fake_hub, tiny_repo, tmp_pa
     monkeypatch.chdir(tmp_path)
     assert main(["quantize", "models/does-not-exist", str(tmp_path / "out"), "-q"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: models/does-not-exist: no local folder of that name (in {tmp_path}), and as "
-                          "a Hub repo id: repository not found"), err
+    assert err.startswith(
+        f"error: models/does-not-exist: no local folder of that name (in {tmp_path}), and as "
+        "a Hub repo id: repository not found"
+    ), err
     assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
 
     fake_hub.fail("drop", path_contains="/api/models/")
@@ -303,6 +322,7 @@ def test_a_mistyped_relative_path_says_both_readings(fake_hub, tiny_repo, tmp_pa
 
 def test_offline_mode_is_not_reported_as_a_network_problem(fake_hub, tiny_repo, tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     for args in (["inspect", REPO], ["quantize", REPO, str(tmp_path / "out"), "-q"]):
         assert main(args) == 1
@@ -319,6 +339,7 @@ def test_a_full_cache_disk_is_not_reported_as_a_network_problem(fake_hub, tiny_r
     import os
 
     import huggingface_hub.file_download as file_download
+
     real_get = file_download.http_get
 
     def http_get(url, temp_file, *args, **kwargs):
@@ -343,8 +364,22 @@ def plan_view(p):
     """The parts of a plan that do not depend on where the source lives."""
     return {
         "fingerprint": p.fingerprint,
-        "tensors": [(t.name, t.source.dtype, t.source.shape, t.source.file, t.source.offset, t.source.nbytes,
-                     t.quantize, t.reason, t.group, t.scale_name, t.scale_shape) for t in p.tensors],
+        "tensors": [
+            (
+                t.name,
+                t.source.dtype,
+                t.source.shape,
+                t.source.file,
+                t.source.offset,
+                t.source.nbytes,
+                t.quantize,
+                t.reason,
+                t.group,
+                t.scale_name,
+                t.scale_shape,
+            )
+            for t in p.tensors
+        ],
         "shards": [(s.name, s.header, s.units, sorted(s.tensors.items())) for s in p.shards],
         "ignore": p.ignore_list,
         "copy": p.source.copy_files,
@@ -368,7 +403,7 @@ def test_inspect_repo_id_reads_headers_only(fake_hub, tiny_repo, capsys, monkeyp
     assert weights, "headers must be read from the shards"
     for method, path, r in weights:
         assert method == "GET" and r.headers.get("range", "").startswith("bytes="), (method, path, r.headers)
-        first, _, last = r.headers["range"][len("bytes="):].partition("-")
+        first, _, last = r.headers["range"][len("bytes=") :].partition("-")
         assert int(last) - int(first) < 100_001
     if first_read == 64:
         assert len(weights) == 2 * 3 * 2  # two Range reads per shard, 3 shards, two plans
@@ -428,7 +463,7 @@ def test_streaming_fetcher_need_release_keeps_at_most_keep(fake_hub, five_shards
             assert (tmp_path / "dl" / name).stat().st_size == fetcher.repo.sizes[name]
             assert len(on_disk(tmp_path / "dl")) <= 2
             if i + 1 < len(order):  # the next one is prefetched while this one is in use...
-                assert wait_for(lambda: order[i + 1] in on_disk(tmp_path / "dl"))
+                assert wait_for(lambda: order[i + 1] in on_disk(tmp_path / "dl"))  # noqa: B023 (waited for here)
                 time.sleep(0.05)  # ...but no more than keep
                 assert len(on_disk(tmp_path / "dl")) <= 2
             fetcher.release([name])
@@ -552,11 +587,13 @@ def test_push_uploads_every_file_byte_identical_without_work_dir(fake_hub, conve
 
     # Pushing again, to a branch, with other sharding: stale top-level shards are removed there.
     api.quantize(converted.parent / "src", converted, device="cpu", max_shard_size="30KB", overwrite=True)
-    publish.push(converted, "fake-user/tiny-fp8", revision="resharded", commit_message="resharded",
-             token=fake_hub.token)
+    publish.push(
+        converted, "fake-user/tiny-fp8", revision="resharded", commit_message="resharded", token=fake_hub.token
+    )
     branch = fake_hub.files("fake-user/tiny-fp8", "resharded")
-    assert {n for n in branch if n.endswith(".safetensors")} == {n for n in out_files(converted)
-                                                                if n.endswith(".safetensors")}
+    assert {n for n in branch if n.endswith(".safetensors")} == {
+        n for n in out_files(converted) if n.endswith(".safetensors")
+    }
     assert fake_hub.files("fake-user/tiny-fp8") == remote  # main untouched
     repo = fake_hub.repo("fake-user/tiny-fp8")
     assert repo.commits[repo.branches["resharded"]].title.startswith("resharded")
@@ -567,6 +604,7 @@ def test_push_through_the_multi_commit_pipeline(fake_hub, converted, monkeypatch
     pytest.importorskip("hf_xet")
     import huggingface_hub._upload_pipeline as pipeline
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
     monkeypatch.setattr(pipeline, "COMMIT_SIZE_SCALE", [2])  # 2 files per commit: several commits
     monkeypatch.setattr(pipeline, "INITIAL_COMMIT_SIZE_INDEX", 0)
@@ -579,8 +617,9 @@ def test_push_through_the_multi_commit_pipeline(fake_hub, converted, monkeypatch
     assert "fp8 (part 2)" in titles
 
 
-@pytest.mark.parametrize("breakage", ["no-config", "no-index", "manifest-incomplete", "missing-shard",
-                                      "truncated-shard"])
+@pytest.mark.parametrize(
+    "breakage", ["no-config", "no-index", "manifest-incomplete", "missing-shard", "truncated-shard"]
+)
 def test_push_refuses_incomplete_output(fake_hub, converted, breakage, capsys):
     shard = sorted(converted.glob("model-*.safetensors"))[0]
     if breakage == "no-config":
@@ -604,8 +643,21 @@ def test_push_refuses_incomplete_output(fake_hub, converted, breakage, capsys):
 def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", fake_hub.token)
     out = tmp_path / "out"
-    rc = main(["quantize", REPO, str(out), "--device", "cpu", "-q", "--scheme", "channel",
-               "--push-to-hub", "fake-user/tiny-llama-fp8", "--private"])
+    rc = main(
+        [
+            "quantize",
+            REPO,
+            str(out),
+            "--device",
+            "cpu",
+            "-q",
+            "--scheme",
+            "channel",
+            "--push-to-hub",
+            "fake-user/tiny-llama-fp8",
+            "--private",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert "pushed" in capsys.readouterr().out
     remote = fake_hub.files("fake-user/tiny-llama-fp8")
@@ -626,8 +678,9 @@ def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypa
 def test_make_card_fields_command_and_loading(tiny_ckpt):
     p = api.make_plan(tiny_ckpt, scheme="block", format="fp8", ignore=["*.down_proj"])
     p.source.label, p.source.revision = REPO, "0" * 40  # as if converted from the Hub
-    text = make_card(p, SOURCE_CARD, repo_id="me/tiny-fp8",
-                     verify={"worst_relative_error": 0.0123456, "min_snr_db": 31.5})
+    text = make_card(
+        p, SOURCE_CARD, repo_id="me/tiny-fp8", verify={"worst_relative_error": 0.0123456, "min_snr_db": 31.5}
+    )
     meta, body = split_front_matter(text)
     assert meta["base_model"] == REPO and meta["base_model_relation"] == "quantized"
     assert meta["license"] == "apache-2.0" and meta["library_name"] == "transformers"
@@ -655,8 +708,14 @@ def test_make_card_fields_command_and_loading(tiny_ckpt):
 
 
 def test_card_examples_follow_the_push_target():
-    info = {"source": REPO, "scheme": "channel", "format": "compressed-tensors", "kept": {}, "ignore": ["lm_head"],
-            "warnings": []}
+    info = {
+        "source": REPO,
+        "scheme": "channel",
+        "format": "compressed-tensors",
+        "kept": {},
+        "ignore": ["lm_head"],
+        "warnings": [],
+    }
     text = make_card(info, SOURCE_CARD, out_dir="/data/my out")
     assert "vllm serve '/data/my out'\n" in text and 'from_pretrained("/data/my out"' in text
     pushed = retarget_card(text, "me/a")
@@ -726,6 +785,7 @@ def test_a_push_that_fails_on_the_network_says_a_rerun_resumes_the_upload(fake_h
 
 def test_cache_dir_option_holds_the_downloads(fake_hub, tiny_repo, tmp_path, capsys):
     from huggingface_hub import constants
+
     cache = tmp_path / "my-cache"
     assert main(["inspect", REPO, "--cache-dir", str(cache)]) == 0
     assert main(["quantize", REPO, str(tmp_path / "out"), "--cache-dir", str(cache), "--device", "cpu", "-q"]) == 0
@@ -750,7 +810,9 @@ def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
     assert meta["base_model"] == "acme/tiny-llama" and meta["base_model_relation"] == "quantized"
     assert "--base-model acme/tiny-llama" in text
     assert "[acme/tiny-llama](https://huggingface.co/acme/tiny-llama)" in text
-    assert main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 2  # a usage error
+    assert (
+        main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 2
+    )  # a usage error
     snapshot = tmp_path / "hub" / "models--acme--cached" / "snapshots" / ("a" * 40)
     snapshot.parent.mkdir(parents=True)
     tiny_ckpt.rename(snapshot)
@@ -758,8 +820,13 @@ def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
     assert card_meta((tmp_path / "o4" / "README.md").read_text())["base_model"] == "acme/cached"
 
 
-@pytest.mark.parametrize("fmt,needs", [("compressed-tensors", "pip install transformers compressed-tensors\n"),
-                                       ("fp8", "pip install transformers accelerate\n")])
+@pytest.mark.parametrize(
+    "fmt,needs",
+    [
+        ("compressed-tensors", "pip install transformers compressed-tensors\n"),
+        ("fp8", "pip install transformers accelerate\n"),
+    ],
+)
 def test_card_says_what_its_transformers_snippet_needs(tiny_ckpt, tmp_path, fmt, needs):
     out = tmp_path / "out"
     api.quantize(tiny_ckpt, out, device="cpu", format=fmt, scheme="block" if fmt == "fp8" else "tensor")
@@ -774,7 +841,9 @@ def test_card_snippet_runs_with_only_what_the_card_installs(tmp_path):
     import re
     import subprocess
     import sys
+
     from fp8convert.demo import make_demo_model
+
     src = make_demo_model(tmp_path / "src")
     out = tmp_path / "src-FP8"  # the card's examples say ./src-FP8 until a push names the repo
     api.quantize(src, out, device="cpu")
@@ -783,7 +852,11 @@ def test_card_snippet_runs_with_only_what_the_card_installs(tmp_path):
     assert "pip install transformers compressed-tensors" in text and "accelerate" not in text
     # as if accelerate were not installed: import fails and importlib finds no such package
     no_accelerate = "import sys\nsys.modules['accelerate'] = None\n"
-    run = subprocess.run([sys.executable, "-c", no_accelerate + snippet + "\nprint(type(model).__name__)"],
-                         cwd=out.parent, capture_output=True, text=True,
-                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    run = subprocess.run(
+        [sys.executable, "-c", no_accelerate + snippet + "\nprint(type(model).__name__)"],
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert run.returncode == 0 and "LlamaForCausalLM" in run.stdout, run.stderr[-2000:]

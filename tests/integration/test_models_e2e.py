@@ -14,9 +14,9 @@ import struct
 from pathlib import Path
 
 import pytest
-import torch
-
 import reference as R
+import torch
+from checks import assert_codes_and_scales, assert_kept_identical, assert_names_shapes_dtypes, ignore_lists, same_bytes
 from harness import (
     ALL_CASES,
     FORMAT_SCHEMES,
@@ -29,9 +29,8 @@ from harness import (
     run_quantize,
     shard_headers,
 )
-from checks import (assert_codes_and_scales, assert_kept_identical, assert_names_shapes_dtypes, ignore_lists,
-                    same_bytes)
 from tiny_models import DENSE_KINDS, EXTRA_FILES, GPT_OSS_FUSED_TENSOR, KINDS, MOE_KINDS
+
 from fp8convert.run import numerics
 
 FP8 = torch.float8_e4m3fn
@@ -221,13 +220,21 @@ def test_quantization_config_fields(kind, fmt, scheme, converted):
             # compressed-tensors' own MXFP8 preset, as its model_dump writes it; vLLM's _is_mxfp8 keys on
             # the weights' scale_dtype uint8 (with strategy group, group_size 32, symmetric, float, 8 bits)
             for args, dynamic in ((w, False), (a, True)):
-                assert args == {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 32,
-                                "strategy": "group", "dynamic": dynamic, "scale_dtype": "torch.uint8"}
+                assert args == {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "group_size": 32,
+                    "strategy": "group",
+                    "dynamic": dynamic,
+                    "scale_dtype": "torch.uint8",
+                }
             from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
             preset = preset_name_to_scheme("MXFP8", ["Linear"]).model_dump(mode="json")
-            assert {k: v for k, v in parsed.config_groups["group_0"].model_dump(mode="json").items() if k != "targets"} \
-                == {k: v for k, v in preset.items() if k != "targets"}
+            assert {
+                k: v for k, v in parsed.config_groups["group_0"].model_dump(mode="json").items() if k != "targets"
+            } == {k: v for k, v in preset.items() if k != "targets"}
             assert parsed.config_groups["group_0"].weights.scale_dtype == torch.uint8
             return
         assert w["strategy"] == scheme
@@ -348,7 +355,7 @@ def test_fp8_block_weights_dequantize_exactly_in_transformers(kind, converted, s
         base = m.group(1).replace(".mlp.experts", ".block_sparse_moe.experts") if kind == "mixtral" else m.group(1)
         for e in range(p.shape[0]):
             if m.group(2) == "gate_up_proj":
-                names = (("w1", "w3") if kind == "mixtral" else ("gate_proj", "up_proj"))
+                names = ("w1", "w3") if kind == "mixtral" else ("gate_proj", "up_proj")
                 want = torch.cat([deq(f"{base}.{e}.{x}.weight") for x in names])
             else:
                 want = deq(f"{base}.{e}.{'w2' if kind == 'mixtral' else 'down_proj'}.weight")
@@ -456,7 +463,9 @@ def test_default_max_shard_size_gives_one_shard(converted):
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
 
 
-@pytest.mark.parametrize("kind,fmt,scheme", [("llama", "compressed-tensors", "channel"), ("qwen3_moe", "fp8", "tensor")])
+@pytest.mark.parametrize(
+    "kind,fmt,scheme", [("llama", "compressed-tensors", "channel"), ("qwen3_moe", "fp8", "tensor")]
+)
 def test_cpu_runs_are_deterministic(kind, fmt, scheme, converted, source_model, tmp_path):
     first = converted(kind, fmt, scheme)
     second = tmp_path / "again"
@@ -485,7 +494,9 @@ def test_user_ignore_exact_glob_and_regex(source_model, source_tensors, tmp_path
         r"re:.*\.shared_experts\.(gate|up|down)_proj",
     )
     ignored = {"model.layers.1.self_attn.o_proj"}
-    ignored |= {f"model.layers.0.self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+    ignored |= {
+        f"model.layers.0.self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    }
     ignored |= {f"model.layers.1.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}
     assert all(m + ".weight" in src for m in ignored)
     out = tmp_path / "out"
@@ -506,8 +517,9 @@ def test_ignoring_part_of_a_fused_group_keeps_the_whole_group(source_model, sour
     """vLLM raises when some but not all members of a fused module are ignored, so ignoring q_proj keeps
     q, k and v, and says so."""
     out = tmp_path / "out"
-    report = run_quantize(source_model("llama"), out, scheme="tensor", format="fp8",
-                          ignore=("model.layers.0.self_attn.q_proj",))
+    report = run_quantize(
+        source_model("llama"), out, scheme="tensor", format="fp8", ignore=("model.layers.0.self_attn.q_proj",)
+    )
     assert any("kept all of model.layers.0.self_attn.q_proj/k_proj/v_proj" in n for n in report.notes), report.notes
     qkv = {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}
     cfg = read_json(out / "config.json")
@@ -594,8 +606,10 @@ def test_plan_reads_no_tensor_data(source_model, tmp_path):
         headers, data = headers + 8 + n, data + len(raw) - 8 - n
     small = sum(p.stat().st_size for p in src.iterdir() if not p.name.endswith(".safetensors"))
     assert data > 4 * (headers + small), "the fixture's tensor data must dwarf what planning may read"
-    for options in (dict(scheme="tensor", format="compressed-tensors"),
-                    dict(scheme="block", format="fp8", max_shard_size="100KB")):
+    for options in (
+        dict(scheme="tensor", format="compressed-tensors"),
+        dict(scheme="block", format="fp8", max_shard_size="100KB"),
+    ):
         before = bytes_read_by_this_process()
         fp8convert.make_plan(str(src), **options)
         read = bytes_read_by_this_process() - before
@@ -664,6 +678,7 @@ def test_quantizing_leaves_a_float32_weight_unchanged(cpu_path):
 
 def _batches(src, max_resident, **plan_options):
     from fp8convert.plan.batches import make_batches
+
     the_plan = fp8convert_module().make_plan(str(src), **plan_options)
     return the_plan, make_batches(the_plan.units, max_resident)
 
@@ -678,8 +693,11 @@ def test_batches_fit_the_budget_keep_fused_groups_and_cover_every_byte(kind, max
         for atom in batch.atoms:
             for group in {t.group for t in atom if t.group and t.quantize}:
                 group_atoms.setdefault(group, []).append(len(atom))
-        alone = any(t.source.nbytes < t_orig.source.nbytes for t in batch.tensors
-                    for t_orig in [next(u for u in the_plan.tensors if u.name == t.name)])
+        alone = any(
+            t.source.nbytes < t_orig.source.nbytes
+            for t in batch.tensors
+            for t_orig in [next(u for u in the_plan.tensors if u.name == t.name)]
+        )
         if alone:
             assert len(batch.tensors) == 1  # a piece of a kept tensor is a batch of its own
         largest_atom = max(sum(t.source.nbytes for t in atom) for atom in batch.atoms)
@@ -713,13 +731,15 @@ def test_kept_tensors_in_pieces_give_the_same_bytes(kind, source_model, converte
     out = tmp_path / "out"
     run_quantize(source_model(kind), out, scheme="tensor", format="compressed-tensors")
     whole = converted(kind, "compressed-tensors", "tensor")
-    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
-        {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
+    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == {
+        p.name: p.read_bytes() for p in whole.glob("*.safetensors")
+    }
 
 
 @pytest.mark.parametrize("read_ahead,write_ahead", [(2, 1), (1, 2), (3, 3)])
-def test_stages_running_further_ahead_give_the_same_bytes(read_ahead, write_ahead, source_model, converted, tmp_path,
-                                                         monkeypatch):
+def test_stages_running_further_ahead_give_the_same_bytes(
+    read_ahead, write_ahead, source_model, converted, tmp_path, monkeypatch
+):
     """The pipeline's read-ahead and write-ahead depths (measured on the GPU by profile_stages.py) change
     only when each batch is read, quantized and written, never the output; with tiny batches every
     hand-off is exercised many times, and the run must wait for every write before it returns."""
@@ -729,8 +749,9 @@ def test_stages_running_further_ahead_give_the_same_bytes(read_ahead, write_ahea
     out = tmp_path / "out"
     run_quantize(source_model("qwen3_moe"), out, scheme="tensor", format="compressed-tensors", max_resident="8KiB")
     whole = converted("qwen3_moe", "compressed-tensors", "tensor")
-    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == \
-        {p.name: p.read_bytes() for p in whole.glob("*.safetensors")}
+    assert {p.name: p.read_bytes() for p in out.glob("*.safetensors")} == {
+        p.name: p.read_bytes() for p in whole.glob("*.safetensors")
+    }
 
 
 def test_nan_in_a_later_piece_of_a_kept_tensor_is_refused(source_model, tmp_path, monkeypatch):

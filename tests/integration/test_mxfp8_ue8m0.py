@@ -14,24 +14,25 @@ block scales (`--scale-format ue8m0`, both formats).
 The MXFP8 conversions of every tiny model and zoo architecture (bytes, verify, ignore lists, vLLM's
 loader contract, transformers) run with the other schemes: it is in harness.FORMAT_SCHEMES.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
-import torch
-
 import reference as R
+import torch
 import zoo
 from checks import assert_codes_and_scales, assert_names_shapes_dtypes, same_bytes
 from harness import cases_in_turn, fp8convert_module, read_json, read_safetensors_dir, run_quantize
-from fp8convert.cli import main
-from fp8convert.run import numerics
-from fp8convert.verify import verify
 from mxfp8_inputs import edge_groups, wide_experts
 from tiny_ckpt import llama_tensors, tree_bytes, write_checkpoint
 from zoo import MORE_ARCHS, ZOO_ARCHS
+
+from fp8convert.cli import main
+from fp8convert.run import numerics
+from fp8convert.verify import verify
 
 FP8 = torch.float8_e4m3fn
 CT = "compressed-tensors"
@@ -60,13 +61,13 @@ def test_mxfp8_edges_match_the_reference_on_both_paths(dtype, path, tile_rows, m
     q = codes.float()
     assert not q.isnan().any() and q.abs().max() <= 448
     if dtype == torch.bfloat16:  # the edges themselves, in numbers
-        assert scales[0, 0, 0] == 127 - 12 and q[0, 0, 5] == 448      # 1.75 * 2^-4 = 448 * 2^-12: full range
+        assert scales[0, 0, 0] == 127 - 12 and q[0, 0, 5] == 448  # 1.75 * 2^-4 = 448 * 2^-12: full range
         assert scales[0, 0, 1] == 127 - 5 and q[0, 0, 39] == -448
-        assert scales[0, 1, 0] == 0 and not q[0, 1, :32].any()         # zero group
-        assert scales[0, 1, 1] == 127 - 12 and q[0, 1, 40] == 448        # 446 rounds to 448, never over
-        assert scales[0, 2, 0] == 127 - 11 and q[0, 2, 3] == 224         # just above: one exponent up
-        assert scales[0, 3, 0] == 0 and q[0, 3, 9] == 0.5                # subnormal amax 2^-128: the lowest exponent
-        assert scales[0, 4, 1] == 127 + 120 and q[0, 4, 33] == 240       # 240 * 2^120: finite
+        assert scales[0, 1, 0] == 0 and not q[0, 1, :32].any()  # zero group
+        assert scales[0, 1, 1] == 127 - 12 and q[0, 1, 40] == 448  # 446 rounds to 448, never over
+        assert scales[0, 2, 0] == 127 - 11 and q[0, 2, 3] == 224  # just above: one exponent up
+        assert scales[0, 3, 0] == 0 and q[0, 3, 9] == 0.5  # subnormal amax 2^-128: the lowest exponent
+        assert scales[0, 4, 1] == 127 + 120 and q[0, 4, 33] == 240  # 240 * 2^120: finite
         assert scales[0, 5, 0] == 127 and q[0, 5, 0] == 448
     if dtype == torch.float32:  # the exact rule: one exponent up, not a code clipped to 448
         assert scales[1, 4, 0] == 127 - 9
@@ -103,7 +104,7 @@ def test_ue8m0_block_scales_match_the_reference_on_both_paths(monkeypatch):
     mid-block."""
     monkeypatch.setattr(numerics, "cpu_tile_bytes", lambda: 4 * 200 * 7)
     g = torch.Generator().manual_seed(5)
-    w = (torch.randn(3, 300, 200, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1))
+    w = torch.randn(3, 300, 200, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)
     w[0, :128, :128] = 0.0
     w[0, 128:256, :128] *= 1e-6
     w[1, :128, :128] = w[1, :128, :128].clamp(-1, 1)
@@ -130,21 +131,25 @@ def test_e8m0_bytes_decode_exactly_and_dequantize_mxfp8():
     assert v.dtype == torch.float32
     assert [v[i].item() for i in (0, 1, 126, 127, 128, 254)] == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]
     assert torch.isnan(v[255])
-    assert torch.equal(v[:255], torch.tensor([2.0**(i - 127) for i in range(255)], dtype=torch.float32))
+    assert torch.equal(v[:255], torch.tensor([2.0 ** (i - 127) for i in range(255)], dtype=torch.float32))
     w = edge_groups(torch.bfloat16)[1]
     codes, scale_bytes = R.quantize(w, "mxfp8")
     got = numerics.dequantize(codes, scale_bytes, "mxfp8")
     assert torch.equal(got, R.dequant(codes, scale_bytes, "mxfp8"))
     err = (got - w.float()).abs()
-    assert (err <= torch.maximum(w.float().abs() * 2.0**-4,
-                                 numerics.expand_scale(numerics.e8m0_to_float(scale_bytes), tuple(w.shape), "mxfp8")
-                                 * 2.0**-10)).all()
+    assert (
+        err
+        <= torch.maximum(
+            w.float().abs() * 2.0**-4,
+            numerics.expand_scale(numerics.e8m0_to_float(scale_bytes), tuple(w.shape), "mxfp8") * 2.0**-10,
+        )
+    ).all()
 
 
 # ------------------------------------------------------------------ every architecture of the zoo
 
 
-WIDE = ("llama4", "qwen3_vl_moe", "granitemoe", "gemma4")   # transposed, released [E, H, 2I], out_in, out_in
+WIDE = ("llama4", "qwen3_vl_moe", "granitemoe", "gemma4")  # transposed, released [E, H, 2I], out_in, out_in
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +158,9 @@ def wide_zoo(tmp_path_factory):
 
     def get(arch):
         if arch not in cache:
-            cache[arch] = zoo.make(arch, tmp_path_factory.mktemp(f"wide-{arch}") / "model",
-                                   config_overrides=wide_experts(arch))
+            cache[arch] = zoo.make(
+                arch, tmp_path_factory.mktemp(f"wide-{arch}") / "model", config_overrides=wide_experts(arch)
+            )
         return cache[arch]
 
     return get
@@ -172,8 +178,9 @@ def batch_outputs(src, scheme: str, scale_format: str, cpu_path: bool) -> dict[s
     with BatchReader(plan.source.root, torch.device("cpu"), threads=2) as reader:
         for batch in make_batches(plan.units, 1 << 30):
             buf, offsets = reader.read(read_order(batch))
-            for name, tensor, _ in quantize_batch(batch, buf, offsets, scheme, cpu_path=cpu_path,
-                                                  scale_format=scale_format):
+            for name, tensor, _ in quantize_batch(
+                batch, buf, offsets, scheme, cpu_path=cpu_path, scale_format=scale_format
+            ):
                 if name in names:
                     out[name] = tensor.clone()
     return out
@@ -182,10 +189,21 @@ def batch_outputs(src, scheme: str, scale_format: str, cpu_path: bool) -> dict[s
 LAYOUTS = [("mxfp8", "float"), ("block", "ue8m0")]
 LAYOUT_ARGS, LAYOUT_IDS = [(s, f, False) for s, f in LAYOUTS], [f"{s}-{f}" for s, f in LAYOUTS]
 # The fast loop takes each of ZOO_ARCHS in one layout, two of the four fused expert layouts, none of MORE_ARCHS.
-ZOO_CASES = cases_in_turn(ZOO_ARCHS, LAYOUT_ARGS, LAYOUT_IDS) + \
-    cases_in_turn(MORE_ARCHS, LAYOUT_ARGS, LAYOUT_IDS, per_subject=0) + \
-    [pytest.param(a, "mxfp8", "float", True, id=f"{a}-wide-mxfp8",
-                  marks=() if a in ("llama4", "granitemoe") else pytest.mark.slow) for a in WIDE]
+ZOO_CASES = (
+    cases_in_turn(ZOO_ARCHS, LAYOUT_ARGS, LAYOUT_IDS)
+    + cases_in_turn(MORE_ARCHS, LAYOUT_ARGS, LAYOUT_IDS, per_subject=0)
+    + [
+        pytest.param(
+            a,
+            "mxfp8",
+            "float",
+            True,
+            id=f"{a}-wide-mxfp8",
+            marks=() if a in ("llama4", "granitemoe") else pytest.mark.slow,
+        )
+        for a in WIDE
+    ]
+)
 
 
 @pytest.mark.parametrize("arch,scheme,scale_format,wide", ZOO_CASES)
@@ -193,8 +211,14 @@ def test_every_zoo_architecture_bit_exact_on_both_paths(arch, scheme, scale_form
     """Codes and scales of every quantized weight (experts cut from fused tensors included) equal the
     reference's, on the CPU path and on the path made for CUDA (strided expert views, whole stacks)."""
     src = wide_zoo(arch) if wide else zoo_source(arch)
-    exp, quant = R.expected_outputs(read_safetensors_dir(src), CT, scheme, arch=arch,
-                                    config=read_json(src / "config.json"), scale_format=scale_format)
+    exp, quant = R.expected_outputs(
+        read_safetensors_dir(src),
+        CT,
+        scheme,
+        arch=arch,
+        config=read_json(src / "config.json"),
+        scale_format=scale_format,
+    )
     want = {k: exp[k] for n in quant for k in (n, n + "_scale")}
     for cpu_path in (True, False):
         got = batch_outputs(src, scheme, scale_format, cpu_path)
@@ -214,8 +238,9 @@ def test_mxfp8_experts_cut_from_fused_tensors_end_to_end(arch, wide_zoo, tmp_pat
     out = tmp_path / "out"
     run_quantize(src, out, scheme="mxfp8")
     got = read_safetensors_dir(out)
-    exp, quant = R.expected_outputs(read_safetensors_dir(src), CT, "mxfp8", arch=arch,
-                                    config=read_json(src / "config.json"))
+    exp, quant = R.expected_outputs(
+        read_safetensors_dir(src), CT, "mxfp8", arch=arch, config=read_json(src / "config.json")
+    )
     assert_names_shapes_dtypes(got, exp)
     assert_codes_and_scales(got, exp, quant)
     gate = [n for n in quant if n.endswith(".gate_proj.weight") and ".experts." in n]
@@ -268,6 +293,7 @@ def test_ue8m0_converts_exactly_and_says_so(kind, fmt, converted, source_tensors
     assert qc.pop("scale_fmt") == "ue8m0" and qc == plain  # the one difference from --scale-format float
     if fmt == CT:  # compressed-tensors' schema has no field for it, and ignores the top-level key
         from compressed_tensors import QuantizationConfig
+
         QuantizationConfig.model_validate({**qc, "scale_fmt": "ue8m0"})
 
 
@@ -316,12 +342,18 @@ def test_ue8m0_output_verifies(kind, fmt, converted, source_model):
 # ------------------------------------------------------------------ options and refusals
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--format", "fp8", "--scheme", "mxfp8"], ["--format fp8 has no MXFP8", "--format compressed-tensors --scheme mxfp8"]),
-    (["--scheme", "tensor", "--scale-format", "ue8m0"], ["--scale-format ue8m0 applies to --scheme block"]),
-    (["--scheme", "mxfp8", "--scale-format", "ue8m0"], ["MXFP8 scales are powers of two already"]),
-    (["--scheme", "block", "--scale-format", "e8m0"], ["--scale-format 'e8m0': expected one of float, ue8m0"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (
+            ["--format", "fp8", "--scheme", "mxfp8"],
+            ["--format fp8 has no MXFP8", "--format compressed-tensors --scheme mxfp8"],
+        ),
+        (["--scheme", "tensor", "--scale-format", "ue8m0"], ["--scale-format ue8m0 applies to --scheme block"]),
+        (["--scheme", "mxfp8", "--scale-format", "ue8m0"], ["MXFP8 scales are powers of two already"]),
+        (["--scheme", "block", "--scale-format", "e8m0"], ["--scale-format 'e8m0': expected one of float, ue8m0"]),
+    ],
+)
 def test_bad_combinations_are_refused_in_one_line(args, words, tmp_path, capsys):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     for command in (["quantize", str(src), str(tmp_path / "out")], ["inspect", str(src)]):
@@ -338,8 +370,10 @@ def test_batch_jobs_take_the_scale_format(tmp_path):
     from fp8convert.errors import FP8ConvertError
 
     jobs = tmp_path / "jobs.toml"
-    jobs.write_text('[[job]]\nsource = "a"\nout = "b"\nscheme = "block"\nscale_format = "ue8m0"\n'
-                    '[[job]]\nsource = "c"\nout = "d"\nscheme = "mxfp8"\n')
+    jobs.write_text(
+        '[[job]]\nsource = "a"\nout = "b"\nscheme = "block"\nscale_format = "ue8m0"\n'
+        '[[job]]\nsource = "c"\nout = "d"\nscheme = "mxfp8"\n'
+    )
     first, second = read_jobs(jobs)
     assert first.settings.options.scale_format == "ue8m0" and second.settings.options.scheme == "mxfp8"
     jobs.write_text('[[job]]\nsource = "a"\nout = "b"\nscale_format = "ue8m0"\n')
@@ -356,8 +390,10 @@ def mx_made(tmp_path_factory):
     base = tmp_path_factory.mktemp("mxverify")
     src = write_checkpoint(base / "src", llama_tensors(inter=320))
     outs = {}
-    for name, args in (("mx", ["--scheme", "mxfp8"]), ("ue8m0", ["--scheme", "block", "--format", "fp8",
-                                                                   "--scale-format", "ue8m0"])):
+    for name, args in (
+        ("mx", ["--scheme", "mxfp8"]),
+        ("ue8m0", ["--scheme", "block", "--format", "fp8", "--scale-format", "ue8m0"]),
+    ):
         assert main(["quantize", str(src), str(base / name), "-q", *args]) == 0
         outs[name] = base / name
     return src, outs
@@ -379,8 +415,14 @@ def rewrite(out, name, change) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("args", [["--scheme", "mxfp8"], ["--scheme", "block", "--scale-format", "ue8m0"],
-                                  ["--format", "fp8", "--scheme", "block", "--scale-format", "ue8m0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--scheme", "mxfp8"],
+        ["--scheme", "block", "--scale-format", "ue8m0"],
+        ["--format", "fp8", "--scheme", "block", "--scale-format", "ue8m0"],
+    ],
+)
 def test_values_whose_power_of_two_codes_would_read_back_as_inf_are_refused(args, tmp_path, capsys):
     """At 248 * 2^120 and above, a power-of-two scale (2^120) rounds the largest value to code 256, and
     256 * 2^120 = 2^128 is Inf in float32: refused by name. One BF16 step below, code 240 reads back
@@ -421,19 +463,24 @@ def test_verify_passes_mxfp8_and_ue8m0_with_exact_checks(mx_made):
         report = verify(src, outs[name])
         assert report.ok, report.failures[:3]
         assert report.scheme == scheme and report.tensors_quantized == 14
-        assert all(t.ok and t.off_rule_scales == 0 and t.inexact_codes == 0 and 0 < t.rel_error < 2.0**-4
-                   for t in report.tensors)
+        assert all(
+            t.ok and t.off_rule_scales == 0 and t.inexact_codes == 0 and 0 < t.rel_error < 2.0**-4
+            for t in report.tensors
+        )
 
 
-@pytest.mark.parametrize("damage,what", [
-    # one exponent one too high: codes re-rounded to it stay near w / scale, but the rule catches it
-    ("exponent+1", "not the smallest power of two that fits their group"),
-    ("exponent-1", "not the smallest power of two"),       # codes would overflow 448: the rule, the bound
-    ("byte 255", "not finite and positive"),                # E8M0's NaN
-    ("tie to odd", "not the round-to-nearest-even"),        # half a step off: only the exact check sees it
-    ("scale F32", "expected U8 [64, 2]"),                   # MXFP8 scales as float32 values: vLLM wants uint8
-    ("byte 254", "not the smallest power of two"),          # 2^127: its codes read back as Inf
-])
+@pytest.mark.parametrize(
+    "damage,what",
+    [
+        # one exponent one too high: codes re-rounded to it stay near w / scale, but the rule catches it
+        ("exponent+1", "not the smallest power of two that fits their group"),
+        ("exponent-1", "not the smallest power of two"),  # codes would overflow 448: the rule, the bound
+        ("byte 255", "not finite and positive"),  # E8M0's NaN
+        ("tie to odd", "not the round-to-nearest-even"),  # half a step off: only the exact check sees it
+        ("scale F32", "expected U8 [64, 2]"),  # MXFP8 scales as float32 values: vLLM wants uint8
+        ("byte 254", "not the smallest power of two"),  # 2^127: its codes read back as Inf
+    ],
+)
 def test_verify_catches_damaged_mxfp8(damage, what, mx_made, tmp_path):
     src, outs = mx_made
     out = tmp_path / "out"
@@ -445,9 +492,11 @@ def test_verify_catches_damaged_mxfp8(damage, what, mx_made, tmp_path):
             t = t.clone()
             t[3, 1] += step
             return t
+
         rewrite(out, Q + "_scale", change)
         if step == 1:  # requantize that group's codes to the wrong exponent, so only the rule can tell
             from safetensors.torch import load_file
+
             w = load_file(str(src / "model-00002-of-00003.safetensors"))[Q].float()
             scale = numerics.e8m0_to_float(load_file(str(out / SHARD))[Q + "_scale"][3, 1])
 
@@ -455,11 +504,15 @@ def test_verify_catches_damaged_mxfp8(damage, what, mx_made, tmp_path):
                 q = q.clone()
                 q[3, 32:64] = (w[3, 32:64] / scale).clamp(-448, 448).to(FP8)
                 return q
+
             rewrite(out, Q, requant)
     elif damage.startswith("byte"):
         byte = int(damage.split()[1])
-        rewrite(out, Q + "_scale", lambda t: torch.where(torch.arange(t.numel()).view(t.shape) == 5,
-                                                        torch.tensor(byte, dtype=torch.uint8), t))
+        rewrite(
+            out,
+            Q + "_scale",
+            lambda t: torch.where(torch.arange(t.numel()).view(t.shape) == 5, torch.tensor(byte, dtype=torch.uint8), t),
+        )
     elif damage == "tie to odd":
         rewrite(out, Q, lambda q: tie_to_odd(q, src, out))
     else:
@@ -501,14 +554,16 @@ def test_verify_catches_a_ue8m0_scale_that_is_not_a_power_of_two(mx_made, tmp_pa
     out = tmp_path / "out"
     shutil.copytree(outs["ue8m0"], out)
     from safetensors.torch import load_file
+
     w = load_file(str(src / "model-00002-of-00003.safetensors"))[Q]
-    codes, scale = R.quantize(w, "block")   # float scales: amax / 448
+    codes, scale = R.quantize(w, "block")  # float scales: amax / 448
     rewrite(out, Q, lambda q: codes)
     rewrite(out, Q + "_scale_inv", lambda s: scale)
     report = verify(src, out)
     assert not report.ok and len(report.failures) == 1
-    assert report.failures[0].startswith(Q) and "not the smallest power of two that fits their block" in \
-        report.failures[0]
+    assert (
+        report.failures[0].startswith(Q) and "not the smallest power of two that fits their block" in report.failures[0]
+    )
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]["scale_fmt"]
     (out / "config.json").write_text(json.dumps(config))
@@ -531,6 +586,7 @@ def test_inspect_says_who_loads_mxfp8_and_ue8m0_on_which_gpus(source_model, caps
     text = capsys.readouterr().out
     assert "loads       transformers: no: transformers cannot load MXFP8 MoE experts" in text
     from fp8convert.plan.summary import compatibility_warnings
+
     caveats = {w.caveat.value for w in compatibility_warnings(fp8convert_module().make_plan(str(moe), scheme="mxfp8"))}
     assert "transformers-cannot-load" in caveats
     tensors = llama_tensors(hidden=256, inter=512)  # every block GEMM shape vLLM takes (k/v 128 rows)
@@ -539,8 +595,24 @@ def test_inspect_says_who_loads_mxfp8_and_ue8m0_on_which_gpus(source_model, caps
             tensors[n] = torch.randn(128, 256).to(torch.bfloat16)
     blocks = write_checkpoint(tmp_path / "blocks", tensors)
     for fmt in (CT, "fp8"):
-        assert main(["inspect", str(blocks), "--scheme", "block", "--format", fmt, "--scale-format", "ue8m0",
-                     "--target-tp", "1", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "inspect",
+                    str(blocks),
+                    "--scheme",
+                    "block",
+                    "--format",
+                    fmt,
+                    "--scale-format",
+                    "ue8m0",
+                    "--target-tp",
+                    "1",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         info = json.loads(capsys.readouterr().out)
         assert info["scale_format"] == "ue8m0" and not info["warnings"], info["warnings"]
         assert info["loads"]["vLLM"].startswith("yes") and "DeepGEMM (SM90, SM100, SM120)" in info["loads"]["vLLM"]
@@ -558,10 +630,12 @@ def test_mxfp8_tensor_parallel_limits():
     def t(name, shape):
         return SimpleNamespace(name=name, shape=shape)
 
-    quantized = [t("model.layers.0.self_attn.q_proj.weight", (1344, 1344)),
-                 t("model.layers.0.self_attn.o_proj.weight", (1344, 1344)),
-                 t("model.layers.0.mlp.experts.0.gate_proj.weight", (1408, 1344)),
-                 t("model.layers.0.mlp.experts.0.down_proj.weight", (1344, 1408))]
+    quantized = [
+        t("model.layers.0.self_attn.q_proj.weight", (1344, 1344)),
+        t("model.layers.0.self_attn.o_proj.weight", (1344, 1344)),
+        t("model.layers.0.mlp.experts.0.gate_proj.weight", (1408, 1344)),
+        t("model.layers.0.mlp.experts.0.down_proj.weight", (1344, 1408)),
+    ]
     warnings = tp_warnings(quantized, {"hidden_size": 1344}, CT, "mxfp8", (1, 2, 4, 8))
     texts = {w.text.split(" across")[0]: w for w in warnings}
     o = texts["vLLM splits the input size 1344 of model.layers.*.self_attn.o_proj"]
@@ -574,7 +648,9 @@ def test_mxfp8_tensor_parallel_limits():
 
 def test_the_card_describes_the_layout_and_reproduces_it(converted):
     card = (converted("llama", "fp8", "block", scale_format="ue8m0") / "README.md").read_text()
-    assert "power-of-two (UE8M0) scale per 128x128" in card and "--scheme block --format fp8 --scale-format ue8m0" in card
+    assert (
+        "power-of-two (UE8M0) scale per 128x128" in card and "--scheme block --format fp8 --scale-format ue8m0" in card
+    )
     card = (converted("llama", CT, "mxfp8") / "README.md").read_text()
     assert "MXFP8: one power-of-two scale per 32 consecutive inputs" in card and "--scheme mxfp8" in card
     assert "--scale-format" not in card
@@ -599,13 +675,21 @@ def test_mxfp8_resumes_and_finalizes_to_the_bytes_of_one_run(tmp_path, capsys):
         assert main(["quantize", str(src), str(part), *scheme, *args]) == 0
         assert tree_bytes(part) == reference
         for k in (0, 1):
-            fp8convert_module().quantize(str(src), str(split), scheme=scheme[1], max_shard_size="20KB",
-                                         scale_format=scheme[-1] if "ue8m0" in scheme else "float",
-                                         worker=f"{k}/2", finalize=False, progress=False)
+            fp8convert_module().quantize(
+                str(src),
+                str(split),
+                scheme=scheme[1],
+                max_shard_size="20KB",
+                scale_format=scheme[-1] if "ue8m0" in scheme else "float",
+                worker=f"{k}/2",
+                finalize=False,
+                progress=False,
+            )
         assert main(["finalize", str(split)]) == 0
         got = tree_bytes(split)
-        assert {n: d for n, d in got.items() if "manifest" not in n} == \
-            {n: d for n, d in reference.items() if "manifest" not in n}
+        assert {n: d for n, d in got.items() if "manifest" not in n} == {
+            n: d for n, d in reference.items() if "manifest" not in n
+        }
     capsys.readouterr()
     partial = tmp_path / "partial"
     assert main(["quantize", str(src), str(partial), "--scheme", "block", *args, "--worker", "0/2"]) == 0
@@ -646,14 +730,14 @@ def test_mxfp8_in_transformers_dense_in_bf16_only_and_not_moe(converted, source_
     """What the README's table says about transformers 5.24 + compressed-tensors 0.20.1 and MXFP8:
     a dense model loads (in bfloat16: its decompressor yields bf16 weights, each exactly
     bf16(code * 2^(byte - 127))), a float32 load fails at the first matmul, and MoE experts do not load."""
-    from transformers import AutoModelForCausalLM
-
     from harness import model_logits
+    from transformers import AutoModelForCausalLM
 
     out = converted("llama", CT, "mxfp8")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
-    cos = torch.nn.functional.cosine_similarity(source_logits("llama").flatten(),
-                                                model_logits(model).flatten(), dim=0).item()
+    cos = torch.nn.functional.cosine_similarity(
+        source_logits("llama").flatten(), model_logits(model).flatten(), dim=0
+    ).item()
     assert cos >= MIN_COSINE, cos
     got = read_safetensors_dir(out)
     params = dict(model.named_parameters())

@@ -1,17 +1,18 @@
 """One writer per share of an output (output/lock.py): a second run into an OUT that another is writing
 is refused with one line before it changes anything, the first finishes into the bytes of a run alone,
 workers of one split still write side by side, and a file system without locks converts as before."""
+
 from __future__ import annotations
 
 import errno
 import time
 
 import pytest
+from tiny_ckpt import cli_subprocess, llama_tensors, tree_bytes, write_checkpoint
 
 from fp8convert.cli import main
 from fp8convert.output import lock as lock_module
 from fp8convert.output.lock import OutputLock
-from tiny_ckpt import cli_subprocess, llama_tensors, tree_bytes, write_checkpoint
 
 ARGS = ["--max-shard-size", "20KB", "--max-resident", "10KB", "-q"]
 HELD = "another fp8convert run is writing it"
@@ -48,8 +49,9 @@ def test_a_second_run_is_refused_while_the_first_writes_and_the_first_finishes_w
         assert err.count("\n") == 1 and HELD in err and str(out) in err, err
     assert first.poll() is None, "the first run ended before the second was refused: the test proved nothing"
     now = tree_bytes(out)
-    assert all(now[name] == data for name, data in before.items() if name.startswith("model-")), \
+    assert all(now[name] == data for name, data in before.items() if name.startswith("model-")), (
         "a refused run changed a finished shard"
+    )
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     assert tree_bytes(out) == reference
@@ -62,9 +64,11 @@ def test_workers_of_one_split_write_side_by_side_but_the_same_worker_twice_is_re
         worker_0.acquire()
         rc, err = run(capsys, "quantize", src, out, *ARGS, "--worker", "1/2")
         assert rc == 0, err
-        for args in (["quantize", src, out, *ARGS, "--worker", "0/2"],  # the same worker again
-                     ["quantize", src, out, *ARGS],                     # the whole output beside a worker
-                     ["finalize", out]):                                # finishing while a worker writes
+        for args in (
+            ["quantize", src, out, *ARGS, "--worker", "0/2"],  # the same worker again
+            ["quantize", src, out, *ARGS],  # the whole output beside a worker
+            ["finalize", out],
+        ):  # finishing while a worker writes
             rc, err = run(capsys, *args)
             assert rc == 1 and HELD in err and err.count("\n") == 1, (args, err)
     rc, err = run(capsys, "quantize", src, out, *ARGS, "--worker", "0/2")  # its share, and it finalizes
@@ -101,6 +105,7 @@ def test_a_file_system_without_locks_converts_as_before(ref, tmp_path, capsys, m
 
     def no_locks(fd, mode):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(lock_module.fcntl, "flock", no_locks)
     rc, err = run(capsys, "quantize", src, tmp_path / "out", *ARGS)
     assert rc == 0, err

@@ -3,6 +3,7 @@ stopped by a full disk, leaves an output that does not look complete, whose fina
 all whole, and which the same command finishes into exactly the bytes of an uninterrupted run. A
 changed plan is refused. The child runs are slowed down by the tests (tiny_ckpt.SLOW_CLI: a sleep
 before each tensor write), so a kill can land mid-run on a tiny model."""
+
 from __future__ import annotations
 
 import errno
@@ -12,15 +13,14 @@ import random
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, wait_for, write_checkpoint
 
 from fp8convert import make_plan
 from fp8convert.cli import main
 from fp8convert.run.writer import ShardWriter
-from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, wait_for, write_checkpoint
 
 # 6 layers in 20 KB shards, 10 KB batches: 20 shards, about a hundred tensor writes.
 ARGS = ["--max-shard-size", "20KB", "--max-resident", "10KB", "-q"]
@@ -61,8 +61,9 @@ def assert_killed_output_is_sound(out: Path, reference: dict[str, bytes]) -> Non
     if not looks_complete(out):
         return assert_partial_is_sound(out, reference)
     got = tree_bytes(out)
-    assert {n: got.get(n) for n in reference if n != ".fp8convert/manifest.json"} == \
-        {n: d for n, d in reference.items() if n != ".fp8convert/manifest.json"}
+    assert {n: got.get(n) for n in reference if n != ".fp8convert/manifest.json"} == {
+        n: d for n, d in reference.items() if n != ".fp8convert/manifest.json"
+    }
 
 
 def shards(out: Path) -> list[Path]:
@@ -137,6 +138,7 @@ def test_sigint_stops_cleanly_and_resumes(ref, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- states a kill can leave, made directly
+
 
 def test_killed_before_the_manifest_was_written(ref, tmp_path):
     src, reference = ref
@@ -223,6 +225,7 @@ def full_disk_after(nbytes: int):
         n = real_pwrite(fd, bytes(data)[: budget[0]], offset)
         budget[0] -= n
         return n
+
     return pwrite
 
 
@@ -241,8 +244,14 @@ def test_disk_full_while_writing_shards_then_resumes(ref, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert result == [1]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "no space left on the device" in errors[0] and "free there" in errors[0] \
-        and "more is needed" in errors[0] and ".partial" in errors[0] and "rerun" in errors[0], errors
+    assert (
+        len(errors) == 1
+        and "no space left on the device" in errors[0]
+        and "free there" in errors[0]
+        and "more is needed" in errors[0]
+        and ".partial" in errors[0]
+        and "rerun" in errors[0]
+    ), errors
     assert_partial_is_sound(out, reference)
     assert quantize(src, out) == 0
     assert tree_bytes(out) == reference
@@ -280,6 +289,7 @@ def count_written_bytes(monkeypatch) -> list[int]:
     def counting(self, run, *args, **kwargs):
         counted.append(run.nbytes)
         return real(self, run, *args, **kwargs)
+
     monkeypatch.setattr(ShardWriter, "write", counting)
     return counted
 

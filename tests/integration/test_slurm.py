@@ -7,6 +7,7 @@ starts a one-node one as root). Without one these tests skip; under CI (CI=true)
 The jobs run this process's python and fp8convert: its bin directory leads PATH and the folder
 fp8convert is imported from leads PYTHONPATH (sbatch and srun pass the environment on). The scripts'
 requests (GPUs, 16 CPUs, 64 GB) are overridden on the command line with what a small CPU node has."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_ckpt import SLOW_CLI, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 import fp8convert
-from tiny_ckpt import SLOW_CLI, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # jobs are child processes: not the fast loop
 
@@ -30,8 +31,17 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 ARGS = ["--device", "cpu", "--max-shard-size", "100KB"]  # a tiny llama in 6 output shards
 SMALL = ["--gpus=0", "--cpus-per-task=1", "--mem=1G"]  # command-line options win over #SBATCH lines
 JOB_TIMEOUT = 120  # seconds a test waits for its jobs
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE")
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 def slurm_problem() -> str | None:
@@ -107,8 +117,9 @@ def wait_completed(env, job: str, cwd: Path) -> set[str]:
     test fails with the tails of the logs in `cwd`."""
     states = wait_for(env, job)
     failed = {name: state for name, state in states.items() if state != "COMPLETED"}
-    assert not failed, f"{failed}\n" + "\n".join(f"--- {log}\n{log.read_text()[-2000:]}"
-                                                  for log in sorted(cwd.glob("*.log")))
+    assert not failed, f"{failed}\n" + "\n".join(
+        f"--- {log}\n{log.read_text()[-2000:]}" for log in sorted(cwd.glob("*.log"))
+    )
     return set(states)
 
 
@@ -128,8 +139,24 @@ def llama(source_model, converted):
 def test_srun_two_tasks_end_complete(job_env, llama, tmp_path):
     src, reference = llama
     out = tmp_path / "out"
-    slurm(job_env, tmp_path, "srun", "-n", "2", "--cpus-per-task=1", "--mem=1G", "--output=task-%t.json",
-          "--error=task-%t.log", "fp8convert", "quantize", src, out, *ARGS, "--json", timeout=JOB_TIMEOUT)
+    slurm(
+        job_env,
+        tmp_path,
+        "srun",
+        "-n",
+        "2",
+        "--cpus-per-task=1",
+        "--mem=1G",
+        "--output=task-%t.json",
+        "--error=task-%t.log",
+        "fp8convert",
+        "quantize",
+        src,
+        out,
+        *ARGS,
+        "--json",
+        timeout=JOB_TIMEOUT,
+    )
     assert tree_bytes(out) == reference
     assert_clean_logs(sorted(tmp_path.glob("task-*.log")))
     reports = [json.loads((tmp_path / f"task-{k}.json").read_text()) for k in range(2)]
@@ -140,8 +167,10 @@ def test_srun_two_tasks_end_complete(job_env, llama, tmp_path):
 def test_array_script_runs_one_job_per_task(job_env, source_model, converted, tmp_path):
     """scripts/slurm_array.sbatch: task i converts job i of the jobs file; its JSON summary beside its log."""
     jobs = {"llama": ("tensor", tmp_path / "llama-fp8"), "qwen3": ("channel", tmp_path / "qwen3-fp8")}
-    tables = "".join(f'[[job]]\nsource = "{source_model(kind)}"\nout = "{out}"\nscheme = "{scheme}"\n\n'
-                     for kind, (scheme, out) in jobs.items())
+    tables = "".join(
+        f'[[job]]\nsource = "{source_model(kind)}"\nout = "{out}"\nscheme = "{scheme}"\n\n'
+        for kind, (scheme, out) in jobs.items()
+    )
     jobs_file = tmp_path / "jobs.toml"
     jobs_file.write_text(f'[defaults]\ndevice = "cpu"\nmax_shard_size = "100KB"\n\n{tables}')
     array = submit(job_env, tmp_path, "--array=0-1", *SMALL, SCRIPTS / "slurm_array.sbatch", jobs_file)
@@ -165,8 +194,15 @@ def quantize_array(env, cwd, src, out, command: list[str], args: list[str]) -> s
 def finalize_after(env, cwd, array: str, out: Path) -> str:
     """scripts/slurm_finalize.sbatch OUT, submitted while `array` runs, to start once it has succeeded.
     Waits for both (the array first: where it fails, the finalize would wait forever); the finalize's id."""
-    final = submit(env, cwd, f"--dependency=afterok:{array}", "--cpus-per-task=1", "--mem=1G",
-                   SCRIPTS / "slurm_finalize.sbatch", out)
+    final = submit(
+        env,
+        cwd,
+        f"--dependency=afterok:{array}",
+        "--cpus-per-task=1",
+        "--mem=1G",
+        SCRIPTS / "slurm_finalize.sbatch",
+        out,
+    )
     assert len(wait_completed(env, array, cwd)) == 3
     assert wait_completed(env, final, cwd) == {final}
     return final
@@ -189,8 +225,7 @@ def test_cancelled_array_task_resubmitted_ends_identical(job_env, tmp_path):
     missing and the output is the bytes of one process."""
     src = write_checkpoint(tmp_path / "src", llama_tensors(layers=6))
     args = ["--device", "cpu", "--max-shard-size", "20KB", "--max-resident", "10KB"]  # 20 shards
-    fp8convert.quantize(str(src), str(tmp_path / "ref"), device="cpu", max_shard_size="20KB",
-                        max_resident="10KB")
+    fp8convert.quantize(str(src), str(tmp_path / "ref"), device="cpu", max_shard_size="20KB", max_resident="10KB")
     reference = tree_bytes(tmp_path / "ref")
     out = tmp_path / "out"
     slow = tmp_path / "slow_fp8convert.py"  # every tensor write 0.1 s late: each task runs for seconds
@@ -200,6 +235,7 @@ def test_cancelled_array_task_resubmitted_ends_identical(job_env, tmp_path):
 
     def shards_of_task_1() -> list[Path]:  # worker 1 of 3 owns model-00002, -00005, ... (7 of 20)
         return [p for p in out.glob("model-*-of-00020.safetensors") if int(p.name[6:11]) % 3 == 2]
+
     state = wait_for(job_env, task, until=shards_of_task_1).get(task)
     assert state == "RUNNING", f"task 1 ended ({state}) before it was cancelled"
     slurm(job_env, None, "scancel", task)
@@ -223,8 +259,18 @@ def test_torchrun_script_two_cpu_ranks(job_env, llama, tmp_path):
     src, reference = llama
     out = tmp_path / "out"
     env = dict(job_env, NPROC_PER_NODE="2")
-    job = submit(env, tmp_path, "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2", "--mem=2G",
-                 SCRIPTS / "slurm_torchrun.sbatch", src, out, *ARGS)
+    job = submit(
+        env,
+        tmp_path,
+        "--nodes=1",
+        "--gpus-per-node=0",
+        "--cpus-per-task=2",
+        "--mem=2G",
+        SCRIPTS / "slurm_torchrun.sbatch",
+        src,
+        out,
+        *ARGS,
+    )
     assert wait_completed(env, job, tmp_path) == {job}
     assert tree_bytes(out) == reference
     log = tmp_path / f"fp8convert-{job}.log"

@@ -2,6 +2,7 @@
 main thread: quantize and dequantize import it in the background thread that overlaps it with
 planning and the first writes. The program also sets up torch's pinned allocator before that import, and
 records and reads ahead the pages torch's start-up reads (run/startup_pages.py)."""
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 import fp8convert
 from fp8convert import api
 from fp8convert.run.warmup import PINNED_ALLOC_CONF
-from tiny_ckpt import llama_tensors, write_checkpoint
 
 # Runs the CLI in a fresh interpreter and reports which thread imported torch first (None: nobody).
 # The torch thread's first import of torch is held back by DELAY seconds.
@@ -42,8 +43,9 @@ print(json.dumps({"rc": rc, "first_import": first[0] if first else None}))
 
 def run_spy(script: str, *args, env: dict | None = None) -> dict:
     """Run `script` (a spy around the CLI, given `args`) in a fresh interpreter; the JSON it printed last."""
-    run = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
-                         timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -89,7 +91,6 @@ def test_dequantize_imports_torch_in_the_background_thread(tmp_path):
     fp8convert.quantize(src, fp8, scheme="block", format="fp8", device="cpu", progress=False)
     result = who_imports_torch("dequantize", fp8, tmp_path / "out", "--device", "cpu", "-q")
     assert result == {"rc": 0, "first_import": "fp8convert-torch"}
-
 
 
 # Runs the CLI in a fresh interpreter; reports whether numpy was loaded when the prefetcher started reading.
@@ -142,11 +143,25 @@ def test_a_gpu_run_pins_host_memory_by_registering_unless_the_user_configured_th
     assert gpu == {"rc": 0, "conf": PINNED_ALLOC_CONF}
     cpu = cli_allocator_conf("quantize", src, tmp_path / "b", "--device", "cpu", "-q", env=env)
     assert cpu == {"rc": 0, "conf": None}
-    mine = cli_allocator_conf("quantize", src, tmp_path / "c", "--device", "auto", "-q",
-                              env={**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    mine = cli_allocator_conf(
+        "quantize",
+        src,
+        tmp_path / "c",
+        "--device",
+        "auto",
+        "-q",
+        env={**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    )
     assert mine == {"rc": 0, "conf": "expandable_segments:True"}
-    theirs = cli_allocator_conf("quantize", src, tmp_path / "d", "--device", "auto", "-q",
-                                env={**env, "PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    theirs = cli_allocator_conf(
+        "quantize",
+        src,
+        tmp_path / "d",
+        "--device",
+        "auto",
+        "-q",
+        env={**env, "PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+    )
     assert theirs == {"rc": 0, "conf": None}
 
 
@@ -154,6 +169,7 @@ def test_no_allocator_setting_once_torch_is_loaded(monkeypatch):
     """In a process where torch is already loaded (the Python API after the caller's own import),
     torch has read its configuration: changing the environment then would only mislead."""
     from fp8convert.run import warmup
+
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     warmup.pin_by_registering()  # torch is loaded in the test process
@@ -226,8 +242,16 @@ def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     cache = tmp_path / "cache"
     assert cli_run("quantize", src, tmp_path / "a", "--device", "cpu", "-q", cache=cache)["rc"] == 0  # records
-    result = run_spy(ORDER_SPY, "quantize", src, tmp_path / "b", "--device", "cpu", "-q",
-                     env=dict(os.environ, XDG_CACHE_HOME=str(cache)))
+    result = run_spy(
+        ORDER_SPY,
+        "quantize",
+        src,
+        tmp_path / "b",
+        "--device",
+        "cpu",
+        "-q",
+        env=dict(os.environ, XDG_CACHE_HOME=str(cache)),
+    )
     assert result["rc"] == 0
     assert result["asked"] > 100  # torch's libraries and its thousand-odd Python files
     assert result["last_asked"] < result["import_began"]
@@ -237,6 +261,7 @@ def test_every_recorded_read_is_asked_for_before_torchs_import_begins(tmp_path):
 # it, each with the thread that made it.
 def test_whether_torch_has_cuda_is_known_without_importing_it():
     from fp8convert.run import warmup
+
     assert warmup.torch_has_cuda() == (torch.version.cuda is not None)
 
 
@@ -246,6 +271,7 @@ class PullSpy:
 
     def __init__(self, monkeypatch, wait: float):
         from fp8convert.run import prefetch
+
         self.pulled, self.calls, self.before_plan = threading.Event(), [], []
         real_pull, real_plan = prefetch.pull_into_cache, api.build_plan
 
@@ -293,12 +319,18 @@ def test_no_read_before_the_plan_for_a_resumed_output_or_one_worker_of_several(t
 def test_an_auto_device_run_without_cuda_records_under_cpu(tmp_path):
     """--device auto (the default) runs on the CPU here, so its record is the CPU's, not `-cuda-`."""
     cache = tmp_path / "cache"
-    assert cli_run("quantize", write_checkpoint(tmp_path / "src", llama_tensors()), tmp_path / "out", "-q", cache=cache)["rc"] == 0
+    assert (
+        cli_run("quantize", write_checkpoint(tmp_path / "src", llama_tensors()), tmp_path / "out", "-q", cache=cache)[
+            "rc"
+        ]
+        == 0
+    )
     assert [p.name.split("-")[2] for p in (cache / "fp8convert").glob("startup-pages-*.json")] == ["cpu"]
 
 
 def test_auto_names_the_cuda_record_only_where_the_driver_loads(monkeypatch):
     from fp8convert.run import warmup
+
     monkeypatch.setattr(warmup, "torch_has_cuda", lambda: True)  # a CUDA build of torch
     monkeypatch.setattr(warmup, "CUDA_DRIVER", "libfp8convert-no-such-driver.so.1")
     assert "-cpu-" in warmup.record_path("auto").name and "-cuda-" in warmup.record_path("cuda:1").name

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import fp8convert_module, read_json, read_safetensors_dir, run_quantize
-
 from checks import ignore_lists
+from harness import fp8convert_module, read_json, read_safetensors_dir, run_quantize
 
 
 @pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "tensor"), ("fp8", "block")])

@@ -1,27 +1,33 @@
 """fp8convert verify: a good conversion passes in every format and scheme; every kind of damage to
 an output (a code, a scale, a dropped tensor, a kept tensor, config, ignore list, index) fails and
 names the tensor or file."""
+
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 import shutil
 import struct
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_ckpt import INDEX, llama_tensors, write_checkpoint
 
 from fp8convert.cli import main
 from fp8convert.output import files as files_mod
 from fp8convert.verify import numbers as verify_numbers
 from fp8convert.verify import pairs as verify_pairs
 from fp8convert.verify import verify
-from tiny_ckpt import INDEX, llama_tensors, write_checkpoint
 
-COMBOS = [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("compressed-tensors", "block"),
-          ("fp8", "tensor"), ("fp8", "block")]
+COMBOS = [
+    ("compressed-tensors", "tensor"),
+    ("compressed-tensors", "channel"),
+    ("compressed-tensors", "block"),
+    ("fp8", "tensor"),
+    ("fp8", "block"),
+]
 Q = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.layers.1.input_layernorm.weight"
 SHARD = "model-00001-of-00001.safetensors"
@@ -49,6 +55,7 @@ def damaged(made, tmp_path):
         out = tmp_path / "out"
         shutil.copytree(outs[(fmt, scheme)], out)
         return out
+
     return src, copy
 
 
@@ -56,7 +63,7 @@ def span(path, name) -> tuple[int, int]:
     """Absolute byte offset and length of tensor `name` in a safetensors file (parsed here, independently)."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    begin, end = json.loads(data[8 : 8 + n])[name]["data_offsets"]
     return 8 + n + begin, end - begin
 
 
@@ -93,6 +100,7 @@ def cli_fails(capsys, src, out, *names) -> None:
 
 # ---------------------------------------------------------------- good conversions
 
+
 @pytest.mark.parametrize("fmt,scheme", COMBOS)
 def test_good_conversion_verifies(made, capsys, fmt, scheme):
     src, outs = made
@@ -114,8 +122,10 @@ def test_good_conversion_verifies(made, capsys, fmt, scheme):
     scale = got[Q + ("_scale_inv" if (fmt, scheme) == ("fp8", "block") else "_scale")].double()
     if scheme == "block":
         scale = scale.repeat_interleave(128, 0)[: q.shape[0]].repeat_interleave(128, 1)[:, : q.shape[1]]
-    expected = float((w - q * scale.reshape(scale.shape if scale.dim() == 2 else (-1, 1) if scale.numel() > 1 else ()))
-                     .norm() / w.norm())
+    expected = float(
+        (w - q * scale.reshape(scale.shape if scale.dim() == 2 else (-1, 1) if scale.numel() > 1 else ())).norm()
+        / w.norm()
+    )
     assert next(t for t in report.tensors if t.name == Q).rel_error == pytest.approx(expected, rel=1e-5)
 
     # the CLI: exit 0, strict JSON, worst tensors first
@@ -171,6 +181,7 @@ def test_verify_streams_in_slabs(made, damaged, monkeypatch):
 
 # ---------------------------------------------------------------- damaged outputs
 
+
 def test_one_corrupted_code_fails_though_the_norm_cannot_see_it(damaged, capsys):
     src, copy = damaged
     out = copy()
@@ -197,16 +208,22 @@ def test_nan_code_fails(damaged, fmt, scheme):
     assert any(Q in f for f in failing(src, out))
 
 
-@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
-                                        ("fp8", "tensor"), ("fp8", "block")])
+@pytest.mark.parametrize(
+    "fmt,scheme",
+    [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("fp8", "tensor"), ("fp8", "block")],
+)
 @pytest.mark.parametrize("how", ["double", "nan", "zero", "negative"])
 def test_corrupted_scale_fails(damaged, capsys, fmt, scheme, how):
     src, copy = damaged
     out = copy(fmt, scheme)
     name = Q + ("_scale_inv" if scheme == "block" and fmt == "fp8" else "_scale")
     scale = load_file(str(out / SHARD))[name]
-    scale.view(-1)[0] = {"double": scale.view(-1)[0] * 2, "nan": float("nan"), "zero": 0.0,
-                         "negative": -scale.view(-1)[0]}[how]
+    scale.view(-1)[0] = {
+        "double": scale.view(-1)[0] * 2,
+        "nan": float("nan"),
+        "zero": 0.0,
+        "negative": -scale.view(-1)[0],
+    }[how]
     set_tensor(out, name, scale)
     failures = failing(src, out)
     assert any(f.startswith(Q) for f in failures), failures
@@ -221,6 +238,7 @@ def test_scale_larger_than_its_weights_need_fails_though_the_codes_fit_it(damage
     itself, held to at most twice amax / 448 of its weights (a fused group's, in the tensor scheme),
     shows it."""
     from fp8convert.run.numerics import expand_scale
+
     src, copy = damaged
     out = copy(fmt, scheme)
     name = Q + ("_scale_inv" if scheme == "block" and fmt == "fp8" else "_scale")
@@ -310,18 +328,32 @@ def test_fp8_ignored_layers_checked(damaged):
     assert any(f.startswith("lm_head.weight") for f in failing(src, out))
 
 
-@pytest.mark.parametrize("edit,what", [
-    (lambda c: c.update(hidden_size=65), "hidden_size"),
-    (lambda c: c.pop("quantization_config"), "quantization_config"),
-    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="channel"), "weight_scale"),
-    (lambda c: c["quantization_config"]["ignore"].append("re:("), "ignore entry 're:(' is not a valid regular"),
-    # what loaders act on though no tensor backs it (transformers ran the first into NaN logits)
-    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
-     "declares static input activations, but the output holds no input_scale"),
-    (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
-    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric"),
-    (lambda c: c["quantization_config"].update(quantization_status="frozen"), "quantization_status is 'frozen'"),
-])
+@pytest.mark.parametrize(
+    "edit,what",
+    [
+        (lambda c: c.update(hidden_size=65), "hidden_size"),
+        (lambda c: c.pop("quantization_config"), "quantization_config"),
+        (
+            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="channel"),
+            "weight_scale",
+        ),
+        (lambda c: c["quantization_config"]["ignore"].append("re:("), "ignore entry 're:(' is not a valid regular"),
+        # what loaders act on though no tensor backs it (transformers ran the first into NaN logits)
+        (
+            lambda c: c["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+            "declares static input activations, but the output holds no input_scale",
+        ),
+        (
+            lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
+            "kv_cache_scheme",
+        ),
+        (
+            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=False),
+            "asymmetric",
+        ),
+        (lambda c: c["quantization_config"].update(quantization_status="frozen"), "quantization_status is 'frozen'"),
+    ],
+)
 def test_config_inconsistent_fails(damaged, edit, what):
     src, copy = damaged
     out = copy()
@@ -377,6 +409,7 @@ def test_verify_json_on_failure(damaged, capsys):
 def test_passing_verify_puts_its_figures_in_the_card(tmp_path, capsys):
     """The card carries the verify figures once verify has passed (and only then), replacing old ones."""
     from fp8convert.cli import main
+
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     out = tmp_path / "out"
     assert main(["quantize", str(src), str(out), "-q", "--device", "cpu"]) == 0
@@ -387,7 +420,6 @@ def test_passing_verify_puts_its_figures_in_the_card(tmp_path, capsys):
     assert card.index("## Verification") < card.index("## Reproduce")
     assert main(["verify", str(src), str(out)]) == 0  # again: still one section
     assert (out / "README.md").read_text().count("## Verification") == 1
-
 
 
 def test_passing_verify_of_an_output_it_cannot_write_still_passes(tmp_path, capsys, monkeypatch):
@@ -402,13 +434,16 @@ def test_passing_verify_of_an_output_it_cannot_write_still_passes(tmp_path, caps
 
     def read_only(source, target):  # the rename that puts a rewritten file in place (files.write_atomic)
         raise OSError(30, "Read-only file system", str(target))
+
     monkeypatch.setattr(files_mod.os, "replace", read_only)
     assert main(["verify", str(src), str(out), "-q", "--json"]) == 0
     monkeypatch.undo()
     captured = capsys.readouterr()
     assert json.loads(captured.out)["ok"] is True
     assert captured.err.count("\n") == 1 and "error:" not in captured.err, captured.err
-    assert captured.err.startswith("warning:") and "README.md" in captured.err and "Read-only file system" in captured.err
+    assert (
+        captured.err.startswith("warning:") and "README.md" in captured.err and "Read-only file system" in captured.err
+    )
     assert "rerun" not in captured.err  # verify has nothing to resume
     assert (out / "README.md").read_bytes() == card and not list(out.glob(".*.tmp"))
     other = tmp_path / "other"  # the same files, without fp8convert's work folder: someone else's checkpoint
@@ -417,11 +452,14 @@ def test_passing_verify_of_an_output_it_cannot_write_still_passes(tmp_path, caps
     assert main(["verify", str(src), str(other), "-q"]) == 0
     assert (other / "README.md").read_bytes() == card
 
+
 # ---------------------------------------------------------------- the fast arithmetic is the exact one
+
 
 def quantized(w: torch.Tensor, scheme: str):
     """Codes and scales as the converter makes them, and the scale as verify broadcasts it."""
     from fp8convert.run.numerics import quantize_group
+
     codes, scales = quantize_group([w.unsqueeze(0)], scheme)
     return codes[0][0], scales[0][0]
 
@@ -440,8 +478,12 @@ def test_fast_sums_are_the_exact_sums(scheme, dtype, case):
     elif case == "zeros":
         w[::3] = 0.0
     elif case == "ties":  # values halfway between e4m3 codes once divided by the scale
-        w = torch.tensor([448.0, 1.0625, 1.1875, 0.00146484375, -1.0625, 2.0**-10, 3 * 2.0**-11] * 40
-                         ).repeat(300, 1)[:, :272] * 0.5
+        w = (
+            torch.tensor([448.0, 1.0625, 1.1875, 0.00146484375, -1.0625, 2.0**-10, 3 * 2.0**-11] * 40).repeat(300, 1)[
+                :, :272
+            ]
+            * 0.5
+        )
     else:
         w.view(-1)[::97] *= 40.0
     w = w.to(dtype)
@@ -482,12 +524,14 @@ def test_a_good_conversion_is_measured_without_the_element_by_element_path(made,
 
     def refuse(*args):
         raise AssertionError("exact_sums used on an honest conversion")
+
     monkeypatch.setattr(verify_numbers, "exact_sums", refuse)
     for out in outs.values():
         assert verify(src, out, device="cpu").ok
 
 
 # ---------------------------------------------------------------- one cause, one line; the reader and progress
+
 
 def test_truncated_shard_is_one_line_and_all_lists_every_tensor(damaged, capsys):
     """A truncated shard makes every tensor in it unreadable: one line for the cause (it used to be
@@ -522,14 +566,16 @@ def test_the_same_problem_in_many_tensors_is_one_line(damaged):
     report = verify(src, out)
     assert len(report.failures) == 3
     (line,) = report.causes()
-    assert line.endswith(": kept in high precision, but its bytes differ from the source") and \
-        all(name in line for name in names), line
+    assert line.endswith(": kept in high precision, but its bytes differ from the source") and all(
+        name in line for name in names
+    ), line
 
 
 def test_verify_reads_through_the_batch_reader_within_the_budget(made, monkeypatch):
     """verify streams through quantize's reader: batches of at most half the budget (two are in
     memory at once), the same figures whatever the budget."""
     from fp8convert.run.reader import BatchReader
+
     src, outs = made
     out = outs[("fp8", "block")]
     whole = {t.name: t.rel_error for t in verify(src, out, device="cpu").tensors}
@@ -539,6 +585,7 @@ def test_verify_reads_through_the_batch_reader_within_the_budget(made, monkeypat
     def spy(self, tensors):
         sizes.append(sum(t.nbytes for t in tensors))
         return real(self, tensors)
+
     monkeypatch.setattr(BatchReader, "read", spy)
     report = verify(src, out, device="cpu", max_resident="64KB")
     assert report.ok and {t.name: t.rel_error for t in report.tensors} == pytest.approx(whole, rel=1e-12)

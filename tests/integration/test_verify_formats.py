@@ -2,6 +2,7 @@
 cause) on every kind of output the converter writes: MXFP8 and UE8M0 scales, experts cut from fused 3-D
 tensors, an FP8 source's dequantized, passed-through and requantized outputs. Each passes whatever the
 batch and slab sizes, damage in any slab is found and named, and a truncated shard is one line."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,13 @@ import struct
 
 import pytest
 from safetensors.torch import load_file, save_file
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 import fp8convert
 from fp8convert.cli import main
 from fp8convert.verify import numbers as verify_numbers
 from fp8convert.verify import pairs as verify_pairs
 from fp8convert.verify import verify
-from tiny_ckpt import llama_tensors, write_checkpoint
 
 INDEX = "model.safetensors.index.json"
 
@@ -26,7 +27,7 @@ def span(path, name) -> tuple[int, int]:
     """Absolute byte offset and length of tensor `name` in a safetensors file (parsed here)."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    begin, end = json.loads(data[8 : 8 + n])[name]["data_offsets"]
     return 8 + n + begin, end - begin
 
 
@@ -79,14 +80,21 @@ def assert_one_truncation_line(src, out, capsys) -> None:
 
 def same_figures(a, b) -> None:
     assert a.ok and b.ok, (a.failures[:3], b.failures[:3])
-    assert (a.tensors_quantized, a.tensors_kept, a.tensors_dequantized) == \
-        (b.tensors_quantized, b.tensors_kept, b.tensors_dequantized)
+    assert (a.tensors_quantized, a.tensors_kept, a.tensors_dequantized) == (
+        b.tensors_quantized,
+        b.tensors_kept,
+        b.tensors_dequantized,
+    )
     fa, fb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
     assert fa.keys() == fb.keys()
     for name, t in fa.items():
         u = fb[name]
-        assert (t.off_grid, t.off_rule_scales, t.inexact_codes, t.ok) == (u.off_grid, u.off_rule_scales,
-                                                                           u.inexact_codes, u.ok), name
+        assert (t.off_grid, t.off_rule_scales, t.inexact_codes, t.ok) == (
+            u.off_grid,
+            u.off_rule_scales,
+            u.inexact_codes,
+            u.ok,
+        ), name
         assert t.rel_error == pytest.approx(u.rel_error, rel=1e-9) and t.bound == pytest.approx(u.bound, rel=1e-9)
 
 
@@ -106,8 +114,10 @@ def pow2_made(tmp_path_factory):
     base = tmp_path_factory.mktemp("pow2")
     src = write_checkpoint(base / "src", llama_tensors(inter=320))
     outs = {}
-    for name, args in (("mx", ["--scheme", "mxfp8"]),
-                       ("ue8m0", ["--scheme", "block", "--format", "fp8", "--scale-format", "ue8m0"])):
+    for name, args in (
+        ("mx", ["--scheme", "mxfp8"]),
+        ("ue8m0", ["--scheme", "block", "--format", "fp8", "--scale-format", "ue8m0"]),
+    ):
         assert main(["quantize", str(src), str(base / name), "-q", "--max-shard-size", "150KB", *args]) == 0
         outs[name] = base / name
     return src, outs
@@ -124,6 +134,7 @@ def test_power_of_two_outputs_stream_in_any_batch(pow2_made, name, monkeypatch):
 
     def refuse(*args):
         raise AssertionError("exact_sums used on an honest conversion")
+
     monkeypatch.setattr(verify_numbers, "exact_sums", refuse)
     monkeypatch.setattr(verify_numbers, "TILE_ELEMENTS", 64 * 32)
     small_stream(monkeypatch)
@@ -136,7 +147,7 @@ def test_mxfp8_exponent_off_the_rule_in_a_late_slab_is_found(pow2_made, tmp_path
     src, outs = pow2_made
     out = tmp_path / "out"
     shutil.copytree(outs["mx"], out)
-    up = "model.layers.0.mlp.up_proj.weight"          # [320, 64]: scale [320, 2] uint8
+    up = "model.layers.0.mlp.up_proj.weight"  # [320, 64]: scale [320, 2] uint8
     at = 319 * 2 + 1
     poke(out, up + "_scale", at, byte_of(out, up + "_scale", at) + 1)
     small_stream(monkeypatch)
@@ -197,11 +208,13 @@ def test_cut_experts_stream_and_a_swapped_expert_fails(arch, zoo_source, tmp_pat
         for suffix in ("", "_scale"):
             if a + suffix in tensors and b + suffix in tensors:
                 tensors[a + suffix], tensors[b + suffix] = tensors[b + suffix].clone(), tensors[a + suffix].clone()
+
     rewrite(out, swap)
     report = verify(src, out, device="cpu", max_resident="32KB")
     assert not report.ok
-    assert any(f.startswith(a) for f in report.failures) and any(f.startswith(b) for f in report.failures), \
+    assert any(f.startswith(a) for f in report.failures) and any(f.startswith(b) for f in report.failures), (
         report.failures
+    )
 
 
 def test_kept_cut_experts_are_compared_with_their_slice(zoo_source, tmp_path):
@@ -232,8 +245,12 @@ def fp8_made(tmp_path_factory):
     bf16 = write_checkpoint(base / "bf16", llama_tensors(inter=320))
     src = base / "src"
     fp8convert.quantize(bf16, src, scheme="block", format="fp8", device="cpu")
-    outs = {"dequantized": base / "deq", "passed": base / "passed", "requantized": base / "requant",
-            "mxfp8": base / "mx"}
+    outs = {
+        "dequantized": base / "deq",
+        "passed": base / "passed",
+        "requantized": base / "requant",
+        "mxfp8": base / "mx",
+    }
     fp8convert.dequantize(src, outs["dequantized"], device="cpu", max_shard_size="150KB")
     report = fp8convert.quantize(src, outs["passed"], scheme="block", device="cpu")
     assert report.tensors_passed_through == report.tensors_quantized == 14
@@ -258,12 +275,15 @@ def test_fp8_source_outputs_stream_in_any_batch(fp8_made, kind, monkeypatch):
     same_figures(whole, verify(src, outs[kind], device="cpu", max_resident="64KB"))
 
 
-@pytest.mark.parametrize("kind,what", [
-    ("dequantized", "1 element differs from float32(q) * scale rounded once to BF16"),
-    ("passed", "1 code is not the nearest e4m3 value of weight/scale"),   # no longer the source's: measured
-    ("requantized", "1 code is not the nearest e4m3 value of weight/scale"),
-    ("mxfp8", "1 code is not the round-to-nearest-even e4m3 value of weight/scale"),
-])
+@pytest.mark.parametrize(
+    "kind,what",
+    [
+        ("dequantized", "1 element differs from float32(q) * scale rounded once to BF16"),
+        ("passed", "1 code is not the nearest e4m3 value of weight/scale"),  # no longer the source's: measured
+        ("requantized", "1 code is not the nearest e4m3 value of weight/scale"),
+        ("mxfp8", "1 code is not the round-to-nearest-even e4m3 value of weight/scale"),
+    ],
+)
 def test_fp8_source_damage_in_the_last_slab_is_found(fp8_made, kind, what, tmp_path, monkeypatch):
     """One element of the last row of up_proj ([320, 64]: three slabs of 128 rows) changed: found in
     small slabs and named, one line."""
@@ -272,8 +292,11 @@ def test_fp8_source_damage_in_the_last_slab_is_found(fp8_made, kind, what, tmp_p
     shutil.copytree(outs[kind], out)
     up = "model.layers.0.mlp.up_proj.weight"
     item = 2 if kind == "dequantized" else 1
-    at = (320 * 64 - 1) * item if kind == "dequantized" else next(
-        i for i in range(320 * 64 - 1, 0, -1) if byte_of(out, up, i) & 0x7F not in (0, 0x7E, 0x7F))
+    at = (
+        (320 * 64 - 1) * item
+        if kind == "dequantized"
+        else next(i for i in range(320 * 64 - 1, 0, -1) if byte_of(out, up, i) & 0x7F not in (0, 0x7E, 0x7F))
+    )
     value = byte_of(out, up, at)
     poke(out, up, at, value + 1 if kind == "dequantized" else value ^ 0x01)
     small_stream(monkeypatch)
@@ -290,7 +313,7 @@ def test_passed_through_scale_changed_fails(fp8_made, tmp_path):
     shutil.copytree(outs["passed"], out)
     q = "model.layers.1.self_attn.q_proj.weight"
     scale = q + "_scale"
-    poke(out, scale, 3, byte_of(out, scale, 3) ^ 0x40)   # the exponent of the first block's scale
+    poke(out, scale, 3, byte_of(out, scale, 3) ^ 0x40)  # the exponent of the first block's scale
     failures = verify(src, out, device="cpu").failures
     assert len(failures) == 1 and failures[0].startswith(q), failures
 

@@ -23,15 +23,30 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
-
 import reference as R
+import torch
 from checks import ignore_lists
-from harness import (ALL_CASES, FORMAT_SCHEMES, FS_IDS, MORE_ZOO_CASES, ZOO_CASES,
-                     fp8convert_module, read_json, read_safetensors_dir, run_quantize)
+from harness import (
+    ALL_CASES,
+    FORMAT_SCHEMES,
+    FS_IDS,
+    MORE_ZOO_CASES,
+    ZOO_CASES,
+    fp8convert_module,
+    read_json,
+    read_safetensors_dir,
+    run_quantize,
+)
 from tiny_models import KINDS, MOE_KINDS, N_EXPERTS, make_model
-from vllm_rules import (CONTRACTS, EXPERT_OUTPUT, text_config, vllm_ignore, vllm_name, vllm_skips_experts,
-                        vllm_skips_module)
+from vllm_rules import (
+    CONTRACTS,
+    EXPERT_OUTPUT,
+    text_config,
+    vllm_ignore,
+    vllm_name,
+    vllm_skips_experts,
+    vllm_skips_module,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -150,9 +165,7 @@ def test_moe_channel_scales_stack_to_w13_and_w2(kind, outputs):
     tensors, _ = outputs(kind, "compressed-tensors", "channel")
     for prefix, (g, u, d, n_exp) in moe_layers(tensors).items():
         inter, hidden = tensors[f"{prefix}.0.{g}.weight"].shape
-        w13 = torch.stack(
-            [torch.cat([scale_of(tensors, f"{prefix}.{e}.{p}") for p in (g, u)]) for e in range(n_exp)]
-        )
+        w13 = torch.stack([torch.cat([scale_of(tensors, f"{prefix}.{e}.{p}") for p in (g, u)]) for e in range(n_exp)])
         w2 = torch.stack([scale_of(tensors, f"{prefix}.{e}.{d}") for e in range(n_exp)])
         assert w13.shape == (n_exp, 2 * inter, 1) and w13.dtype == torch.float32
         assert w2.shape == (n_exp, hidden, 1) and w2.dtype == torch.float32
@@ -173,8 +186,9 @@ def test_ignore_entries_are_exact_module_names(kind, fmt, scheme, outputs):
             assert isinstance(entry, str)
             assert not entry.startswith("re:") and not set(entry) & set("*?[]"), f"not an exact name: {entry}"
             assert not entry.endswith(".weight"), entry
-            assert entry == "lm_head" or entry in modules or entry in in_memory, \
+            assert entry == "lm_head" or entry in modules or entry in in_memory, (
                 f"{entry} is not a module of the checkpoint, nor as transformers names it"
+            )
             module = entry if entry in modules else in_memory.get(entry)
             if module:
                 assert not is_quantized(tensors, module), f"{entry} is listed but quantized"
@@ -190,9 +204,7 @@ def test_ignore_entries_are_exact_module_names(kind, fmt, scheme, outputs):
 def test_routers_are_listed(kind, fmt, scheme, outputs):
     """vLLM's Qwen3-MoE builds the router `gate` with the quant config: it must be in the list."""
     tensors, cfg = outputs(kind, fmt, scheme)
-    routers = sorted(
-        m for m in weight_modules(tensors) if re.search(r"\.(mlp\.gate|block_sparse_moe\.gate)$", m)
-    )
+    routers = sorted(m for m in weight_modules(tensors) if re.search(r"\.(mlp\.gate|block_sparse_moe\.gate)$", m))
     assert routers
     for lst in ignore_lists(fmt, cfg):
         assert set(routers) <= set(lst)
@@ -203,14 +215,16 @@ def test_routers_are_listed(kind, fmt, scheme, outputs):
 # ------------------------------------------------------------------ shapes and scale layouts
 
 
-@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
-                                        ("fp8", "tensor")])
+@pytest.mark.parametrize(
+    "fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("fp8", "tensor")]
+)
 def test_quantized_weights_have_dims_divisible_by_16(fmt, scheme, odd_llama, tmp_path):
     """A model with linear weights whose dims are not multiples of 16 (the fixture is checked to have
     them): none of those becomes FP8, every FP8 weight has both dims divisible by 16."""
     src = read_safetensors_dir(odd_llama)
-    odd = {n for n, t in src.items() if t.dim() == 2 and n.endswith("proj.weight") and
-           (t.shape[0] % 16 or t.shape[1] % 16)}
+    odd = {
+        n for n, t in src.items() if t.dim() == 2 and n.endswith("proj.weight") and (t.shape[0] % 16 or t.shape[1] % 16)
+    }
     assert odd, "the fixture must have linear weights with dims not divisible by 16"
     out = tmp_path / "out"
     run_quantize(odd_llama, out, scheme=scheme, format=fmt)
@@ -264,7 +278,9 @@ def odd_llama(tmp_path_factory):
     return make_model("llama", tmp_path_factory.mktemp("odd") / "model", config_overrides={"intermediate_size": 72})
 
 
-@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("fp8", "tensor")])
+@pytest.mark.parametrize(
+    "fmt,scheme", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"), ("fp8", "tensor")]
+)
 def test_linears_not_divisible_by_16_stay_high_precision_and_listed(fmt, scheme, odd_llama, tmp_path):
     out = tmp_path / "out"
     run_quantize(odd_llama, out, scheme=scheme, format=fmt)
@@ -303,17 +319,23 @@ def test_zoo_meets_vllm_loader_contract(arch, fmt, scheme, zoo_converted, zoo_so
     for name, t in tensors.items():
         if name.endswith((".weight_scale", ".weight_scale_inv")):
             module = name.rsplit(".", 1)[0]
-            assert tensors.get(module + ".weight") is not None and tensors[module + ".weight"].dtype == FP8, \
+            assert tensors.get(module + ".weight") is not None and tensors[module + ".weight"].dtype == FP8, (
                 f"{name}: a scale without an FP8 weight (vLLM has no parameter for it)"
+            )
             continue
         for pattern, shape in contract.fused_bf16.items():
             if re.search(rf"\.{pattern}$", name):
-                assert t.dtype == torch.bfloat16 and tuple(t.shape) == shape(text_config(config)), (name, t.dtype, t.shape)
+                assert t.dtype == torch.bfloat16 and tuple(t.shape) == shape(text_config(config)), (
+                    name,
+                    t.dtype,
+                    t.shape,
+                )
                 assert not any(k.startswith(name + "_scale") or k.startswith(name + ".weight_scale") for k in tensors)
                 experts = re.sub(r"\.(gate_up_proj|down_proj|mlp\.\w+)(_bias)?$", "", name)
                 experts = experts if experts.endswith(".experts") else experts + ".experts"
-                assert vllm_skips_experts(contract, contract.experts_prefix(vllm_name(contract, experts, config)),
-                                          entries, fmt), f"{name}: vLLM would build these experts as FP8"
+                assert vllm_skips_experts(
+                    contract, contract.experts_prefix(vllm_name(contract, experts, config)), entries, fmt
+                ), f"{name}: vLLM would build these experts as FP8"
         if not name.endswith(".weight") or t.dim() != 2:
             continue
         module = name[: -len(".weight")]
@@ -324,20 +346,26 @@ def test_zoo_meets_vllm_loader_contract(arch, fmt, scheme, zoo_converted, zoo_so
             want = torch.uint8 if scheme == "mxfp8" else torch.float32
             assert scale is not None and scale.dtype == want, f"{name}: no {want} {scale_suffix} for vLLM"
             if scheme == "mxfp8":  # CompressedTensorsW8A8Mxfp8.create_weights: uint8 [out, in // 32]
-                assert t.shape[1] % 32 == 0 and tuple(scale.shape) == (t.shape[0], t.shape[1] // 32), \
-                    (name, tuple(t.shape), tuple(scale.shape))
+                assert t.shape[1] % 32 == 0 and tuple(scale.shape) == (t.shape[0], t.shape[1] // 32), (
+                    name,
+                    tuple(t.shape),
+                    tuple(scale.shape),
+                )
         if re.search(contract.unquantized, vname) or R.is_embedding(module) or "norm" in module.rsplit(".", 1)[-1]:
             assert not fp8, f"{name}: FP8, but vLLM builds {vname} without the quant config"
             continue
         m = EXPERT_OUTPUT.match(vname)
         if m:
-            assert m.group("member") in [n for n in contract.expert_names if n], \
+            assert m.group("member") in [n for n in contract.expert_names if n], (
                 f"{name}: vLLM's expert loader maps only {contract.expert_names}"
+            )
             experts_fp8.setdefault(m.group("experts"), set()).add(fp8)
             continue
         skipped = vllm_skips_module(vname, entries, fmt)
-        assert fp8 != skipped, (f"{name}: {'FP8' if fp8 else 'BF16'}, but vLLM's ignore matching "
-                                f"{'skips' if skipped else 'does not skip'} {vname}")
+        assert fp8 != skipped, (
+            f"{name}: {'FP8' if fp8 else 'BF16'}, but vLLM's ignore matching "
+            f"{'skips' if skipped else 'does not skip'} {vname}"
+        )
         checked += 1
     for experts, kinds in experts_fp8.items():
         assert len(kinds) == 1, f"{experts}: some experts FP8, some not (one FusedMoE per layer)"

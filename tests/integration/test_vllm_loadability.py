@@ -5,7 +5,7 @@ outputs failing and loading in vLLM itself."""
 from __future__ import annotations
 
 import pytest
-from conftest import fp8convert_module, read_json, read_safetensors_dir, run_quantize
+from harness import fp8convert_module, read_json, read_safetensors_dir, run_quantize
 from tiny_ckpt import llama_tensors, write_checkpoint
 
 FP8 = "torch.float8_e4m3fn"
@@ -83,6 +83,20 @@ def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys):
     assert main(["quantize", str(src), str(tmp_path / "a"), "--scheme", "block", "--device", "cpu", "-q"]) == 1
     err = capsys.readouterr().err
     assert "vLLM cannot load" in err and "--scheme channel or tensor" in err and "--write-unloadable" in err
-    assert main(["quantize", str(src), str(tmp_path / "b"), "--scheme", "block", "--device", "cpu", "-q",
-                 "--write-unloadable"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(src),
+                str(tmp_path / "b"),
+                "--scheme",
+                "block",
+                "--device",
+                "cpu",
+                "-q",
+                "--write-unloadable",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "b" / "config.json").exists()

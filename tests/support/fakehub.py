@@ -43,11 +43,12 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 DEFAULT_TOKEN = "hf_fake_token"
@@ -56,10 +57,40 @@ DEFAULT_USER = "fake-user"
 # Same rule of thumb as the Hub: these extensions (from the default .gitattributes) and any
 # file over 10 MiB or with binary content go to LFS, everything else is a regular git blob.
 LFS_PATTERNS = (
-    "*.7z", "*.arrow", "*.bin", "*.bz2", "*.ckpt", "*.ftz", "*.gguf", "*.gz", "*.h5", "*.joblib",
-    "*.lfs.*", "*.mlmodel", "*.model", "*.msgpack", "*.npy", "*.npz", "*.onnx", "*.ot", "*.parquet",
-    "*.pb", "*.pickle", "*.pkl", "*.pt", "*.pth", "*.rar", "*.safetensors", "*.tar", "*.tflite",
-    "*.tgz", "*.wasm", "*.xz", "*.zip", "*.zst", "*tfevents*",
+    "*.7z",
+    "*.arrow",
+    "*.bin",
+    "*.bz2",
+    "*.ckpt",
+    "*.ftz",
+    "*.gguf",
+    "*.gz",
+    "*.h5",
+    "*.joblib",
+    "*.lfs.*",
+    "*.mlmodel",
+    "*.model",
+    "*.msgpack",
+    "*.npy",
+    "*.npz",
+    "*.onnx",
+    "*.ot",
+    "*.parquet",
+    "*.pb",
+    "*.pickle",
+    "*.pkl",
+    "*.pt",
+    "*.pth",
+    "*.rar",
+    "*.safetensors",
+    "*.tar",
+    "*.tflite",
+    "*.tgz",
+    "*.wasm",
+    "*.xz",
+    "*.zip",
+    "*.zst",
+    "*tfevents*",
 )
 LFS_SIZE_THRESHOLD = 10 * 1024 * 1024
 
@@ -159,7 +190,7 @@ class RecordedRequest:
     @property
     def token(self) -> str | None:
         auth = self.headers.get("authorization", "")
-        return auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        return auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
 
 
 @dataclass
@@ -232,7 +263,7 @@ class FakeHub:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.hub = self  # type: ignore[attr-defined]
@@ -253,7 +284,7 @@ class FakeHub:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -368,9 +399,7 @@ class FakeHub:
             self.failures.clear()
 
     def requests_to(self, path_contains: str, method: str | None = None) -> list[RecordedRequest]:
-        return [
-            r for r in list(self.requests) if path_contains in r.path and (method is None or r.method == method)
-        ]
+        return [r for r in list(self.requests) if path_contains in r.path and (method is None or r.method == method)]
 
     # ----------------------------------------------------------------- internals
 
@@ -407,7 +436,7 @@ class FakeHub:
         repo.branches[branch] = oid
         return oid
 
-    def _record(self, handler: "_Handler", body: bytes) -> None:
+    def _record(self, handler: _Handler, body: bytes) -> None:
         url = urlsplit(handler.path)
         self.requests.append(
             RecordedRequest(
@@ -548,7 +577,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.token: str | None = None
         if not auth:
             return
-        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else auth
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else auth
         if token not in self.hub.tokens:
             # Exactly the Hub's answer to a bad token: the client then raises a plain HfHubHTTPError 401.
             raise _HubError(401, "Invalid credentials in Authorization header")
@@ -720,8 +749,12 @@ class _Handler(BaseHTTPRequestHandler):
                 folder = "/".join(parents[:i])
                 entries.setdefault(
                     folder,
-                    {"type": "directory", "oid": hashlib.sha1(f"{commit.oid}:{folder}".encode()).hexdigest(),
-                     "size": 0, "path": folder},
+                    {
+                        "type": "directory",
+                        "oid": hashlib.sha1(f"{commit.oid}:{folder}".encode()).hexdigest(),
+                        "size": 0,
+                        "path": folder,
+                    },
                 )
             entry: dict[str, Any] = {"type": "file", "oid": f.git_oid, "size": len(f.data), "path": path}
             if f.lfs:
@@ -738,8 +771,7 @@ class _Handler(BaseHTTPRequestHandler):
         prefix = f"{path}/" if path else ""
         recursive = self._q_bool("recursive")
         listed = [
-            e for e in entries
-            if e["path"].startswith(prefix) and (recursive or "/" not in e["path"][len(prefix):])
+            e for e in entries if e["path"].startswith(prefix) and (recursive or "/" not in e["path"][len(prefix) :])
         ]
         # Cursor pagination with a GitHub-style Link header, like the Hub (1000 entries per page).
         start = int(self._q("cursor") or 0)
@@ -788,8 +820,13 @@ class _Handler(BaseHTTPRequestHandler):
             history = []
             while commit is not None:
                 history.append(
-                    {"id": commit.oid, "title": commit.title, "message": commit.message, "date": commit.date,
-                     "authors": [{"user": self.hub.username}]}
+                    {
+                        "id": commit.oid,
+                        "title": commit.title,
+                        "message": commit.message,
+                        "date": commit.date,
+                        "authors": [{"user": self.hub.username}],
+                    }
                 )
                 commit = repo.commits.get(commit.parent) if commit.parent else None
         self._json(history)
@@ -878,8 +915,9 @@ class _Handler(BaseHTTPRequestHandler):
             repo = Repo(repo_id, private=private)
             self.hub._repos[repo_id] = repo
             # Like the Hub, a new repo starts with one commit holding a default .gitattributes.
-            self.hub._add_commit(repo, "main", {".gitattributes": StoredFile(DEFAULT_GITATTRIBUTES, False)}, (),
-                             "initial commit", "")
+            self.hub._add_commit(
+                repo, "main", {".gitattributes": StoredFile(DEFAULT_GITATTRIBUTES, False)}, (), "initial commit", ""
+            )
         self._json({"url": f"{self.hub.url}/{repo_id}", "name": repo_id, "id": repo.repo_id})
 
     def _delete_repo(self) -> None:
@@ -931,8 +969,9 @@ class _Handler(BaseHTTPRequestHandler):
             if remote is not None:
                 # The client compares this with sha256 (LFS) or the git blob oid (regular).
                 oid = remote.sha256 if lfs else _git_blob_oid(remote.data)
-            answer.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular",
-                           "shouldIgnore": False, "oid": oid})
+            answer.append(
+                {"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid}
+            )
         self._json({"files": answer, "commitOid": commit.oid if commit else None})
 
     def _lfs_batch(self, repo_id: str) -> None:
@@ -962,8 +1001,10 @@ class _Handler(BaseHTTPRequestHandler):
                     "verify": {"href": f"{self.hub.url}/{repo_id}.git/info/lfs/objects/verify", "header": {}},
                 }
             objects.append(entry)
-        self._json({"transfer": transfer, "objects": objects, "hash_algo": "sha256"},
-                   headers={"Content-Type": "application/vnd.git-lfs+json"})
+        self._json(
+            {"transfer": transfer, "objects": objects, "hash_algo": "sha256"},
+            headers={"Content-Type": "application/vnd.git-lfs+json"},
+        )
 
     def _route_lfs_storage(self, parts: list[str]) -> None:
         # The "S3" side: presigned-style URLs, no auth needed (the client sends none).
@@ -1022,14 +1063,20 @@ class _Handler(BaseHTTPRequestHandler):
         for line in lines[1:]:
             key, value = line.get("key"), line.get("value", {})
             if key == "file":
-                data = base64.b64decode(value["content"]) if value.get("encoding") == "base64" else value[
-                    "content"].encode()
+                data = (
+                    base64.b64decode(value["content"])
+                    if value.get("encoding") == "base64"
+                    else value["content"].encode()
+                )
                 added[value["path"]] = StoredFile(data, False)
             elif key == "lfsFile":
                 data = self.hub._lfs_objects.get(value["oid"])
                 if data is None:
-                    raise _HubError(400, f"Your push was rejected because an LFS pointer pointed to a file that "
-                                         f"does not exist ({value['path']})")
+                    raise _HubError(
+                        400,
+                        f"Your push was rejected because an LFS pointer pointed to a file that "
+                        f"does not exist ({value['path']})",
+                    )
                 added[value["path"]] = StoredFile(data, True)
             elif key == "deletedFile":
                 deleted_files.append(value["path"])
@@ -1055,8 +1102,15 @@ class _Handler(BaseHTTPRequestHandler):
             for path in deleted_files:
                 if path not in current:
                     raise _HubError(404, "A file with this name doesn't exist", "EntryNotFound")
-            oid = self.hub._add_commit(repo, branch, added, deleted_files, header.get("summary", ""),
-                                   header.get("description", ""), deleted_folders)
+            oid = self.hub._add_commit(
+                repo,
+                branch,
+                added,
+                deleted_files,
+                header.get("summary", ""),
+                header.get("description", ""),
+                deleted_folders,
+            )
         answer = {
             "success": True,
             "commitOid": oid,
@@ -1112,9 +1166,7 @@ def _config_summary(config_file: StoredFile | None) -> dict | None:
         return None
     summary = {k: config[k] for k in ("architectures", "model_type") if k in config}
     if isinstance(config.get("quantization_config"), dict):
-        summary["quantization_config"] = {
-            k: v for k, v in config["quantization_config"].items() if k == "quant_method"
-        }
+        summary["quantization_config"] = {k: v for k, v in config["quantization_config"].items() if k == "quant_method"}
     return summary
 
 
@@ -1138,9 +1190,20 @@ def use_fake_hub(hub: FakeHub, monkeypatch: Any, hf_home: str | Path, *, block_n
     hub_cache.mkdir(parents=True, exist_ok=True)
 
     # Environment: for subprocesses (e.g. running the CLI) and any code reading os.environ.
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
-                "HF_OIDC_RESOURCE", "HUGGINGFACE_CO_STAGING", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT",
-                "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_TOKEN_PATH"):
+    for var in (
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_OIDC_RESOURCE",
+        "HUGGINGFACE_CO_STAGING",
+        "HF_HUB_ETAG_TIMEOUT",
+        "HF_HUB_DOWNLOAD_TIMEOUT",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "TRANSFORMERS_CACHE",
+        "HF_TOKEN_PATH",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HOME", str(hf_home))

@@ -12,6 +12,7 @@ as those tools write them. Shares no code with fp8convert; uses tests/support/re
 `dequantized(fp8_dir)` gives each FP8 weight's float32 values (float32(q) * scale), the source of
 truth the tests hold dequantize and requantize to.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import reference as R
 import torch
 from safetensors.torch import load_file, save_file
-
-import reference as R
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -34,13 +34,13 @@ INDEX = "model.safetensors.index.json"
 class Layout:
     """How a tool stores FP8 weights."""
 
-    format: str                        # "fp8" (native) or "compressed-tensors"
-    scheme: str                        # tensor | channel | block
+    format: str  # "fp8" (native) or "compressed-tensors"
+    scheme: str  # tensor | channel | block
     scale_dtype: torch.dtype = torch.float32
-    scale_rule: str = "amax"           # amax: amax / 448; pow2: 2^ceil(log2(amax / 448)); autofp8: 1 / bf16(448 / amax)
-    static: bool = False               # static per-tensor input scales
-    skip_list: bool = False            # native: write modules_to_not_convert (Qwen3-FP8 style)
-    scale_fmt: str | None = None       # native: "ue8m0" (DeepSeek-V3.1)
+    scale_rule: str = "amax"  # amax: amax / 448; pow2: 2^ceil(log2(amax / 448)); autofp8: 1 / bf16(448 / amax)
+    static: bool = False  # static per-tensor input scales
+    skip_list: bool = False  # native: write modules_to_not_convert (Qwen3-FP8 style)
+    scale_fmt: str | None = None  # native: "ue8m0" (DeepSeek-V3.1)
 
 
 LAYOUTS = {
@@ -76,14 +76,27 @@ def quantize_weight(w: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torc
         full = scale.float()
         scale = scale.reshape(() if layout.format == "fp8" else (1,))
     elif layout.scheme == "channel":
-        scale = torch.stack([_scale_of(w[r].abs().max().item(), layout.scale_rule, layout.scale_dtype)
-                             for r in range(rows)]).reshape(rows, 1)
+        scale = torch.stack(
+            [_scale_of(w[r].abs().max().item(), layout.scale_rule, layout.scale_dtype) for r in range(rows)]
+        ).reshape(rows, 1)
         full = scale.float()
     else:
         gr, gc = R.block_grid(w.shape)
-        scale = torch.stack([torch.stack([
-            _scale_of(w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].abs().max().item(), layout.scale_rule,
-                      layout.scale_dtype) for j in range(gc)]) for i in range(gr)])
+        scale = torch.stack(
+            [
+                torch.stack(
+                    [
+                        _scale_of(
+                            w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max().item(),
+                            layout.scale_rule,
+                            layout.scale_dtype,
+                        )
+                        for j in range(gc)
+                    ]
+                )
+                for i in range(gr)
+            ]
+        )
         full = scale.float().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
     codes = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return codes, scale
@@ -101,18 +114,53 @@ def quantization_config(layout: Layout, skipped: list[str]) -> dict:
         elif layout.static:  # AutoFP8 writes ignored_layers
             qc["ignored_layers"] = ["lm_head"]
         return qc
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": layout.scheme, "dynamic": False,
-               "group_size": None, "block_structure": [128, 128] if layout.scheme == "block" else None,
-               "actorder": None, "observer": "minmax"}
-    activations = ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
-                    "observer": "static_minmax"} if layout.static else
-                   {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
-                    "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[layout.scheme],
-                    "group_size": 128 if layout.scheme == "block" else None})
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": activations, "output_activations": None}},
-            "ignore": skipped, "kv_cache_scheme": None, "sparsity_config": {}, "version": "0.12.2"}
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": layout.scheme,
+        "dynamic": False,
+        "group_size": None,
+        "block_structure": [128, 128] if layout.scheme == "block" else None,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    activations = (
+        {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "tensor",
+            "dynamic": False,
+            "observer": "static_minmax",
+        }
+        if layout.static
+        else {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "dynamic": True,
+            "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[layout.scheme],
+            "group_size": 128 if layout.scheme == "block" else None,
+        }
+    )
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": activations,
+                "output_activations": None,
+            }
+        },
+        "ignore": skipped,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "version": "0.12.2",
+    }
 
 
 def scale_suffix(layout: Layout) -> str:
@@ -127,8 +175,9 @@ def write_fp8(src: Path, out: Path, layout: Layout, arch: str | None = None) -> 
     shards = sorted(set(index["weight_map"].values()))
     tensors = {f: load_file(str(src / f)) for f in shards}
     shapes = {n: tuple(t.shape) for ts in tensors.values() for n, t in ts.items()}
-    quant = R.expected_quantized(shapes, layout.scheme, extra_keep=R.arch_keep(arch, layout.format, layout.scheme)
-                                 if arch else None)
+    quant = R.expected_quantized(
+        shapes, layout.scheme, extra_keep=R.arch_keep(arch, layout.format, layout.scheme) if arch else None
+    )
     g = torch.Generator().manual_seed(5)
     weight_map, total = {}, 0
     for f in shards:
@@ -147,14 +196,17 @@ def write_fp8(src: Path, out: Path, layout: Layout, arch: str | None = None) -> 
         save_file(written, str(out / f), metadata={"format": "pt"})
         weight_map.update({n: f for n in written})
         total += sum(t.numel() * t.element_size() for t in written.values())
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                         "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
     for p in src.iterdir():
         if p.is_file() and p.name not in (INDEX, "config.json") and not p.name.endswith(".safetensors"):
             shutil.copy(p, out / p.name)
     config = json.loads((src / "config.json").read_text())
-    skipped = sorted({n[: -len(".weight")] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2
-                      and n not in quant} | {"lm_head"})
+    skipped = sorted(
+        {n[: -len(".weight")] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2 and n not in quant}
+        | {"lm_head"}
+    )
     config["quantization_config"] = quantization_config(layout, skipped)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
@@ -173,8 +225,10 @@ def fp8_weights(tensors: dict, scheme: str) -> dict[str, tuple[torch.Tensor, tor
     for name, t in tensors.items():
         if t.dtype == FP8:
             module = name[: -len(".weight")]
-            found[name] = (t, next(tensors[module + s] for s in (".weight_scale_inv", ".weight_scale")
-                                   if module + s in tensors))
+            found[name] = (
+                t,
+                next(tensors[module + s] for s in (".weight_scale_inv", ".weight_scale") if module + s in tensors),
+            )
     return found
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import KINDS
 from zoo import MORE_ARCHS, ZOO_ARCHS
 
@@ -30,16 +29,20 @@ FS_IDS = ["ct-tensor", "ct-channel", "ct-block", "fp8-tensor", "fp8-block", "ct-
 def in_turn(subjects, combos, per_subject: int = 1) -> dict:
     """The combinations each subject (an architecture, a model kind, a source) gets in the fast loop: the
     next ones for the next subject, so the fast loop still meets every subject and every combination."""
-    return {s: [combos[(n * per_subject + k) % len(combos)] for k in range(per_subject)]
-            for n, s in enumerate(subjects)}
+    return {
+        s: [combos[(n * per_subject + k) % len(combos)] for k in range(per_subject)] for n, s in enumerate(subjects)
+    }
 
 
 def cases_in_turn(subjects, combos, ids, per_subject: int = 1) -> list:
     """pytest params for every subject in every combination (`subject-id`); all but in_turn's are
     marked slow (all of them with per_subject=0)."""
     fast = in_turn(subjects, combos, per_subject)
-    return [pytest.param(s, *c, id=f"{s}-{i}", marks=() if c in fast[s] else pytest.mark.slow)
-            for s in subjects for c, i in zip(combos, ids)]
+    return [
+        pytest.param(s, *c, id=f"{s}-{i}", marks=() if c in fast[s] else pytest.mark.slow)
+        for s in subjects
+        for c, i in zip(combos, ids)
+    ]
 
 
 # Each tiny model kind with each format and scheme; the fast loop takes two for each kind.

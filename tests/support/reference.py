@@ -337,8 +337,12 @@ def scale_name_and_shape(fmt: str, scheme: str, weight_shape) -> tuple[str, tupl
     """(suffix replacing `.weight`, shape) of the scale tensor DESIGN specifies for each format."""
     rows, cols = weight_shape
     if fmt == "compressed-tensors":
-        shape = {"tensor": (1,), "channel": (rows, 1), "block": block_grid(weight_shape),
-                 "mxfp8": (rows, cols // MX_GROUP)}[scheme]
+        shape = {
+            "tensor": (1,),
+            "channel": (rows, 1),
+            "block": block_grid(weight_shape),
+            "mxfp8": (rows, cols // MX_GROUP),
+        }[scheme]
         return ".weight_scale", tuple(shape)
     if fmt == "fp8":
         if scheme == "tensor":
@@ -348,8 +352,15 @@ def scale_name_and_shape(fmt: str, scheme: str, weight_shape) -> tuple[str, tupl
     raise ValueError(f"no {scheme} scheme in format {fmt}")
 
 
-def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=frozenset(), arch: str | None = None,
-                     config: dict | None = None, scale_format: str = "float"):
+def expected_outputs(
+    src_tensors: dict,
+    fmt: str,
+    scheme: str,
+    user_ignored=frozenset(),
+    arch: str | None = None,
+    config: dict | None = None,
+    scale_format: str = "float",
+):
     """{output name: expected tensor} computed from the source tensors with this module's math.
     `arch` (a tests/support/zoo.py name) with its `config`: fused expert tensors become one nn.Linear weight
     per expert first (split_experts), and the architecture's own keeps apply (arch_keep). A fused expert
@@ -391,21 +402,21 @@ def expected_outputs(src_tensors: dict, fmt: str, scheme: str, user_ignored=froz
 # `transformers/models/<arch>/modeling_<arch>.py` (the experts' forward).
 
 ARCH_KEEPS = {
-    "deepseek_v3": r"\.(eh_proj|shared_head\.head)$",   # deepseek_mtp.py: eh_proj is a torch nn.Linear
-    "glm4_moe": r"\.(eh_proj|shared_head\.head)$",      # glm4_moe_mtp.py: the same
+    "deepseek_v3": r"\.(eh_proj|shared_head\.head)$",  # deepseek_mtp.py: eh_proj is a torch nn.Linear
+    "glm4_moe": r"\.(eh_proj|shared_head\.head)$",  # glm4_moe_mtp.py: the same
     "qwen3_next": r"(\.linear_attn\.in_proj_ba|^mtp\.fc)$",  # in_proj_ba in FP8 corrupts output (vLLM #47445)
-    "nemotron_h": r"\.mixer\.gate$",                      # nemotron_h.py: the router (an fp32 GateLinear)
+    "nemotron_h": r"\.mixer\.gate$",  # nemotron_h.py: the router (an fp32 GateLinear)
     "jamba": r"(\.mamba\.(in_proj|x_proj|dt_proj|out_proj)|\.feed_forward\.router)$",  # mamba_mixer.py: no quant_config
-    "granitemoe": r"\.router\.layer$",                    # granitemoe.py: router -> gate (GateLinear)
-    "dbrx": r"\.ffn\.router\.layer$",                     # dbrx.py: DbrxRouter.layer, a GateLinear
-    "llama4": r"\.feed_forward\.router$",                  # llama4.py: Llama4MoE.router, a GateLinear
-    "gpt_oss": r"\.mlp\.router$",                          # gpt_oss.py: MLPBlock.router
-    "gpt2": r"\.(c_attn|c_proj|c_fc)$",                    # modeling_gpt2.py: Conv1D, weight stored [in, out]
+    "granitemoe": r"\.router\.layer$",  # granitemoe.py: router -> gate (GateLinear)
+    "dbrx": r"\.ffn\.router\.layer$",  # dbrx.py: DbrxRouter.layer, a GateLinear
+    "llama4": r"\.feed_forward\.router$",  # llama4.py: Llama4MoE.router, a GateLinear
+    "gpt_oss": r"\.mlp\.router$",  # gpt_oss.py: MLPBlock.router
+    "gpt2": r"\.(c_attn|c_proj|c_fc)$",  # modeling_gpt2.py: Conv1D, weight stored [in, out]
     "gemma4": r"(\.router\.proj|^model\.embed_vision\.embedding_projection)$",
     "llama4_text": r"\.feed_forward\.router$",
     "granitemoeshared": r"\.router\.layer$",
     "granitemoehybrid": r"\.router\.layer$",
-    "qwen3_5": r"(\.linear_attn\.in_proj_[ab]|^mtp\.fc)$",     # qwen3_5.py: in_proj_b + in_proj_a -> in_proj_ba
+    "qwen3_5": r"(\.linear_attn\.in_proj_[ab]|^mtp\.fc)$",  # qwen3_5.py: in_proj_b + in_proj_a -> in_proj_ba
     "qwen3_5_moe": r"(\.linear_attn\.in_proj_[ab]|^mtp\.fc)$",
 }
 

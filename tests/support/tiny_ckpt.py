@@ -5,14 +5,15 @@ safetensors files written with `safetensors.torch.save_file`, an index and a con
 test can build exactly the (broken) layout it needs in milliseconds. `write_raw` hand-writes a
 safetensors file from a header dict for headers the library would refuse to produce.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import struct
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,28 +24,54 @@ from fp8convert.cli import main
 from fp8convert.output.lock import is_lock_file
 
 INDEX = "model.safetensors.index.json"
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-          "vocab_size": 96, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 96,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
 
 
-def llama_tensors(layers: int = 2, hidden: int = 64, inter: int = 128, vocab: int = 96, seed: int = 0,
-                  dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def llama_tensors(
+    layers: int = 2,
+    hidden: int = 64,
+    inter: int = 128,
+    vocab: int = 96,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
     """Llama-named random weights (linear dims multiples of 16, so every linear is quantized)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
 
-    t = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": 1 + rnd(hidden),
-         "lm_head.weight": rnd(vocab, hidden)}
+    t = {
+        "model.embed_tokens.weight": rnd(vocab, hidden),
+        "model.norm.weight": 1 + rnd(hidden),
+        "lm_head.weight": rnd(vocab, hidden),
+    }
     for n in range(layers):
         p = f"model.layers.{n}."
-        t.update({p + "input_layernorm.weight": 1 + rnd(hidden), p + "post_attention_layernorm.weight": 1 + rnd(hidden),
-                  p + "self_attn.q_proj.weight": rnd(hidden, hidden), p + "self_attn.k_proj.weight": rnd(32, hidden),
-                  p + "self_attn.v_proj.weight": rnd(32, hidden), p + "self_attn.o_proj.weight": rnd(hidden, hidden),
-                  p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
-                  p + "mlp.down_proj.weight": rnd(hidden, inter)})
+        t.update(
+            {
+                p + "input_layernorm.weight": 1 + rnd(hidden),
+                p + "post_attention_layernorm.weight": 1 + rnd(hidden),
+                p + "self_attn.q_proj.weight": rnd(hidden, hidden),
+                p + "self_attn.k_proj.weight": rnd(32, hidden),
+                p + "self_attn.v_proj.weight": rnd(32, hidden),
+                p + "self_attn.o_proj.weight": rnd(hidden, hidden),
+                p + "mlp.gate_proj.weight": rnd(inter, hidden),
+                p + "mlp.up_proj.weight": rnd(inter, hidden),
+                p + "mlp.down_proj.weight": rnd(hidden, inter),
+            }
+        )
     return t
 
 
@@ -58,8 +85,14 @@ def shard_by_layer(names) -> dict[str, list[str]]:
     return {f"model-{i + 1:05d}-of-{len(keys):05d}.safetensors": groups[k] for i, k in enumerate(keys)}
 
 
-def write_checkpoint(root, tensors: dict[str, torch.Tensor] | None = None, config: dict | None = None,
-                     layout: dict[str, list[str]] | None = None, index: bool = True, extras: bool = True) -> Path:
+def write_checkpoint(
+    root,
+    tensors: dict[str, torch.Tensor] | None = None,
+    config: dict | None = None,
+    layout: dict[str, list[str]] | None = None,
+    index: bool = True,
+    extras: bool = True,
+) -> Path:
     """Write `tensors` (default: llama_tensors()) as a sharded checkpoint in `root`. Returns root."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -97,8 +130,11 @@ def tree_bytes(root) -> dict[str, bytes]:
     """Every file under root (hidden ones included), by relative path, but the work folder's empty lock
     files: which of them exist says only how many workers wrote there."""
     root = Path(root)
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not (p.parent.name == ".fp8convert" and is_lock_file(p.name))}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not (p.parent.name == ".fp8convert" and is_lock_file(p.name))
+    }
 
 
 def looks_complete(out) -> bool:
@@ -107,27 +143,37 @@ def looks_complete(out) -> bool:
 
 
 CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
-# The same, with every tensor write slowed by argv[1] seconds, so a test can stop a run of a tiny model at a chosen moment. The slowing lives here, in
-# the tests, not in the product.
-SLOW_CLI = ("import sys, time; from fp8convert.run.writer import ShardWriter; write = ShardWriter.write; "
-            "delay = float(sys.argv.pop(1)); "
-            "ShardWriter.write = lambda self, *a, **k: (time.sleep(delay), write(self, *a, **k))[1]; "
-            "from fp8convert.cli import run; run(sys.argv[1:])")
+# The same, with every tensor write slowed by argv[1] seconds, so a test can stop a run of a tiny model at a
+# chosen moment. The slowing lives here, in the tests, not in the product.
+SLOW_CLI = (
+    "import sys, time; from fp8convert.run.writer import ShardWriter; write = ShardWriter.write; "
+    "delay = float(sys.argv.pop(1)); "
+    "ShardWriter.write = lambda self, *a, **k: (time.sleep(delay), write(self, *a, **k))[1]; "
+    "from fp8convert.cli import run; run(sys.argv[1:])"
+)
 
 
-def cli_subprocess(args: list[str], env_extra: dict | None = None, write_delay: float | None = None
-                   ) -> subprocess.Popen:
+def cli_subprocess(
+    args: list[str], env_extra: dict | None = None, write_delay: float | None = None
+) -> subprocess.Popen:
     """`fp8convert ARGS` in a child process, run from this checkout (its root first on sys.path).
     `write_delay`: seconds to sleep before each tensor write."""
     env = dict(os.environ, **(env_extra or {}))
     code = [SLOW_CLI, str(write_delay)] if write_delay else [CLI]
-    return subprocess.Popen([sys.executable, "-c", *code, *map(str, args)], env=env, cwd=Path(__file__).parents[2],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", *code, *map(str, args)],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def slow_writes(monkeypatch, delay: float) -> None:
     """In this process: sleep `delay` seconds before each tensor write (keeps batches in flight)."""
     from fp8convert.run.writer import ShardWriter
+
     write = ShardWriter.write
 
     def slow(self, *args, **kwargs):

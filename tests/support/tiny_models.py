@@ -22,8 +22,7 @@ import json
 from pathlib import Path
 
 import torch
-
-from zoo import HIDDEN, VOCAB, common_kwargs
+from zoo import VOCAB, common_kwargs
 
 KINDS = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 MOE_KINDS = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -55,40 +54,46 @@ def _config(kind: str):
         # 192 = 1.5 blocks: partial edge blocks inside a multi-block grid
         return tf.Qwen3Config(**common_kwargs(intermediate_size=192, head_dim=32))
     if kind == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common_kwargs(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_experts=N_EXPERTS,
-            num_experts_per_tok=N_EXPERTS,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            head_dim=16,
-            norm_topk_prob=True,
-        ))
+        return tf.Qwen3MoeConfig(
+            **common_kwargs(
+                intermediate_size=128,
+                moe_intermediate_size=32,
+                num_experts=N_EXPERTS,
+                num_experts_per_tok=N_EXPERTS,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                head_dim=16,
+                norm_topk_prob=True,
+            )
+        )
     if kind == "mixtral":
-        return tf.MixtralConfig(**common_kwargs(
-            intermediate_size=32,
-            num_local_experts=N_EXPERTS,
-            num_experts_per_tok=N_EXPERTS,
-            head_dim=16,
-        ))
+        return tf.MixtralConfig(
+            **common_kwargs(
+                intermediate_size=32,
+                num_local_experts=N_EXPERTS,
+                num_experts_per_tok=N_EXPERTS,
+                head_dim=16,
+            )
+        )
     if kind == "deepseek_v3":
-        return tf.DeepseekV3Config(**common_kwargs(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_key_value_heads=4,
-            n_shared_experts=1,
-            n_routed_experts=N_EXPERTS,
-            num_experts_per_tok=N_EXPERTS,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-        ))
+        return tf.DeepseekV3Config(
+            **common_kwargs(
+                intermediate_size=128,
+                moe_intermediate_size=32,
+                num_key_value_heads=4,
+                n_shared_experts=1,
+                n_routed_experts=N_EXPERTS,
+                num_experts_per_tok=N_EXPERTS,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+                q_lora_rank=32,
+                kv_lora_rank=32,
+                qk_rope_head_dim=16,
+                qk_nope_head_dim=16,
+                v_head_dim=16,
+            )
+        )
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
 
 

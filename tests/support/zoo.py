@@ -34,9 +34,10 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -116,8 +117,16 @@ def _cfg(class_name: str, **kwargs):
 
 def _qwen_vision(kind: str, out_hidden: int, **extra) -> dict:
     """A 2-block Qwen-VL style vision tower (patch 16, merge 2)."""
-    kw = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
-              spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=out_hidden)
+    kw = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=out_hidden,
+    )
     if kind == "qwen2_5_vl":
         kw.update(fullatt_block_indexes=[1], window_size=64)
     else:
@@ -137,20 +146,29 @@ def _text_vlm(model_type: str, **extra) -> dict:
 
 
 def _siglip(**extra) -> dict:
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-              image_size=56, patch_size=14)
+    kw = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, image_size=56, patch_size=14
+    )
     kw.update(extra)
     return kw
 
 
 def _clip(**extra) -> dict:
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              image_size=28, patch_size=14, projection_dim=64)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=28,
+        patch_size=14,
+        projection_dim=64,
+    )
     kw.update(extra)
     return kw
 
 
 # ----------------------------------------------------------------------------- the zoo
+
 
 def _specs() -> dict[str, Spec]:
     E = N_EXPERTS
@@ -164,264 +182,712 @@ def _specs() -> dict[str, Spec]:
     add("mistral", lambda: _cfg("MistralConfig", **common_kwargs(head_dim=16, sliding_window=64)))
     add("qwen2", lambda: _cfg("Qwen2Config", **common_kwargs()), notes="q/k/v biases")
     add("qwen3", lambda: _cfg("Qwen3Config", **common_kwargs(head_dim=32)), notes="q_norm/k_norm")
-    add("gemma2", lambda: _cfg("Gemma2Config", **common_kwargs(head_dim=16, query_pre_attn_scalar=16,
-                                                          sliding_window=64, tie_word_embeddings=True)),
-        notes="tied embeddings, soft-capping, pre/post feedforward norms")
-    add("phi3", lambda: _cfg("Phi3Config", **common_kwargs(num_key_value_heads=4)),
-        notes="fused qkv_proj and gate_up_proj in the checkpoint")
-    add("glm4", lambda: _cfg("Glm4Config", **common_kwargs(head_dim=16)),
-        notes="fused gate_up_proj; post_self_attn/post_mlp norms")
+    add(
+        "gemma2",
+        lambda: _cfg(
+            "Gemma2Config",
+            **common_kwargs(head_dim=16, query_pre_attn_scalar=16, sliding_window=64, tie_word_embeddings=True),
+        ),
+        notes="tied embeddings, soft-capping, pre/post feedforward norms",
+    )
+    add(
+        "phi3",
+        lambda: _cfg("Phi3Config", **common_kwargs(num_key_value_heads=4)),
+        notes="fused qkv_proj and gate_up_proj in the checkpoint",
+    )
+    add(
+        "glm4",
+        lambda: _cfg("Glm4Config", **common_kwargs(head_dim=16)),
+        notes="fused gate_up_proj; post_self_attn/post_mlp norms",
+    )
     add("olmo2", lambda: _cfg("Olmo2Config", **common_kwargs()), notes="q_norm/k_norm over all heads")
     add("olmo3", lambda: _cfg("Olmo3Config", **common_kwargs(sliding_window=64)))
     add("granite", lambda: _cfg("GraniteConfig", **common_kwargs(attention_multiplier=0.0625)))
-    add("cohere2", lambda: _cfg("Cohere2Config", **common_kwargs(sliding_window=64, tie_word_embeddings=True)),
-        notes="LayerNorm without bias, parallel attention/MLP, tied embeddings")
-    add("starcoder2", lambda: _cfg("Starcoder2Config", **common_kwargs(tie_word_embeddings=True)),
-        notes="biases everywhere, c_fc/c_proj MLP (nn.Linear)")
+    add(
+        "cohere2",
+        lambda: _cfg("Cohere2Config", **common_kwargs(sliding_window=64, tie_word_embeddings=True)),
+        notes="LayerNorm without bias, parallel attention/MLP, tied embeddings",
+    )
+    add(
+        "starcoder2",
+        lambda: _cfg("Starcoder2Config", **common_kwargs(tie_word_embeddings=True)),
+        notes="biases everywhere, c_fc/c_proj MLP (nn.Linear)",
+    )
     add("exaone4", lambda: _cfg("Exaone4Config", **common_kwargs(sliding_window=64, sliding_window_pattern=2)))
     add("smollm3", lambda: _cfg("SmolLM3Config", **common_kwargs(no_rope_layer_interval=2)))
     add("seed_oss", lambda: _cfg("SeedOssConfig", **common_kwargs(head_dim=16)))
-    add("hunyuan_v1_dense", lambda: _cfg("HunYuanDenseV1Config", **common_kwargs(head_dim=16)),
-        notes="query_layernorm/key_layernorm")
+    add(
+        "hunyuan_v1_dense",
+        lambda: _cfg("HunYuanDenseV1Config", **common_kwargs(head_dim=16)),
+        notes="query_layernorm/key_layernorm",
+    )
     add("ernie4_5", lambda: _cfg("Ernie4_5Config", **common_kwargs(head_dim=16, tie_word_embeddings=False)))
-    add("apertus", lambda: _cfg("ApertusConfig", **common_kwargs()), notes="xIELU activation (1-D params), no gate_proj")
+    add(
+        "apertus", lambda: _cfg("ApertusConfig", **common_kwargs()), notes="xIELU activation (1-D params), no gate_proj"
+    )
     add("arcee", lambda: _cfg("ArceeConfig", **common_kwargs()), notes="relu2 MLP without gate_proj")
     add("nemotron", lambda: _cfg("NemotronConfig", **common_kwargs(head_dim=16)), notes="LayerNorm1P, relu2 MLP")
-    add("gpt2", lambda: _cfg("GPT2Config", vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4,
-                             n_inner=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
+    add(
+        "gpt2",
+        lambda: _cfg(
+            "GPT2Config",
+            vocab_size=VOCAB,
+            n_positions=128,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_inner=256,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=True,
+        ),
         notes="Conv1D weights stored [in, out]; fused c_attn (q|k|v)",
-        transposed_params=("c_attn.weight", "c_proj.weight", "c_fc.weight"))
-    add("falcon", lambda: _cfg("FalconConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
-                               multi_query=False, parallel_attn=True, ffn_hidden_size=256,
-                               max_position_embeddings=128, tie_word_embeddings=True,
-                               bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        notes="fused query_key_value: rows grouped per KV head (q heads of the group, then k, then v)")
+        transposed_params=("c_attn.weight", "c_proj.weight", "c_fc.weight"),
+    )
+    add(
+        "falcon",
+        lambda: _cfg(
+            "FalconConfig",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            multi_query=False,
+            parallel_attn=True,
+            ffn_hidden_size=256,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        notes="fused query_key_value: rows grouped per KV head (q heads of the group, then k, then v)",
+    )
 
     # --- MoE decoders --------------------------------------------------------------------------
-    add("qwen2_moe", lambda: _cfg("Qwen2MoeConfig", **_moe(moe_intermediate_size=MOE_I, shared_expert_intermediate_size=64,
-                                                           num_experts=E, num_experts_per_tok=E)),
-        notes="shared_expert + shared_expert_gate")
-    add("qwen3_moe", lambda: _cfg("Qwen3MoeConfig", **_moe(head_dim=16, moe_intermediate_size=MOE_I, num_experts=E,
-                                                           num_experts_per_tok=E, norm_topk_prob=True)))
-    add("mixtral", lambda: _cfg("MixtralConfig", **_moe(intermediate_size=MOE_I, head_dim=16, num_local_experts=E,
-                                                         num_experts_per_tok=E)),
-        notes="block_sparse_moe.experts.{e}.w1/w2/w3 in the checkpoint, mlp.experts.* in memory")
-    add("phimoe", lambda: _cfg("PhimoeConfig", **_moe(intermediate_size=MOE_I, num_local_experts=E,
-                                                       num_experts_per_tok=2, router_jitter_noise=0.0)),
-        notes="block_sparse_moe.gate in the checkpoint is mlp.router in memory; sparsemixer top-2")
-    add("minimax", lambda: _cfg("MiniMaxConfig", **_moe(intermediate_size=MOE_I, head_dim=16, num_local_experts=E,
-                                                         num_experts_per_tok=E, block_size=16,
-                                                         layer_types=["linear_attention", "full_attention"])),
-        notes="lightning (linear) attention layers: qkv_proj, output_gate, out_proj, norm")
-    add("olmoe", lambda: _cfg("OlmoeConfig", **_moe(moe_intermediate_size=MOE_I, intermediate_size=MOE_I, num_experts=E,
-                                                     num_experts_per_tok=E)))
-    add("granitemoe", lambda: _cfg("GraniteMoeConfig", **_moe(intermediate_size=MOE_I, num_local_experts=E,
-                                                               num_experts_per_tok=E)),
-        notes="fused 3-D experts in the checkpoint: block_sparse_moe.input_linear.weight [E, 2I, H]")
-    add("granitemoeshared", lambda: _cfg("GraniteMoeSharedConfig", **_moe(intermediate_size=MOE_I, num_local_experts=E,
-                                                                           num_experts_per_tok=E,
-                                                                           shared_intermediate_size=64)))
-    add("dbrx", lambda: _cfg("DbrxConfig", d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=VOCAB,
-                             attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
-                             ffn_config={"ffn_hidden_size": MOE_I, "moe_num_experts": E, "moe_top_k": E},
-                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        notes="experts as 2-D [E*I, H] tensors without .weight (ffn.experts.mlp.w1/v1/w2); fused Wqkv")
-    mla = dict(moe_intermediate_size=MOE_I, num_key_value_heads=4, n_routed_experts=E, num_experts_per_tok=E,
-               n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-               qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1)  # DeepSeek-V2/V3's MLA and MoE
+    add(
+        "qwen2_moe",
+        lambda: _cfg(
+            "Qwen2MoeConfig",
+            **_moe(
+                moe_intermediate_size=MOE_I, shared_expert_intermediate_size=64, num_experts=E, num_experts_per_tok=E
+            ),
+        ),
+        notes="shared_expert + shared_expert_gate",
+    )
+    add(
+        "qwen3_moe",
+        lambda: _cfg(
+            "Qwen3MoeConfig",
+            **_moe(head_dim=16, moe_intermediate_size=MOE_I, num_experts=E, num_experts_per_tok=E, norm_topk_prob=True),
+        ),
+    )
+    add(
+        "mixtral",
+        lambda: _cfg(
+            "MixtralConfig", **_moe(intermediate_size=MOE_I, head_dim=16, num_local_experts=E, num_experts_per_tok=E)
+        ),
+        notes="block_sparse_moe.experts.{e}.w1/w2/w3 in the checkpoint, mlp.experts.* in memory",
+    )
+    add(
+        "phimoe",
+        lambda: _cfg(
+            "PhimoeConfig",
+            **_moe(intermediate_size=MOE_I, num_local_experts=E, num_experts_per_tok=2, router_jitter_noise=0.0),
+        ),
+        notes="block_sparse_moe.gate in the checkpoint is mlp.router in memory; sparsemixer top-2",
+    )
+    add(
+        "minimax",
+        lambda: _cfg(
+            "MiniMaxConfig",
+            **_moe(
+                intermediate_size=MOE_I,
+                head_dim=16,
+                num_local_experts=E,
+                num_experts_per_tok=E,
+                block_size=16,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        notes="lightning (linear) attention layers: qkv_proj, output_gate, out_proj, norm",
+    )
+    add(
+        "olmoe",
+        lambda: _cfg(
+            "OlmoeConfig",
+            **_moe(moe_intermediate_size=MOE_I, intermediate_size=MOE_I, num_experts=E, num_experts_per_tok=E),
+        ),
+    )
+    add(
+        "granitemoe",
+        lambda: _cfg("GraniteMoeConfig", **_moe(intermediate_size=MOE_I, num_local_experts=E, num_experts_per_tok=E)),
+        notes="fused 3-D experts in the checkpoint: block_sparse_moe.input_linear.weight [E, 2I, H]",
+    )
+    add(
+        "granitemoeshared",
+        lambda: _cfg(
+            "GraniteMoeSharedConfig",
+            **_moe(intermediate_size=MOE_I, num_local_experts=E, num_experts_per_tok=E, shared_intermediate_size=64),
+        ),
+    )
+    add(
+        "dbrx",
+        lambda: _cfg(
+            "DbrxConfig",
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=128,
+            vocab_size=VOCAB,
+            attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+            ffn_config={"ffn_hidden_size": MOE_I, "moe_num_experts": E, "moe_top_k": E},
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        notes="experts as 2-D [E*I, H] tensors without .weight (ffn.experts.mlp.w1/v1/w2); fused Wqkv",
+    )
+    mla = dict(
+        moe_intermediate_size=MOE_I,
+        num_key_value_heads=4,
+        n_routed_experts=E,
+        num_experts_per_tok=E,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    )  # DeepSeek-V2/V3's MLA and MoE
     add("deepseek_v2", lambda: _cfg("DeepseekV2Config", **_moe(**mla)), notes="MLA; first layer dense")
-    add("deepseek_v3", lambda: _cfg("DeepseekV3Config", **_moe(**mla, num_nextn_predict_layers=1)),
-        mtp="deepseek", notes="MLA, e_score_correction_bias, MTP layer at model.layers.2")
-    add("glm4_moe", lambda: _cfg("Glm4MoeConfig", **_moe(head_dim=16, moe_intermediate_size=MOE_I, n_routed_experts=E,
-                                                         num_experts_per_tok=E, n_shared_experts=1,
-                                                         first_k_dense_replace=1, use_qk_norm=True,
-                                                         partial_rotary_factor=0.5, num_nextn_predict_layers=1)),
-        mtp="deepseek", notes="GLM-4.5: q/k/v biases, first layer dense, MTP layer at model.layers.2")
-    add("glm4_moe_lite", lambda: _cfg("Glm4MoeLiteConfig", **_moe(moe_intermediate_size=MOE_I, num_key_value_heads=4,
-                                                                   n_routed_experts=E, num_experts_per_tok=E,
-                                                                   n_shared_experts=1, q_lora_rank=32,
-                                                                   kv_lora_rank=32, qk_rope_head_dim=16,
-                                                                   qk_nope_head_dim=16, v_head_dim=16,
-                                                                   mlp_layer_types=["dense", "sparse"])),
-        notes="GLM-4.7-Flash: MLA + DeepSeek-style MoE")
-    add("ernie4_5_moe", lambda: _cfg("Ernie4_5_MoeConfig", **_moe(moe_intermediate_size=MOE_I, moe_num_experts=E, moe_k=E,
-                                                                   moe_num_shared_experts=1, moe_layer_start_index=1,
-                                                                   tie_word_embeddings=False)),
-        notes="moe_statics.e_score_correction_bias")
-    add("hunyuan_v1_moe", lambda: _cfg("HunYuanMoEV1Config", **_moe(head_dim=16, num_experts=E, moe_topk=E)),
-        notes="router is mlp.gate.wg")
-    add("minimax_m2", lambda: _cfg("MiniMaxM2Config", **_moe(intermediate_size=MOE_I, head_dim=16, num_local_experts=E,
-                                                               num_experts_per_tok=E)),
-        notes="block_sparse_moe.* in the checkpoint, e_score_correction_bias")
-    add("lfm2_moe", lambda: _cfg("Lfm2MoeConfig", **_moe(moe_intermediate_size=MOE_I, num_experts=E,
-                                                         num_experts_per_tok=E, num_dense_layers=1,
-                                                         layer_types=["conv", "full_attention"])),
-        notes="short-conv layers (conv.in_proj/out_proj/conv), feed_forward.experts.{e}.w1/w2/w3")
-    add("longcat_flash", lambda: _cfg("LongcatFlashConfig", vocab_size=VOCAB, hidden_size=64, num_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=128,
-                                      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-                                      head_dim=16, v_head_dim=16, moe_topk=E, n_routed_experts=E, zero_expert_num=2,
-                                      expert_ffn_hidden_size=MOE_I, max_position_embeddings=128,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        notes="each layer holds 2 attention and 2 MLP sublayers (num_layers=1 gives 2 'layers'); zero experts")
-    add("gpt_oss", lambda: _cfg("GptOssConfig", **_moe(intermediate_size=MOE_I, head_dim=16, num_local_experts=E,
-                                                       num_experts_per_tok=E, sliding_window=64,
-                                                       layer_types=["sliding_attention", "full_attention"])),
+    add(
+        "deepseek_v3",
+        lambda: _cfg("DeepseekV3Config", **_moe(**mla, num_nextn_predict_layers=1)),
+        mtp="deepseek",
+        notes="MLA, e_score_correction_bias, MTP layer at model.layers.2",
+    )
+    add(
+        "glm4_moe",
+        lambda: _cfg(
+            "Glm4MoeConfig",
+            **_moe(
+                head_dim=16,
+                moe_intermediate_size=MOE_I,
+                n_routed_experts=E,
+                num_experts_per_tok=E,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                use_qk_norm=True,
+                partial_rotary_factor=0.5,
+                num_nextn_predict_layers=1,
+            ),
+        ),
+        mtp="deepseek",
+        notes="GLM-4.5: q/k/v biases, first layer dense, MTP layer at model.layers.2",
+    )
+    add(
+        "glm4_moe_lite",
+        lambda: _cfg(
+            "Glm4MoeLiteConfig",
+            **_moe(
+                moe_intermediate_size=MOE_I,
+                num_key_value_heads=4,
+                n_routed_experts=E,
+                num_experts_per_tok=E,
+                n_shared_experts=1,
+                q_lora_rank=32,
+                kv_lora_rank=32,
+                qk_rope_head_dim=16,
+                qk_nope_head_dim=16,
+                v_head_dim=16,
+                mlp_layer_types=["dense", "sparse"],
+            ),
+        ),
+        notes="GLM-4.7-Flash: MLA + DeepSeek-style MoE",
+    )
+    add(
+        "ernie4_5_moe",
+        lambda: _cfg(
+            "Ernie4_5_MoeConfig",
+            **_moe(
+                moe_intermediate_size=MOE_I,
+                moe_num_experts=E,
+                moe_k=E,
+                moe_num_shared_experts=1,
+                moe_layer_start_index=1,
+                tie_word_embeddings=False,
+            ),
+        ),
+        notes="moe_statics.e_score_correction_bias",
+    )
+    add(
+        "hunyuan_v1_moe",
+        lambda: _cfg("HunYuanMoEV1Config", **_moe(head_dim=16, num_experts=E, moe_topk=E)),
+        notes="router is mlp.gate.wg",
+    )
+    add(
+        "minimax_m2",
+        lambda: _cfg(
+            "MiniMaxM2Config", **_moe(intermediate_size=MOE_I, head_dim=16, num_local_experts=E, num_experts_per_tok=E)
+        ),
+        notes="block_sparse_moe.* in the checkpoint, e_score_correction_bias",
+    )
+    add(
+        "lfm2_moe",
+        lambda: _cfg(
+            "Lfm2MoeConfig",
+            **_moe(
+                moe_intermediate_size=MOE_I,
+                num_experts=E,
+                num_experts_per_tok=E,
+                num_dense_layers=1,
+                layer_types=["conv", "full_attention"],
+            ),
+        ),
+        notes="short-conv layers (conv.in_proj/out_proj/conv), feed_forward.experts.{e}.w1/w2/w3",
+    )
+    add(
+        "longcat_flash",
+        lambda: _cfg(
+            "LongcatFlashConfig",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            ffn_hidden_size=128,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            head_dim=16,
+            v_head_dim=16,
+            moe_topk=E,
+            n_routed_experts=E,
+            zero_expert_num=2,
+            expert_ffn_hidden_size=MOE_I,
+            max_position_embeddings=128,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        notes="each layer holds 2 attention and 2 MLP sublayers (num_layers=1 gives 2 'layers'); zero experts",
+    )
+    add(
+        "gpt_oss",
+        lambda: _cfg(
+            "GptOssConfig",
+            **_moe(
+                intermediate_size=MOE_I,
+                head_dim=16,
+                num_local_experts=E,
+                num_experts_per_tok=E,
+                sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+        ),
         notes="fused 3-D experts [E, H, 2I] with gate/up interleaved, biases, attention sinks",
-        transposed_params=("experts.gate_up_proj", "experts.down_proj"))
-    add("llama4_text", lambda: _cfg("Llama4TextConfig", **common_kwargs(hidden_size=64, intermediate_size=MOE_I,
-                                                                   intermediate_size_mlp=192, head_dim=16,
-                                                                   num_local_experts=E, num_experts_per_tok=E,
-                                                                   interleave_moe_layer_step=2,
-                                                                   attention_chunk_size=64)),
+        transposed_params=("experts.gate_up_proj", "experts.down_proj"),
+    )
+    add(
+        "llama4_text",
+        lambda: _cfg(
+            "Llama4TextConfig",
+            **common_kwargs(
+                hidden_size=64,
+                intermediate_size=MOE_I,
+                intermediate_size_mlp=192,
+                head_dim=16,
+                num_local_experts=E,
+                num_experts_per_tok=E,
+                interleave_moe_layer_step=2,
+                attention_chunk_size=64,
+            ),
+        ),
         model_class="Llama4ForCausalLM",
         notes="layer 1 MoE with fused 3-D experts [E, H, 2I] (gate|up concatenated) + shared_expert; layer 0 dense",
-        transposed_params=("experts.gate_up_proj", "experts.down_proj"))
+        transposed_params=("experts.gate_up_proj", "experts.down_proj"),
+    )
 
     # --- hybrid / linear attention ----------------------------------------------------------
-    add("qwen3_next", lambda: _cfg("Qwen3NextConfig", **_moe(head_dim=16, moe_intermediate_size=MOE_I,
-                                                             shared_expert_intermediate_size=64, num_experts=E,
-                                                             num_experts_per_tok=E, linear_key_head_dim=16,
-                                                             linear_value_head_dim=16, linear_num_key_heads=4,
-                                                             linear_num_value_heads=8,
-                                                             layer_types=["linear_attention", "full_attention"])),
-        mtp="qwen", notes="gated DeltaNet layer 0 (linear_attn.*), gated attention layer 1, MTP at mtp.*")
-    add("falcon_h1", lambda: _cfg("FalconH1Config", **common_kwargs(head_dim=16, mamba_d_ssm=128, mamba_n_heads=8,
-                                                              mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
-                                                              mamba_chunk_size=16)),
-        notes="every layer has attention + Mamba2 mixer in parallel")
-    add("nemotron_h", lambda: _cfg("NemotronHConfig", vocab_size=VOCAB, hidden_size=64,
-                                   layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                                   ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=1,
-                                   chunk_size=16, n_routed_experts=E, n_shared_experts=1, moe_intermediate_size=MOE_I,
-                                   moe_shared_expert_intermediate_size=64, num_experts_per_tok=E,
-                                   max_position_embeddings=128, use_mamba_kernels=False,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        notes="backbone.* in the checkpoint; Mamba2 / MoE / attention / MLP blocks; router mixer.gate (F32); non-gated experts (up, down)")
-    add("jamba", lambda: _cfg("JambaConfig", **common_kwargs(intermediate_size=MOE_I, num_experts=E, num_experts_per_tok=E,
-                                                       expert_layer_period=2, expert_layer_offset=1,
-                                                       attn_layer_period=2, attn_layer_offset=1,
-                                                       mamba_d_state=16, mamba_dt_rank=16,
-                                                       use_mamba_kernels=False)),
-        notes="Mamba1 layer 0 (in_proj, x_proj, dt_proj, conv1d, A_log, D), attention+MoE layer 1; router is feed_forward.router")
-    add("bamba", lambda: _cfg("BambaConfig", **common_kwargs(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
-                                                       mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)),
-        notes="Mamba2 layer 0, attention layer 1")
-    add("granitemoehybrid", lambda: _cfg("GraniteMoeHybridConfig", **_moe(intermediate_size=MOE_I, num_local_experts=E,
-                                                                          num_experts_per_tok=E,
-                                                                          shared_intermediate_size=64,
-                                                                          layer_types=["mamba", "attention"],
-                                                                          mamba_n_heads=8, mamba_d_head=16,
-                                                                          mamba_d_state=16, mamba_chunk_size=16)),
-        notes="Granite-4.0: Mamba2 + attention, fused 3-D input_linear/output_linear experts")
-    add("lfm2", lambda: _cfg("Lfm2Config", **common_kwargs(layer_types=["conv", "full_attention"],
-                                                     block_auto_adjust_ff_dim=False)),
-        notes="short-conv blocks: conv.in_proj [3H, H], conv.out_proj, depthwise conv.conv")
-    add("kimi_linear", lambda: _cfg("KimiLinearConfig", **_moe(moe_intermediate_size=MOE_I, num_key_value_heads=4,
-                                                                num_local_experts=E, num_experts_per_tok=E,
-                                                                n_shared_experts=1, kv_lora_rank=32,
-                                                                qk_rope_head_dim=16, qk_nope_head_dim=16,
-                                                                v_head_dim=16, linear_head_dim=16,
-                                                                linear_num_heads=4,
-                                                                layer_types=["linear_attention", "full_attention"],
-                                                                mlp_layer_types=["dense", "sparse"])),
-        notes="KDA linear attention (f_a_proj/f_b_proj/g_a_proj/g_b_proj, q/k/v_conv1d) + MLA + MoE")
-    add("mamba2", lambda: _cfg("Mamba2Config", vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16,
-                               state_size=16, num_hidden_layers=2, n_groups=1, chunk_size=16,
-                               pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        notes="pure SSM: backbone.layers.N.mixer.{in_proj,out_proj,conv1d,A_log,D,dt_bias,norm}")
+    add(
+        "qwen3_next",
+        lambda: _cfg(
+            "Qwen3NextConfig",
+            **_moe(
+                head_dim=16,
+                moe_intermediate_size=MOE_I,
+                shared_expert_intermediate_size=64,
+                num_experts=E,
+                num_experts_per_tok=E,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_num_key_heads=4,
+                linear_num_value_heads=8,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        mtp="qwen",
+        notes="gated DeltaNet layer 0 (linear_attn.*), gated attention layer 1, MTP at mtp.*",
+    )
+    add(
+        "falcon_h1",
+        lambda: _cfg(
+            "FalconH1Config",
+            **common_kwargs(
+                head_dim=16,
+                mamba_d_ssm=128,
+                mamba_n_heads=8,
+                mamba_d_head=16,
+                mamba_n_groups=1,
+                mamba_d_state=16,
+                mamba_chunk_size=16,
+            ),
+        ),
+        notes="every layer has attention + Mamba2 mixer in parallel",
+    )
+    add(
+        "nemotron_h",
+        lambda: _cfg(
+            "NemotronHConfig",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=1,
+            chunk_size=16,
+            n_routed_experts=E,
+            n_shared_experts=1,
+            moe_intermediate_size=MOE_I,
+            moe_shared_expert_intermediate_size=64,
+            num_experts_per_tok=E,
+            max_position_embeddings=128,
+            use_mamba_kernels=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        notes="backbone.* in the checkpoint; Mamba2 / MoE / attention / MLP blocks; router mixer.gate (F32); "
+        "non-gated experts (up, down)",
+    )
+    add(
+        "jamba",
+        lambda: _cfg(
+            "JambaConfig",
+            **common_kwargs(
+                intermediate_size=MOE_I,
+                num_experts=E,
+                num_experts_per_tok=E,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                mamba_d_state=16,
+                mamba_dt_rank=16,
+                use_mamba_kernels=False,
+            ),
+        ),
+        notes="Mamba1 layer 0 (in_proj, x_proj, dt_proj, conv1d, A_log, D), attention+MoE layer 1; "
+        "router is feed_forward.router",
+    )
+    add(
+        "bamba",
+        lambda: _cfg(
+            "BambaConfig",
+            **common_kwargs(
+                attn_layer_indices=[1],
+                mamba_n_heads=8,
+                mamba_d_head=16,
+                mamba_n_groups=1,
+                mamba_d_state=16,
+                mamba_chunk_size=16,
+            ),
+        ),
+        notes="Mamba2 layer 0, attention layer 1",
+    )
+    add(
+        "granitemoehybrid",
+        lambda: _cfg(
+            "GraniteMoeHybridConfig",
+            **_moe(
+                intermediate_size=MOE_I,
+                num_local_experts=E,
+                num_experts_per_tok=E,
+                shared_intermediate_size=64,
+                layer_types=["mamba", "attention"],
+                mamba_n_heads=8,
+                mamba_d_head=16,
+                mamba_d_state=16,
+                mamba_chunk_size=16,
+            ),
+        ),
+        notes="Granite-4.0: Mamba2 + attention, fused 3-D input_linear/output_linear experts",
+    )
+    add(
+        "lfm2",
+        lambda: _cfg(
+            "Lfm2Config", **common_kwargs(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
+        ),
+        notes="short-conv blocks: conv.in_proj [3H, H], conv.out_proj, depthwise conv.conv",
+    )
+    add(
+        "kimi_linear",
+        lambda: _cfg(
+            "KimiLinearConfig",
+            **_moe(
+                moe_intermediate_size=MOE_I,
+                num_key_value_heads=4,
+                num_local_experts=E,
+                num_experts_per_tok=E,
+                n_shared_experts=1,
+                kv_lora_rank=32,
+                qk_rope_head_dim=16,
+                qk_nope_head_dim=16,
+                v_head_dim=16,
+                linear_head_dim=16,
+                linear_num_heads=4,
+                layer_types=["linear_attention", "full_attention"],
+                mlp_layer_types=["dense", "sparse"],
+            ),
+        ),
+        notes="KDA linear attention (f_a_proj/f_b_proj/g_a_proj/g_b_proj, q/k/v_conv1d) + MLA + MoE",
+    )
+    add(
+        "mamba2",
+        lambda: _cfg(
+            "Mamba2Config",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_heads=8,
+            head_dim=16,
+            state_size=16,
+            num_hidden_layers=2,
+            n_groups=1,
+            chunk_size=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        notes="pure SSM: backbone.layers.N.mixer.{in_proj,out_proj,conv1d,A_log,D,dt_bias,norm}",
+    )
 
     # --- multimodal ----------------------------------------------------------------------------
     def llama4_cfg():
         tf = _tf()
-        text = dict(common_kwargs(hidden_size=64, intermediate_size=MOE_I, intermediate_size_mlp=192, head_dim=16,
-                            num_local_experts=E, num_experts_per_tok=E, interleave_moe_layer_step=2,
-                            attention_chunk_size=64))
-        vision = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
-                      vision_output_dim=64, image_size=56, patch_size=14, projector_input_dim=64,
-                      projector_output_dim=64, pixel_shuffle_ratio=0.5)
-        return tf.Llama4Config(text_config=text, vision_config=vision, image_token_index=200, boi_token_index=201,
-                               eoi_token_index=202)
+        text = dict(
+            common_kwargs(
+                hidden_size=64,
+                intermediate_size=MOE_I,
+                intermediate_size_mlp=192,
+                head_dim=16,
+                num_local_experts=E,
+                num_experts_per_tok=E,
+                interleave_moe_layer_step=2,
+                attention_chunk_size=64,
+            )
+        )
+        vision = dict(
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vision_output_dim=64,
+            image_size=56,
+            patch_size=14,
+            projector_input_dim=64,
+            projector_output_dim=64,
+            pixel_shuffle_ratio=0.5,
+        )
+        return tf.Llama4Config(
+            text_config=text, vision_config=vision, image_token_index=200, boi_token_index=201, eoi_token_index=202
+        )
 
-    add("llama4", llama4_cfg, model_class="Llama4ForConditionalGeneration", multimodal=True,
+    add(
+        "llama4",
+        llama4_cfg,
+        model_class="Llama4ForConditionalGeneration",
+        multimodal=True,
         notes="language_model.model.* / vision_model.* / multi_modal_projector.* in the checkpoint",
-        transposed_params=("experts.gate_up_proj", "experts.down_proj"))
+        transposed_params=("experts.gate_up_proj", "experts.down_proj"),
+    )
 
     def qwen_vl(kind, text_cls_kw, vision_kind=None, **top):
         def f():
             tf = _tf()
-            cls = {"qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig", "qwen3_vl_moe": "Qwen3VLMoeConfig",
-                   "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig"}[kind]
+            cls = {
+                "qwen2_5_vl": "Qwen2_5_VLConfig",
+                "qwen3_vl": "Qwen3VLConfig",
+                "qwen3_vl_moe": "Qwen3VLMoeConfig",
+                "qwen3_5": "Qwen3_5Config",
+                "qwen3_5_moe": "Qwen3_5MoeConfig",
+            }[kind]
             text = _text_vlm(kind, **text_cls_kw)
-            return getattr(tf, cls)(text_config=text, vision_config=_qwen_vision(vision_kind or kind, HIDDEN),
-                                    image_token_id=250, video_token_id=251, vision_start_token_id=252,
-                                    vision_end_token_id=253, **top)
+            return getattr(tf, cls)(
+                text_config=text,
+                vision_config=_qwen_vision(vision_kind or kind, HIDDEN),
+                image_token_id=250,
+                video_token_id=251,
+                vision_start_token_id=252,
+                vision_end_token_id=253,
+                **top,
+            )
+
         return f
 
     rope_mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    add("qwen2_5_vl", qwen_vl("qwen2_5_vl", dict(rope_parameters=rope_mrope)),
-        model_class="Qwen2_5_VLForConditionalGeneration", multimodal=True,
-        notes="visual.* + model.* (text) in the checkpoint; model.visual.* / model.language_model.* in memory")
-    add("qwen3_vl", qwen_vl("qwen3_vl", dict(rope_parameters={**rope_mrope, "mrope_interleaved": True,
-                                                               "mrope_section": [2, 3, 3]})),
-        model_class="Qwen3VLForConditionalGeneration", multimodal=True,
-        notes="model.visual.* / model.language_model.* (already the in-memory names)")
-    add("qwen3_vl_moe", qwen_vl("qwen3_vl_moe", dict(rope_parameters={**rope_mrope, "mrope_interleaved": True},
-                                                      moe_intermediate_size=MOE_I, num_experts=E,
-                                                      num_experts_per_tok=E, intermediate_size=128)),
-        model_class="Qwen3VLMoeForConditionalGeneration", multimodal=True,
+    add(
+        "qwen2_5_vl",
+        qwen_vl("qwen2_5_vl", dict(rope_parameters=rope_mrope)),
+        model_class="Qwen2_5_VLForConditionalGeneration",
+        multimodal=True,
+        notes="visual.* + model.* (text) in the checkpoint; model.visual.* / model.language_model.* in memory",
+    )
+    add(
+        "qwen3_vl",
+        qwen_vl(
+            "qwen3_vl", dict(rope_parameters={**rope_mrope, "mrope_interleaved": True, "mrope_section": [2, 3, 3]})
+        ),
+        model_class="Qwen3VLForConditionalGeneration",
+        multimodal=True,
+        notes="model.visual.* / model.language_model.* (already the in-memory names)",
+    )
+    add(
+        "qwen3_vl_moe",
+        qwen_vl(
+            "qwen3_vl_moe",
+            dict(
+                rope_parameters={**rope_mrope, "mrope_interleaved": True},
+                moe_intermediate_size=MOE_I,
+                num_experts=E,
+                num_experts_per_tok=E,
+                intermediate_size=128,
+            ),
+        ),
+        model_class="Qwen3VLMoeForConditionalGeneration",
+        multimodal=True,
         notes="fused 3-D experts; released layout gate_up_proj [E, H, 2I] / down_proj [E, I, H] (x @ W)",
-        hub_fixup="qwen3_vl_moe_experts")
-    add("qwen3_5", qwen_vl("qwen3_5", dict(rope_parameters={**rope_mrope, "mrope_interleaved": True,
-                                                             "partial_rotary_factor": 0.5},
-                                            linear_key_head_dim=16, linear_value_head_dim=16,
-                                            linear_num_key_heads=4, linear_num_value_heads=8,
-                                            layer_types=["linear_attention", "full_attention"])),
-        model_class="Qwen3_5ForConditionalGeneration", multimodal=True, mtp="qwen",
-        notes="Qwen3.5 dense: gated DeltaNet + gated attention, vision tower, MTP at mtp.*")
-    add("qwen3_5_moe", qwen_vl("qwen3_5_moe", dict(rope_parameters={**rope_mrope, "mrope_interleaved": True,
-                                                                     "partial_rotary_factor": 0.5},
-                                                    linear_key_head_dim=16, linear_value_head_dim=16,
-                                                    linear_num_key_heads=4, linear_num_value_heads=8,
-                                                    layer_types=["linear_attention", "full_attention"],
-                                                    moe_intermediate_size=MOE_I, shared_expert_intermediate_size=64,
-                                                    num_experts=E, num_experts_per_tok=E)),
-        model_class="Qwen3_5MoeForConditionalGeneration", multimodal=True, mtp="qwen",
-        notes="Qwen3.5 MoE: DeltaNet in_proj_qkv/in_proj_z/in_proj_b/in_proj_a, per-expert 2-D experts as saved, MTP at mtp.*")
+        hub_fixup="qwen3_vl_moe_experts",
+    )
+    add(
+        "qwen3_5",
+        qwen_vl(
+            "qwen3_5",
+            dict(
+                rope_parameters={**rope_mrope, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_num_key_heads=4,
+                linear_num_value_heads=8,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        model_class="Qwen3_5ForConditionalGeneration",
+        multimodal=True,
+        mtp="qwen",
+        notes="Qwen3.5 dense: gated DeltaNet + gated attention, vision tower, MTP at mtp.*",
+    )
+    add(
+        "qwen3_5_moe",
+        qwen_vl(
+            "qwen3_5_moe",
+            dict(
+                rope_parameters={**rope_mrope, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_num_key_heads=4,
+                linear_num_value_heads=8,
+                layer_types=["linear_attention", "full_attention"],
+                moe_intermediate_size=MOE_I,
+                shared_expert_intermediate_size=64,
+                num_experts=E,
+                num_experts_per_tok=E,
+            ),
+        ),
+        model_class="Qwen3_5MoeForConditionalGeneration",
+        multimodal=True,
+        mtp="qwen",
+        notes="Qwen3.5 MoE: DeltaNet in_proj_qkv/in_proj_z/in_proj_b/in_proj_a, per-expert 2-D experts as saved, "
+        "MTP at mtp.*",
+    )
 
     def gemma3_cfg():
         tf = _tf()
-        text = _text_vlm("gemma3", head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
-                         tie_word_embeddings=True)
-        return tf.Gemma3Config(text_config=text, vision_config=_siglip(), mm_tokens_per_image=4,
-                               image_token_index=250, boi_token_index=251, eoi_token_index=252)
+        text = _text_vlm("gemma3", head_dim=16, query_pre_attn_scalar=16, sliding_window=64, tie_word_embeddings=True)
+        return tf.Gemma3Config(
+            text_config=text,
+            vision_config=_siglip(),
+            mm_tokens_per_image=4,
+            image_token_index=250,
+            boi_token_index=251,
+            eoi_token_index=252,
+        )
 
-    add("gemma3", gemma3_cfg, model_class="Gemma3ForConditionalGeneration", multimodal=True, hub_fixup="vision_model",
-        notes="SigLIP tower + multi_modal_projector (mm_input_projection_weight, no .weight suffix)")
+    add(
+        "gemma3",
+        gemma3_cfg,
+        model_class="Gemma3ForConditionalGeneration",
+        multimodal=True,
+        hub_fixup="vision_model",
+        notes="SigLIP tower + multi_modal_projector (mm_input_projection_weight, no .weight suffix)",
+    )
 
     def mistral3_cfg():
         tf = _tf()
         text = _text_vlm("mistral", head_dim=16, sliding_window=None)
         text["model_type"] = "mistral"
-        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      image_size=64, patch_size=16, head_dim=16)
-        return tf.Mistral3Config(text_config=text, vision_config=vision, image_token_index=250,
-                                 tie_word_embeddings=False)
+        vision = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            image_size=64,
+            patch_size=16,
+            head_dim=16,
+        )
+        return tf.Mistral3Config(
+            text_config=text, vision_config=vision, image_token_index=250, tie_word_embeddings=False
+        )
 
-    add("mistral3", mistral3_cfg, model_class="Mistral3ForConditionalGeneration", multimodal=True,
-        notes="Pixtral tower, patch_merger, multi_modal_projector")
+    add(
+        "mistral3",
+        mistral3_cfg,
+        model_class="Mistral3ForConditionalGeneration",
+        multimodal=True,
+        notes="Pixtral tower, patch_merger, multi_modal_projector",
+    )
 
     def llava_cfg():
         tf = _tf()
         text = _text_vlm("llama", head_dim=16)
         text["model_type"] = "llama"
-        return tf.LlavaConfig(text_config=text, vision_config=_clip(), image_token_index=250,
-                              image_seq_length=4, tie_word_embeddings=False)
+        return tf.LlavaConfig(
+            text_config=text,
+            vision_config=_clip(),
+            image_token_index=250,
+            image_seq_length=4,
+            tie_word_embeddings=False,
+        )
 
-    add("llava", llava_cfg, model_class="LlavaForConditionalGeneration", multimodal=True, hub_fixup="vision_model",
-        notes="CLIP tower + 2-layer projector with biases")
+    add(
+        "llava",
+        llava_cfg,
+        model_class="LlavaForConditionalGeneration",
+        multimodal=True,
+        hub_fixup="vision_model",
+        notes="CLIP tower + 2-layer projector with biases",
+    )
 
     def mllama_cfg():
         tf = _tf()
@@ -429,29 +895,75 @@ def _specs() -> dict[str, Spec]:
         text.pop("head_dim", None)
         text.pop("num_attention_heads"), text.pop("num_key_value_heads")
         text.update(num_attention_heads=4, num_key_value_heads=2)
-        vision = dict(hidden_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
-                      intermediate_size=128, vision_output_dim=128, image_size=28, patch_size=14, max_num_tiles=2,
-                      intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+        vision = dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_global_layers=1,
+            attention_heads=4,
+            intermediate_size=128,
+            vision_output_dim=128,
+            image_size=28,
+            patch_size=14,
+            max_num_tiles=2,
+            intermediate_layers_indices=[0],
+            supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+        )
         return tf.MllamaConfig(text_config=text, vision_config=vision, image_token_index=250)
 
-    add("mllama", mllama_cfg, model_class="MllamaForConditionalGeneration", multimodal=True,
-        notes="layer 1 is a cross-attention layer (cross_attn.*, gates); vision_model.* with global transformer")
+    add(
+        "mllama",
+        mllama_cfg,
+        model_class="MllamaForConditionalGeneration",
+        multimodal=True,
+        notes="layer 1 is a cross-attention layer (cross_attn.*, gates); vision_model.* with global transformer",
+    )
 
     def gemma4_cfg():
         tf = _tf()
-        text = _text_vlm("gemma4_text", head_dim=16, sliding_window=64, tie_word_embeddings=True,
-                         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
-                         enable_moe_block=True, num_experts=E, top_k_experts=E, moe_intermediate_size=MOE_I,
-                         global_head_dim=32,
-                         layer_types=["sliding_attention", "full_attention"])
-        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=4, head_dim=16, patch_size=16, position_embedding_size=64)
-        return tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
-                               image_token_id=250, boi_token_id=251, eoi_token_id=252, video_token_id=253,
-                               boa_token_id=254, eoa_token_index=255, audio_token_id=249)
+        text = _text_vlm(
+            "gemma4_text",
+            head_dim=16,
+            sliding_window=64,
+            tie_word_embeddings=True,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=16,
+            enable_moe_block=True,
+            num_experts=E,
+            top_k_experts=E,
+            moe_intermediate_size=MOE_I,
+            global_head_dim=32,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        vision = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            patch_size=16,
+            position_embedding_size=64,
+        )
+        return tf.Gemma4Config(
+            text_config=text,
+            vision_config=vision,
+            audio_config=None,
+            image_token_id=250,
+            boi_token_id=251,
+            eoi_token_id=252,
+            video_token_id=253,
+            boa_token_id=254,
+            eoa_token_index=255,
+            audio_token_id=249,
+        )
 
-    add("gemma4", gemma4_cfg, model_class="Gemma4ForConditionalGeneration", multimodal=True,
-        notes="MoE block beside the dense MLP; experts fused 3-D without .weight; per-layer input embeddings")
+    add(
+        "gemma4",
+        gemma4_cfg,
+        model_class="Gemma4ForConditionalGeneration",
+        multimodal=True,
+        notes="MoE block beside the dense MLP; experts fused 3-D without .weight; per-layer input embeddings",
+    )
     return s
 
 
@@ -507,8 +1019,15 @@ def build(arch: str, dtype: torch.dtype = torch.bfloat16, seed: int = SEED, conf
     return build_from_config(spec, spec.config(), dtype, seed, config_overrides)
 
 
-def make(arch: str, path, dtype: torch.dtype = torch.bfloat16, max_shard_size: int | str | None = None,
-         seed: int = SEED, config_overrides: dict | None = None, hub_layout: bool = True) -> Path:
+def make(
+    arch: str,
+    path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int | str | None = None,
+    seed: int = SEED,
+    config_overrides: dict | None = None,
+    hub_layout: bool = True,
+) -> Path:
     """Build, randomize and save the tiny `arch` model at `path` (created). Returns the path.
 
     `max_shard_size` defaults to a quarter of the model's bytes, so every checkpoint has at least 3
@@ -535,7 +1054,7 @@ def _vision_model_prefix(name: str, t: torch.Tensor):
     """Released Llava / Gemma-3 checkpoints keep the CLIP/SigLIP `vision_model.` level:
     `vision_tower.vision_model.encoder...` (transformers 5.24 saves `vision_tower.encoder...`)."""
     if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-        name = "vision_tower.vision_model." + name[len("vision_tower."):]
+        name = "vision_tower.vision_model." + name[len("vision_tower.") :]
     return name, t
 
 
@@ -623,12 +1142,13 @@ def _mtp_tensors(arch: str, dtype, seed: int, config_overrides: dict | None) -> 
         out[prefix + "shared_head.head.weight"] = rnd(V, H)
         out[prefix + "embed_tokens.weight"] = rnd(V, H, std=1.0)
     else:  # qwen: mtp.fc, mtp.pre_fc_norm_embedding/hidden, mtp.norm, mtp.layers.0.*
-        lm_prefix = next(p for p in ("model.language_model.layers.", "model.layers.")
-                         if any(k.startswith(p) for k in state))
+        lm_prefix = next(
+            p for p in ("model.language_model.layers.", "model.layers.") if any(k.startswith(p) for k in state)
+        )
         src = f"{lm_prefix}{n}."
         for k, v in state.items():
             if k.startswith(src):
-                out["mtp.layers.0." + k[len(src):]] = v
+                out["mtp.layers.0." + k[len(src) :]] = v
         out["mtp.fc.weight"] = rnd(H, 2 * H)
         out["mtp.pre_fc_norm_embedding.weight"] = norm(H)
         out["mtp.pre_fc_norm_hidden.weight"] = norm(H)
@@ -648,7 +1168,9 @@ def build_from_config(spec: Spec, cfg, dtype, seed: int, overrides: dict | None 
         setattr(target, leaf, value)
     torch.manual_seed(seed)
     cls = getattr(tf, spec.model_class)
-    model = cls.from_config(cfg, dtype=dtype) if spec.model_class.startswith("Auto") else cls._from_config(cfg, dtype=dtype)
+    model = (
+        cls.from_config(cfg, dtype=dtype) if spec.model_class.startswith("Auto") else cls._from_config(cfg, dtype=dtype)
+    )
     model.eval()
     _randomize(model, spec, seed)
     return model
@@ -681,8 +1203,10 @@ def _add_mtp_shard(arch: str, path: Path, dtype, seed: int, config_overrides: di
     weight_map = {k: renames[v] for k, v in index["weight_map"].items()}
     weight_map.update({k: last for k in tensors})
     total = index["metadata"].get("total_size", 0) + sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {**index.get("metadata", {}), "total_size": total},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {**index.get("metadata", {}), "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -724,17 +1248,54 @@ def logits(path_or_model, prompt_ids=PROMPT_IDS, dtype: torch.dtype = torch.floa
 # The architectures test_architectures.py converts in every scheme/format pair.
 ZOO_ARCHS = (
     # dense
-    "llama", "qwen3", "gemma2", "phi3", "gpt2",
+    "llama",
+    "qwen3",
+    "gemma2",
+    "phi3",
+    "gpt2",
     # MoE, per-expert 2-D in the checkpoint
-    "qwen3_moe", "mixtral", "phimoe", "olmoe", "minimax_m2", "ernie4_5_moe", "deepseek_v3", "glm4_moe",
+    "qwen3_moe",
+    "mixtral",
+    "phimoe",
+    "olmoe",
+    "minimax_m2",
+    "ernie4_5_moe",
+    "deepseek_v3",
+    "glm4_moe",
     # MoE, fused experts
-    "llama4", "gpt_oss", "granitemoe", "dbrx", "qwen3_vl_moe", "gemma4",
+    "llama4",
+    "gpt_oss",
+    "granitemoe",
+    "dbrx",
+    "qwen3_vl_moe",
+    "gemma4",
     # hybrid / linear attention / SSM
-    "qwen3_next", "nemotron_h", "falcon_h1", "jamba",
+    "qwen3_next",
+    "nemotron_h",
+    "falcon_h1",
+    "jamba",
     # multimodal
-    "qwen2_5_vl", "gemma3", "mistral3", "llava",
+    "qwen2_5_vl",
+    "gemma3",
+    "mistral3",
+    "llava",
 )
 # Further model_types the registry lists, checked in two combinations only (bytes, verify, ignore list,
 # vLLM contract).
-MORE_ARCHS = ("mistral", "qwen2", "glm4", "olmo2", "granite", "starcoder2", "qwen2_moe", "deepseek_v2", "llama4_text",
-              "granitemoeshared", "granitemoehybrid", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "falcon")
+MORE_ARCHS = (
+    "mistral",
+    "qwen2",
+    "glm4",
+    "olmo2",
+    "granite",
+    "starcoder2",
+    "qwen2_moe",
+    "deepseek_v2",
+    "llama4_text",
+    "granitemoeshared",
+    "granitemoehybrid",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "falcon",
+)

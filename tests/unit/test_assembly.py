@@ -1,5 +1,6 @@
 """The assembly of a batch's outputs into the byte runs they fill (what the CUDA path writes), run on
 the CPU: every merged run must hold exactly the bytes a conversion writes at its place."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +19,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
-@pytest.mark.parametrize("scheme,fmt", [("tensor", "compressed-tensors"), ("block", "fp8"), ("mxfp8", "compressed-tensors")])
+@pytest.mark.parametrize(
+    "scheme,fmt", [("tensor", "compressed-tensors"), ("block", "fp8"), ("mxfp8", "compressed-tensors")]
+)
 def test_merged_runs_hold_the_bytes_the_shards_get(source_model, tmp_path, kind, scheme, fmt):
     """Runs of at most 16 KiB (unless one output is larger), each handed over once its last output is in:
     every one holds exactly the shard's bytes at its place, and some leave before their batch's last step."""
@@ -37,7 +40,7 @@ def test_merged_runs_hold_the_bytes_the_shards_get(source_model, tmp_path, kind,
             steps = list(quantize_steps(batch, buf, offsets, scheme, scale_format=plan.options.scale_format))
             for n, outputs in enumerate(steps):
                 for run, data in assembled.put_all(outputs):
-                    assert data.numpy().tobytes() == shards[run.shard][run.start:run.start + run.nbytes]
+                    assert data.numpy().tobytes() == shards[run.shard][run.start : run.start + run.nbytes]
                     pieces += len(run.pieces)
                     shared_runs += len(run.pieces) > 1
                     early_runs += n < len(steps) - 1

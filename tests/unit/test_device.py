@@ -1,25 +1,26 @@
 """How much of the host a CPU run takes: torch's quantizing threads leave the readers their cores
 (where there are more than 4)."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 import fp8convert
 from fp8convert.run import device, prefetch, quantizer
 from fp8convert.run.device import quantizing_threads
-from tiny_ckpt import llama_tensors, write_checkpoint
 
 
 def test_quantizing_threads_leave_the_readers_their_cores():
-    assert quantizing_threads(16, 16, environ={}) == 12      # 4 readers on 16 cores
-    assert quantizing_threads(64, 64, environ={}) == 60      # (never more than 4)
-    assert quantizing_threads(8, 8, environ={}) == 6         # 2 on 8
-    assert quantizing_threads(4, 4, environ={}) == 4         # too few cores to spare one
+    assert quantizing_threads(16, 16, environ={}) == 12  # 4 readers on 16 cores
+    assert quantizing_threads(64, 64, environ={}) == 60  # (never more than 4)
+    assert quantizing_threads(8, 8, environ={}) == 6  # 2 on 8
+    assert quantizing_threads(4, 4, environ={}) == 4  # too few cores to spare one
     assert quantizing_threads(2, 2, environ={}) == 2
-    assert quantizing_threads(4, 16, environ={}) == 4        # never more than the caller gave torch
+    assert quantizing_threads(4, 16, environ={}) == 4  # never more than the caller gave torch
     assert quantizing_threads(16, 16, environ={"OMP_NUM_THREADS": "16"}) is None  # the user's choice stands
 
 

@@ -3,6 +3,7 @@
 Every import counts as a dependency, wherever it is written: at module level, inside a function (a late
 import is still a dependency, only a hidden one) or under `if TYPE_CHECKING:`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,7 +54,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -81,10 +82,17 @@ def test_the_cycle_finder_finds_cycles(tmp_path):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .plan import plan\n"
-              "def f():\n    from ..run import writer\n")
-    modules = {"fp8convert.x.y": None, "fp8convert.x.plan.plan": None, "fp8convert.x.plan": None,
-               "fp8convert.run.writer": None, "fp8convert.run": None}
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .plan import plan\n"
+        "def f():\n    from ..run import writer\n"
+    )
+    modules = {
+        "fp8convert.x.y": None,
+        "fp8convert.x.plan.plan": None,
+        "fp8convert.x.plan": None,
+        "fp8convert.run.writer": None,
+        "fp8convert.run": None,
+    }
     probe = tmp_path / "y.py"
     probe.write_text(source)
     assert imports_of("fp8convert.x.y", probe, modules) == {"fp8convert.x.plan.plan", "fp8convert.run.writer"}
@@ -98,5 +106,6 @@ def test_the_pipeline_stages_are_packages():
     import fp8convert
     import fp8convert.plan
     import fp8convert.verify
+
     assert fp8convert.plan.__name__ == "fp8convert.plan" and callable(fp8convert.make_plan)
     assert fp8convert.verify.__name__ == "fp8convert.verify" and callable(fp8convert.api.verify)

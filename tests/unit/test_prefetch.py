@@ -1,6 +1,7 @@
 """The page-cache prefetcher: it reads the spans in order, never more than its window ahead of the
 reader, into the page cache without copying them (or by pread where it cannot); the window's default
 follows the memory the process may use."""
+
 from __future__ import annotations
 
 import errno
@@ -9,6 +10,7 @@ import threading
 import time
 
 import pytest
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 import fp8convert
 from fp8convert.cluster.workers import WorkerSpec
@@ -17,7 +19,6 @@ from fp8convert.options import AUTO, Settings
 from fp8convert.run import prefetch
 from fp8convert.run.prefetch import WINDOW_CAP, Prefetcher, available_memory, default_window
 from fp8convert.safetensors_io import TensorInfo
-from tiny_ckpt import llama_tensors, write_checkpoint
 
 CHUNK = 1 << 16
 
@@ -143,6 +144,7 @@ def test_ahead_is_what_has_landed_less_what_the_run_consumed(tmp_path):
 def test_a_read_that_fails_lands_nothing(tmp_path, monkeypatch):
     def fail(*args):
         raise OSError(errno.EIO, "Input/output error")
+
     monkeypatch.setattr(os, "sendfile", fail)
     monkeypatch.setattr(os, "preadv", fail)
     prefetcher = run_to_the_end(tmp_path, 3)
@@ -173,8 +175,11 @@ def test_available_memory_is_memavailable_or_the_tightest_cgroup_headroom(tmp_pa
     unlimited = fake_system(tmp_path / "a", 10 * 1024 * 1024, {"job": ("max", 5 * GiB), "job/step": ("max", GiB)})
     assert available_memory(**unlimited) == 10 * GiB
     # the job's limit (8 GiB, 5 used) is tighter than the step's (20 GiB, 1 used) and than MemAvailable
-    capped = fake_system(tmp_path / "b", 10 * 1024 * 1024,
-                         {"": ("max", 0), "job": (str(8 * GiB), 5 * GiB), "job/step": (str(20 * GiB), GiB)})
+    capped = fake_system(
+        tmp_path / "b",
+        10 * 1024 * 1024,
+        {"": ("max", 0), "job": (str(8 * GiB), 5 * GiB), "job/step": (str(20 * GiB), GiB)},
+    )
     assert available_memory(**capped) == 3 * GiB
     over = fake_system(tmp_path / "c", 10 * 1024 * 1024, {"job/step": (str(GiB), 2 * GiB)})
     assert available_memory(**over) == 0
@@ -220,10 +225,16 @@ def test_prefetch_option_reads_auto_sizes_and_zero():
         Settings(prefetch="lots")
 
 
-@pytest.mark.parametrize("overrides,window", [
-    ({}, 3 * GiB), ({"worker": "0/2"}, 3 * GiB // 2), ({"prefetch": "5MiB"}, 5 << 20),
-    ({"worker": WorkerSpec(0, 4, "slurm-array", on_this_machine=1)}, 3 * GiB),  # its own allocation
-    ({"worker": WorkerSpec(0, 32, "slurm", on_this_machine=2)}, 3 * GiB // 2)])  # two srun tasks on this node
+@pytest.mark.parametrize(
+    "overrides,window",
+    [
+        ({}, 3 * GiB),
+        ({"worker": "0/2"}, 3 * GiB // 2),
+        ({"prefetch": "5MiB"}, 5 << 20),
+        ({"worker": WorkerSpec(0, 4, "slurm-array", on_this_machine=1)}, 3 * GiB),  # its own allocation
+        ({"worker": WorkerSpec(0, 32, "slurm", on_this_machine=2)}, 3 * GiB // 2),
+    ],
+)  # two srun tasks on this node
 def test_a_conversion_reads_ahead_by_the_window_it_was_given_or_the_default(tmp_path, monkeypatch, overrides, window):
     monkeypatch.setattr(prefetch, "available_memory", lambda: 6 * GiB)
     windows, real_init = [], Prefetcher.__init__

@@ -1,5 +1,6 @@
 """The reader's preads: tensors adjacent in a file are read together (a MoE layer is hundreds of small
 tensors), in pieces of at most one chunk, every byte landing where the batch buffer expects it."""
+
 from __future__ import annotations
 
 import random
@@ -19,17 +20,16 @@ def info(name: str, file: str, offset: int, nbytes: int) -> TensorInfo:
     return TensorInfo(name, "U8", (nbytes,), file, offset, nbytes)
 
 
-def fill(files: dict[str, np.ndarray], tensors: list[TensorInfo], chunk: int, merge: bool
-         ) -> tuple[np.ndarray, list]:
+def fill(files: dict[str, np.ndarray], tensors: list[TensorInfo], chunk: int, merge: bool) -> tuple[np.ndarray, list]:
     """The batch buffer as the pieces fill it (a pread into staging, then each part to its place)."""
     offsets, total = BatchReader.layout(tensors)
     buf = np.zeros(total, dtype=np.uint8)
     pieces = plan_pieces(tensors, offsets, chunk, merge)
     for piece in pieces:
-        staging = files[piece.file][piece.offset:piece.offset + piece.length]
+        staging = files[piece.file][piece.offset : piece.offset + piece.length]
         assert len(staging) == piece.length <= chunk
         for at, dest, n in piece.parts:
-            buf[dest:dest + n] = staging[at:at + n]
+            buf[dest : dest + n] = staging[at : at + n]
     return buf, pieces
 
 
@@ -37,7 +37,7 @@ def expected(files: dict[str, np.ndarray], tensors: list[TensorInfo]) -> np.ndar
     offsets, total = BatchReader.layout(tensors)
     buf = np.zeros(total, dtype=np.uint8)
     for t in tensors:
-        buf[offsets[t.name]:offsets[t.name] + t.nbytes] = files[t.file][t.offset:t.offset + t.nbytes]
+        buf[offsets[t.name] : offsets[t.name] + t.nbytes] = files[t.file][t.offset : t.offset + t.nbytes]
     return buf
 
 
@@ -102,8 +102,9 @@ def test_the_cpu_reader_reads_a_batch_as_written(tmp_path):
     with BatchReader(tmp_path, torch.device("cpu"), threads=2, chunk_bytes=1024) as reader:
         buf, offsets = reader.read(tensors)
     for t in tensors:  # (the alignment padding between them is never written)
-        assert np.array_equal(buf.numpy()[offsets[t.name]:offsets[t.name] + t.nbytes],
-                              data[t.offset:t.offset + t.nbytes])
+        assert np.array_equal(
+            buf.numpy()[offsets[t.name] : offsets[t.name] + t.nbytes], data[t.offset : t.offset + t.nbytes]
+        )
 
 
 def test_a_pending_read_waits_only_for_the_tensors_asked_for(tmp_path, monkeypatch):
@@ -127,13 +128,13 @@ def test_a_pending_read_waits_only_for_the_tensors_asked_for(tmp_path, monkeypat
         assert not done & {5000, 6024, 7048}  # returned before any of the last tensor's pieces was read
         for t in (first, second):
             at = pending.offsets[t.name]
-            assert np.array_equal(pending.buf.numpy()[at:at + t.nbytes], data[t.offset:t.offset + t.nbytes])
+            assert np.array_equal(pending.buf.numpy()[at : at + t.nbytes], data[t.offset : t.offset + t.nbytes])
         assert pending.arrival([first]) < pending.arrival([second]) < pending.arrival([last])
         assert pending.arrival([]) == -1
         held.set()
         pending.wait([last])
         at = pending.offsets[last.name]
-        assert np.array_equal(pending.buf.numpy()[at:at + last.nbytes], data[5000:7500])
+        assert np.array_equal(pending.buf.numpy()[at : at + last.nbytes], data[5000:7500])
 
 
 def test_a_failed_read_is_raised_by_the_wait_for_that_tensor(tmp_path):
@@ -145,8 +146,9 @@ def test_a_failed_read_is_raised_by_the_wait_for_that_tensor(tmp_path):
             pending.wait([info("cut_short", "a", 600, 800)])
 
 
-def test_the_run_quantizes_a_batch_while_it_is_read_and_writes_it_as_it_is_quantized(source_model, tmp_path,
-                                                                                   monkeypatch):
+def test_the_run_quantizes_a_batch_while_it_is_read_and_writes_it_as_it_is_quantized(
+    source_model, tmp_path, monkeypatch
+):
     """With one slow reader thread, the main thread quantizes a batch's first stacks while the rest of it
     is still being read, and the writer writes a batch's first outputs while the rest of it is still
     being quantized. The shards are the same."""
@@ -192,9 +194,12 @@ def test_the_run_quantizes_a_batch_while_it_is_read_and_writes_it_as_it_is_quant
     # is one of its own reads, and a write between two of them is one of its own outputs.
     segments = [seg.split() for seg in " ".join(events).split("batch")]
     assert sum(1 for seg in segments if seg) > 2
-    assert any("read" in seg[seg.index("quantize"):] for seg in segments if "quantize" in seg)
-    assert any("write" in seg[seg.index("quantize"):len(seg) - seg[::-1].index("quantize")]
-               for seg in segments if "quantize" in seg)
+    assert any("read" in seg[seg.index("quantize") :] for seg in segments if "quantize" in seg)
+    assert any(
+        "write" in seg[seg.index("quantize") : len(seg) - seg[::-1].index("quantize")]
+        for seg in segments
+        if "quantize" in seg
+    )
     assert result.complete
     for shard in (tmp_path / "plain").glob("*.safetensors"):
         assert (tmp_path / "out" / shard.name).read_bytes() == shard.read_bytes()

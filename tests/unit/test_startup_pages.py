@@ -1,4 +1,5 @@
 """torch's start-up pages: recorded from this process's page table, asked of the kernel by the next run."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,10 @@ import os
 import sys
 
 import torch
+from tiny_ckpt import llama_tensors, write_checkpoint
 
 from fp8convert.run import startup_pages
 from fp8convert.run.startup_pages import PAGE, mapped_library_pages, page_ranges, read_ahead, record_path
-from tiny_ckpt import llama_tensors, write_checkpoint
 
 
 def test_close_pages_make_one_range_and_far_ones_another():
@@ -51,8 +52,9 @@ def test_read_ahead_asks_for_the_ranges_of_unchanged_files_only(tmp_path, monkey
     same, changed = tmp_path / "libsame.so", tmp_path / "libchanged.so"
     for path in (same, changed):
         path.write_bytes(bytes(64 * PAGE))
-    entries = [[str(p), p.stat().st_size, p.stat().st_mtime_ns, [[0, PAGE], [8 * PAGE, 16 * PAGE]]]
-               for p in (same, changed)]
+    entries = [
+        [str(p), p.stat().st_size, p.stat().st_mtime_ns, [[0, PAGE], [8 * PAGE, 16 * PAGE]]] for p in (same, changed)
+    ]
     entries.append([str(tmp_path / "libgone.so"), PAGE, 0, [[0, PAGE]]])
     record = tmp_path / "record.json"
     record.write_text(json.dumps({"files": entries}))
@@ -66,8 +68,10 @@ def test_read_ahead_asks_for_the_ranges_of_unchanged_files_only(tmp_path, monkey
 
     monkeypatch.setattr(os, "posix_fadvise", spy)
     assert read_ahead(record).wait(30)
-    assert sorted(asked) == [(str(same), 0, PAGE, os.POSIX_FADV_WILLNEED),
-                             (str(same), 8 * PAGE, 8 * PAGE, os.POSIX_FADV_WILLNEED)]
+    assert sorted(asked) == [
+        (str(same), 0, PAGE, os.POSIX_FADV_WILLNEED),
+        (str(same), 8 * PAGE, 8 * PAGE, os.POSIX_FADV_WILLNEED),
+    ]
 
 
 def test_a_long_range_is_asked_for_in_pieces_the_kernel_reads_whole(tmp_path, monkeypatch):
@@ -114,6 +118,7 @@ def test_a_record_that_cannot_be_written_is_skipped(tmp_path):
 def test_no_record_when_torch_was_loaded_before(tmp_path, monkeypatch):
     """The Python API in a process that imported torch itself: its pages are the caller's business."""
     import fp8convert
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     src = write_checkpoint(tmp_path / "src", llama_tensors())
     fp8convert.quantize(src, tmp_path / "out", device="cpu", progress=False)

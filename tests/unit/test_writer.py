@@ -1,6 +1,7 @@
 """The shard writer's files: every shard created and its blocks reserved at the start of the run, a
 full disk reported before the work, the same bytes where a file system cannot reserve, and no stray
 partial file for a shard already written."""
+
 from __future__ import annotations
 
 import ctypes
@@ -9,13 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
+from tiny_ckpt import tree_bytes, write_checkpoint
 
 import fp8convert
 from fp8convert.cli import main
 from fp8convert.plan.runs import output_runs
-from fp8convert.run import writeback, writer as writer_module
+from fp8convert.run import writeback
+from fp8convert.run import writer as writer_module
 from fp8convert.run.writer import ShardWriter
-from tiny_ckpt import tree_bytes, write_checkpoint
 
 SHARD_SIZE = "40KB"  # the tiny checkpoint then makes several output shards
 
@@ -39,9 +41,11 @@ def reserves_blocks(directory: Path) -> bool:
 
 def failing_fallocate(error: int):
     """Stands in for libc's fallocate: fails with `error`, as the C call reports it."""
+
     def fallocate(fd, mode, offset, length):
         ctypes.set_errno(error)
         return -1
+
     return fallocate
 
 
@@ -80,7 +84,7 @@ def test_every_shard_is_created_and_reserved_at_the_start(tmp_path):
             path = writer.partial_path(shard.index)
             st = path.stat()
             assert st.st_size == shard.size
-            assert path.read_bytes()[:len(shard.header)] == shard.header
+            assert path.read_bytes()[: len(shard.header)] == shard.header
             if reserves_blocks(tmp_path):
                 assert st.st_blocks * 512 >= shard.size - len(shard.header)
     assert partials == sorted(s.name + ".partial" for s in plan.shards if s.index != 1)  # not the skipped one
@@ -110,6 +114,7 @@ def test_a_full_disk_while_reserving_is_one_line_before_any_work(tmp_path, capsy
 
     def full(fd, size):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(writer_module, "reserve", full)
     out = tmp_path / "out"
     rc = main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE])
@@ -139,18 +144,19 @@ def test_write_mapped_puts_bytes_at_any_offset_and_nothing_else(tmp_path):
         writeback.reserve(fd, 3 * 4096 + 100)
         data = bytearray(os.urandom(2 * 4096 + 7))
         writeback.write_mapped(fd, memoryview(data)[5:], 4093)  # across page edges, at neither end of the file
-        writeback.write_mapped(fd, memoryview(data)[:0], 1)     # nothing to write: nothing written
+        writeback.write_mapped(fd, memoryview(data)[:0], 1)  # nothing to write: nothing written
     finally:
         os.close(fd)
     content = path.read_bytes()
     assert len(content) == 3 * 4096 + 100
-    assert content[4093:4093 + len(data) - 5] == bytes(data[5:])
-    assert content[:4093] == bytes(4093) and content[4093 + len(data) - 5:] == bytes(len(content) - 4088 - len(data))
+    assert content[4093 : 4093 + len(data) - 5] == bytes(data[5:])
+    assert content[:4093] == bytes(4093) and content[4093 + len(data) - 5 :] == bytes(len(content) - 4088 - len(data))
 
 
 def test_threads_writing_one_file_through_mappings_at_once(tmp_path):
     """Eight threads fill one file in interleaved pieces; every byte lands where it belongs."""
     from concurrent.futures import ThreadPoolExecutor
+
     piece, count = 12_345, 64
     data = bytearray(os.urandom(piece * count))
     path = tmp_path / "file"
@@ -158,8 +164,12 @@ def test_threads_writing_one_file_through_mappings_at_once(tmp_path):
     try:
         writeback.reserve(fd, len(data))
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: writeback.write_mapped(fd, memoryview(data)[i * piece:(i + 1) * piece],
-                                                           i * piece), range(count)))
+            list(
+                pool.map(
+                    lambda i: writeback.write_mapped(fd, memoryview(data)[i * piece : (i + 1) * piece], i * piece),
+                    range(count),
+                )
+            )
     finally:
         os.close(fd)
     assert path.read_bytes() == bytes(data)
@@ -179,23 +189,30 @@ def copies_made(monkeypatch) -> dict:
         def wrapper(fd, data, offset):
             counts[kind] += 1
             return fn(fd, data, offset)
+
         return wrapper
+
     monkeypatch.setattr(writer_module, "write_mapped", counting("mapped", writeback.write_mapped))
     monkeypatch.setattr(writer_module, "pwrite_all", counting("pwrite", writer_module.pwrite_all))
     return counts
 
 
-@pytest.mark.parametrize("writers, fallocate_works, file_system_maps, mapped", [
-    (8, True, True, True),    # the GPU's writers, blocks reserved on tmpfs or ext4
-    (2, True, True, False),   # too few threads for mappings to pay
-    (8, False, True, False),  # blocks not reserved: a write fault could meet a full disk
-    (8, True, False, False),  # another file system
-])
+@pytest.mark.parametrize(
+    "writers, fallocate_works, file_system_maps, mapped",
+    [
+        (8, True, True, True),  # the GPU's writers, blocks reserved on tmpfs or ext4
+        (2, True, True, False),  # too few threads for mappings to pay
+        (8, False, True, False),  # blocks not reserved: a write fault could meet a full disk
+        (8, True, False, False),  # another file system
+    ],
+)
 def test_shards_are_written_through_mappings_only_where_it_pays_and_is_safe(
-        tmp_path, monkeypatch, writers, fallocate_works, file_system_maps, mapped):
+    tmp_path, monkeypatch, writers, fallocate_works, file_system_maps, mapped
+):
     """The same bytes either way; mappings are used only with enough writer threads, reserved
     blocks and a file system measured faster that way."""
     from fp8convert.run import pipeline
+
     src = write_checkpoint(tmp_path / "src")
     reference = tmp_path / "reference"
     monkeypatch.setattr(writer_module, "MAPPED_WRITES", False)
@@ -219,6 +236,7 @@ def test_shards_are_written_through_mappings_only_where_it_pays_and_is_safe(
 def test_the_ring_is_pinned_up_front_but_never_beyond_the_bytes_left(tmp_path, monkeypatch, chunk, expected):
     """8 writer threads get a ring of 9 pinned buffers, unless fewer hold everything left to write."""
     import torch
+
     plain_empty = torch.empty
     pinned = []
 
@@ -246,6 +264,7 @@ def writeback_calls(monkeypatch, descriptors: list | None = None) -> list:
         if descriptors is not None:
             descriptors.append(fd)
         return 0
+
     monkeypatch.setattr(writeback, "_sync_file_range", sync_file_range)
     return calls
 

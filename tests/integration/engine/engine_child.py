@@ -2,10 +2,10 @@
 
     python engine_child.py MODEL_DIR '[1, 17, 42, ...]' [--dtype bfloat16] [--emulate auto|always]
 
-Loads MODEL_DIR with vLLM's own config parsing, weight loaders and post-load processing, greedily
-generates one token after the prompt (with its top-2 candidates) and asks for the teacher-forced log-probability of every prompt
-token. Prints one JSON line on stdout: {"ok": true, "token", "top", "prompt_logprobs", "margin", "emulated",
-"emulated_layers"} or {"ok": false, "stage", "error"}.
+Loads MODEL_DIR with vLLM's own config parsing, weight loaders and post-load processing, greedily generates
+one token after the prompt (with its top-2 candidates) and asks for the teacher-forced log-probability of
+every prompt token. Prints one JSON line on stdout: {"ok": true, "token", "top", "prompt_logprobs", "margin",
+"emulated", "emulated_layers"} or {"ok": false, "stage", "error"}.
 
 vLLM's CPU kernels for block-scaled FP8 (linear layers and MoE experts) need AMX. On a CPU without it
 (or with --emulate always) this script adds one kernel of each kind that vLLM may choose only where
@@ -26,7 +26,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-EMULATED: list[str] = []   # one entry per layer that runs on an emulated kernel
+EMULATED: list[str] = []  # one entry per layer that runs on an emulated kernel
 
 
 def dequantize_blocks(weight, scale, block: tuple[int, int]):
@@ -74,13 +74,28 @@ def install_emulated_kernels() -> None:
         def _supports_current_device() -> bool:
             return current_platform.is_cpu()
 
-        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                  expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-                  apply_router_weight_on_input) -> None:
+        def apply(
+            self,
+            output,
+            hidden_states,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation,
+            global_num_experts,
+            expert_map,
+            a1q_scale,
+            a2_scale,
+            workspace13,
+            workspace2,
+            expert_tokens_meta,
+            apply_router_weight_on_input,
+        ) -> None:
             if apply_router_weight_on_input:  # as vLLM's own CPUExpertsFp8
                 raise NotImplementedError("CPUExpertsFp8 does not support apply_router_weight_on_input=True.")
             if getattr(self, "_bf16", None) is None:
-                shape = self.quant_config._w1.shape   # where vLLM's CPUExpertsFp8.apply finds the block too
+                shape = self.quant_config._w1.shape  # where vLLM's CPUExpertsFp8.apply finds the block too
                 block = tuple(self.quant_config.block_shape or (shape.row, shape.col))
                 self._bf16 = (dequantize_blocks(w1, self.w1_scale, block), dequantize_blocks(w2, self.w2_scale, block))
                 EMULATED.append(f"moe {tuple(w1.shape)}")
@@ -97,8 +112,8 @@ def install_emulated_kernels() -> None:
     # vLLM picks the first kernel whose checks pass: its own come first unless the run forces emulation.
     blocks = linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]
     blocks.append(EmulatedFp8BlockLinear)
-    cpu_moe.CPUExpertsFp8 = EmulatedFp8BlockExperts          # looked up by name when the backend is chosen
-    cpu_moe.prepare_fp8_moe_layer_for_cpu = lambda w13, w2: (w13, w2)   # keep [E, N, K], no AMX packing
+    cpu_moe.CPUExpertsFp8 = EmulatedFp8BlockExperts  # looked up by name when the backend is chosen
+    cpu_moe.prepare_fp8_moe_layer_for_cpu = lambda w13, w2: (w13, w2)  # keep [E, N, K], no AMX packing
 
 
 def has_amx() -> bool:
@@ -126,8 +141,7 @@ def run(model_dir: str, prompt: list[int], dtype: str, emulate: str) -> dict:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=128,
-                  seed=0)
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=128, seed=0)
         stage = "generate"
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=0, detokenize=False)
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
@@ -137,10 +151,15 @@ def run(model_dir: str, prompt: list[int], dtype: str, emulate: str) -> dict:
     completion = out.outputs[0]
     top = sorted(completion.logprobs[0].values(), key=lambda lp: -lp.logprob)
     prompt_lp = [None] + [pos[prompt[i + 1]].logprob for i, pos in enumerate(out.prompt_logprobs[1:])]
-    return {"ok": True, "token": completion.token_ids[0], "prompt_logprobs": prompt_lp,
-            "margin": top[0].logprob - top[1].logprob if len(top) > 1 else None,
-            "top": [tok for tok, _ in sorted(completion.logprobs[0].items(), key=lambda kv: -kv[1].logprob)][:2],
-            "emulated": bool(EMULATED), "emulated_layers": len(EMULATED)}
+    return {
+        "ok": True,
+        "token": completion.token_ids[0],
+        "prompt_logprobs": prompt_lp,
+        "margin": top[0].logprob - top[1].logprob if len(top) > 1 else None,
+        "top": [tok for tok, _ in sorted(completion.logprobs[0].items(), key=lambda kv: -kv[1].logprob)][:2],
+        "emulated": bool(EMULATED),
+        "emulated_layers": len(EMULATED),
+    }
 
 
 def _one_line(e: BaseException) -> str:

@@ -39,11 +39,11 @@ def engine_python() -> Path | None:
 class EngineRun:
     ok: bool
     token: int | None = None
-    prompt_logprobs: tuple[float, ...] = ()   # teacher-forced log p of prompt tokens 1..n-1
-    margin: float | None = None               # top-1 minus top-2 log-prob of the generated token
-    top: tuple[int, ...] = ()                 # the top-2 candidates for the generated token
-    emulated: bool = False                    # a block FP8 GEMM or MoE kernel was emulated (no AMX)
-    stage: str = ""                           # where a failed run stopped: "load" or "generate"
+    prompt_logprobs: tuple[float, ...] = ()  # teacher-forced log p of prompt tokens 1..n-1
+    margin: float | None = None  # top-1 minus top-2 log-prob of the generated token
+    top: tuple[int, ...] = ()  # the top-2 candidates for the generated token
+    emulated: bool = False  # a block FP8 GEMM or MoE kernel was emulated (no AMX)
+    stage: str = ""  # where a failed run stopped: "load" or "generate"
     error: str = ""
 
     def describe(self) -> str:
@@ -57,23 +57,34 @@ def run_engine(model_dir, dtype: str = "bfloat16", emulate: str = "auto", prompt
     python = engine_python()
     if python is None:
         raise FileNotFoundError(f"no vLLM venv at {engine_venv()} (build it with .ci/run)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # the engine imports nothing of ours
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [str(python), str(CHILD), str(model_dir), json.dumps(list(prompt)), "--dtype", dtype,
-           "--emulate", emulate]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine imports nothing of ours
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="ERROR",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    cmd = [str(python), str(CHILD), str(model_dir), json.dumps(list(prompt)), "--dtype", dtype, "--emulate", emulate]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return EngineRun(ok=False, stage="timeout", error=f"no result after {CHILD_TIMEOUT_S} s")
     for line in proc.stdout.splitlines():
         if line.startswith("ENGINE_RESULT "):
-            d = json.loads(line[len("ENGINE_RESULT "):])
+            d = json.loads(line[len("ENGINE_RESULT ") :])
             if not d["ok"] and "failed to be inspected" in d["error"]:  # the cause is in vLLM's log
                 d["error"] += " (" + _last_error_line(proc.stdout + proc.stderr) + ")"
-            return EngineRun(ok=d["ok"], token=d.get("token"), prompt_logprobs=tuple(d.get("prompt_logprobs", [None])[1:]),
-                             margin=d.get("margin"), top=tuple(d.get("top", ())), emulated=d.get("emulated", False), stage=d.get("stage", ""),
-                             error=d.get("error", ""))
+            return EngineRun(
+                ok=d["ok"],
+                token=d.get("token"),
+                prompt_logprobs=tuple(d.get("prompt_logprobs", [None])[1:]),
+                margin=d.get("margin"),
+                top=tuple(d.get("top", ())),
+                emulated=d.get("emulated", False),
+                stage=d.get("stage", ""),
+                error=d.get("error", ""),
+            )
     tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
     return EngineRun(ok=False, stage="crash", error=f"exit {proc.returncode}: {tail}"[:600])
 
@@ -100,9 +111,13 @@ def transformers_reference(model_dir) -> EngineRun:
         return EngineRun(ok=False, stage="transformers", error=f"{type(e).__name__}: {e}"[:300])
     logprobs = torch.log_softmax(logits.double(), dim=-1)
     top = torch.topk(logprobs[-1], 2)
-    return EngineRun(ok=True, token=int(top.indices[0]), top=tuple(int(i) for i in top.indices),
-                     margin=float(top.values[0] - top.values[1]),
-                     prompt_logprobs=tuple(float(logprobs[i, PROMPT_IDS[i + 1]]) for i in range(len(PROMPT_IDS) - 1)))
+    return EngineRun(
+        ok=True,
+        token=int(top.indices[0]),
+        top=tuple(int(i) for i in top.indices),
+        margin=float(top.values[0] - top.values[1]),
+        prompt_logprobs=tuple(float(logprobs[i, PROMPT_IDS[i + 1]]) for i in range(len(PROMPT_IDS) - 1)),
+    )
 
 
 # How far an FP8 conversion may move a teacher-forced log-prob, from the BF16 control's own error (its
@@ -111,7 +126,7 @@ def transformers_reference(model_dir) -> EngineRun:
 # in the W8A8 schemes, the activations as well: twice 16 times the control's error. A wrong load (a
 # misplaced expert, a scale on the wrong rows) moves log-probs by whole nats. The floor keeps the bound
 # meaningful where the control happens to match the reference almost exactly.
-FP8_OVER_BF16 = 2 * 2.0 ** 4
+FP8_OVER_BF16 = 2 * 2.0**4
 BOUND_FLOOR = 0.05
 
 
@@ -136,4 +151,3 @@ def agreement(control: EngineRun, run: EngineRun, bound: float) -> str | None:
     if gap > bound:
         return f"prompt log-probs {gap:.4f} from the control's (bound {bound:.4f})"
     return None
-

@@ -15,16 +15,33 @@ import zoo
 
 # Sizes set wherever the (text) config has the key.
 TEXT_SIZES = {
-    "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
-    "intermediate_size": 256, "intermediate_size_mlp": 256, "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128, "moe_shared_expert_intermediate_size": 128,
+    "hidden_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "intermediate_size": 256,
+    "intermediate_size_mlp": 256,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "moe_shared_expert_intermediate_size": 128,
     "shared_intermediate_size": 128,
     # DeepSeek MLA: vLLM's CPU MLA wants kv_lora_rank + qk_rope_head_dim = 576
-    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 256,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "q_lora_rank": 256,
     # gated DeltaNet
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
     # Mamba2 mixers: 2 heads of 128
-    "mamba_n_heads": 2, "mamba_d_head": 128, "mamba_num_heads": 2, "mamba_head_dim": 128, "mamba_d_ssm": 256,
+    "mamba_n_heads": 2,
+    "mamba_d_head": 128,
+    "mamba_num_heads": 2,
+    "mamba_head_dim": 128,
+    "mamba_d_ssm": 256,
     "attention_chunk_size": 128,
 }
 # What the DeepSeek configs derive from the MLA sizes at construction (head_dim is the rope part)
@@ -32,8 +49,13 @@ _MLA_DERIVED = {"head_dim": 64, "qk_head_dim": 192}
 # Families whose sizes live under other keys.
 EXTRA = {
     "gpt2": {"n_embd": 256, "n_head": 2, "n_inner": 256},
-    "dbrx": {"d_model": 256, "n_heads": 2, "attn_config.kv_n_heads": 1, "ffn_config.ffn_hidden_size": 128,
-             "ffn_config.hidden_size": 256},
+    "dbrx": {
+        "d_model": 256,
+        "n_heads": 2,
+        "attn_config.kv_n_heads": 1,
+        "ffn_config.ffn_hidden_size": 128,
+        "ffn_config.hidden_size": 256,
+    },
     "gemma2": {"query_pre_attn_scalar": 128},
     "gemma3": {"text_config.query_pre_attn_scalar": 128},
     "qwen2_5_vl": {"vision_config.out_hidden_size": 256},
@@ -50,7 +72,7 @@ EXTRA = {
     "minimax_m2": {"rotary_dim": 64, "scoring_func": "sigmoid"},
     "deepseek_v3": {"topk_method": "noaux_tc", **_MLA_DERIVED},
     "deepseek_v2": _MLA_DERIVED,
-    "granitemoehybrid": {"mamba_n_heads": 4},   # its config checks n_heads * d_head == 2 * hidden_size
+    "granitemoehybrid": {"mamba_n_heads": 4},  # its config checks n_heads * d_head == 2 * hidden_size
 }
 
 
@@ -67,9 +89,20 @@ def engine_overrides(arch: str) -> dict:
 
 # Keys every transformers sub-config writes, which released DBRX configs do not have in attn_config and
 # ffn_config, and vLLM's DbrxConfig refuses ("Found unknown kwargs").
-_SUBCONFIG_BOILERPLATE = ("_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "id2label",
-                          "label2id", "is_encoder_decoder", "model_type", "output_attentions",
-                          "output_hidden_states", "problem_type", "return_dict")
+_SUBCONFIG_BOILERPLATE = (
+    "_name_or_path",
+    "architectures",
+    "chunk_size_feed_forward",
+    "dtype",
+    "id2label",
+    "label2id",
+    "is_encoder_decoder",
+    "model_type",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+)
 
 
 def make_engine_model(arch: str, path, **overrides) -> Path:
@@ -88,5 +121,8 @@ def make_engine_model(arch: str, path, **overrides) -> Path:
 # the emulated GEMM without AMX). Per-tensor scales need `static_scaled_fp8_quant`, which the CPU
 # build lacks (vLLM calls it to requantize fused layers to one scale); MXFP8 has no CPU kernel.
 FORMATS = (("compressed-tensors", "channel"), ("compressed-tensors", "block"), ("fp8", "block"))
-FORMAT_IDS = {("compressed-tensors", "channel"): "ct-channel", ("compressed-tensors", "block"): "ct-block",
-              ("fp8", "block"): "fp8-block"}
+FORMAT_IDS = {
+    ("compressed-tensors", "channel"): "ct-channel",
+    ("compressed-tensors", "block"): "ct-block",
+    ("fp8", "block"): "fp8-block",
+}

@@ -27,16 +27,19 @@ CT_CHANNEL, CT_BLOCK, FP8_BLOCK = M.FORMATS
 # the CPU's block FP8 GEMM fails on layers with a bias (gpt-oss attention: "expected scalar type Float
 # but found BFloat16").
 CI_FAMILIES = {
-    "llama": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),          # dense
-    "granitemoe": (CT_BLOCK, FP8_BLOCK),                  # fused 3-D experts, split per expert
-    "gpt_oss": (CT_CHANNEL,),                             # experts kept BF16 and fused, attention with sinks
-    "qwen3_next": (CT_BLOCK, FP8_BLOCK),                  # gated DeltaNet + attention; MoE with a shared expert
-    "falcon": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),          # query_key_value regrouped per KV head by vLLM
+    "llama": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),  # dense
+    "granitemoe": (CT_BLOCK, FP8_BLOCK),  # fused 3-D experts, split per expert
+    "gpt_oss": (CT_CHANNEL,),  # experts kept BF16 and fused, attention with sinks
+    "qwen3_next": (CT_BLOCK, FP8_BLOCK),  # gated DeltaNet + attention; MoE with a shared expert
+    "falcon": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),  # query_key_value regrouped per KV head by vLLM
 }
 # No multimodal family: vLLM's multimodal model files import torchvision (through transformers' image
 # processors) even for text-only prompts, and PyPI's torchvision does not load with the CPU build of torch.
-CASES = [pytest.param(family, fmt, scheme, id=f"{family}-{M.FORMAT_IDS[(fmt, scheme)]}")
-         for family, formats in CI_FAMILIES.items() for fmt, scheme in formats]
+CASES = [
+    pytest.param(family, fmt, scheme, id=f"{family}-{M.FORMAT_IDS[(fmt, scheme)]}")
+    for family, formats in CI_FAMILIES.items()
+    for fmt, scheme in formats
+]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -80,8 +83,9 @@ def test_output_agrees_with_control(model_type, fmt, scheme, family, converted_f
     _, control, _, bound = family(model_type)
     if not control.ok or bound is None:
         pytest.fail("no control to compare with (test_bf16_control_runs_and_agrees_with_transformers says why)")
-    run = engine_runs.record(model_type, M.FORMAT_IDS[(fmt, scheme)],
-                             H.run_engine(converted_for_engine(model_type, fmt, scheme)))
+    run = engine_runs.record(
+        model_type, M.FORMAT_IDS[(fmt, scheme)], H.run_engine(converted_for_engine(model_type, fmt, scheme))
+    )
     why = H.agreement(control, run, bound)
     assert why is None, f"{model_type} {fmt} {scheme}" + (" (emulated GEMM)" if run.emulated else "") + f": {why}"
 
@@ -91,8 +95,11 @@ def test_emulated_block_kernels_agree_with_control(model_type, family, converted
     """The GEMM emulation used where the CPU has no AMX, forced on: it replaces something (the run
     says so) and agrees with the control like vLLM's own kernels. Covers the linear and the MoE one."""
     _, control, _, bound = family(model_type)
-    run = engine_runs.record(model_type, "fp8-block, emulation forced",
-                             H.run_engine(converted_for_engine(model_type, "fp8", "block"), emulate="always"))
+    run = engine_runs.record(
+        model_type,
+        "fp8-block, emulation forced",
+        H.run_engine(converted_for_engine(model_type, "fp8", "block"), emulate="always"),
+    )
     assert run.ok and run.emulated, run.describe()
     assert H.agreement(control, run, bound) is None, H.agreement(control, run, bound)
 
