@@ -27,12 +27,13 @@ COMBOS = [
     ("block", "compressed-tensors"),
     ("tensor", "fp8"),
     ("block", "fp8"),
+    ("mxfp8", "compressed-tensors"),
 ]
 
 
 def build_sources(work: Path, bench: bool) -> dict[str, Path]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import KINDS, make_model  # noqa: E402
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    from tiny_models import KINDS, make_model
 
     sources = {}
     for kind in KINDS:
