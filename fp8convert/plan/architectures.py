@@ -323,8 +323,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts [E*inter, hidden] stay BF16",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True (released
-        # [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
+        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True, whatever the
+        # shapes (released [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
+        # Where hidden == 2 * inter both fit: the released orientation, the one vLLM reads, is read.
         "Qwen3-VL-MoE",
         ("qwen3_vl_moe",),
         experts=Experts(
@@ -335,7 +336,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vllm_names=_QWEN_VL_VLLM,
         quantized=f"language model attention, {_MOE_ROUTED}",
         notes="fused experts ([E, hidden, 2*inter] as released, or [E, 2*inter, hidden] as transformers "
-        "saves them: told apart by the config's sizes) split per expert",
+        "saves them: told apart by the config's sizes, as released where both fit) split per expert",
     ),
     Architecture(
         # vllm/model_executor/models/gemma4.py: router.proj built without quant config; experts fused
