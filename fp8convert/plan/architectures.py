@@ -363,6 +363,23 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
     ),
     _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
+    Architecture(
+        # transformers conversion_mapping.py "mllama": the legacy names load under model.* (the vision
+        # tower at model.vision_model.*), which is how compressed-tensors matches the ignore list there.
+        # vLLM removed MllamaForConditionalGeneration in 0.10.2 (model_executor/models/registry.py).
+        "Mllama",
+        ("mllama",),
+        transformers_names=(
+            Rename(r"^language_model\.model\.", "model.language_model."),
+            Rename(r"^language_model\.lm_head$", "lm_head"),
+            Rename(r"^(vision_model|multi_modal_projector)\b", r"model.\1"),
+        ),
+        limits=(
+            Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM does not serve Mllama (removed in vLLM 0.10.2); transformers can"),
+        ),
+        quantized="language model linears, cross-attention included",
+        notes="vision tower and projector kept, listed also as transformers names them (`model.vision_model.*`)",
+    ),
     _multimodal("Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal("Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal(
