@@ -208,7 +208,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
         quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",
         notes="fused experts [E, hidden, 2*inter] (gate, up concatenated) split per expert and transposed to "
-        "[out, in]; transformers loads them under compressed-tensors only",
+        "[out, in]; transformers loads them under compressed-tensors only (in the fp8 format it leaves the "
+        "experts randomly initialised)",
     ),
     Architecture(
         # vllm/model_executor/models/gpt_oss.py: GptOssModel.load_weights sends fp8 and compressed-tensors
@@ -287,7 +288,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H] (gate|up, chunk(2)),
         # output_linear [E, H, I]; router.layer -> router. vllm/model_executor/models/granitemoe.py:
-        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted.
+        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted. transformers
+        # merges no per-expert weights of this family, and on CPU reads fused FP8 experts as their codes
+        # (the dequantize op matches only `.weight` names): no FP8 expert layout loads in both.
         "GraniteMoE",
         ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
@@ -299,7 +302,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
-        notes="fused experts [E, 2*inter, hidden] split per expert",
+        notes="fused experts [E, 2*inter, hidden] split per expert, as vLLM loads them; transformers loads "
+        "that with the experts randomly initialised",
     ),
     Architecture(
         # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors with [E]

@@ -45,3 +45,25 @@ def test_mllama_vision_tower_loads_in_transformers_as_written(scheme, zoo_source
     assert cos.item() >= 0.99
     plan = fp8convert_module().make_plan(str(zoo_source("mllama")), scheme=scheme)
     assert Caveat.VLLM_CANNOT_LOAD in {w.caveat for w in compatibility_warnings(plan)}
+
+
+@pytest.mark.parametrize(
+    "arch,fmt,scheme", [("granitemoe", "compressed-tensors", "tensor"), ("llama4", "fp8", "block")]
+)
+def test_split_experts_transformers_leaves_initialised_are_named_everywhere(arch, fmt, scheme, zoo_source, tmp_path):
+    """transformers has no rule merging these families' per-expert weights (Llama-4's only under
+    compressed-tensors): it loads the output without an error, its fused experts randomly initialised. The
+    plan, `inspect`, the quantize report and the model card all say so; the layout is vLLM's."""
+    from fp8convert.plan.caveats import Caveat
+    from fp8convert.plan.summary import compatibility_warnings, describe, render
+
+    out = tmp_path / "out"
+    report = run_quantize(zoo_source(arch), out, format=fmt, scheme=scheme)
+    _, info = zoo.load(out, output_loading_info=True)
+    assert any(k.endswith("experts.gate_up_proj") for k in info["missing_keys"]), info["missing_keys"]
+    plan = fp8convert_module().make_plan(str(zoo_source(arch)), format=fmt, scheme=scheme)
+    cannot = [w.text for w in compatibility_warnings(plan) if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD]
+    assert cannot and "without an error but with the experts randomly initialised" in cannot[0]
+    assert f"transformers: no: {cannot[0]}" in render(describe(plan, 1 << 30, "cpu"))
+    assert cannot[0] in report.warnings
+    assert f"Not loadable in transformers: {cannot[0]}" in (out / "README.md").read_text()
