@@ -66,8 +66,11 @@ class WorkerSpec:
 SINGLE = WorkerSpec()
 
 
-def _int(env, name: str) -> int:
+def _int(env, name: str, default: int | None = None) -> int | None:
+    """$name as an integer; `default` where it is unset or empty."""
     value = env.get(name, "")
+    if not value:
+        return default
     try:
         return int(value)
     except ValueError:
@@ -116,29 +119,21 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     and a Kubernetes indexed Job (JOB_COMPLETION_INDEX of JOB_COMPLETIONS)."""
     env = os.environ if env is None else env
     if all(env.get(v) for v in TORCHRUN_VARS):
-        local = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else None
-        per_node = _int(env, "LOCAL_WORLD_SIZE") if env.get("LOCAL_WORLD_SIZE") else None
+        local, per_node = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
         return _checked(
             _int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node
         )
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    if env.get("SLURM_PROCID") and env.get(tasks_var) and _int(env, tasks_var) > 1:
-        local = _int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else None
-        return _checked(
-            _int(env, "SLURM_PROCID"),
-            _int(env, tasks_var),
-            "slurm",
-            f"srun ($SLURM_PROCID/${tasks_var})",
-            local,
-            tasks_per_node(env),
-        )
+    if env.get("SLURM_PROCID") and _int(env, tasks_var, 0) > 1:
+        where = f"srun ($SLURM_PROCID/${tasks_var})"
+        local, procid, tasks = _int(env, "SLURM_LOCALID"), _int(env, "SLURM_PROCID"), _int(env, tasks_var)
+        return _checked(procid, tasks, "slurm", where, local, tasks_per_node(env))
     if not opt_in:
         return None
     if env.get("SLURM_ARRAY_TASK_ID"):
         if not env.get("SLURM_ARRAY_TASK_COUNT"):
             raise FP8ConvertError("Slurm array: $SLURM_ARRAY_TASK_COUNT is not set; pass --worker K/N")
-        step = _int(env, "SLURM_ARRAY_TASK_STEP") if env.get("SLURM_ARRAY_TASK_STEP") else 1
-        first = _int(env, "SLURM_ARRAY_TASK_MIN") if env.get("SLURM_ARRAY_TASK_MIN") else 0
+        step, first = _int(env, "SLURM_ARRAY_TASK_STEP", 1), _int(env, "SLURM_ARRAY_TASK_MIN", 0)
         offset = _int(env, "SLURM_ARRAY_TASK_ID") - first
         if step < 1 or offset % step:
             raise FP8ConvertError(
