@@ -1,6 +1,5 @@
-"""The output's structure, from headers and files alone (no tensor data, no torch): the index against
-the shards' headers, config.json against the source's, the manifest and side files, and the outputs the
-source implies."""
+"""The output's files, from headers alone (no tensor data, no torch): the index against the shards'
+headers, config.json against the source's, the manifest and side files."""
 
 from __future__ import annotations
 
@@ -11,9 +10,6 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats import QuantizationConfig, read_quantization_config
 from ..output.manifest import Manifest
-from ..plan.architectures import Architecture
-from ..plan.cuts import Cut
-from ..plan.rules import UnsupportedLayout, expert_cuts
 from ..safetensors_io import INDEX_NAME, TensorInfo, read_header
 from ..source.checkpoint import Source, index_files, parse_index
 from .report import VerifyReport
@@ -127,42 +123,3 @@ def check_manifest_and_side_files(source: Source, out: Path, report: VerifyRepor
         copied = out / name
         if not copied.is_file() or copied.read_bytes() != (source.root / name).read_bytes():
             report.warnings.append(f"{copied}: missing or different from the source's {name}")
-
-
-@dataclass
-class Expected:
-    """An output tensor the source implies: all of a source tensor, or a cut of a fused expert tensor."""
-
-    name: str
-    info: TensorInfo
-    cut: Cut | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.cut.shape(self.info.shape) if self.cut else self.info.shape
-
-    @property
-    def where(self) -> str:
-        return self.cut.describe(self.info.name) if self.cut else self.info.name
-
-
-def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: VerifyReport) -> list[Expected]:
-    """Every output the source implies. A fused expert tensor the output does not hold as it is must
-    be there one 2-D weight per expert, cut as the registry's layout says. An FP8 source's scales are
-    checked with their weights."""
-    expected = []
-    companions = source.quant.companions() if source.quant else set()
-    for info in source.tensors:
-        if info.name in companions:
-            continue
-        fused = arch.expert_tensor(info.name)
-        if fused is None or info.name in outputs:
-            expected.append(Expected(info.name, info))
-            continue
-        try:
-            expected += [
-                Expected(name, info, cut) for name, cut in expert_cuts(info, fused[0], fused[1], arch, source.config)
-            ]
-        except UnsupportedLayout as e:
-            report.fail_with(e)
-    return expected
