@@ -21,7 +21,6 @@ codes' bits, the same float32 values in float64. Elsewhere the tile is measured 
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 
 import torch
@@ -54,8 +53,8 @@ def compare_kept(source, output, origin: str = "the source") -> str | None:
 
 
 def exact_sums(w, q, s) -> ErrorSums:
-    """The figures of one piece, element by element. `w` the source rows, `q` their codes, `s` the
-    scale broadcastable to them (float32)."""
+    """The figures of source rows `w` and their codes `q`, element by element (`s`: the float32 scale,
+    broadcastable to them)."""
     w = w.float()
     dq = q.float() * s  # float32(q) * scale, as run.numerics.dequantize
     e2 = float((w.double() - dq.double()).square().sum())
@@ -122,24 +121,21 @@ def fast_sums(w, q, s, scratch: list | None = None) -> ErrorSums | None:
     return ErrorSums(w2, e2, bound2 * 2.0**-8, 0)
 
 
+# The C library's memcmp (among the process's own symbols): on a CPU several times faster than
+# torch.equal, which builds an elementwise comparison.
+memcmp = ctypes.CDLL(None).memcmp
+memcmp.restype, memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
 def same_bytes(a, b) -> bool:
-    """Two uint8 tensors of one length hold the same bytes. On a CPU that is the C library's memcmp:
-    several times faster than torch.equal, which builds an elementwise comparison."""
+    """Two uint8 tensors of one length hold the same bytes."""
     if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
         return torch.equal(a, b)
-    return memcmp()(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+    return memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
 
 
 def identical(a, b) -> bool:
     return same_bytes(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-@functools.cache
-def memcmp():
-    function = ctypes.CDLL(None).memcmp  # the process's own symbols: the C library is among them
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return function
 
 
 def tile_scale(scale, r0: int, r1: int, scheme: str):
@@ -159,10 +155,9 @@ def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
 
 
 def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
-    """The figures of rows r0.. of a tensor (`w` source rows, `q` their codes, `scale` the tensor's
-    whole scale as float32 values), a tile at a time on a CPU (tiles that stay in the caches; block
-    tiles start on block rows), in one piece on a GPU. `powers`: the scales are powers of two (MXFP8,
-    UE8M0 blocks), checked exactly as well."""
+    """The figures of rows r0.. of a tensor (`scale`: the tensor's whole scale as float32 values), a tile
+    at a time on a CPU (tiles stay in the caches; block tiles start on block rows), in one piece on a GPU.
+    `powers`: the scales are powers of two (MXFP8, UE8M0 blocks), checked exactly as well."""
     rows, cols = w.shape
     step = rows if w.device.type != "cpu" else max(1, TILE_ELEMENTS // max(cols, 1))
     if scheme == "block":
@@ -193,9 +188,8 @@ OVERSIZE = 2.0
 
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
-    """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the tensor scheme's
-    largest |w|) for one slab with float scales. The tensor scheme's scale may be a fused group's, so its
-    comparison waits for every member (check_tensor_scales)."""
+    """(channel or block scales over OVERSIZE x amax / 448 of theirs, the tensor scheme's largest |w|):
+    the tensor scheme's scale may be a fused group's, so it waits for every member (check_tensor_scales)."""
     if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
         if not w.numel():
             return 0, 0.0
@@ -211,14 +205,13 @@ def oversized(scale, amax):
 
 
 def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
-    """(scales off the rule, codes off RNE) for one slab of rows with power-of-two scales: MXFP8 exponents
-    ([rows, in/32]) or UE8M0 block scales (block rows of the slab). `w`: float32 source rows; `q`: their
-    codes; `s`: float32 scale values. `codes` False: the codes are known to be RNE(w / scale) already.
+    """(scales off the rule, codes off RNE) for one slab with power-of-two scales (MXFP8 exponents, or UE8M0
+    block scales of the slab's block rows). `codes` False: the codes are known to be RNE(w / scale).
 
-    The rule is written as a property, independently of how the quantizer computes it: s = 2^e must
-    satisfy A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), where A is the
-    group's amax, or the block's amax floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its
-    lowest byte (2^-127) only needs the first. Both products are exact in float32."""
+    The rule as a property, independent of how the quantizer computes it: s = 2^e must satisfy
+    A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), A the group's amax or the
+    block's floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its lowest byte (2^-127) only needs
+    the first. Both products are exact in float32."""
     a = amax(w, scheme)
     if scheme != "mxfp8":
         a = torch.maximum(a, torch.full_like(a, UE8M0_MIN_AMAX))

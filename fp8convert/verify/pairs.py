@@ -91,6 +91,37 @@ class QuantizedPair:
     same_codes: bool = True  # every slab's codes are the source's
     source_scale_ok: bool = True
 
+    @property
+    def passed_through(self) -> bool:
+        """An FP8 source's codes and scale, unchanged: exact, and not measured."""
+        return self.may_pass and self.first.same_scale and self.same_codes
+
+    def problem(self, fmt: QuantizationConfig) -> tuple[str, str] | None:
+        """What fails once every slab is in, as (subject, what); None: its figures decide."""
+        name, scale_name, first = self.name, self.scale_name, self.first
+        not_finite = f"scale {scale_name} is not finite and positive everywhere"
+        if self.passed_through:
+            shapes = fmt.scale_shapes(self.codes.shape)
+            if self.scale.shape not in shapes:
+                return name, f"scale {scale_name} shaped {list(self.scale.shape)}, expected {shapes_text(shapes)}"
+            if not first.scale_ok:
+                return name, not_finite
+            if fmt.scale_format == "ue8m0" and not first.scale_pow2:
+                return name, (
+                    f"scale {scale_name} passed through from the source is not a power of two "
+                    "everywhere, but the config says scale_fmt ue8m0"
+                )
+            if fmt.ignores(module_of(name)):
+                return name, f"passed through in FP8, but the ignore list names {module_of(name)}"
+            return None
+        if self.fp8 and self.scale.dtype != fmt.scale_dtype():
+            return name, not_requantized(scale_name, self.scale.dtype, fmt)
+        if not self.source_scale_ok:
+            return self.fp8.scale.name, SOURCE_SCALE_NOT_FINITE
+        if self.requantized_problems:
+            return name, "; ".join(self.requantized_problems)
+        return None if first.scale_ok else (name, not_finite)
+
     def pieces(self) -> list[Piece]:
         if self.cut is not None:
             return cut_read(self.source, self.cut, [self.codes, self.scale])

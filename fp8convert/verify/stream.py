@@ -16,7 +16,7 @@ import torch
 from ..formats import QuantizationConfig
 from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.cuts import Cut
-from ..plan.rules import fused_group_key, module_of
+from ..plan.rules import fused_group_key
 from ..run.cores import usable_cores
 from ..run.device import budget_for, resolve_device
 from ..run.numerics import FP8_MAX, powers_of_two
@@ -27,16 +27,7 @@ from ..run.verify_stream import Read, verify_stream
 from ..source.checkpoint import Source
 from ..units import plural
 from .numbers import compare_kept, identical, measure_slab, oversized, same_bytes, scale_values, source_values
-from .pairs import (
-    SOURCE_SCALE_NOT_FINITE,
-    DequantizedPair,
-    KeptPair,
-    QuantizedPair,
-    SameBytesPair,
-    SlabResult,
-    not_requantized,
-    shapes_text,
-)
+from .pairs import SOURCE_SCALE_NOT_FINITE, DequantizedPair, KeptPair, QuantizedPair, SameBytesPair, SlabResult
 from .report import TensorCheck, VerifyReport
 
 
@@ -224,40 +215,19 @@ def record_quantized(pair: QuantizedPair, r0: int, last: bool, result: SlabResul
         pair.sums.add(result.sums)
     if not last:
         return
-    fmt, report, name, scale_name, first = checks.fmt, checks.report, pair.name, pair.scale_name, pair.first
-    not_finite = f"scale {scale_name} is not finite and positive everywhere"
-    if pair.may_pass and first.same_scale and pair.same_codes:  # passed through
-        shapes = fmt.scale_shapes(pair.codes.shape)
-        if pair.scale.shape not in shapes:
-            report.fail(name, f"scale {scale_name} shaped {list(pair.scale.shape)}, expected {shapes_text(shapes)}")
-        elif not first.scale_ok:
-            report.fail(name, not_finite)
-        elif fmt.scale_format == "ue8m0" and not first.scale_pow2:
-            report.fail(
-                name,
-                f"scale {scale_name} passed through from the source is not a power of two "
-                "everywhere, but the config says scale_fmt ue8m0",
-            )
-        elif fmt.ignores(module_of(name)):
-            report.fail(name, f"passed through in FP8, but the ignore list names {module_of(name)}")
-        else:
-            shape, scale_shape = list(pair.codes.shape), list(pair.scale.shape)
-            report.tensors.append(TensorCheck(name, shape, scale_shape, 0.0, math.inf, 0.0, 0, True))
-            add_group_scale(pair, checks, measured=False)
-    elif pair.fp8 and pair.scale.dtype != fmt.scale_dtype():
-        report.fail(name, not_requantized(scale_name, pair.scale.dtype, fmt))
-    elif not pair.source_scale_ok:
-        report.fail(pair.fp8.scale.name, SOURCE_SCALE_NOT_FINITE)
-    elif pair.requantized_problems:
-        report.fail(name, "; ".join(pair.requantized_problems))
-    elif not first.scale_ok:
-        report.fail(name, not_finite)
+    report = checks.report
+    if problem := pair.problem(checks.fmt):
+        report.fail(*problem)
+    elif pair.passed_through:
+        shape, scale_shape = list(pair.codes.shape), list(pair.scale.shape)
+        report.tensors.append(TensorCheck(pair.name, shape, scale_shape, 0.0, math.inf, 0.0, 0, True))
+        add_group_scale(pair, checks, measured=False)
     else:
         add_group_scale(pair, checks, measured=True)
-        check = pair.sums.check(name, pair.codes.shape, pair.scale.shape)
+        check = pair.sums.check(pair.name, pair.codes.shape, pair.scale.shape)
         report.tensors.append(check)
         if not check.ok:
-            report.fail(name, check.problem(checks.scheme))
+            report.fail(pair.name, check.problem(checks.scheme))
 
 
 def add_group_scale(pair: QuantizedPair, checks: Checks, measured: bool) -> None:
