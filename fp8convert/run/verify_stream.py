@@ -46,9 +46,9 @@ class Read:
 def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
     """Consecutive reads, at most `budget` bytes a batch (a larger read is a batch of its own)."""
     groups: list[list[Read]] = []
-    used = budget
+    used = 0
     for read in reads:
-        if used + read.nbytes > budget:
+        if not groups or used + read.nbytes > budget:
             groups.append([])
             used = 0
         groups[-1].append(read)
@@ -83,23 +83,15 @@ def verify_stream(
     groups = group_reads(reads, max(1, budget // 2))
     roots = (source_root, out_root)
     side_pieces = [[pieces(group, side) for group in groups] for side in ("source", "output")]
-    readers = [BatchReader(root, device, threads=io_threads(device.type)[0]) for root in roots]
-    prefetchers = []
-    if prefetch:
+    with contextlib.ExitStack() as stack:  # leaving it stops the prefetchers, then waits for the reads in flight
+        readers = [stack.enter_context(BatchReader(root, device, threads=io_threads(device.type)[0])) for root in roots]
         window = max(1, prefetch // 2)
         prefetchers = [
-            Prefetcher(root, [t for batch in batches for t in batch], window, threads=default_threads())
+            stack.enter_context(Prefetcher(root, [t for b in batches for t in b], window, threads=default_threads()))
             for root, batches in zip(roots, side_pieces)
+            if prefetch
         ]
-    try:
-        for p in prefetchers:
-            p.start()
         yield _batches(groups, side_pieces, readers, prefetchers, device, progress)
-    finally:
-        for p in prefetchers:
-            p.stop()
-        for reader in readers:
-            reader.close()  # waits for the reads in flight
 
 
 def _batches(groups, side_pieces, readers, prefetchers, device, progress) -> Iterator[Batch]:

@@ -24,9 +24,8 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..options import AUTO, Settings, python_spelling
 from ..source.resolve import open_source
-from .pairs import pair_tensors
 from .report import VerifyFailed, VerifyReport, record_in_card, render
-from .structure import check_config, check_manifest_and_side_files
+from .structure import check_config, check_manifest_and_side_files, pair_tensors
 
 __all__ = ["VerifyFailed", "VerifyReport", "record_in_card", "render", "verify"]
 
