@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..options import HubAccess
 from .checkpoint import Source
 from .hub import RemoteRepo, remote_layout, resolve_repo, source_from_repo
 from .hub_calls import hub_error
@@ -191,10 +192,6 @@ class StreamingFetcher:
         """Disk the streamed shards may need at once (the `keep` largest)."""
         return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.shards), reverse=True)[: self.keep])
 
-    def present(self) -> list[str]:
-        with self._cond:
-            return [f for f in self.shards if self.state[f] == self.PRESENT]
-
     # -- background thread
 
     def _live(self) -> int:
@@ -255,23 +252,15 @@ class StreamingFetcher:
 
 
 def streaming_source(
-    repo_id: str,
-    download_dir: str | Path,
-    revision: str | None = None,
-    token: str | None = None,
-    keep: int = 2,
-    cache_dir: str | None = None,
+    repo_id: str, download_dir: Path, hub: HubAccess, keep: int = 2
 ) -> tuple[Source, StreamingFetcher]:
     """The remote Source rooted at `download_dir` (in OUT's work folder), and the fetcher that fills it.
-
     Nothing is written until `fetcher.start(order)`, which must come after the output directory is
     prepared (prepare_output may clear OUT)."""
-    repo = resolve_repo(repo_id, revision, token, cache_dir)  # the small files go to the cache
+    repo = resolve_repo(repo_id, hub)  # the small files go to the cache
     layout = remote_layout(repo)
-    download_dir = Path(download_dir)
-    source = source_from_repo(repo, layout, download_dir)
     side = layout.side_files + ([layout.card] if layout.card else [])
-    return source, StreamingFetcher(repo, download_dir, layout.shards, side, keep=keep)
+    return source_from_repo(repo, layout, download_dir), StreamingFetcher(repo, download_dir, layout.shards, side, keep)
 
 
 def need_order(batches) -> list[str]:
