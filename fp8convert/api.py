@@ -22,22 +22,22 @@ from pathlib import Path
 
 from .cluster import devices as device_split
 from .cluster import workers
-from .errors import FP8ConvertError, PlanMismatchError, UsageError
-from .options import HubAccess, Options, Settings, python_spelling
+from .errors import FP8ConvertError, UsageError
+from .options import HubAccess, Settings, python_spelling
 from .output.finalize import check_shards, finalize, prepare_output
 from .output.lock import OutputLock
-from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest, plan_change, source_change
-from .output.ownership import replace_advice
+from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest
 from .output.partial import written_bytes, written_units
+from .output.recorded import recorded_plan
 from .plan.build import build_plan
-from .plan.plan import Action, Plan, Unit, unique_inputs
+from .plan.plan import Action, Plan, unique_inputs
 from .plan.summary import plan_warnings, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
 from .run.writer import ShardWriter
 from .source.hub import fetch_from_hub
-from .source.resolve import looks_like_repo_id, plan_source, recorded_source, run_source
+from .source.resolve import looks_like_repo_id, plan_source, run_source
 from .source.streaming import need_order
 from .units import format_size
 
@@ -319,8 +319,8 @@ def _quantize_here(
     }
     check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
     Manifest(out_dir).claim(the_plan, settings.base_model)
-    units = units_for(the_plan, todo, written)
-    report.units = len(units_for(the_plan, todo))
+    units = the_plan.units_in(todo, written)
+    report.units = len(the_plan.units_in(todo))
     report.units_resumed = report.units - len(units)
     label = the_plan.source.label + (f" [worker {spec.text}]" if spec.count > 1 else "")
     if report.units_resumed:
@@ -373,7 +373,7 @@ def _quantize_here(
             fetcher,
             bar,
             read_threads=settings.read_threads,
-            on_read=prefetcher.advance if prefetcher else _ignore,
+            on_read=prefetcher.advance if prefetcher else lambda nbytes: None,
             started=started,
         )
         warmup.record_pages()
@@ -381,10 +381,6 @@ def _quantize_here(
         report.peak_device_bytes, report.shards_written = result.peak_device_bytes, len(todo)
         if settings.finalize:  # before the fetcher leaves: a streamed source's side files are in its folder
             report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
-
-
-def _ignore(nbytes: int) -> None:
-    pass
 
 
 def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1) -> Prefetcher | None:
@@ -396,24 +392,6 @@ def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1)
     return Prefetcher(
         root, tensors, window_for(settings.prefetch, workers), threads=settings.prefetch_threads or default_threads()
     )
-
-
-def units_for(the_plan: Plan, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
-    """The plan's units cut down to the tensors whose outputs land in `shards`, but in a shard where
-    `written` says the unit is written already. All outputs of an atom (fused group or single tensor)
-    share one shard, so atoms are never split and, across workers that own disjoint shards, no tensor is
-    read twice."""
-    written = written or {}
-    units = []
-    for ui, unit in enumerate(the_plan.units):
-        kept = [
-            t
-            for t in unit.tensors
-            if (shard := the_plan.shard_of[t.name]) in shards and ui not in written.get(shard, ())
-        ]
-        if kept:
-            units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
-    return units
 
 
 def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0, written: int = 0) -> None:
@@ -437,32 +415,7 @@ def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str
     Idempotent: finalizing a complete output rewrites the same bytes."""
     started = time.monotonic()
     out_dir = Path(out)
-    if not out_dir.is_dir():
-        raise FP8ConvertError(f"{out_dir}: no such output directory")
-    manifest = Manifest(out_dir)
-    state = manifest.read()
-    if state is None:
-        raise FP8ConvertError(f"{out_dir}: no {WORK_DIR}/manifest.json, so no fp8convert worker started here")
-    lacking = [k for k in ("fingerprint", "source", "scheme", "format", "ignore", "max_shard_size") if k not in state]
-    if lacking:
-        raise FP8ConvertError(
-            f"{manifest.path}: does not record {lacking[0]} (written by an older fp8convert); "
-            "rerun the quantize command to finish the output"
-        )
-    the_plan = build_plan(
-        recorded_source(state, HubAccess(token=token, cache_dir=cache_dir)), Options.from_record(state)
-    )
-    if the_plan.fingerprint != state["fingerprint"]:
-        raise PlanMismatchError(
-            f"{out_dir}: the source no longer gives the plan the workers used "
-            f"({plan_change(state, the_plan)}); " + replace_advice(out_dir, "rerun the conversion with --overwrite")
-        )
-    changed = source_change(state, the_plan.source)
-    if changed:
-        raise PlanMismatchError(
-            f"{out_dir}: the source changed since the workers read it ({changed}); "
-            + replace_advice(out_dir, "rerun the conversion with --overwrite")
-        )
+    the_plan = recorded_plan(out_dir, HubAccess(token=token, cache_dir=cache_dir))
     with OutputLock(out_dir) as lock:
         lock.acquire()  # refused while a worker still writes here
         check_shards(the_plan, out_dir)

@@ -24,16 +24,7 @@ from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
-from .checkpoint import (
-    Source,
-    collect_tensors,
-    index_files,
-    is_copied_file,
-    load_config,
-    parse_index,
-    refuse_missing_numbered,
-    refuse_pickle_only,
-)
+from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
 from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
 from .local import open_local
 
@@ -149,15 +140,9 @@ def remote_layout(repo: RemoteRepo) -> RemoteLayout:
     index_map = None
     if INDEX_NAME in repo.sizes:
         index_map = parse_index(repo.download(INDEX_NAME).read_bytes(), f"{where}: {INDEX_NAME}")
-        shards = index_files(index_map)
-        missing = [s for s in shards if s not in repo.sizes]
-        if missing:
-            raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
-    else:
-        shards = sorted(n for n in repo.sizes if n.endswith(".safetensors") and "/" not in n)
-        refuse_missing_numbered(shards, where)
-    if not shards:
-        refuse_pickle_only(list(repo.sizes), where)
+    shards = shard_files(list(repo.sizes), index_map, where)
+    if missing := [s for s in shards if s not in repo.sizes]:
+        raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
     side = sorted(n for n in repo.sizes if is_copied_file(n))
     return RemoteLayout(shards, index_map, side, CARD_NAME if CARD_NAME in repo.sizes else None)
 

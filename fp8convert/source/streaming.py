@@ -48,18 +48,16 @@ class StreamingFetcher:
     """Source shards on demand for `--stream-download`: at most `keep` of them on disk at once.
 
     A background thread downloads shards (into `download_dir`, not the shared cache) in the order the
-    pipeline will need them. The pipeline calls `need(files)` before reading a batch (blocks until
-    those files are on disk; raises FP8ConvertError if a download failed) and `release(files)` once
-    every batch that reads them has been written (deletes them, freeing a slot). In between, the
-    pipeline calls `done_reading(files)` once no later batch reads them: their slots free up as soon
-    as the batches in flight are written, so a blocked `need` waits for that. Only when no slot is
-    about to free (every shard on disk is still to be read again, or one batch spans more than `keep`
-    shards) does a blocked `need` go over `keep`, since waiting then would never end.
+    pipeline will need them. The pipeline calls `need(files)` before reading a batch (blocks until they
+    are on disk; raises a download's failure), `done_reading(files)` once no later batch reads them (their
+    slots free up as soon as the batches in flight are written, so a blocked `need` waits for that) and
+    `release(files)` once every batch reading them is written (deletes them). Only when no slot is about
+    to free (every shard on disk is still to be read again, or one batch spans more than `keep` shards)
+    does a blocked `need` go over `keep`, since waiting then would never end.
 
-    Lifecycle: `start(order)` after the output directory is prepared (it downloads the small side
-    files synchronously, then starts the thread), `need`/`release` during the run, `close(remove=True)`
-    after finalize (deletes the download directory), `close()` on failure (keeps finished files: a
-    rerun re-uses them and resumes a partial one).
+    `start(order)` comes after the output directory is prepared (it downloads the small side files, then
+    starts the thread). Leaving the context after a finished run deletes the download directory; after a
+    failure the finished files stay for the rerun, which also resumes a partial one.
     """
 
     PENDING, DOWNLOADING, PRESENT, RELEASED, FAILED = "pending", "downloading", "present", "released", "failed"
@@ -91,8 +89,6 @@ class StreamingFetcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """After a finished run the download directory goes; after a failure the finished files stay,
-        for the rerun."""
         self.close(remove=exc_type is None)
 
     def start(self, order: list[str] | None = None) -> None:
@@ -265,9 +261,4 @@ def streaming_source(
 
 def need_order(batches) -> list[str]:
     """Shards in the order a list of batches (anything with `.tensors` of TensorPlan) first reads them."""
-    order: dict[str, None] = {}
-    for batch in batches:
-        for t in batch.tensors:
-            for info in t.inputs:
-                order.setdefault(info.file, None)
-    return list(order)
+    return list(dict.fromkeys(info.file for batch in batches for t in batch.tensors for info in t.inputs))
