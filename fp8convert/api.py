@@ -5,10 +5,9 @@
     report = fp8convert.quantize(src, out, Settings(device="cuda:1"), max_shard_size="2GB")
     report = fp8convert.dequantize("./DeepSeek-V3", "./DeepSeek-V3-BF16", dtype="bf16")   # FP8 in, BF16 out
 
-Options are fields of `Settings`, given as one object, as keywords, or both (keywords win).
-
-torch is imported only once the plan is made and the prefetcher is reading: importing it takes
-seconds, which the disk spends better reading the checkpoint.
+Options are fields of `Settings`, given as one object, as keywords, or both (keywords win). torch is
+imported only once the plan is made and the prefetcher is reading: importing it takes seconds, which the
+disk spends better reading the checkpoint.
 """
 
 from __future__ import annotations
@@ -294,7 +293,7 @@ def _quantize_on_devices(
     report.shards_written = sum(r.shards_written for r in reports)
     report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)
     peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
-    report.peak_device_bytes = max(peaks) if peaks else None
+    report.peak_device_bytes = max(peaks, default=None)
     report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
     if settings.finalize:
         report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
@@ -328,14 +327,11 @@ def _quantize_here(
             f"{label}: resumed: {report.units_resumed} of {report.units} units already written", settings.progress
         )
     if spec.count > 1:
+        hint = " (more workers than shards: a smaller --max-shard-size gives more shards)"
         workers.log(
             f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
             f"{len(the_plan.shards)} shards to write, {len(done)} already done"
-            + (
-                ""
-                if spec.count <= len(the_plan.shards)
-                else " (more workers than shards: a smaller --max-shard-size gives more shards)"
-            ),
+            + (hint if spec.count > len(the_plan.shards) else ""),
             settings.progress,
         )
         # a Hub source planned from its headers: this worker downloads the shards it reads

@@ -1,8 +1,9 @@
 """What the user asked for, validated once, before anything is read.
 
-`Options` is what decides the output bytes (the plan's inputs besides the checkpoint); `Settings` is the
-whole request of a conversion: those options plus where and how to run it. Both are plain frozen
-dataclasses, so a run can be handed to another process whole (`--devices`) and nothing is forgotten.
+`Options` is what decides the output bytes (the plan's inputs besides the checkpoint); `Settings`, the
+whole request of a conversion, extends them with where and how to run it, and `HubAccess` is how a Hub
+source is reached. All are plain frozen dataclasses, so a run can be handed to another process whole
+(`--devices`) and nothing is forgotten.
 """
 
 from __future__ import annotations
@@ -153,13 +154,14 @@ class Options:
                 raise UsageError(f"--ignore {pattern!r}: bad regular expression ({problem})")
 
     def record(self) -> dict:
-        """The options as the manifest stores them (JSON: tuples as lists)."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(Options)}
+        """The options as the manifest stores them: by field name, tuples as JSON lists."""
+        values = {f.name: getattr(self, f.name) for f in fields(Options)}
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
 
     @classmethod
     def from_record(cls, state: dict) -> Options:
-        """The options a manifest records; a key it lacks (or holds as null) takes the default."""
-        return cls(**{f.name: state[f.name] for f in fields(Options) if state.get(f.name) is not None})
+        """The options a manifest records; a key it lacks, or holds null or empty, takes the default."""
+        return cls(**{f.name: state[f.name] for f in fields(Options) if state.get(f.name) not in (None, "", [])})
 
 
 def did_you_mean(text: str, names) -> str:
