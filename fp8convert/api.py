@@ -140,9 +140,8 @@ def quantize(
     # the page cache in file order: the first layers, which the pipeline reads first, are in the first
     # file. Only for one worker (each of several reads its share) and a fresh OUT (a resumed one may
     # have its first shards done, or be refused).
-    head = (
-        None if spec.count > 1 or devices or not _fresh(out_dir) else _prefetcher(source.root, source.tensors, settings)
-    )
+    alone_on_fresh_out = spec.count == 1 and not devices and _fresh(out_dir)
+    head = _prefetcher(source.root, source.tensors, settings) if alone_on_fresh_out else None
     # The head start's reads are joined on leaving, refused or not: a thread still reading as the
     # interpreter exits fails there with a traceback of its own.
     with (

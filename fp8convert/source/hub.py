@@ -1,15 +1,10 @@
-"""A source on the Hugging Face Hub.
-
-A repo id resolves to one commit, then either
-  * `remote_source`: a Source built from the shards' safetensors headers read with HTTP Range requests
+"""A source on the Hugging Face Hub. A repo id resolves to one commit, then either
+  * `remote_source`: a Source from the shards' safetensors headers, read with HTTP Range requests
     (planning and `inspect` download no weights), or
   * `download_source`: just the files a conversion needs, into the shared huggingface_hub cache
-    (resumable: a rerun re-uses every finished file and resumes a partial one), or
-  * `streaming.streaming_source`: the remote Source plus a fetcher that keeps only a few shards on
-    disk at a time, for models larger than the free disk.
-
-Every request goes through hub_calls.with_retries (timeouts, bounded retries) and every failure becomes
-one FP8ConvertError line that names the repo (hub_calls.hub_error).
+    (a rerun re-uses every finished file and resumes a partial one), or
+  * `streaming.streaming_source`: the remote Source and a fetcher that keeps a few shards on disk.
+Every request goes through hub_calls (timeouts, bounded retries, one error line naming the repo).
 """
 
 from __future__ import annotations
