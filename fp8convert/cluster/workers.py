@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError, UsageError
+from ..output.finalize import finalize, finished_shards
 from ..output.manifest import WORK_DIR
+from ..plan.plan import Plan
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
@@ -264,3 +266,34 @@ def release_finalize(out_dir: Path, fd: int | None) -> None:
 
 def _claim_path(out_dir: Path) -> Path:
     return Path(out_dir) / WORK_DIR / CLAIM
+
+
+def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) -> bool:
+    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after
+    every rank's shards are written, or as the worker that finds every shard present and takes the
+    claim. Returns whether OUT is complete."""
+    if spec.count > 1 and spec.launcher == "torchrun":
+        log(f"worker {spec.text}: shards written; waiting for the other ranks", progress)
+        barrier()
+        if spec.index != 0:
+            return False
+    elif spec.count > 1:
+        present = finished_shards(plan, out_dir)
+        if len(present) < len(plan.shards):
+            log(
+                f"worker {spec.text}: shards written; {len(present)} of {len(plan.shards)} shards present. "
+                f"The last worker to finish finalizes, or run: fp8convert finalize {out_dir}",
+                progress,
+            )
+            return False
+        claim = claim_finalize(out_dir)
+        if claim is None:
+            log(f"worker {spec.text}: every shard present; another worker is finalizing {out_dir}", progress)
+            return False
+        try:
+            finalize(plan, out_dir)
+        finally:
+            release_finalize(out_dir, claim)
+        return True
+    finalize(plan, out_dir)
+    return True

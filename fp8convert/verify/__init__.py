@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..options import AUTO, Settings, python_spelling
+from ..options import AUTO, HubAccess, Settings, python_spelling
 from ..source.resolve import open_source
 from .report import VerifyFailed, VerifyReport, record_in_card, render
 from .structure import check_config, check_manifest_and_side_files, pair_tensors
@@ -48,7 +48,7 @@ def verify(
     `max_resident` bytes a batch."""
     started = time.monotonic()
     settings = Settings(device=device, max_resident=max_resident, prefetch=prefetch, progress=progress)
-    source = open_source(src, revision, token, cache_dir)
+    source = open_source(src, HubAccess(revision, token, cache_dir))
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: not a directory")
