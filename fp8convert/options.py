@@ -266,7 +266,7 @@ def python_spelling(function):
     return call
 
 
-DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
+DEFAULT_MAX_RESIDENT = {"cuda": 256 * 2**20, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
 AUTO = "auto"
 
 
