@@ -4,13 +4,14 @@ the help conventions of every command (-h, usage `SRC OUT`, no type placeholders
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..options import FORMATS, SCALE_FORMATS, SCHEMES
+from ..options import FORMATS, SCALE_FORMATS, SCHEMES, Settings
 
 
 class _NoHelpPlaceholder:
@@ -233,3 +234,14 @@ BaseModel = Annotated[
 def token(given: str | None = None) -> str | None:
     """The Hub token: --token, else HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
     return given or os.environ.get("HF_TOKEN") or None
+
+
+SETTING_NAMES = frozenset(f.name for f in fields(Settings))
+
+
+def settings_from(params: dict, **values) -> Settings:
+    """The Settings a command's parameters (its `locals()`) name by field name, with `values` on top. A
+    parameter left at None, or a flag left off, takes the field's default, so without --write-unloadable
+    $FP8CONVERT_WRITE_UNLOADABLE still decides; the token is --token, else $HF_TOKEN."""
+    given = {k: v for k, v in params.items() if k in SETTING_NAMES and v is not None and v is not False}
+    return Settings(**{**given, **values, "token": token(given.get("token"))})

@@ -11,7 +11,7 @@ import typer
 
 from .. import api, publish
 from ..errors import UsageError
-from ..options import REPO_ID, TARGET_TP, Settings
+from ..options import REPO_ID, Settings
 from ..plan.summary import describe, plan_warnings, render
 from ..units import format_size, plural
 from ._options import (
@@ -42,7 +42,7 @@ from ._options import (
     Worker,
     WriteUnloadable,
     flag,
-    token,
+    settings_from,
 )
 from ._output import print_json
 
@@ -68,7 +68,7 @@ def quantize(
     prefetch: Prefetch = "auto",
     target_tp: TargetTp = None,
     scale_format: ScaleFormat = "float",
-    hub_token: Token = None,
+    token: Token = None,
     cache_dir: CacheDir = None,
     base_model: BaseModel = None,
     write_unloadable: WriteUnloadable = False,
@@ -103,27 +103,7 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
-    settings = Settings(
-        scheme=scheme,
-        format=format,
-        ignore=tuple(ignore or ()),
-        device=device,
-        target_tp=tuple(target_tp or TARGET_TP),
-        scale_format=scale_format,
-        max_shard_size=max_shard_size,
-        max_resident=max_resident,
-        overwrite=overwrite,
-        revision=revision,
-        token=token(hub_token),
-        cache_dir=cache_dir,
-        progress=not quiet,
-        stream_download=stream_download,
-        worker=worker,
-        devices=devices,
-        prefetch=prefetch,
-        base_model=base_model,
-        write_unloadable=write_unloadable or None,
-    )
+    settings = settings_from(locals(), progress=not quiet)
     _convert(src, out, settings, json_out, quiet, push_to_hub, private)
 
 
@@ -144,7 +124,7 @@ def dequantize(
     worker: Worker = None,
     devices: Devices = None,
     prefetch: Prefetch = "auto",
-    hub_token: Token = None,
+    token: Token = None,
     cache_dir: CacheDir = None,
     base_model: BaseModel = None,
 ):
@@ -161,23 +141,7 @@ def dequantize(
 
       fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
     """
-    settings = Settings(
-        dequantize=True,
-        dtype=dtype,
-        device=device,
-        max_shard_size=max_shard_size,
-        max_resident=max_resident,
-        overwrite=overwrite,
-        revision=revision,
-        token=token(hub_token),
-        cache_dir=cache_dir,
-        progress=not quiet,
-        stream_download=stream_download,
-        worker=worker,
-        devices=devices,
-        prefetch=prefetch,
-        base_model=base_model,
-    )
+    settings = settings_from(locals(), dequantize=True, progress=not quiet)
     _convert(src, out, settings, json_out, quiet, push_to_hub, private)
 
 
@@ -279,7 +243,7 @@ def inspect(
         bool, flag("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC instead of a quantize.")
     ] = False,
     dtype: Dtype = None,
-    hub_token: Token = None,
+    token: Token = None,
     cache_dir: CacheDir = None,
 ):
     """Print the plan without reading tensor data: what is quantized, what is kept and why, fused
@@ -298,21 +262,7 @@ def inspect(
 
       fp8convert inspect ./DeepSeek-V3 --dequantize --dtype bf16
     """
-    settings = Settings(
-        scheme=scheme,
-        format=format,
-        ignore=tuple(ignore or ()),
-        max_shard_size=max_shard_size,
-        target_tp=tuple(target_tp or TARGET_TP),
-        scale_format=scale_format,
-        dequantize=dequantize,
-        dtype=dtype,
-        device=device,
-        max_resident=max_resident,
-        revision=revision,
-        token=token(hub_token),
-        cache_dir=cache_dir,
-    )
+    settings = settings_from(locals())
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
 

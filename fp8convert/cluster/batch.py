@@ -14,7 +14,7 @@ import os
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 STRING_KEYS = tuple("name source out scheme format scale_format device revision push_to_hub max_resident dtype".split())
 BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
+SETTING_NAMES = frozenset(f.name for f in fields(Settings))  # the job keys passed to Settings; the others are the Job's
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
 
@@ -144,8 +145,9 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
         for key in keys:
             if key in merged and not isinstance(merged[key], kind):
                 raise FP8ConvertError(f"{label}: {key!r} must be {what}, got {merged[key]!r}")
+    if isinstance(merged.get("ignore"), str):  # one pattern
+        merged["ignore"] = [merged["ignore"]]
     ignore = merged.get("ignore", [])
-    ignore = [ignore] if isinstance(ignore, str) else ignore
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise FP8ConvertError(f"{label}: 'ignore' must be a list of patterns")
     devices = merged.get("devices")
@@ -156,26 +158,8 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
         raise FP8ConvertError(f"{label}: 'max_shard_size' must be a size such as \"5GB\"")
-    options = {
-        k: merged[k]
-        for k in (
-            "scheme",
-            "format",
-            "scale_format",
-            "device",
-            "devices",
-            "max_shard_size",
-            "max_resident",
-            "revision",
-            "stream_download",
-            "overwrite",
-            "dequantize",
-            "dtype",
-        )
-        if k in merged
-    }
     try:
-        settings = Settings(**options, ignore=tuple(ignore))
+        settings = Settings(**{k: v for k, v in merged.items() if k in SETTING_NAMES})
         if devices is not None and devices not in ("all", ["all"]):  # 'all' is resolved where the job runs
             parse_devices(devices)
     except FP8ConvertError as e:

@@ -138,6 +138,20 @@ def test_inspect_json_is_the_same_in_every_process(tmp_path):
     assert list(json.loads(outputs.pop())["fused_groups"]) == ["gate_proj/up_proj", "q_proj/k_proj/v_proj"]
 
 
+def test_settings_from_takes_the_parameters_named_as_fields_and_leaves_the_unset_to_the_defaults(monkeypatch):
+    """A command's locals() become Settings: other names are skipped, None or a flag left off is the field's
+    default (so $FP8CONVERT_WRITE_UNLOADABLE still decides), and the token falls back to $HF_TOKEN."""
+    from fp8convert.cli._options import settings_from
+
+    monkeypatch.setenv("FP8CONVERT_WRITE_UNLOADABLE", "1")
+    monkeypatch.setenv("HF_TOKEN", "from-env")
+    params = {"src": "s", "quiet": True, "scheme": "FP8_BLOCK", "ignore": None, "target_tp": [4, 2]}
+    settings = settings_from({**params, "write_unloadable": False, "token": None}, progress=True)
+    assert (settings.scheme, settings.ignore, settings.target_tp) == ("block", (), (2, 4))
+    assert settings.write_unloadable and settings.progress and settings.token == "from-env"
+    assert settings_from({"token": "given"}).token == "given"
+
+
 def test_units_helpers():
     assert [plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert format_size(6_320_000) == "6.32 MB" and format_size(999) == "999 B"
