@@ -103,7 +103,7 @@ MaxResident = Annotated[
     typer.Option(
         "--max-resident",
         metavar="SIZE",
-        help="Memory budget for one batch of tensors on the device (default 4GiB on CUDA, "
+        help="Memory budget for one batch of tensors on the device (default 256MiB on CUDA, "
         "1GiB on CPU); larger layers are split, never inside a fused group.",
     ),
 ]
