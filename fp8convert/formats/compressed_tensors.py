@@ -1,34 +1,22 @@
 """compressed-tensors: read by vLLM, SGLang and (via the compressed-tensors package) transformers.
 
-"float-quantized" (tensor, channel, block): per quantized linear X, X.weight float8_e4m3fn [out, in] and
-X.weight_scale float32 shaped [1] (tensor), [out, 1] (channel) or [ceil(out/128), ceil(in/128)] (block).
+"float-quantized" (tensor, channel, block): X.weight float8_e4m3fn [out, in] and X.weight_scale float32
+shaped [1], [out, 1] or [ceil(out/128), ceil(in/128)].
 
-"mxfp8-quantized" (scheme mxfp8), as compressed-tensors 0.20.1 writes it (its `MXFP8` preset and
-`MXFP8QuantizationCompressor`) and vLLM 0.33 and transformers 5.24 read it:
-- X.weight F8_E4M3 [out, in]; X.weight_scale U8 [out, in / 32]: the E8M0 byte (biased exponent) of the
-  scale 2^(byte - 127) of each run of 32 input elements of each row. No zero point, no input scale.
-  The scales must be U8, never F8_E8M0: vLLM's parameter is uint8 and copies by value.
-- config group weights {"num_bits": 8, "type": "float", "symmetric": true, "group_size": 32,
-  "strategy": "group", "dynamic": false, "scale_dtype": "torch.uint8"}; input_activations the same with
-  "dynamic": true; top-level "format": "mxfp8-quantized". vLLM takes its MXFP8 path
-  (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone: strategy group, symmetric,
-  group_size 32, type float, 8 bits and scale_dtype uint8; without scale_dtype it is no FP8 scheme it
-  knows. Its dense layer allocates weight_scale [out, in // 32] (so in % 32 == 0, and per TP rank for
-  row-parallel layers); its MoE loads per-expert 2-D weights into w13_weight_scale [E, 2I, H // 32] and
-  w2_weight_scale [E, H, I // 32]. The args models forbid unknown keys: write only these.
-  transformers 5.24 reads dense layers through compressed-tensors' MXFP8QuantizationCompressor, which
-  gives bfloat16 weights (bf16(code * 2^(byte - 127)), exact); its MoE expert path does not decode the
-  exponents and fails (summary.compatibility_warnings says so).
+"mxfp8-quantized", as compressed-tensors 0.20.1 writes it (its `MXFP8` preset) and vLLM 0.33 and
+transformers 5.24 read it: X.weight_scale U8 [out, in / 32], the E8M0 byte (biased exponent) of the scale
+2^(byte - 127) of each run of 32 inputs of a row; never F8_E8M0 (vLLM's parameter is uint8 and copies by
+value). vLLM takes its MXFP8 path (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone, and
+without scale_dtype it is no FP8 scheme it knows; the args models forbid unknown keys, so only these are
+written. Its dense layer needs in % 32 == 0 (per TP rank for row-parallel layers). transformers decodes
+dense layers exactly to bfloat16, but its MoE expert path fails (summary.compatibility_warnings says so).
 
-Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it
-(`QuantizationArgs.scale_dtype` means E8M0 bytes only for MX groups, and vLLM's block scheme always
-allocates float32 scales). vLLM reads `quantization_config.scale_fmt` whatever the quant_method
-(`transformers_utils/config.py` get_config: "ue8m0" turns on DeepGEMM's UE8M0 mode), and
-compressed-tensors and transformers ignore unknown top-level keys, so it is written there, as in the
-fp8 format. The scales stay float32 values that are powers of two.
+Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it, but
+vLLM reads a top-level `scale_fmt` whatever the quant_method ("ue8m0" turns on DeepGEMM's UE8M0 mode) and
+the other readers ignore unknown top-level keys, so it is written there, as in the fp8 format.
 
-As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized, naive-quantized)
-are read, with the top-level scale_fmt if any; MXFP8 is written here but refused as a source.
+As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized,
+naive-quantized) are read; MXFP8 is written here but refused as a source.
 """
 
 from __future__ import annotations

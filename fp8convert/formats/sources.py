@@ -2,14 +2,10 @@
 
 A checkpoint with a `quantization_config` is read only if it is FP8 as vLLM and transformers read it:
 native `fp8` (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8, MiniMax-M2, AutoFP8) or compressed-tensors with FP8
-weights (float-quantized or naive-quantized). Then every float8_e4m3fn weight must have exactly one
-scale, named as its format names it and shaped as its scheme shapes it, in float32, bfloat16 or
-float16 (all exact in float32); static activation scales go with their weight. Whatever does not fit
-is refused with one line naming the tensor: an FP8 weight whose scale is missing or named otherwise
-(a `.scale` read as no scale at all gives weights thousands of times off), a scale of the wrong shape
-or dtype, a scale without its FP8 weight. Other quantization methods are refused naming the method.
-
-The scales' values (finite, positive) are checked when they are read, with the weights.
+weights. Every float8_e4m3fn weight must then have exactly one scale, named and shaped as its format and
+scheme say, in float32, bfloat16 or float16 (all exact in float32); static activation scales go with
+their weight. Anything else is refused with one line naming the tensor or the method (a `.scale` read as no scale at
+all gives weights thousands of times off). The scales' values are checked when they are read.
 """
 
 from __future__ import annotations

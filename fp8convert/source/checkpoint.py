@@ -16,14 +16,8 @@ from ..units import plural
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES)
-# Files rewritten or generated rather than copied.
-NOT_COPIED = {
-    "config.json",
-    "README.md",
-    INDEX_NAME,
-    "pytorch_model.bin.index.json",
-    "model.safetensors.index.json.lock",
-}
+# rewritten or generated rather than copied
+NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json", f"{INDEX_NAME}.lock"}
 
 
 @dataclass
@@ -114,16 +108,6 @@ def refuse_missing_numbered(names: list[str], where: str) -> None:
         )
 
 
-def refuse_pickle_only(names: list[str], where: str) -> None:
-    """Called when no safetensors shard was found among `names` (a file listing)."""
-    if any(n.endswith(PICKLE_SUFFIXES) for n in names):
-        raise FP8ConvertError(
-            f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
-            "Convert to safetensors first"
-        )
-    raise FP8ConvertError(f"{where}: no safetensors weights found")
-
-
 def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) -> list[str]:
     """The shards among a checkpoint's files `names`: those its index names, else its top-level
     safetensors files; refused when there are none."""
@@ -132,9 +116,14 @@ def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) 
     else:
         shards = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
         refuse_missing_numbered(shards, where)
-    if not shards:
-        refuse_pickle_only(names, where)
-    return shards
+    if shards:
+        return shards
+    if any(n.endswith(PICKLE_SUFFIXES) for n in names):
+        raise FP8ConvertError(
+            f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
+            "Convert to safetensors first"
+        )
+    raise FP8ConvertError(f"{where}: no safetensors weights found")
 
 
 def load_config(root: Path) -> dict:
