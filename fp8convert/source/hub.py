@@ -19,9 +19,8 @@ from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
-from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
+from .checkpoint import Source, collect_tensors, is_copied_file, load_config, open_local, parse_index, shard_files
 from .hub_calls import CHECK_AND_RERUN, causes, download_is_retryable, hub_error, is_transient, with_retries
-from .local import open_local
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 CARD_NAME = "README.md"
