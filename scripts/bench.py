@@ -1026,7 +1026,7 @@ def load_fp8convert(files, dev):
     <= 4 GiB batches (the CUDA default), as a conversion reads them."""
     from fp8convert.run.prefetch import Prefetcher, default_window
     from fp8convert.run.reader import BatchReader
-    from fp8convert.source.local import open_local
+    from fp8convert.source.checkpoint import open_local
 
     source = open_local(Path(files[0]).parent)
     budget = 4 * GiB if dev.type == "cuda" else 1 * GiB

@@ -108,7 +108,7 @@ def main() -> int:
     from fp8convert.run.progress import Progress
     from fp8convert.run.reader import BatchReader
     from fp8convert.run.writer import ShardWriter
-    from fp8convert.source.local import open_local
+    from fp8convert.source.checkpoint import open_local
     from fp8convert.source.streaming import NoFetcher
 
     if args.tile_mb:

@@ -3,22 +3,18 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from ..errors import FP8ConvertError
 from ..options import regex_error
-from . import compressed_tensors, fp8
 from .compressed_tensors import CompressedTensorsConfig
-from .config import QuantizationConfig
+from .config import QuantizationConfig, ScaleLayout
 from .fp8 import FP8Config
 
-FORMATS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "fp8": fp8}
 # by format name, which is also the quant_method in config.json
 CONFIGS: dict[str, type[QuantizationConfig]] = {"compressed-tensors": CompressedTensorsConfig, "fp8": FP8Config}
 
 
-def get_format(name: str) -> ModuleType:
-    return FORMATS[name]
+def get_format(name: str) -> ScaleLayout:
+    return ScaleLayout(name)
 
 
 def config_type(quant_method: object) -> type[QuantizationConfig] | None:

@@ -1,34 +1,22 @@
 """compressed-tensors: read by vLLM, SGLang and (via the compressed-tensors package) transformers.
 
-"float-quantized" (tensor, channel, block): per quantized linear X, X.weight float8_e4m3fn [out, in] and
-X.weight_scale float32 shaped [1] (tensor), [out, 1] (channel) or [ceil(out/128), ceil(in/128)] (block).
+"float-quantized" (tensor, channel, block): X.weight float8_e4m3fn [out, in] and X.weight_scale float32
+shaped [1], [out, 1] or [ceil(out/128), ceil(in/128)].
 
-"mxfp8-quantized" (scheme mxfp8), as compressed-tensors 0.20.1 writes it (its `MXFP8` preset and
-`MXFP8QuantizationCompressor`) and vLLM 0.33 and transformers 5.24 read it:
-- X.weight F8_E4M3 [out, in]; X.weight_scale U8 [out, in / 32]: the E8M0 byte (biased exponent) of the
-  scale 2^(byte - 127) of each run of 32 input elements of each row. No zero point, no input scale.
-  The scales must be U8, never F8_E8M0: vLLM's parameter is uint8 and copies by value.
-- config group weights {"num_bits": 8, "type": "float", "symmetric": true, "group_size": 32,
-  "strategy": "group", "dynamic": false, "scale_dtype": "torch.uint8"}; input_activations the same with
-  "dynamic": true; top-level "format": "mxfp8-quantized". vLLM takes its MXFP8 path
-  (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone: strategy group, symmetric,
-  group_size 32, type float, 8 bits and scale_dtype uint8; without scale_dtype it is no FP8 scheme it
-  knows. Its dense layer allocates weight_scale [out, in // 32] (so in % 32 == 0, and per TP rank for
-  row-parallel layers); its MoE loads per-expert 2-D weights into w13_weight_scale [E, 2I, H // 32] and
-  w2_weight_scale [E, H, I // 32]. The args models forbid unknown keys: write only these.
-  transformers 5.24 reads dense layers through compressed-tensors' MXFP8QuantizationCompressor, which
-  gives bfloat16 weights (bf16(code * 2^(byte - 127)), exact); its MoE expert path does not decode the
-  exponents and fails (summary.compatibility_warnings says so).
+"mxfp8-quantized", as compressed-tensors 0.20.1 writes it (its `MXFP8` preset) and vLLM 0.33 and
+transformers 5.24 read it: X.weight_scale U8 [out, in / 32], the E8M0 byte (biased exponent) of the scale
+2^(byte - 127) of each run of 32 inputs of a row; never F8_E8M0 (vLLM's parameter is uint8 and copies by
+value). vLLM takes its MXFP8 path (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone, and
+without scale_dtype it is no FP8 scheme it knows; the args models forbid unknown keys, so only these are
+written. Its dense layer needs in % 32 == 0 (per TP rank for row-parallel layers). transformers decodes
+dense layers exactly to bfloat16, but its MoE expert path fails (summary.compatibility_warnings says so).
 
-Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it
-(`QuantizationArgs.scale_dtype` means E8M0 bytes only for MX groups, and vLLM's block scheme always
-allocates float32 scales). vLLM reads `quantization_config.scale_fmt` whatever the quant_method
-(`transformers_utils/config.py` get_config: "ue8m0" turns on DeepGEMM's UE8M0 mode), and
-compressed-tensors and transformers ignore unknown top-level keys, so it is written there, as in the
-fp8 format. The scales stay float32 values that are powers of two.
+Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it, but
+vLLM reads a top-level `scale_fmt` whatever the quant_method ("ue8m0" turns on DeepGEMM's UE8M0 mode) and
+the other readers ignore unknown top-level keys, so it is written there, as in the fp8 format.
 
-As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized, naive-quantized)
-are read, with the top-level scale_fmt if any; MXFP8 is written here but refused as a source.
+As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized,
+naive-quantized) are read; MXFP8 is written here but refused as a source.
 """
 
 from __future__ import annotations
@@ -37,51 +25,12 @@ from ..errors import FP8ConvertError
 from ..options import BLOCK, MX_GROUP
 from .config import QuantizationConfig, declared_scale_fmt
 
-QUANT_METHOD = "compressed-tensors"
-FORMAT = {
-    "tensor": "float-quantized",
-    "channel": "float-quantized",
-    "block": "float-quantized",
-    "mxfp8": "mxfp8-quantized",
-}
-
-
-def scale_name(weight_name: str, scheme: str) -> str:
-    return weight_name + "_scale"
-
-
-def scale_dtype(scheme: str) -> str:
-    """The safetensors dtype of the scales: E8M0 bytes for MXFP8, else float32."""
-    return "U8" if scheme == "mxfp8" else "F32"
-
-
-def scale_shapes(shape: tuple[int, int], scheme: str) -> list[tuple[int, ...]]:
-    """The scale shapes a reader accepts for a weight of `shape`; the first is the one written."""
-    out, inp = shape
-    if scheme == "tensor":
-        return [(1,)]
-    if scheme == "channel":
-        return [(out, 1)]
-    if scheme == "mxfp8":
-        return [(out, inp // MX_GROUP)]
-    return [(-(-out // BLOCK), -(-inp // BLOCK))]
-
-
-def scale_shape(shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
-    return scale_shapes(shape, scheme)[0]
-
-
-def _mx_args(dynamic: bool) -> dict:
-    return {
-        "num_bits": 8,
-        "type": "float",
-        "symmetric": True,
-        "group_size": MX_GROUP,
-        "strategy": "group",
-        "dynamic": dynamic,
-        "scale_dtype": "torch.uint8",
-    }
-
+FLOAT_ARGS = {"num_bits": 8, "type": "float", "symmetric": True}
+MX_ARGS = FLOAT_ARGS | {"group_size": MX_GROUP, "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}
+# Engines quantize activations on the fly per token with per-channel weights, per 128-wide group with block
+# weights, per tensor with per-tensor weights (what vLLM's MoE accepts); static ones (an FP8 source's
+# calibrated input_scale, carried in the tensor scheme) are per tensor.
+ACTIVATION_STRATEGY = {"tensor": "tensor", "channel": "token", "block": "group"}
 
 # compressed-tensors formats that store FP8 weights as they are (float8_e4m3fn codes and a scale); the
 # others pack integers or 4-bit floats, named here so a refusal says what the checkpoint holds.
@@ -108,54 +57,28 @@ def _not_fp8(where: str, what: str) -> FP8ConvertError:
 
 
 class CompressedTensorsConfig(QuantizationConfig):
-    format = QUANT_METHOD
+    format = "compressed-tensors"
     source_scale_names = ("weight_scale",)
     source_input_scale_names = ("input_scale",)
 
-    def scale_name(self, weight: str) -> str:
-        return scale_name(weight, self.scheme)
-
-    def scale_dtype(self) -> str:
-        return scale_dtype(self.scheme)
-
-    def scale_shapes(self, shape: tuple[int, int]) -> list[tuple[int, ...]]:
-        return scale_shapes(shape, self.scheme)
-
     def to_dict(self) -> dict:
+        block = self.scheme == "block"
         if self.scheme == "mxfp8":
-            weights, activations = _mx_args(False), _mx_args(True)
+            weights, activations = dict(MX_ARGS), MX_ARGS | {"dynamic": True}
         else:
-            weights = {
-                "num_bits": 8,
-                "type": "float",
-                "strategy": self.scheme,
-                "symmetric": True,
-                "dynamic": False,
-                "group_size": None,
-                "block_structure": [BLOCK, BLOCK] if self.scheme == "block" else None,
-            }
-            # Activations are quantized on the fly by the engine: per token with per-channel weights, per
-            # 128-wide group with block weights, per tensor with per-tensor weights (what vLLM's MoE accepts).
-            # Static ones (an FP8 source's calibrated input_scale, carried in the tensor scheme) are per tensor.
-            activations = {
-                "num_bits": 8,
-                "type": "float",
-                "symmetric": True,
-                "dynamic": not self.static_activations,
-                "strategy": {"tensor": "tensor", "channel": "token", "block": "group"}[self.scheme],
-                "group_size": BLOCK if self.scheme == "block" else None,
-            }
+            weights = {"num_bits": 8, "type": "float", "strategy": self.scheme, "symmetric": True, "dynamic": False}
+            weights |= {"group_size": None, "block_structure": [BLOCK, BLOCK] if block else None}
+            activations = FLOAT_ARGS | {"dynamic": not self.static_activations}
+            activations |= {"strategy": ACTIVATION_STRATEGY[self.scheme], "group_size": BLOCK if block else None}
         config = {
-            "quant_method": QUANT_METHOD,
-            "format": FORMAT[self.scheme],
+            "quant_method": self.format,
+            "format": "mxfp8-quantized" if self.scheme == "mxfp8" else "float-quantized",
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
             "ignore": list(self.ignore),
             "kv_cache_scheme": None,
         }
-        if self.scale_format == "ue8m0":
-            config["scale_fmt"] = "ue8m0"
-        return config
+        return config | ({"scale_fmt": "ue8m0"} if self.scale_format == "ue8m0" else {})
 
     @classmethod
     def from_dict(cls, qc: dict, where: str, source: bool = False) -> CompressedTensorsConfig:
@@ -165,10 +88,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         what fp8convert reads: no MXFP8, KV-cache scheme, zero points or uncompressed weights; an output
         lists these in `unkept` instead, for verify to report each."""
         readable = (*FP8_FORMATS, "mixed-precision", None) + (() if source else ("mxfp8-quantized",))
-        formats = [qc.get("format")] + [
-            g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("format")
-        ]
-        for fmt in formats:
+        groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
+        for fmt in [qc.get("format")] + [g["format"] for g in groups.values() if g.get("format")]:
             if fmt not in readable:
                 raise _not_fp8(where, f"format {fmt!r} ({OTHER_FORMATS.get(fmt, 'not an FP8 format')})")
         for key in ("sparsity_config", "transform_config"):
@@ -188,7 +109,6 @@ class CompressedTensorsConfig(QuantizationConfig):
                     f"{where}: quantization_status {status!r}: the weights are not stored compressed (FP8)"
                 )
             unkept.append(f"quantization_status is {status!r}, not 'compressed'")
-        groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
         if not groups:
             raise FP8ConvertError(f"{where}: compressed-tensors quantization_config has no config_groups")
         strategies, static = set(), set()
@@ -202,30 +122,23 @@ class CompressedTensorsConfig(QuantizationConfig):
                 strategies.add(_weight_strategy(name, w, where, source, unkept))
             if group.get("output_activations"):
                 raise _not_fp8(where, f"config group {name}: quantized output activations")
-            a = group.get("input_activations")
-            if a and not a.get("dynamic"):
-                if (
-                    a.get("strategy") != "tensor"
-                    or a.get("type") != "float"
-                    or a.get("num_bits") != 8
-                    or a.get("symmetric") is False
-                ):
-                    raise _not_fp8(
-                        where,
-                        f"config group {name}: static input activations of strategy "
-                        f"{a.get('strategy')!r} (only per-tensor FP8 ones are read)",
-                    )
-                static.add(True)
-            else:
-                static.add(False)
+            a = group.get("input_activations") or {}
+            is_static = bool(a) and not a.get("dynamic")
+            kind = (a.get("strategy"), a.get("type"), a.get("num_bits"), a.get("symmetric") is not False)
+            if is_static and kind != ("tensor", "float", 8, True):
+                raise _not_fp8(
+                    where,
+                    f"config group {name}: static input activations of strategy {a.get('strategy')!r} (only "
+                    "per-tensor FP8 ones are read)",
+                )
+            static.add(is_static)
         if len(strategies) > 1 or len(static) > 1:
             raise FP8ConvertError(
                 f"{where}: config groups mix weight strategies or activation schemes "
                 f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint"
             )
-        return cls(
-            strategies.pop(), tuple(qc.get("ignore") or ()), declared_scale_fmt(qc, where), static.pop(), tuple(unkept)
-        )
+        scale_fmt = declared_scale_fmt(qc, where)
+        return cls(strategies.pop(), tuple(qc.get("ignore") or ()), scale_fmt, static.pop(), tuple(unkept))
 
 
 def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[str]) -> str:

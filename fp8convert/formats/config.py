@@ -1,6 +1,6 @@
-"""quantization_config as one typed record. Each format (fp8.py, compressed_tensors.py) has a subclass
-that parses its dict (`from_dict`, for an FP8 source and for fp8convert's own output alike) and writes
-it back (`to_dict`), so nothing else reads the raw dict."""
+"""quantization_config as one typed record, and how each format names, types and shapes a weight's scale.
+Each format (fp8.py, compressed_tensors.py) has a subclass that parses its dict (`from_dict`, for an FP8
+source and for fp8convert's own output alike) and writes it back (`to_dict`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,38 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import FP8ConvertError
+from ..options import BLOCK, MX_GROUP
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """A format's scale tensors: fp8 names block scales `weight_scale_inv` (it multiplies all the same),
+    every other scale is `weight_scale`; MXFP8's are E8M0 bytes, every other one float32."""
+
+    format: str
+
+    def scale_name(self, weight_name: str, scheme: str) -> str:
+        return weight_name + ("_scale_inv" if self.format == "fp8" and scheme == "block" else "_scale")
+
+    def scale_dtype(self, scheme: str) -> str:
+        return "U8" if scheme == "mxfp8" else "F32"
+
+    def scale_shapes(self, shape: tuple[int, int], scheme: str, source: bool = False) -> list[tuple[int, ...]]:
+        """The scale shapes a reader accepts for a weight of `shape`, the written one first. A per-tensor
+        scale may be [] or [1] in fp8 (vLLM reads either) and in any source."""
+        out, inp = shape
+        if scheme == "tensor":
+            return [(1,)] if self.format == "compressed-tensors" and not source else [(), (1,)]
+        written = {"channel": (out, 1), "block": (-(-out // BLOCK), -(-inp // BLOCK)), "mxfp8": (out, inp // MX_GROUP)}
+        return [written[scheme]]
+
+    def scale_shape(self, shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
+        return self.scale_shapes(shape, scheme)[0]
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """What a checkpoint's quantization_config declares. A subclass adds its format's tensor names:
-    scale_name/scale_dtype/scale_shapes as it writes them, source_scale_names as a source may have them."""
+    """What a checkpoint's quantization_config declares; a subclass adds its format's source tensor names."""
 
     format: ClassVar[str]  # fp8 | compressed-tensors (also its quant_method)
     source_input_scale_names: ClassVar[tuple[str, ...]]  # a source's static activation scale suffixes
@@ -27,6 +53,15 @@ class QuantizationConfig:
     @property
     def scale_format(self) -> str:
         return "ue8m0" if self.scale_fmt == "ue8m0" else "float"
+
+    def scale_name(self, weight: str) -> str:
+        return ScaleLayout(self.format).scale_name(weight, self.scheme)
+
+    def scale_dtype(self) -> str:
+        return ScaleLayout(self.format).scale_dtype(self.scheme)
+
+    def scale_shapes(self, shape: tuple[int, int], source: bool = False) -> list[tuple[int, ...]]:
+        return ScaleLayout(self.format).scale_shapes(shape, self.scheme, source)
 
     def ignores(self, module: str) -> bool:
         """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""

@@ -15,74 +15,33 @@ from ..errors import FP8ConvertError
 from ..options import BLOCK
 from .config import QuantizationConfig, declared_scale_fmt
 
-QUANT_METHOD = "fp8"
-
-
-def scale_name(weight_name: str, scheme: str) -> str:
-    return weight_name + ("_scale_inv" if scheme == "block" else "_scale")
-
-
-def scale_dtype(scheme: str) -> str:
-    return "F32"
-
-
-def scale_shapes(shape: tuple[int, int], scheme: str) -> list[tuple[int, ...]]:
-    """The scale shapes a reader accepts for a weight of `shape`; the first is the one written
-    (vLLM reads a per-tensor scale shaped [] or [1])."""
-    if scheme == "tensor":
-        return [(), (1,)]
-    if scheme == "block":
-        return [(-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))]
-    raise ValueError(f"the fp8 format has no {scheme} scheme")  # Options refuses this earlier
-
-
-def scale_shape(shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
-    return scale_shapes(shape, scheme)[0]
-
-
-# `fmt` spellings of e4m3 weights: DeepSeek writes "e4m3", MiniMax "float8_e4m3fn".
-E4M3_FMTS = (None, "e4m3", "float8_e4m3fn")
+E4M3_FMTS = (None, "e4m3", "float8_e4m3fn")  # `fmt` spellings of e4m3 weights: DeepSeek's, MiniMax's
 
 
 class FP8Config(QuantizationConfig):
-    format = QUANT_METHOD
+    format = "fp8"
     source_input_scale_names = ("input_scale", "activation_scale")  # vLLM's, transformers' name
-
-    def scale_name(self, weight: str) -> str:
-        return scale_name(weight, self.scheme)
-
-    def scale_dtype(self) -> str:
-        return scale_dtype(self.scheme)
-
-    def scale_shapes(self, shape: tuple[int, int]) -> list[tuple[int, ...]]:
-        return scale_shapes(shape, self.scheme)
 
     @property
     def source_scale_names(self) -> tuple[str, ...]:
-        """A source's scale names: block `weight_scale_inv`; per tensor `weight_scale` (vLLM, AutoFP8) or
-        `weight_scale_inv` (transformers, Mistral)."""
+        """Block `weight_scale_inv`; per tensor `weight_scale` (vLLM, AutoFP8) or `weight_scale_inv`
+        (transformers, Mistral)."""
         return ("weight_scale_inv",) if self.scheme == "block" else ("weight_scale", "weight_scale_inv")
 
     def to_dict(self) -> dict:
-        config = {
-            "quant_method": QUANT_METHOD,
-            "fmt": "e4m3",
-            "activation_scheme": "static" if self.static_activations else "dynamic",
-        }
+        config = {"quant_method": "fp8", "fmt": "e4m3"}
+        config["activation_scheme"] = "static" if self.static_activations else "dynamic"
         if self.scheme == "block":
             config["weight_block_size"] = [BLOCK, BLOCK]
         if self.scale_format == "ue8m0":
             config["scale_fmt"] = "ue8m0"
         # vLLM reads ignored_layers; transformers reads modules_to_not_convert.
-        config["ignored_layers"] = list(self.ignore)
-        config["modules_to_not_convert"] = list(self.ignore)
-        return config
+        return config | {"ignored_layers": list(self.ignore), "modules_to_not_convert": list(self.ignore)}
 
     @classmethod
     def from_dict(cls, qc: dict, where: str, source: bool = False) -> FP8Config:
-        """As vLLM and transformers read it: block iff `weight_block_size` is given, `activation_scheme`
-        dynamic or static, the skip list under `ignored_layers` and `modules_to_not_convert` (each engine
-        reads one). A source and an output are read alike."""
+        """As vLLM and transformers read it (a source and an output alike): block iff `weight_block_size`
+        is given, the skip list under `ignored_layers` and `modules_to_not_convert` (each engine reads one)."""
         if qc.get("fmt") not in E4M3_FMTS:
             raise FP8ConvertError(
                 f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
@@ -101,10 +60,6 @@ class FP8Config(QuantizationConfig):
                 f"{where}: expert_dtype {qc.get('expert_dtype')!r}: experts in another format than "
                 "FP8 are not supported"
             )
-        ignore = tuple(qc.get("ignored_layers") or ()) + tuple(qc.get("modules_to_not_convert") or ())
-        return cls(
-            "block" if block else "tensor",
-            tuple(dict.fromkeys(ignore)),
-            declared_scale_fmt(qc, where),
-            activations == "static",
-        )
+        ignore = dict.fromkeys([*(qc.get("ignored_layers") or ()), *(qc.get("modules_to_not_convert") or ())])
+        scheme = "block" if block else "tensor"
+        return cls(scheme, tuple(ignore), declared_scale_fmt(qc, where), activations == "static")

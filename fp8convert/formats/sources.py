@@ -2,23 +2,17 @@
 
 A checkpoint with a `quantization_config` is read only if it is FP8 as vLLM and transformers read it:
 native `fp8` (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8, MiniMax-M2, AutoFP8) or compressed-tensors with FP8
-weights (float-quantized or naive-quantized). Then every float8_e4m3fn weight must have exactly one
-scale, named as its format names it and shaped as its scheme shapes it, in float32, bfloat16 or
-float16 (all exact in float32); static activation scales go with their weight. Whatever does not fit
-is refused with one line naming the tensor: an FP8 weight whose scale is missing or named otherwise
-(a `.scale` read as no scale at all gives weights thousands of times off), a scale of the wrong shape
-or dtype, a scale without its FP8 weight. Other quantization methods are refused naming the method.
-
-The scales' values (finite, positive) are checked when they are read, with the weights.
+weights. Every float8_e4m3fn weight must then have exactly one scale, named and shaped as its format and
+scheme say, in float32, bfloat16 or float16 (all exact in float32); static activation scales go with
+their weight. Anything else is refused with one line naming the tensor or the method (a `.scale` read as no scale at
+all gives weights thousands of times off). The scales' values are checked when they are read.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK
 from ..safetensors_io import FP8, TensorInfo
 from . import config_type
 from .config import QuantizationConfig
@@ -50,29 +44,15 @@ OTHER_METHODS = {
 }
 # Tensor names that only other quantization layouts have (packed integers, 4-bit float blocks, KV-cache
 # scales, scales fp8convert does not read): found in a checkpoint, they name what it is.
-FOREIGN_SUFFIXES = (
-    ".qweight",
-    ".qzeros",
-    ".g_idx",
-    ".scales",
-    ".weight_packed",
-    ".weight_shape",
-    ".weight_zero_point",
-    ".weight_scale_2",
-    ".weight_global_scale",
-    ".input_global_scale",
-    ".input_zero_point",
-    ".absmax",
-    ".SCB",
-    "_blocks",
-    ".k_scale",
-    ".v_scale",
-    ".qscale_weight",
-    ".qscale_act",
+FOREIGN_SUFFIXES = tuple(
+    ".qweight .qzeros .g_idx .scales .weight_packed .weight_shape .weight_zero_point .weight_scale_2 "
+    ".weight_global_scale .input_global_scale .input_zero_point .absmax .SCB _blocks .k_scale .v_scale "
+    ".qscale_weight .qscale_act".split()
 )
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")  # either format's, whatever the scheme
 # Scale names of other tools that fp8convert does not read: an FP8 weight with one of these and none of
 # its format's own names is refused with the name it has.
-OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", ".weight_scale_inv", ".weight_scale", ".scale_inv", ".qscale_weight")
+OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", *SCALE_SUFFIXES, ".scale_inv", ".qscale_weight")
 
 
 @dataclass(frozen=True)
@@ -157,24 +137,12 @@ def _declared(config: dict, where: str) -> QuantizationConfig | None:
 def _refuse_quantized_tensors(tensors: list[TensorInfo]) -> None:
     """A checkpoint without quantization_config must not hold quantized tensors."""
     for t in tensors:
-        if t.dtype.startswith("F8") or t.name.endswith(
-            FOREIGN_SUFFIXES + (".weight_scale", ".weight_scale_inv", ".input_scale")
-        ):
+        if t.dtype.startswith("F8") or t.name.endswith((*FOREIGN_SUFFIXES, *SCALE_SUFFIXES, ".input_scale")):
             raise FP8ConvertError(
                 f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
                 "config.json has no quantization_config saying how; fp8convert needs a "
                 "BF16/FP16/FP32 source or an FP8 one with its quantization_config"
             )
-
-
-def expected_scale_shape(shape: tuple[int, ...], scheme: str) -> list[tuple[int, ...]]:
-    """The scale shapes a source FP8 weight of `shape` may have in `scheme`."""
-    out, inp = shape
-    if scheme == "tensor":
-        return [(), (1,)]
-    if scheme == "channel":
-        return [(out, 1)]
-    return [(math.ceil(out / BLOCK), math.ceil(inp / BLOCK))]
 
 
 def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
@@ -206,7 +174,7 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
             raise FP8ConvertError(
                 f"{scale.file}: scale {scale.name} is {scale.dtype}; fp8convert reads {', '.join(SCALE_DTYPES)} scales"
             )
-        shapes = expected_scale_shape(t.shape, declared.scheme)
+        shapes = declared.scale_shapes(t.shape, source=True)
         if scale.shape not in shapes:
             raise FP8ConvertError(
                 f"{scale.file}: scale {scale.name} is shaped {list(scale.shape)}, but a {declared.scheme}"
@@ -230,7 +198,7 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
             )
         weights[t.name] = FP8Weight(t, scale, input_scale)
         used.update(x.name for x in (scale, input_scale) if x is not None)
-    suffixes = tuple("." + s for s in scale_names + input_scale_names) + (".weight_scale", ".weight_scale_inv")
+    suffixes = tuple("." + s for s in scale_names + input_scale_names) + SCALE_SUFFIXES
     for t in tensors:
         if t.name.endswith(suffixes) and t.name not in used:
             weight = t.name.rsplit(".", 1)[0] + ".weight"

@@ -1,29 +1,25 @@
-"""What a source checkpoint is, wherever it lives: its shards, tensors, config and side files, and the
-checks every source passes (local directory or Hub repo alike). Reads headers, never tensor data."""
+"""What a source checkpoint is, wherever it lives: its shards, tensors, config and side files, the checks
+every source passes (local directory or Hub repo alike), and `open_local` for a local directory. Reads
+headers, never tensor data."""
 
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..formats.sources import SourceQuantization
-from ..safetensors_io import INDEX_NAME, TensorInfo
+from ..formats.sources import SourceQuantization, read_source_quantization
+from ..safetensors_io import INDEX_NAME, TensorInfo, read_header
 from ..units import plural
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES)
-# Files rewritten or generated rather than copied.
-NOT_COPIED = {
-    "config.json",
-    "README.md",
-    INDEX_NAME,
-    "pytorch_model.bin.index.json",
-    "model.safetensors.index.json.lock",
-}
+# rewritten or generated rather than copied
+NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json", f"{INDEX_NAME}.lock"}
 
 
 @dataclass
@@ -114,16 +110,6 @@ def refuse_missing_numbered(names: list[str], where: str) -> None:
         )
 
 
-def refuse_pickle_only(names: list[str], where: str) -> None:
-    """Called when no safetensors shard was found among `names` (a file listing)."""
-    if any(n.endswith(PICKLE_SUFFIXES) for n in names):
-        raise FP8ConvertError(
-            f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
-            "Convert to safetensors first"
-        )
-    raise FP8ConvertError(f"{where}: no safetensors weights found")
-
-
 def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) -> list[str]:
     """The shards among a checkpoint's files `names`: those its index names, else its top-level
     safetensors files; refused when there are none."""
@@ -132,9 +118,14 @@ def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) 
     else:
         shards = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
         refuse_missing_numbered(shards, where)
-    if not shards:
-        refuse_pickle_only(names, where)
-    return shards
+    if shards:
+        return shards
+    if any(n.endswith(PICKLE_SUFFIXES) for n in names):
+        raise FP8ConvertError(
+            f"{where}: holds only pickle weights (.bin/.pt); fp8convert never loads pickle. "
+            "Convert to safetensors first"
+        )
+    raise FP8ConvertError(f"{where}: no safetensors weights found")
 
 
 def load_config(root: Path) -> dict:
@@ -172,3 +163,34 @@ def collect_tensors(
     if not seen:
         raise FP8ConvertError(f"{where}: holds no tensors ({', '.join(sorted(headers))} empty)")
     return sorted(seen.values(), key=lambda t: (t.file, t.offset))
+
+
+NOT_A_FILE = "not a regular file (a directory, pipe, device or broken link)"
+
+
+def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
+    """Read a local checkpoint's layout: headers of every shard, config, files to copy. `revision`: the
+    Hub commit, when the directory is a downloaded snapshot."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
+    listing = sorted(os.listdir(root))
+    index, index_map = root / INDEX_NAME, None
+    if (index.exists() or index.is_symlink()) and not index.is_file():  # not silently a folder without one
+        raise FP8ConvertError(f"{index}: {NOT_A_FILE}")
+    if index.is_file():
+        index_map = parse_index(index.read_bytes(), str(index))
+    shards = shard_files(listing, index_map, str(root))
+    config = load_config(root)
+    headers = {}
+    for name in shards:
+        path = root / name
+        if not path.is_file():
+            if index_map is not None and not path.exists() and not path.is_symlink():
+                raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
+            raise FP8ConvertError(f"{path}: {NOT_A_FILE}, so it cannot be read as a shard")
+        headers[name], _ = read_header(str(path), name)
+    tensors = collect_tensors(headers, index_map, str(root))
+    copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
+    quant = read_source_quantization(config, tensors, str(root), copy)
+    return Source(root, shards, tensors, config, copy, label or str(root), revision, quant)

@@ -12,16 +12,15 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
-from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
-from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
-from .local import open_local
+from .checkpoint import Source, collect_tensors, is_copied_file, load_config, open_local, parse_index, shard_files
+from .hub_calls import CHECK_AND_RERUN, causes, download_is_retryable, hub_error, is_transient, with_retries
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 CARD_NAME = "README.md"
@@ -29,31 +28,23 @@ FIRST_HEADER_READ = 100_000  # one Range request covers most headers (huggingfac
 PARALLEL_REQUESTS = 8
 
 
-# ----------------------------------------------------------------------------------- the source repo
-
-
 @dataclass
 class RemoteRepo:
-    """A repo pinned to one commit: every later request uses `sha`, so a push to the branch in the
-    middle of a conversion cannot mix files from two commits."""
+    """A repo pinned to one commit (every later request uses `sha`, so a push to the branch in the middle
+    of a conversion cannot mix files from two commits), and the files a conversion needs."""
 
     repo_id: str
     sha: str
     sizes: dict[str, int]  # every file of the commit -> size in bytes
     hub: HubAccess  # its revision is what the user asked for (branch, tag, commit), for messages
+    shards: list[str] = field(default_factory=list)
+    index_map: dict[str, str] | None = None
+    side_files: list[str] = field(default_factory=list)  # copied into the output (tokenizer, chat template, ...)
+    card: str | None = None  # the source's README.md, read for the model card
 
-    def call(
-        self,
-        fn,
-        *args,
-        then: str = "check the connection and rerun",
-        needed_bytes: int | None = None,
-        retryable=is_transient,
-        **kwargs,
-    ):
-        """Run a huggingface_hub call with timeouts and bounded retries (of failures `retryable` accepts);
-        any failure becomes one FP8ConvertError line naming the repo (`then`, `needed_bytes`: see
-        hub_calls.hub_error)."""
+    def call(self, fn, *args, then=CHECK_AND_RERUN, needed_bytes=None, retryable=is_transient, **kwargs):
+        """A huggingface_hub call with timeouts and bounded retries (of failures `retryable` accepts); any
+        failure becomes one FP8ConvertError line naming the repo (`then`, `needed_bytes`: see hub_error)."""
         try:
             return with_retries(fn, *args, retryable=retryable, **kwargs)
         except FP8ConvertError:
@@ -62,11 +53,11 @@ class RemoteRepo:
             raise hub_error(self.repo_id, e, self.hub.revision, then=then, needed_bytes=needed_bytes) from e
 
     def download(self, filename: str, local_dir: Path | None = None, weights: bool = False) -> Path:
-        """One file at the pinned commit: into the shared cache, or into `local_dir`. Resumes partial files.
+        """One file at the pinned commit, into the shared cache or `local_dir`; a partial file resumes.
         `weights`: a shard, which a rerun resumes (said when the download fails)."""
         from huggingface_hub import hf_hub_download
 
-        then = "rerun to resume (finished downloads are kept)" if weights else "check the connection and rerun"
+        size = self.sizes.get(filename)
         path = Path(
             self.call(
                 hf_hub_download,
@@ -76,28 +67,41 @@ class RemoteRepo:
                 token=self.hub.token,
                 cache_dir=self.hub.cache_dir,
                 local_dir=str(local_dir) if local_dir else None,
-                then=then,
-                needed_bytes=self.sizes.get(filename),
+                then="rerun to resume (finished downloads are kept)" if weights else CHECK_AND_RERUN,
+                needed_bytes=size,
                 retryable=download_is_retryable,
             )
         )
-        if filename in self.sizes and self.sizes[filename] is not None and path.stat().st_size != self.sizes[filename]:
+        if size is not None and path.stat().st_size != size:
             raise FP8ConvertError(
-                f"{self.repo_id}: {filename} arrived with {path.stat().st_size} bytes, the Hub "
-                f"lists {self.sizes[filename]}; rerun to fetch it again"
+                f"{self.repo_id}: {filename} arrived with {path.stat().st_size} bytes, the Hub lists {size}; "
+                "rerun to fetch it again"
             )
         return path
 
 
 def resolve_repo(repo_id: str, hub: HubAccess) -> RemoteRepo:
-    """The commit `hub.revision` points to, and the size of every file in it (one API call)."""
+    """The commit `hub.revision` points to with the size of every file in it (one API call), and the files
+    a conversion needs, from that listing and the small index: unusable repos (no config, pickle only, an
+    index naming absent shards) are refused before any big download."""
     from huggingface_hub import HfApi
 
     with also_no_folder(repo_id):
         info = RemoteRepo(repo_id, "", {}, hub).call(
             HfApi(token=hub.token).model_info, repo_id, revision=hub.revision, files_metadata=True
         )
-    return RemoteRepo(repo_id, info.sha, {s.rfilename: s.size for s in (info.siblings or [])}, hub)
+    repo = RemoteRepo(repo_id, info.sha, {s.rfilename: s.size for s in (info.siblings or [])}, hub)
+    where = f"{repo_id}@{hub.revision}" if hub.revision else repo_id
+    if "config.json" not in repo.sizes:
+        raise FP8ConvertError(f"{where}: no config.json in the repository; fp8convert needs the model's config")
+    if INDEX_NAME in repo.sizes:
+        repo.index_map = parse_index(repo.download(INDEX_NAME).read_bytes(), f"{where}: {INDEX_NAME}")
+    repo.shards = shard_files(list(repo.sizes), repo.index_map, where)
+    if missing := [s for s in repo.shards if s not in repo.sizes]:
+        raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
+    repo.side_files = sorted(n for n in repo.sizes if is_copied_file(n))
+    repo.card = CARD_NAME if CARD_NAME in repo.sizes else None
+    return repo
 
 
 @contextlib.contextmanager
@@ -117,52 +121,23 @@ def also_no_folder(repo_id: str):
         ) from e
 
 
-@dataclass
-class RemoteLayout:
-    """Which files of a repo a conversion needs, decided from the listing (and the small index) alone."""
-
-    shards: list[str]
-    index_map: dict[str, str] | None
-    side_files: list[str]  # copied into the output (tokenizer, chat template, .py, ...)
-    card: str | None  # the source's README.md, read for the model card
-
-
-def remote_layout(repo: RemoteRepo) -> RemoteLayout:
-    """Refuse unusable repos (no config, pickle only, index naming absent shards) before any big download."""
-    where = f"{repo.repo_id}@{repo.hub.revision}" if repo.hub.revision else repo.repo_id
-    if "config.json" not in repo.sizes:
-        raise FP8ConvertError(f"{where}: no config.json in the repository; fp8convert needs the model's config")
-    index_map = None
-    if INDEX_NAME in repo.sizes:
-        index_map = parse_index(repo.download(INDEX_NAME).read_bytes(), f"{where}: {INDEX_NAME}")
-    shards = shard_files(list(repo.sizes), index_map, where)
-    if missing := [s for s in shards if s not in repo.sizes]:
-        raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
-    side = sorted(n for n in repo.sizes if is_copied_file(n))
-    return RemoteLayout(shards, index_map, side, CARD_NAME if CARD_NAME in repo.sizes else None)
-
-
 def _read_range(url: str, headers: dict, start: int, length: int, timeout: float | None) -> bytes:
-    """`length` bytes from `start` with one Range request; streams and stops early if the server
-    ignores the Range header, so a weight file is never read in full."""
+    """`length` bytes from `start` with one Range request; a server that ignores the Range header sends
+    the file from byte 0, read only as far as needed (a weight file is never read in full)."""
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
-    with get_session().stream(
-        "GET", url, headers={**headers, "Range": f"bytes={start}-{start + length - 1}"}, timeout=timeout
-    ) as response:
+    headers = {**headers, "Range": f"bytes={start}-{start + length - 1}"}
+    with get_session().stream("GET", url, headers=headers, timeout=timeout) as response:
         if response.status_code >= 400:
             response.read()
             hf_raise_for_status(response)
         skip = start if response.status_code == 200 else 0
         out = bytearray()
         for chunk in response.iter_bytes():
-            if skip:
-                dropped = min(skip, len(chunk))
-                chunk, skip = chunk[dropped:], skip - dropped
             out += chunk
-            if len(out) >= length:
+            if len(out) >= skip + length:
                 break
-        return bytes(out[:length])
+        return bytes(out[skip : skip + length])
 
 
 def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -172,14 +147,11 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(repo.repo_id, filename, revision=repo.sha)
-    headers = build_hf_headers(token=repo.hub.token)
-    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    headers, timeout = build_hf_headers(token=repo.hub.token), constants.HF_HUB_DOWNLOAD_TIMEOUT
     size = repo.sizes.get(filename)
     if size is not None and size < 8:
         raise FP8ConvertError(f"{filename}: not a safetensors file ({size} bytes)")
-    first = repo.call(
-        _read_range, url, headers, 0, FIRST_HEADER_READ if size is None else min(size, FIRST_HEADER_READ), timeout
-    )
+    first = repo.call(_read_range, url, headers, 0, min(size or FIRST_HEADER_READ, FIRST_HEADER_READ), timeout)
     header_len = header_length(first, size, filename)
     raw = first[8 : 8 + header_len]
     if len(raw) < header_len:
@@ -192,14 +164,12 @@ def _snapshot_dir(repo: RemoteRepo) -> Path:
     return repo.download("config.json").parent
 
 
-def source_from_repo(repo: RemoteRepo, layout: RemoteLayout, root: Path) -> Source:
+def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
     config = load_config(_snapshot_dir(repo))
-    headers = dict(zip(layout.shards, parallel(lambda f: remote_header(repo, f)[0], layout.shards)))
-    tensors = collect_tensors(headers, layout.index_map, repo.repo_id)
-    quant = read_source_quantization(config, tensors, repo.repo_id, list(layout.side_files))
-    return Source(
-        Path(root), list(layout.shards), tensors, config, list(layout.side_files), repo.repo_id, repo.sha, quant
-    )
+    headers = dict(zip(repo.shards, parallel(lambda f: remote_header(repo, f)[0], repo.shards)))
+    tensors = collect_tensors(headers, repo.index_map, repo.repo_id)
+    quant = read_source_quantization(config, tensors, repo.repo_id, repo.side_files)
+    return Source(Path(root), list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant)
 
 
 def hub_offline() -> bool:
@@ -236,7 +206,7 @@ def remote_source(repo_id: str, hub: HubAccess) -> Source:
     if (cached := offline_source(repo_id, hub)) is not None:
         return cached
     repo = resolve_repo(repo_id, hub)
-    return source_from_repo(repo, remote_layout(repo), _snapshot_dir(repo))
+    return source_from_repo(repo, _snapshot_dir(repo))
 
 
 def download_source(repo_id: str, hub: HubAccess) -> Source:
@@ -246,32 +216,36 @@ def download_source(repo_id: str, hub: HubAccess) -> Source:
     if (cached := offline_source(repo_id, hub)) is not None:
         return cached
     repo = resolve_repo(repo_id, hub)
-    layout = remote_layout(repo)
-    root = _fetch(repo, layout, layout.shards)
-    _remember_ref(root, repo)
-    return open_local(root, label=repo_id, revision=repo.sha)
+    return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
 
 
 def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
     """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
     and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
     there is nothing to fetch."""
-    if source.revision is None or hub_offline():
-        return
-    repo = resolve_repo(source.label, replace(hub, revision=source.revision))
-    _fetch(repo, remote_layout(repo), shards)
+    if source.revision is not None and not hub_offline():
+        _fetch(resolve_repo(source.label, replace(hub, revision=source.revision)), shards)
 
 
-def _fetch(repo: RemoteRepo, layout: RemoteLayout, shards: list[str]) -> Path:
+def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
     """The small files (config, index, card, side files), then `shards`, biggest first, into the cache
     snapshot; returns it. Files the cache already holds for this commit cost no request, and a partial
     one resumes (the cache keeps `.incomplete` blobs)."""
-    small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
+    small = [n for n in ["config.json", INDEX_NAME, repo.card, *repo.side_files] if n and n in repo.sizes]
     for name in dict.fromkeys(small):
         repo.download(name)
     shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
     parallel(lambda name: repo.download(name, weights=True), shards)
-    return _snapshot_dir(repo)
+    snapshot = _snapshot_dir(repo)
+    # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
+    # snapshot: the files were fetched by commit, which records no ref.
+    ref = repo.hub.revision or "main"
+    if not COMMIT_SHA.match(ref) and snapshot.parent.name == "snapshots":
+        path = snapshot.parent.parent / "refs" / ref
+        with contextlib.suppress(OSError):  # only offline reruns need it
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(repo.sha)
+    return snapshot
 
 
 def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
@@ -296,10 +270,8 @@ def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
                 with lock:
                     failed.append(e)
 
-    threads = [
-        threading.Thread(target=work, name="fp8convert-hub", daemon=True)
-        for _ in range(max(1, min(workers, len(items))))
-    ]
+    count = max(1, min(workers, len(items)))
+    threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True) for _ in range(count)]
     for th in threads:
         th.start()
     for th in threads:
@@ -308,17 +280,3 @@ def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
     if failed:
         raise failed[0]
     return results
-
-
-def _remember_ref(snapshot: Path, repo: RemoteRepo) -> None:
-    """Record branch -> commit in the cache as huggingface_hub does (refs/<branch>), so an offline rerun
-    finds this snapshot: the files were fetched by commit, which records no ref."""
-    ref = repo.hub.revision or "main"
-    if COMMIT_SHA.match(ref) or snapshot.parent.name != "snapshots":
-        return
-    path = snapshot.parent.parent / "refs" / ref
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(repo.sha)
-    except OSError:
-        pass  # only offline reruns need it

@@ -26,17 +26,12 @@ from ..units import format_size
 UPLOAD_READ_TIMEOUT_S = 300.0
 MAX_RETRY_WAIT_S = 8.0
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+CHECK_AND_RERUN = "check the connection and rerun"
 # huggingface_hub turns a failed metadata request into LocalEntryNotFoundError and an interrupted
 # download into other types: the network error is found by walking the exception's causes.
 NETWORK_ERRNOS = {
-    errno.ECONNREFUSED,
-    errno.ECONNRESET,
-    errno.ECONNABORTED,
-    errno.ETIMEDOUT,
-    errno.EHOSTUNREACH,
-    errno.ENETUNREACH,
-    errno.ENETDOWN,
-    errno.EPIPE,
+    getattr(errno, name)
+    for name in "ECONNREFUSED ECONNRESET ECONNABORTED ETIMEDOUT EHOSTUNREACH ENETUNREACH ENETDOWN EPIPE".split()
 }
 
 
@@ -59,16 +54,16 @@ class HubLimits:
         )
 
 
-_installed = threading.Lock()
-_done = False
+_install_lock = threading.Lock()
+_installed = False
 
 
 def install_timeouts() -> None:
     """Once per process: wrap the client factory in place (a user's own included) so that every request
     of huggingface_hub's shared client carries the timeouts."""
-    global _done
-    with _installed:
-        if _done:
+    global _installed
+    with _install_lock:
+        if _installed:
             return
         from huggingface_hub.utils import _http, close_session, set_client_factory
 
@@ -81,7 +76,7 @@ def install_timeouts() -> None:
 
         set_client_factory(factory)  # closes the current client: the next request makes one with the hook
         close_session()
-        _done = True
+        _installed = True
 
 
 def _bound_timeouts(request) -> None:
@@ -191,71 +186,52 @@ def _tries(error: BaseException) -> str:
 
 
 def hub_error(
-    repo_id: str,
-    error: Exception,
-    revision: str | None = None,
-    *,
-    then: str = "check the connection and rerun",
-    needed_bytes: int | None = None,
+    repo_id: str, error: Exception, revision: str | None = None, *, then: str = CHECK_AND_RERUN, needed_bytes=None
 ) -> FP8ConvertError:
     """One clear line for any huggingface_hub, network or download-cache failure. `then`: what to do
     about a network failure (e.g. that a rerun resumes it); `needed_bytes`: said when the disk is full."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import errors as hf
 
     if isinstance(error, FP8ConvertError):
         return error
-    if isinstance(error, GatedRepoError):
-        return FP8ConvertError(
-            f"{repo_id}: gated repository; accept its terms on the Hub and log in "
-            "(hf auth login, or set HF_TOKEN or --token)"
-        )
-    if isinstance(error, RepositoryNotFoundError):
-        return FP8ConvertError(f"{repo_id}: repository not found (or private: log in, or set HF_TOKEN or --token)")
-    if isinstance(error, RevisionNotFoundError):
-        return FP8ConvertError(f"{repo_id}: revision {revision or ''} not found".replace("  ", " "))
-    if isinstance(error, RemoteEntryNotFoundError):
-        return FP8ConvertError(f"{repo_id}: file not found on the Hub ({_first_line(error)})")
-    if isinstance(error, OfflineModeIsEnabled):
-        return FP8ConvertError(f"{repo_id}: HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download")
+    known = {  # the first that fits: GatedRepoError is a RepositoryNotFoundError
+        hf.GatedRepoError: "gated repository; accept its terms on the Hub and log in (hf auth login, or set "
+        "HF_TOKEN or --token)",
+        hf.RepositoryNotFoundError: "repository not found (or private: log in, or set HF_TOKEN or --token)",
+        hf.RevisionNotFoundError: f"revision {revision or ''} not found".replace("  ", " "),
+        hf.RemoteEntryNotFoundError: f"file not found on the Hub ({_first_line(error)})",
+        hf.OfflineModeIsEnabled: "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download",
+    }
+    if kind := next((k for k in known if isinstance(error, k)), None):
+        return FP8ConvertError(f"{repo_id}: {known[kind]}")
     if is_timeout(error):
         return FP8ConvertError(
-            f"{repo_id}: the Hub did not answer within {HubLimits.current().read_s:g} s"
-            f"{_tries(error)} ({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets "
-            "the wait)"
+            f"{repo_id}: the Hub did not answer within {HubLimits.current().read_s:g} s{_tries(error)} "
+            f"({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets the wait)"
         )
-    if is_network_error(error) or isinstance(error, LocalEntryNotFoundError):
+    if is_network_error(error) or isinstance(error, hf.LocalEntryNotFoundError):
         cause = next((e for e in causes(error) if e is not error and is_network_error(e)), error)
         return FP8ConvertError(
             f"{repo_id}: cannot reach the Hub (network error{_tries(error)}: "
             f"{type(cause).__name__}: {_first_line(cause)}); {then}"
         )
     status = http_status(error)
-    if status == 401:
-        return FP8ConvertError(
-            f"{repo_id}: the Hub refused the credentials (401); check HF_TOKEN or --token, or run hf auth login"
-        )
-    if status == 403:
-        return FP8ConvertError(
-            f"{repo_id}: access denied (403); the token may lack write or read permission ({_first_line(error)})"
-        )
+    by_status = {
+        401: "the Hub refused the credentials (401); check HF_TOKEN or --token, or run hf auth login",
+        403: f"access denied (403); the token may lack write or read permission ({_first_line(error)})",
+    }
     if status is not None:
-        return FP8ConvertError(f"{repo_id}: Hub request failed{_tries(error)} ({_first_line(error)})")
+        return FP8ConvertError(
+            f"{repo_id}: {by_status.get(status) or f'Hub request failed{_tries(error)} ({_first_line(error)})'}"
+        )
     if isinstance(error, OSError):  # not the network: the disk the download cache lives on
         where = error.filename or constants.HF_HUB_CACHE
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             need = f" (the file being downloaded is {format_size(needed_bytes)})" if needed_bytes else ""
             return FP8ConvertError(
-                f"{where}: no space left on the download cache's disk{need}; free space or "
-                "point HF_HUB_CACHE (or --cache-dir) elsewhere, then rerun (finished "
-                "downloads are kept)"
+                f"{where}: no space left on the download cache's disk{need}; free space or point HF_HUB_CACHE "
+                "(or --cache-dir) elsewhere, then rerun (finished downloads are kept)"
             )
         return FP8ConvertError(
             f"{where}: cannot write the download cache ({error.strerror or _first_line(error)}); "

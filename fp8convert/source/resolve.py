@@ -7,9 +7,8 @@ from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..options import REPO_ID, HubAccess
-from .checkpoint import Source
+from .checkpoint import Source, open_local
 from .hub import download_source, fetch_from_hub, remote_source
-from .local import open_local
 from .streaming import NoFetcher, StreamingFetcher, streaming_source
 
 

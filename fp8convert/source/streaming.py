@@ -15,24 +15,17 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..options import HubAccess
 from .checkpoint import Source
-from .hub import RemoteRepo, remote_layout, resolve_repo, source_from_repo
+from .hub import RemoteRepo, resolve_repo, source_from_repo
 from .hub_calls import hub_error
 
 
 class NoFetcher:
     """The fetcher of a source already on disk: every file is there, nothing is ever deleted."""
 
-    def start(self, order: list[str] | None = None) -> None:
-        pass
-
-    def need(self, files: list[str]) -> None:
-        pass
-
-    def done_reading(self, files: list[str]) -> None:
-        pass
-
-    def release(self, files: list[str]) -> None:
-        pass
+    def start(self, order: list[str] | None = None) -> None: ...
+    def need(self, files: list[str]) -> None: ...
+    def done_reading(self, files: list[str]) -> None: ...
+    def release(self, files: list[str]) -> None: ...
 
     def disk_bytes_needed(self) -> int:
         return 0
@@ -40,8 +33,7 @@ class NoFetcher:
     def __enter__(self) -> NoFetcher:
         return self
 
-    def __exit__(self, *exc) -> None:
-        pass
+    def __exit__(self, *exc) -> None: ...
 
 
 class StreamingFetcher:
@@ -62,13 +54,11 @@ class StreamingFetcher:
 
     PENDING, DOWNLOADING, PRESENT, RELEASED, FAILED = "pending", "downloading", "present", "released", "failed"
 
-    def __init__(
-        self, repo: RemoteRepo, download_dir: str | Path, shards: list[str], side_files: list[str] = (), keep: int = 2
-    ):
+    def __init__(self, repo: RemoteRepo, download_dir: str | Path, keep: int = 2):
         self.repo = repo
         self.dir = Path(download_dir)
-        self.shards = list(shards)
-        self.side_files = list(side_files)
+        self.shards = list(repo.shards)
+        self.side_files = repo.side_files + ([repo.card] if repo.card else [])
         self.keep = max(1, int(keep))
         self.order: list[str] = list(self.shards)
         self.state: dict[str, str] = {f: self.PENDING for f in self.shards}
@@ -168,10 +158,7 @@ class StreamingFetcher:
                 if self.state[f] == self.DOWNLOADING:
                     self._release_when_done.add(f)  # released before it was needed: drop it on arrival
                     continue
-                if self.state[f] == self.PRESENT:
-                    self._delete(f)
-                self.state[f] = self.RELEASED
-                self.events.append(("release", f))
+                self._released(f)
             self._cond.notify_all()
 
     def close(self, remove: bool = False) -> None:
@@ -227,19 +214,23 @@ class StreamingFetcher:
                 self.repo.download(name, local_dir=self.dir, weights=True)
                 error = None
             except BaseException as e:  # handed to need(), which raises it in the pipeline
-                error = e if isinstance(e, FP8ConvertError) else hub_error(self.repo.repo_id, e)
+                error = hub_error(self.repo.repo_id, e)
             with self._cond:
                 if error is None and name in self._release_when_done:
                     self._release_when_done.discard(name)
-                    self._delete(name)
-                    self.state[name] = self.RELEASED
-                    self.events.append(("release", name))
+                    self._released(name)
                 elif error is None:
                     self.state[name] = self.PRESENT
                 else:
                     self.state[name] = self.FAILED
                     self.errors[name] = error
                 self._cond.notify_all()
+
+    def _released(self, name: str) -> None:
+        if self.state[name] in (self.PRESENT, self.DOWNLOADING):  # on disk
+            self._delete(name)
+        self.state[name] = self.RELEASED
+        self.events.append(("release", name))
 
     def _delete(self, name: str) -> None:
         (self.dir / name).unlink(missing_ok=True)
@@ -254,9 +245,7 @@ def streaming_source(
     Nothing is written until `fetcher.start(order)`, which must come after the output directory is
     prepared (prepare_output may clear OUT)."""
     repo = resolve_repo(repo_id, hub)  # the small files go to the cache
-    layout = remote_layout(repo)
-    side = layout.side_files + ([layout.card] if layout.card else [])
-    return source_from_repo(repo, layout, download_dir), StreamingFetcher(repo, download_dir, layout.shards, side, keep)
+    return source_from_repo(repo, download_dir), StreamingFetcher(repo, download_dir, keep)
 
 
 def need_order(batches) -> list[str]:

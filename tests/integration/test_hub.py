@@ -432,10 +432,8 @@ def five_shards(fake_hub: FakeHub, tmp_path: Path) -> list[str]:
     return sorted(p.name for p in root.glob("*.safetensors"))
 
 
-def make_fetcher(fake_hub, tmp_path, keep=2, **kw):
-    repo = hub.resolve_repo("acme/five", HubAccess(token=fake_hub.token))
-    layout = hub.remote_layout(repo)
-    return StreamingFetcher(repo, tmp_path / "dl", layout.shards, layout.side_files, keep=keep, **kw)
+def make_fetcher(fake_hub, tmp_path, keep=2):
+    return StreamingFetcher(hub.resolve_repo("acme/five", HubAccess(token=fake_hub.token)), tmp_path / "dl", keep)
 
 
 def on_disk(d: Path) -> list[str]:
