@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 from ..options import Format, Scheme
-from .caveats import Caveat
 from .family import (
     FUSED_SIBLINGS,
     IN_OUT,
@@ -21,6 +20,7 @@ from .family import (
     ROUTER,
     TOWER,
     Architecture,
+    Caveat,
     Experts,
     ExpertTensor,
     Keep,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..safetensors_io import TensorInfo
 from .plan import Action, TensorPlan, Unit, unique_inputs
 
 
@@ -66,6 +67,12 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
     return batches
 
 
+def first_axis_slice(info: TensorInfo, first: int, count: int) -> TensorInfo:
+    """Rows [first, first + count) of a source tensor along its first axis (contiguous bytes)."""
+    row = info.nbytes // info.shape[0]
+    return replace(info, offset=info.offset + first * row, nbytes=count * row, shape=(count, *info.shape[1:]))
+
+
 def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
     """A kept tensor over `max_bytes` as ranges of whole rows of at most that size (at least one row).
     Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
@@ -75,14 +82,9 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
         return [t]
     row = info.nbytes // info.shape[0]
     step = max(1, max_bytes // row)
+    rows = info.shape[0]
     return [
-        replace(
-            t,
-            at=r * row,
-            inputs=(replace(info, offset=info.offset + r * row, nbytes=n * row, shape=(n, *info.shape[1:])),),
-        )
-        for r in range(0, info.shape[0], step)
-        for n in [min(step, info.shape[0] - r)]
+        replace(t, at=r * row, inputs=(first_axis_slice(info, r, min(step, rows - r)),)) for r in range(0, rows, step)
     ]
 
 
@@ -91,21 +93,15 @@ def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPla
     (contiguous: experts are its first axis) is at most `max_bytes` (at least one expert). A layer's
     fused experts can be tens of GB (Llama-4 Maverick: 21 GB per tensor); one expert's are not."""
     info = atom[0].source
-    per_expert = info.nbytes // info.shape[0]
     if info.nbytes <= max_bytes or any(t.cut.expert is None for t in atom):
         return [atom]
-    step = max(1, max_bytes // per_expert)
-    pieces = []
-    for first in range(0, info.shape[0], step):
-        count = min(step, info.shape[0] - first)
-        piece = replace(
-            info, offset=info.offset + first * per_expert, nbytes=count * per_expert, shape=(count, *info.shape[1:])
-        )
-        pieces.append(
-            [
-                replace(t, inputs=(piece,), cut=replace(t.cut, expert=t.cut.expert - first))
-                for t in atom
-                if first <= t.cut.expert < first + count
-            ]
-        )
-    return pieces
+    step, experts = max(1, max_bytes // (info.nbytes // info.shape[0])), info.shape[0]
+    return [
+        [
+            replace(t, inputs=(piece,), cut=replace(t.cut, expert=t.cut.expert - first))
+            for t in atom
+            if first <= t.cut.expert < first + piece.shape[0]
+        ]
+        for first in range(0, experts, step)
+        for piece in [first_axis_slice(info, first, min(step, experts - first))]
+    ]

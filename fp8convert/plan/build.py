@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import replace
 
 from .._version import __version__
 from ..errors import FP8ConvertError
@@ -18,7 +19,7 @@ from ..units import plural
 from .architectures import GENERIC, architecture_of
 from .family import Architecture, config_value, mtp_layers
 from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
-from .rules import Decision, decide, experts_of, is_linear_weight, module_of
+from .rules import decide, experts_of, is_linear_weight, module_of
 
 
 def build_plan(source: Source, options: Options) -> Plan:
@@ -122,50 +123,27 @@ def high_precision_dtype(options: Options, config: dict) -> str:
     return options.dtype or MODEL_DTYPES.get(str(config.get("torch_dtype", config.get("dtype"))), "BF16")
 
 
-def tensor_plan(d: Decision, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
-    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that
-    stays FP8 passes through when its scales are already the output's (passes_through), and is
-    requantized from its dequantized values otherwise. Its static activation scale goes with it when
-    the output's activations are per tensor."""
-    fmt = get_format(options.format)
+def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
+    """How decision `d` (kept or quantized, rules.py) is made. An FP8 source weight kept in high
+    precision is dequantized; one that stays FP8 passes through when its scales are already the
+    output's (passes_through), and is requantized from its dequantized values otherwise. Its static
+    activation scale goes with it when the output's activations are per tensor."""
     fp8_weight = quant.weights.get(d.source.name) if quant else None
-    if fp8_weight is None:
-        if not d.quantize:
-            return TensorPlan(d.name, (d.source,), Action.KEEP, d.reason, d.group, cut=d.cut)
-        shape = d.cut.shape(d.source.shape) if d.cut else d.source.shape
-        return TensorPlan(
-            d.name,
-            (d.source,),
-            Action.QUANTIZE,
-            None,
-            d.group,
-            fmt.scale_name(d.name, options.scheme),
-            fmt.scale_shape(shape, options.scheme),
-            d.cut,
-            scale_dtype=fmt.scale_dtype(options.scheme),
-        )
-    inputs = (fp8_weight.weight, fp8_weight.scale)
+    if fp8_weight is None and not d.quantize:
+        return d
     if not d.quantize:
-        return TensorPlan(d.name, inputs, Action.DEQUANTIZE, d.reason, d.group, out_dtype=high_precision)
-    carried = None
-    if fp8_weight.input_scale is not None and options.scheme == Scheme.TENSOR:
-        inputs += (fp8_weight.input_scale,)
-        carried = module_of(d.name) + ".input_scale"
+        inputs = (fp8_weight.weight, fp8_weight.scale)
+        return replace(d, inputs=inputs, action=Action.DEQUANTIZE, out_dtype=high_precision)
+    fmt, scheme = get_format(options.format), options.scheme
+    d = replace(d, scale_name=fmt.scale_name(d.name, scheme), scale_shape=fmt.scale_shape(d.shape, scheme))
+    if fp8_weight is None:
+        return replace(d, scale_dtype=fmt.scale_dtype(scheme))
+    d = replace(d, inputs=(fp8_weight.weight, fp8_weight.scale))
+    if fp8_weight.input_scale is not None and scheme == Scheme.TENSOR:
+        d = replace(d, inputs=(*d.inputs, fp8_weight.input_scale), input_scale_name=module_of(d.name) + ".input_scale")
     if passes_through(quant, options):  # the scale keeps its dtype
-        action, scale_dtype = Action.PASS, fp8_weight.scale.dtype
-    else:
-        action, scale_dtype = Action.REQUANTIZE, fmt.scale_dtype(options.scheme)
-    return TensorPlan(
-        d.name,
-        inputs,
-        action,
-        None,
-        d.group,
-        fmt.scale_name(d.name, options.scheme),
-        fmt.scale_shape(d.source.shape, options.scheme),
-        input_scale_name=carried,
-        scale_dtype=scale_dtype,
-    )
+        return replace(d, action=Action.PASS, scale_dtype=fp8_weight.scale.dtype)
+    return replace(d, action=Action.REQUANTIZE, scale_dtype=fmt.scale_dtype(scheme))
 
 
 def passes_through(quant: SourceQuantization, options: Options) -> bool:
@@ -184,24 +162,18 @@ def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], opti
     if quant is None:
         return []
     notes = []
-    dropped = [
-        t.name
-        for t in plans
-        if t.quantize
-        and quant.weights.get(t.source.name)
-        and quant.weights[t.source.name].input_scale is not None
-        and not t.input_scale_name
-    ]
+    without_scale = {t.source.name for t in plans if t.quantize and not t.input_scale_name}
+    dropped = sum(w.input_scale is not None for name, w in quant.weights.items() if name in without_scale)
     if dropped:
         notes.append(
-            f"the source's static activation scales (input_scale) of {len(dropped)} FP8 weights are not "
+            f"the source's static activation scales (input_scale) of {dropped} FP8 weights are not "
             f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
             "takes static per-tensor activation scales)"
         )
     if (
         quant.config.scale_fmt == ScaleFormat.UE8M0
         and not options.dequantize
-        and options.scale_format != ScaleFormat.UE8M0
+        and options.scale_format == ScaleFormat.FLOAT
     ):
         notes.append(
             "the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
@@ -260,12 +232,9 @@ def architecture_notes(arch: Architecture | None, source: Source) -> list[str]:
             "your engine and run fp8convert verify"
         ]
     names = {t.name for t in source.tensors}
-    missing = [layer for layer in mtp_layers(arch, config) if not any(n.startswith(layer + ".") for n in names)]
-    return (
-        [
+    if missing := [layer for layer in mtp_layers(arch, config) if not any(n.startswith(layer + ".") for n in names)]:
+        return [
             f"config.json declares MTP layer(s) {', '.join(missing)} (num_nextn_predict_layers), but the "
             "checkpoint has none: the output cannot serve MTP speculative decoding either"
         ]
-        if missing
-        else []
-    )
+    return []

@@ -1,15 +1,15 @@
 """One model family as the architecture registry (architectures.py) describes it: what stays in high
 precision beyond the generic rules, which modules vLLM fuses, how fused MoE experts are stored, where
-MTP layers live, how each consumer names a module, and what it cannot load.
+MTP layers live, how each consumer names a module, and what it cannot load (a Caveat: code that acts on a
+warning reads its Caveat, never its wording).
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from .caveats import Caveat
 
 # vLLM fuses these sibling modules into one linear (the default `packed_modules_mapping` of most models).
 FUSED_SIBLINGS = (
@@ -32,21 +32,36 @@ MTP_LAYERS = "layers"
 MTP_MODULE = "mtp"
 
 
+class Caveat(enum.Enum):
+    TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
+    TRANSFORMERS_MISREADS = "transformers-misreads"  # loads, but some weights dequantize wrongly
+    VLLM_CANNOT_LOAD = "vllm-cannot-load"
+    VLLM_TP_LIMITS = "vllm-tp-limits"  # loads at some tensor-parallel sizes only
+
+
 @dataclass(frozen=True)
-class Keep:
+class PlanWarning:
+    caveat: Caveat
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scoped:
+    """Applies only in these output formats and schemes (empty: all)."""
+
+    formats: tuple[str, ...] = ()
+    schemes: tuple[str, ...] = ()
+
+    def covers(self, fmt: str, scheme: str) -> bool:
+        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes)
+
+
+@dataclass(frozen=True)
+class Keep(Scoped):
     """Modules (regex searched in the checkpoint module name) kept in high precision, and why."""
 
     pattern: str
     reason: str
-    formats: tuple[str, ...] = ()  # only for these output formats (empty: all)
-    schemes: tuple[str, ...] = ()  # only for these schemes (empty: all)
-
-    def applies(self, module: str, fmt: str, scheme: str) -> bool:
-        return (
-            (not self.formats or fmt in self.formats)
-            and (not self.schemes or scheme in self.schemes)
-            and re.search(self.pattern, module) is not None
-        )
 
 
 @dataclass(frozen=True)
@@ -97,22 +112,12 @@ class Experts:
 
 
 @dataclass(frozen=True)
-class Limit:
+class Limit(Scoped):
     """A combination some consumer cannot load."""
 
     caveat: Caveat
     text: str
-    formats: tuple[str, ...] = ()
-    schemes: tuple[str, ...] = ()
-    experts: bool = False  # only where MoE experts are quantized
-
-    def applies(self, fmt: str, scheme: str, has_experts: bool) -> bool:
-        """`has_experts`: the output holds quantized MoE experts."""
-        return (
-            (not self.formats or fmt in self.formats)
-            and (not self.schemes or scheme in self.schemes)
-            and (has_experts or not self.experts)
-        )
+    experts: bool = False  # only where the output holds quantized MoE experts
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ class Architecture:
         return list(dict.fromkeys([module, self.transformers_name(module), self.vllm_name(module, config)]))
 
     def keep_reason(self, module: str, fmt: str, scheme: str) -> str | None:
-        return next((k.reason for k in self.keep if k.applies(module, fmt, scheme)), None)
+        return next((k.reason for k in self.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
 
     def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
         """(layout, per-expert modules' parent) of a fused expert tensor, or None."""

@@ -21,20 +21,14 @@ import re
 from dataclasses import dataclass
 
 from ..options import BLOCK, MX_GROUP, Format, Scheme
-from .caveats import Caveat, PlanWarning
-from .family import config_value
+from .family import Caveat, PlanWarning, config_value
 from .rules import experts_of, module_of
 
-ROW_PARALLEL = {"o_proj", "down_proj", "out_proj", "w2", "c_proj", "dense_4h_to_h", "fc2", "wo", "linear_2"}
-REPLICATED = {
-    "q_a_proj",
-    "kv_a_proj_with_mqa",
-    "fc1_latent_proj",
-    "fc2_latent_proj",
-    "eh_proj",
-    "per_layer_input_gate",
-    "per_layer_projection",
-}
+ROW_PARALLEL = set("o_proj down_proj out_proj w2 c_proj dense_4h_to_h fc2 wo linear_2".split())
+REPLICATED = set(
+    "q_a_proj kv_a_proj_with_mqa fc1_latent_proj fc2_latent_proj eh_proj per_layer_input_gate "
+    "per_layer_projection".split()
+)
 KV_LEAVES = {"k_proj", "v_proj"}
 MIN_REFINED_BLOCK = 32  # the smallest block vLLM's fp8 MoE refinement accepts
 
@@ -98,53 +92,43 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
     return NOT_BLOCKS if tp > 1 else None
 
 
-def merged(splits: set[Split]) -> dict[tuple, list[str]]:
-    """Splits of sibling modules with the same dim, as one: (parent, axis, size, heads) -> leaves."""
-    out: dict[tuple, list[str]] = {}
-    for s in sorted(splits, key=lambda s: (s.modules, s.axis, s.size)):
-        parent, _, leaf = s.modules.rpartition(".") if s.axis != "expert intermediate" else (s.modules, "", "")
-        out.setdefault((parent, s.axis, s.size, s.heads), []).append(leaf)
-    return out
-
-
 def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tuple[int, ...]) -> list[PlanWarning]:
     """One warning per kind of split dim that fails at some of `sizes` (or loads there only with
     vLLM's smaller fallback blocks), with the sizes that work and what to choose instead.
     `quantized`: the plan's quantized TensorPlans."""
     hidden = config_value(config, "hidden_size", "d_model") or BLOCK
     splits = {s for t in quantized if len(t.shape) == 2 and (s := split_of(t.name, t.shape, config))}
+    # splits of sibling modules with the same dim, as one: (parent, axis, size, heads) -> leaves
+    merged: dict[tuple, list[str]] = {}
+    for s in sorted(splits, key=lambda s: (s.modules, s.axis, s.size)):
+        parent, _, leaf = s.modules.rpartition(".") if s.axis != "expert intermediate" else (s.modules, "", "")
+        merged.setdefault((parent, s.axis, s.size, s.heads), []).append(leaf)
     warnings = []
-    for (parent, axis, size, heads), leaves in merged(splits).items():
+    for (parent, axis, size, heads), leaves in merged.items():
         split = Split(parent, axis, size, heads)
         modules = parent + (f".{'/'.join(leaves)}" if any(leaves) else "")
         failing = {tp: why for tp in sizes if (why := problem(split, tp, fmt, scheme, hidden))}
         ok = [tp for tp in sizes if tp not in failing]
-        refined = [
-            tp for tp in ok if scheme == Scheme.BLOCK and axis == "expert intermediate" and per_rank(split, tp) % BLOCK
-        ]
+        experts = axis == "expert intermediate"
+        refined = [tp for tp in ok if scheme == Scheme.BLOCK and experts and per_rank(split, tp) % BLOCK]
         if not failing and not refined:
             continue
+        reasons = []
+        for why in sorted(set(failing.values())):
+            tps = [tp for tp in failing if failing[tp] == why]
+            ranks = "" if why == DOES_NOT_DIVIDE else f" ({', '.join(str(per_rank(split, tp)) for tp in tps)} per rank)"
+            reasons.append(f"{why} at TP {', '.join(map(str, tps))}{ranks}")
         text = f"vLLM splits the {axis} size {size} of {modules} across tensor-parallel ranks"
-        if failing:
-            text += ": " + "; ".join(
-                f"{why} at TP {', '.join(map(str, tps))}"
-                + ("" if why == DOES_NOT_DIVIDE else f" ({', '.join(str(per_rank(split, tp)) for tp in tps)} per rank)")
-                for why in sorted(set(failing.values()))
-                for tps in [[tp for tp in failing if failing[tp] == why]]
-            )
+        if reasons:
+            text += ": " + "; ".join(reasons)
         if ok:
-            text += f"; it loads at TP {', '.join(map(str, ok))}" + (
-                f" (at TP {', '.join(map(str, refined))} only with smaller blocks on vLLM's Triton MoE kernels)"
-                if refined
-                else ""
-            )
-        if axis == "expert intermediate" and DOES_NOT_DIVIDE in failing.values():
+            text += f"; it loads at TP {', '.join(map(str, ok))}"
+        if refined:
+            text += f" (at TP {', '.join(map(str, refined))} only with smaller blocks on vLLM's Triton MoE kernels)"
+        if experts and DOES_NOT_DIVIDE in failing.values():
             text += "; or use expert parallelism (vLLM's --enable-expert-parallel does not split experts)"
         elif scheme in (Scheme.BLOCK, Scheme.MXFP8) and failing:
-            text += (
-                "; or use --scheme "
-                + (Scheme.CHANNEL if fmt == Format.COMPRESSED_TENSORS else Scheme.TENSOR)
-                + ", which vLLM splits at any size that divides"
-            )
+            other = Scheme.CHANNEL if fmt == Format.COMPRESSED_TENSORS else Scheme.TENSOR
+            text += f"; or use --scheme {other}, which vLLM splits at any size that divides"
         warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS if ok else Caveat.VLLM_CANNOT_LOAD, text))
     return warnings

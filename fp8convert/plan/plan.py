@@ -142,16 +142,10 @@ class Unit:
     def atoms(self) -> list[list[TensorPlan]]:
         """Pieces that must never be split: every output cut from one source tensor (so it is read
         once), a quantized fused group (one scale), or a single tensor."""
-        atoms: dict[str, list[TensorPlan]] = {}
+        atoms: dict[tuple[str, str], list[TensorPlan]] = {}
         for t in self.tensors:
-            shares_scale = t.action in (Action.QUANTIZE, Action.REQUANTIZE)
-            key = (
-                f"cut:{t.source.name}"
-                if t.cut
-                else f"group:{t.group}"
-                if t.group and shares_scale
-                else f"tensor:{t.name}"
-            )
+            shares_scale = t.group and t.action in (Action.QUANTIZE, Action.REQUANTIZE)
+            key = ("cut", t.source.name) if t.cut else ("group", t.group) if shares_scale else ("tensor", t.name)
             atoms.setdefault(key, []).append(t)
         return list(atoms.values())
 
@@ -245,31 +239,25 @@ def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
     ]
 
 
-def assign_shards(units: list[Unit], max_shard_size: int) -> list[list[tuple[int, list[TensorPlan]]]]:
-    """Fill shards in unit order, breaking between units; a unit larger than a shard breaks between atoms."""
-    shards: list[list[tuple[int, list[TensorPlan]]]] = [[]]
+def lay_out_shards(units: list[Unit], max_shard_size: int) -> tuple[list[Shard], dict[str, int]]:
+    """The output shards, filled in unit order and named as transformers names them, with complete
+    headers; and the shard of every output tensor. Shards break between units, and a unit larger than a
+    shard between its atoms."""
+    layout: list[list[tuple[int, list[TensorPlan]]]] = [[]]
     used = 0
     for ui, unit in enumerate(units):
-        pieces = [unit.tensors] if unit.out_bytes <= max_shard_size else unit.atoms()
-        for piece in pieces:
+        for piece in [unit.tensors] if unit.out_bytes <= max_shard_size else unit.atoms():
             size = sum(t.out_bytes for t in piece)
             if used and used + size > max_shard_size:
-                shards.append([])
+                layout.append([])
                 used = 0
-            shards[-1].append((ui, piece))
+            layout[-1].append((ui, piece))
             used += size
-    return [s for s in shards if s]
-
-
-def lay_out_shards(units: list[Unit], max_shard_size: int) -> tuple[list[Shard], dict[str, int]]:
-    """The output shards, named as transformers names them, with complete headers; and the shard of
-    every output tensor."""
+    layout = [pieces for pieces in layout if pieces]
     shards, shard_of = [], {}
-    layout = assign_shards(units, max_shard_size)
     for index, pieces in enumerate(layout):
         name = f"model-{index + 1:05d}-of-{len(layout):05d}.safetensors"
-        entries = [out for _, atom in pieces for t in atom for out in t.outputs()]
-        header, placed = layout_shard(entries)
+        header, placed = layout_shard([out for _, atom in pieces for t in atom for out in t.outputs()])
         shards.append(Shard(index, name, sorted({ui for ui, _ in pieces}), header, placed))
         shard_of.update({n: index for n in placed})
     return shards, shard_of

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..errors import FP8ConvertError
 from ..formats.sources import SourceQuantization
@@ -19,38 +19,18 @@ from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
 from .architectures import GENERIC
 from .cuts import Cut
 from .family import FUSED_SIBLINGS, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
+from .plan import Action, TensorPlan
 
-EMBEDDING_LEAVES = {
-    "embed_tokens",
-    "wte",
-    "wpe",
-    "word_embeddings",
-    "position_embeddings",
-    "token_type_embeddings",
-    "embeddings",
-    "embed_positions",
-    "tok_embeddings",
-}
+# Leaves named like an embedding: "embed" in the leaf, or GPT-2's token and position tables.
+EMBEDDING_LEAVES = {"wte", "wpe"}
 HEAD_LEAVES = {"lm_head", "embed_out", "score", "classifier", "output"}
 # MoE routers: tiny, precision-critical, and some engines build them without FP8 support.
 ROUTER_LEAVES = {"router", "shared_expert_gate", "e_score_correction_bias"}
 ROUTER_PARENTS = {"mlp", "block_sparse_moe", "feed_forward", "moe"}  # <parent>.gate is a router
-TOWER_PARTS = {
-    "vision_tower",
-    "vision_model",
-    "visual",
-    "vision_encoder",
-    "vision",
-    "audio_tower",
-    "audio_model",
-    "audio_encoder",
-    "multi_modal_projector",
-    "mm_projector",
-    "vision_projector",
-    "image_newline",
-    "audio_projector",
-    "vision_embed_tokens",
-}
+TOWER_PARTS = set(
+    "vision_tower vision_model visual vision_encoder vision audio_tower audio_model audio_encoder "
+    "multi_modal_projector mm_projector vision_projector image_newline audio_projector vision_embed_tokens".split()
+)
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
 MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
@@ -136,17 +116,10 @@ def experts_of(name: str) -> str | None:
     return m.group("experts") if m else None
 
 
-@dataclass(frozen=True)
-class Decision:
-    """One output tensor: its name, the source tensor it is made from (a cut of it, or all of it),
-    and whether it is quantized."""
-
-    name: str
-    source: TensorInfo
-    quantize: bool
-    reason: str | None  # why kept; None when quantized
-    group: str | None  # fused group key (scale shared in the tensor scheme)
-    cut: Cut | None = None
+def decision(name: str, source: TensorInfo, reason: str | None, group: str | None = None, cut: Cut | None = None):
+    """An output tensor quantized (no reason to keep it) or kept, made from `source` (or a cut of it);
+    build.py says how an FP8 source makes it."""
+    return TensorPlan(name, (source,), Action.KEEP if reason else Action.QUANTIZE, reason, group, cut=cut)
 
 
 # ---------------------------------------------------------------- fused expert tensors
@@ -189,22 +162,16 @@ def expert_cuts(
 
 
 def _expert_decisions(
-    info: TensorInfo,
-    layout: ExpertTensor,
-    experts: str,
-    arch: Architecture,
-    config: dict,
-    options: Options,
-    hit: str | None,
-) -> list[Decision]:
+    info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict, options: Options, hit
+) -> list[TensorPlan]:
     reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
     if reason and options.format not in arch.experts.split_when_kept:
-        return [Decision(info.name, info, False, reason, None)]
-    decisions = []
-    for name, cut in expert_cuts(info, layout, experts, arch, config):
-        why = reason or shape_keep_reason(cut.shape(info.shape), options.scheme)
-        decisions.append(Decision(name, info, why is None, why, fused_group_key(name, arch.fused), cut))
-    return decisions
+        return [decision(info.name, info, reason)]
+    return [
+        decision(name, info, reason or shape_keep_reason(cut.shape(info.shape), options.scheme), group, cut)
+        for name, cut in expert_cuts(info, layout, experts, arch, config)
+        for group in [fused_group_key(name, arch.fused)]
+    ]
 
 
 # ---------------------------------------------------------------- all tensors
@@ -216,19 +183,26 @@ def decide(
     options: Options,
     arch: Architecture = GENERIC,
     quant: SourceQuantization | None = None,
-) -> tuple[list[Decision], list[str], list[str]]:
+) -> tuple[list[TensorPlan], list[str], list[str]]:
     """Decide every output tensor. Returns (decisions in source order, notes and warnings for the user).
 
     An FP8 source (`quant`): its scales are inputs of their weights, never outputs of their own; its
     FP8 weights are decided like high-precision ones (a weight the rules or --ignore keep is
     dequantized); the tensors it kept in high precision stay as they are."""
-    if options.dequantize:
-        return decide_dequantize(tensors, quant), [], []
-    notes: list[str] = []
-    decisions: list[Decision] = []
+    companions = quant.companions() if quant else set()
+    if options.dequantize:  # every FP8 weight becomes high precision, every other tensor is kept
+        return (
+            [
+                decision(t.name, t, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT)
+                for t in tensors
+                if t.name not in companions
+            ],
+            [],
+            [],
+        )
+    decisions: list[TensorPlan] = []
     used_patterns: set[str] = set()
     unsupported: list[str] = []
-    companions = quant.companions() if quant else set()
     for info in tensors:
         if info.name in companions:
             continue
@@ -239,14 +213,12 @@ def decide(
                 reason = default_keep_reason(info, arch, options.format, options.scheme)
             except UnsupportedLayout:
                 reason = None
-            decisions.append(Decision(info.name, info, False, reason or SOURCE_KEPT, group))
+            decisions.append(decision(info.name, info, reason or SOURCE_KEPT, group))
             continue
-        fused_experts = arch.expert_tensor(info.name)
-        if fused_experts:
+        if fused_experts := arch.expert_tensor(info.name):
             layout, experts = fused_experts
             hit = next((p for p in options.ignore if matches_pattern(module, p) or matches_pattern(experts, p)), None)
-            if hit:
-                used_patterns.add(hit)
+            used_patterns.add(hit)
             decisions += _expert_decisions(info, layout, experts, arch, config, options, hit)
             continue
         hit = next((p for p in options.ignore if matches_pattern(module, p)), None)
@@ -259,7 +231,7 @@ def decide(
         if reason is None and hit is not None:
             used_patterns.add(hit)
             reason = f"--ignore {hit}"
-        decisions.append(Decision(info.name, info, reason is None, reason, group))
+        decisions.append(decision(info.name, info, reason, group))
     if unsupported:
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
         family = f"model_type {config.get('model_type')!r}" + ("" if arch is not GENERIC else ", not in the registry")
@@ -273,6 +245,7 @@ def decide(
         for pattern in options.ignore
         if pattern not in used_patterns
     ]
+    notes: list[str] = []
     decisions = _keep_together(
         decisions, lambda d: d.group, "kept all of {key} because {kept} is kept ({reason})", notes
     )
@@ -283,7 +256,7 @@ def decide(
     return _unsplit_kept(decisions, arch, options), notes, warnings
 
 
-def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Options) -> list[Decision]:
+def _unsplit_kept(decisions: list[TensorPlan], arch: Architecture, options: Options) -> list[TensorPlan]:
     """A fused expert tensor none of whose cuts is quantized (e.g. experts whose width does not divide
     into MXFP8 groups) stays whole, as released, like experts kept with --ignore: split BF16 experts
     would only cost transformers the layout it reads."""
@@ -301,26 +274,15 @@ def _unsplit_kept(decisions: list[Decision], arch: Architecture, options: Option
             out.append(d)
         elif d.source.name not in done:
             done.add(d.source.name)
-            out.append(Decision(d.source.name, d.source, False, root.get(experts_of(d.name), d.reason), None))
+            out.append(decision(d.source.name, d.source, root.get(experts_of(d.name), d.reason)))
     return out
 
 
-def decide_dequantize(tensors: list[TensorInfo], quant: SourceQuantization) -> list[Decision]:
-    """Dequantize: every FP8 weight becomes high precision, every other tensor (scales aside) is kept."""
-    companions = quant.companions()
-    return [
-        Decision(t.name, t, False, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT, None)
-        for t in tensors
-        if t.name not in companions
-    ]
-
-
-def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str]) -> list[Decision]:
+def _keep_together(decisions: list[TensorPlan], key_of, note: str, notes: list[str]) -> list[TensorPlan]:
     """Where some members of a set (a fused group, a MoE layer's experts) are kept, keep them all."""
     members: dict[str, list[int]] = {}
     for i, d in enumerate(decisions):
-        key = key_of(d)
-        if key:
+        if key := key_of(d):
             members.setdefault(key, []).append(i)
     out = list(decisions)
     for key, indices in members.items():
@@ -330,7 +292,7 @@ def _keep_together(decisions: list[Decision], key_of, note: str, notes: list[str
             why = f"fused with {module_of(first.name)}, which is kept"
             for i in indices:
                 if out[i].quantize:
-                    out[i] = replace(out[i], quantize=False, reason=why)
+                    out[i] = replace(out[i], action=Action.KEEP, reason=why)
             notes.append(note.format(key=key, kept=module_of(first.name), reason=first.reason))
     return out
 
@@ -342,6 +304,6 @@ def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str 
     return (
         name.endswith(".weight")
         and len(shape) == 2
-        and reason not in ("embedding",)
+        and reason != "embedding"
         and (dtype in FLOAT_SOURCE_DTYPES or dtype == "F64")
     )

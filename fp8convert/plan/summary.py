@@ -10,8 +10,7 @@ from ..errors import FP8ConvertError
 from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
 from .batches import make_batches
-from .caveats import Caveat, PlanWarning
-from .family import MTP_LAYERS, MTP_MODULE, Limit, mtp_layers
+from .family import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
 from .rules import MX_INPUT_DIM
@@ -68,33 +67,19 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
     if plan.options.dequantize:  # no FP8 left
         return []
-    scheme, fmt = plan.options.scheme, plan.options.format
+    scheme, fmt, arch = plan.options.scheme, plan.options.format, plan.architecture
     quantized = [t for t in plan.tensors if t.quantize]
     has_experts = any(EXPERT.search(t.name) for t in quantized)
-    warnings = [PlanWarning(limit.caveat, limit.text) for limit in LIMITS if limit.applies(fmt, scheme, has_experts)]
-    if scheme == Scheme.BLOCK:
-        warnings += block_warnings(fmt, quantized)
-    warnings += architecture_warnings(plan, has_experts)
-    warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
-    return warnings
 
+    def limits(table: tuple[Limit, ...]) -> list[PlanWarning]:
+        return [
+            PlanWarning(x.caveat, x.text) for x in table if x.covers(fmt, scheme) and (has_experts or not x.experts)
+        ]
 
-def plan_warnings(plan: Plan) -> list[str]:
-    """Every warning of a plan, as the user reads it: what did not happen as asked, then where the
-    output will not load."""
-    return plan.warnings + [w.text for w in compatibility_warnings(plan)]
-
-
-def architecture_warnings(plan: Plan, has_experts: bool) -> list[PlanWarning]:
-    """What the registry says this family's consumers cannot load in this format and scheme."""
-    arch, fmt, scheme = plan.architecture, plan.options.format, plan.options.scheme
-    if arch is None:
-        return []
-    warnings = [
-        PlanWarning(limit.caveat, limit.text) for limit in arch.limits if limit.applies(fmt, scheme, has_experts)
-    ]
-    split = arch.experts and any(t.cut for t in plan.tensors)
-    if split and fmt not in arch.experts.transformers_loads_split:
+    warnings = limits(LIMITS) + (block_warnings(fmt, quantized) if scheme == Scheme.BLOCK else [])
+    if arch:
+        warnings += limits(arch.limits)
+    if arch and arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
         # transformers' conversion mapping has no rule merging this family's per-expert weights, so it
         # reports them as unexpected and leaves its fused expert parameters as initialised; its fused
         # path reads FP8 expert codes without their scales, so no FP8 layout loads in both.
@@ -108,24 +93,28 @@ def architecture_warnings(plan: Plan, has_experts: bool) -> list[PlanWarning]:
                 "serves this layout",
             )
         )
-    return warnings
+    return warnings + tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """Every warning of a plan, as the user reads it: what did not happen as asked, then where the
+    output will not load."""
+    return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
 def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
     warnings = []
-    odd = [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]
-    if odd:
-        caveat, what = (
-            (
-                Caveat.TRANSFORMERS_MISREADS,
-                "transformers infers the block size from the scale grid and dequantizes these wrongly",
-            )
-            if fmt == Format.FP8
-            else (Caveat.TRANSFORMERS_CANNOT_LOAD, "transformers cannot load these (needs both dims divisible by 128)")
+    if odd := [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]:
+        misreads = fmt == Format.FP8
+        what = (
+            "transformers infers the block size from the scale grid and dequantizes these wrongly"
+            if misreads
+            else "transformers cannot load these (needs both dims divisible by 128)"
         )
         warnings.append(
             PlanWarning(
-                caveat, f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}"
+                Caveat.TRANSFORMERS_MISREADS if misreads else Caveat.TRANSFORMERS_CANNOT_LOAD,
+                f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}",
             )
         )
     if why := unloadable_fused_groups(fmt, quantized):
@@ -140,14 +129,14 @@ def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
     so every member but the last must end on a block boundary (compressed-tensors checks it:
     "output_partition_size ... is not divisible by weight quantization block_n"; the fp8 format fails
     later copying scale rows). MoE experts follow vLLM's MoE rules instead (parallel.py)."""
-    fused = {}
+    fused: dict[str, list] = {}
     for t in quantized:
         if t.group and not EXPERT.search(t.name):
             fused.setdefault(t.group, []).append(t)
     broken = []
     for group, members in fused.items():
-        order = {leaf: i for i, leaf in enumerate(group.rsplit(".", 1)[-1].split("/"))}
-        members = sorted(members, key=lambda t: order.get(t.name.rsplit(".", 2)[-2], 0))
+        order = group.rsplit(".", 1)[-1].split("/")
+        members.sort(key=lambda t: order.index(t.name.rsplit(".", 2)[-2]))
         if offending := [t for t in members[:-1] if t.shape[0] % BLOCK]:
             broken.append((group, offending[0]))
     if not broken:
@@ -180,13 +169,12 @@ def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
 # Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
 # format's GEMMs need SM89, with weight-only Marlin kernels from SM75; MXFP8 GEMMs (FlashInfer) need SM100,
 # Marlin serves MXFP8 weight-only from SM75; DeepGEMM runs on SM90, SM100 and SM120).
-VLLM_GPUS = {
-    "e4m3": "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
-    "mxfp8": "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
+VLLM_GPUS = {  # by --scale-format, or the MXFP8 scheme
+    ScaleFormat.FLOAT: "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
+    Scheme.MXFP8: "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
     "to SM90, Hopper included",
-    "ue8m0": "FP8 GEMMs on SM89 and later, weight-only Marlin kernels from SM75; DeepGEMM (SM90, SM100, SM120) "
-    "takes the power-of-two block scales as written (its load-time rounding to powers of two changes "
-    "no value)",
+    ScaleFormat.UE8M0: "FP8 GEMMs on SM89 and later, weight-only Marlin kernels from SM75; DeepGEMM (SM90, SM100, "
+    "SM120) takes the power-of-two block scales as written (its load-time rounding to powers of two changes no value)",
 }
 
 
@@ -196,30 +184,18 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
     caveats = {w.caveat for w in warnings}
-    layout = (
-        "mxfp8"
-        if options.scheme == Scheme.MXFP8
-        else "e4m3"
-        if options.scale_format == ScaleFormat.FLOAT
-        else options.scale_format
-    )
-    if Caveat.VLLM_CANNOT_LOAD in caveats:
-        vllm = "no (see the warnings)"
-    else:
-        vllm = (
-            "yes: "
-            + VLLM_GPUS[layout]
-            + ("; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else "")
-        )
-    cannot = transformers_verdict(warnings)
-    if cannot:
+    layout = Scheme.MXFP8 if options.scheme == Scheme.MXFP8 else options.scale_format
+    vllm = "no (see the warnings)"
+    if Caveat.VLLM_CANNOT_LOAD not in caveats:
+        tp = "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else ""
+        vllm = f"yes: {VLLM_GPUS[layout]}{tp}"
+    if cannot := transformers_verdict(warnings):
         transformers = "no: " + cannot
     elif Caveat.TRANSFORMERS_MISREADS in caveats:
         transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
     else:
-        transformers = "yes (dequantizes on load)" + (
-            "; needs the compressed-tensors package" if options.format == Format.COMPRESSED_TENSORS else ""
-        )
+        package = "; needs the compressed-tensors package" if options.format == Format.COMPRESSED_TENSORS else ""
+        transformers = "yes (dequantizes on load)" + package
     return {"vLLM": vllm, "transformers": transformers}
 
 
