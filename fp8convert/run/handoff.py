@@ -1,9 +1,8 @@
-"""Hand-offs between the run's threads that never wait past a stop.
+"""Hand-offs between a run's threads that never wait past its stop.
 
-A reader thread hands batches to the thread that consumes them through a bounded queue, and holds a slot
-(a semaphore) for each batch in memory. Every wait wakes every POLL_S to check the run's stop event, so
-the thread ends even when an interrupt landed inside a queue operation and a notification was lost. A
-failure in the thread is handed over as `Failed`, for the consumer to raise in its own thread.
+Every wait wakes every POLL_S to check the run's stop event, so a thread ends even when an interrupt landed
+inside a queue operation and a notification was lost. A thread's failure is handed over as `Failed`, for
+the consuming thread to raise.
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ STOPPED = object()  # what get_unless_stopped returns once the run stopped with 
 
 
 class Failed:
-    """A worker thread's failure, handed to the consuming thread, which raises it."""
-
     def __init__(self, error: BaseException):
         self.error = error
 
 
 def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
-    """Put `item` once there is room; False (item not put) once `stop` is set."""
+    """Put `item` once there is room; False (not put) once `stop` is set."""
     while not stop.is_set():
         try:
             handoff.put(item, timeout=POLL_S)
@@ -34,7 +31,7 @@ def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> boo
 
 
 def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
-    """The next item once there is one; STOPPED once `stop` is set and the queue is empty."""
+    """The next item; STOPPED once `stop` is set and the queue is empty."""
     while True:
         try:
             return handoff.get(timeout=POLL_S)
