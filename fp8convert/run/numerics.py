@@ -82,18 +82,13 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """int32 e, the smallest integer with amax <= 448 * 2^e, clamped to [-127, 127], from amax's bits:
-    (1 + m / 2^23) * 2^(E - 127) gives E - 135, plus one when the significand exceeds 1.75 (448 = 1.75 *
-    2^8). Zero and subnormal amax land below -127."""
+def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+    """The E8M0 byte e + 127 of each scale, e the smallest integer with amax <= 448 * 2^e, clamped to
+    [-127, 127], from amax's bits: (1 + m / 2^23) * 2^(E - 127) gives E - 135, plus one when the significand
+    exceeds 1.75 (448 = 1.75 * 2^8). Zero and subnormal amax land below -127."""
     bits = amax.float().contiguous().view(torch.int32)
     biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    return (biased - 135 + (mantissa > 0x600000).int()).clamp(-127, 127)
-
-
-def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """The E8M0 byte (biased exponent, uint8) of each scale."""
-    return (pow2_exponent(amax) + 127).to(torch.uint8)
+    return ((biased - 135 + (mantissa > 0x600000).int()).clamp(-127, 127) + 127).to(torch.uint8)
 
 
 def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
@@ -107,12 +102,6 @@ def powers_of_two(values: torch.Tensor) -> torch.Tensor:
     """Elementwise: the value is a positive 2^e (frexp's significand exactly 1/2)."""
     mantissa, _ = torch.frexp(values.float())
     return mantissa == 0.5
-
-
-def ue8m0_block_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest 2^e with max(amax, 1e-4) <= 448 * 2^e, as float32."""
-    floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
-    return e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> torch.Tensor:
@@ -201,11 +190,6 @@ def dequantize_to(
     return _dequantize_by_table(q, scale, scheme, dtype)
 
 
-def code_values(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The float32 value of each of the 256 e4m3 codes (NaN for the two NaN codes)."""
-    return torch.arange(256, dtype=torch.uint8, device=device).view(FP8_DTYPE).to(torch.float32)
-
-
 def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
     """The same bytes by lookup: each scale's table holds the 256 products float32(code) * scale rounded
     to `dtype`, so no code is converted to float32 (torch's float8 conversion is the slowest step on a CPU,
@@ -214,7 +198,8 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
     out, inp = q.shape[-2:]
     codes = q.view(torch.uint8).reshape(-1, out, inp)
     count = codes.shape[0]
-    tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values(q.device)).to(dtype)
+    code_values = torch.arange(256, dtype=torch.uint8, device=q.device).view(FP8_DTYPE).to(torch.float32)
+    tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values).to(dtype)
     tables = tables.reshape(count, -1)  # weight n's tables in row n, 256 entries each
     arange = functools.partial(torch.arange, dtype=torch.int32, device=q.device)
     offsets = None
@@ -237,7 +222,11 @@ def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float
     if scheme == "mxfp8":
         stored = mx_scale_bytes(amax)
         return stored, e8m0_to_float(stored)
-    scale = ue8m0_block_scale(amax) if scale_format == "ue8m0" else scale_from_amax(amax)
+    if scale_format == "ue8m0":  # the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e
+        floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
+        scale = e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
+    else:
+        scale = scale_from_amax(amax)
     return scale, scale
 
 
