@@ -16,24 +16,15 @@ from dataclasses import dataclass
 from .errors import FP8ConvertError
 
 # safetensors dtype name -> (bytes per element, torch dtype name). The one dtype table of the package.
+# fmt: off
 DTYPES = {
-    "BOOL": (1, "bool"),
-    "U8": (1, "uint8"),
-    "I8": (1, "int8"),
-    "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E5M2": (1, "float8_e5m2"),
-    "F8_E8M0": (1, "float8_e8m0fnu"),
-    "I16": (2, "int16"),
-    "U16": (2, "uint16"),
-    "F16": (2, "float16"),
-    "BF16": (2, "bfloat16"),
-    "I32": (4, "int32"),
-    "U32": (4, "uint32"),
-    "F32": (4, "float32"),
-    "I64": (8, "int64"),
-    "U64": (8, "uint64"),
-    "F64": (8, "float64"),
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2"), "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
+    "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
 }
+# fmt: on
 DTYPE_SIZES = {name: size for name, (size, _) in DTYPES.items()}
 FLOAT_SOURCE_DTYPES = ("BF16", "F16", "F32")  # what fp8convert quantizes
 FP8 = "F8_E4M3"
