@@ -110,8 +110,7 @@ class Pipeline:
         self.to_main: queue.Queue = queue.Queue(maxsize=1)
         self.to_writer: queue.Queue = queue.Queue(maxsize=1)
         self.read_slot = threading.Semaphore(READ_AHEAD)
-        self.write_ahead = WRITE_AHEAD
-        self.write_slot = threading.Semaphore(self.write_ahead)
+        self.write_slot = threading.Semaphore(WRITE_AHEAD)
         self.stop = threading.Event()
         self.writer_error: list[BaseException] = []
 
@@ -129,7 +128,7 @@ class Pipeline:
                 self._quantize(batch, pending, runs)
                 del pending
                 self.read_slot.release()
-            for _ in range(self.write_ahead):  # every batch is written
+            for _ in range(WRITE_AHEAD):  # every batch is written
                 self._wait_for_writer()
             return self.seconds
         finally:

@@ -33,37 +33,30 @@ STACKED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)  # computed a 
 Output = tuple[str, torch.Tensor, int]  # name, tensor, byte offset in that output (a piece of a kept one)
 
 
-@dataclass
-class Family:
-    """Groups whose members have the same action, dtypes and shapes (e.g. every expert's gate/up pair)."""
-
-    groups: list[list[TensorPlan]]
-
-    def chunks(self) -> list[list[list[TensorPlan]]]:
-        step = max(1, STACK_BYTES // sum(work_bytes(t) for t in self.groups[0]))
-        return [self.groups[i : i + step] for i in range(0, len(self.groups), step)]
-
-
 def work_bytes(t: TensorPlan) -> int:
     """An output's weight in a stack: its input, or an FP8 weight's codes as four-byte values (float32 to
     requantize; bfloat16 outputs and int32 table indices to dequantize)."""
     return t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape)
 
 
-def families(batch: Batch) -> list[Family]:
-    """The batch's computed outputs by scale group (a fused group's members share one; a dequantized
-    weight is alone), grouped into families, each's groups in the order their first members lie in the
-    files: a stack's inputs then arrive together (experts are named 0, 1, 10, 100 in a file's order)."""
+def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
+    """The batch's computed outputs as chunks of at most STACK_BYTES of scale groups (a fused group's
+    members share one; a dequantized weight is alone) with the same actions, dtypes and shapes, quantized
+    a stack at a time. Within each family of such groups they go in the order their first members lie in
+    the files, so a stack's inputs arrive together (experts are named 0, 1, 10, 100 in a file's order)."""
     groups: dict[str, list[TensorPlan]] = {}
     for t in batch.tensors:
         if t.action in STACKED:
             shares = t.group and t.action is not Action.DEQUANTIZE
             groups.setdefault(t.group if shares else f"tensor:{t.name}", []).append(t)
-    by_signature: dict[tuple, Family] = {}
+    families: dict[tuple, list[list[TensorPlan]]] = {}
     for group in sorted(groups.values(), key=file_position):
-        signature = tuple((t.action, t.source.dtype, t.shape) for t in group)
-        by_signature.setdefault(signature, Family([])).groups.append(group)
-    return list(by_signature.values())
+        families.setdefault(tuple((t.action, t.source.dtype, t.shape) for t in group), []).append(group)
+    chunks = []
+    for family in families.values():
+        step = max(1, STACK_BYTES // sum(work_bytes(t) for t in family[0]))
+        chunks += [family[i : i + step] for i in range(0, len(family), step)]
+    return chunks
 
 
 def file_position(group: list[TensorPlan]) -> tuple[str, int, int]:
@@ -75,11 +68,10 @@ def read_order(batch: Batch) -> list[TensorInfo]:
     """The source tensors to read, each once: kept ones, then each stack chunk member by member, weights
     before their scales, so every stack of whole tensors is contiguous in the buffer."""
     order = [info for t in batch.tensors if t.action not in STACKED for info in t.inputs]
-    for family in families(batch):
-        for chunk in family.chunks():
-            for member in range(len(chunk[0])):
-                stack = [group[member] for group in chunk]
-                order += [t.source for t in stack] + [info for t in stack for info in t.inputs[1:]]
+    for chunk in stack_chunks(batch):
+        for member in range(len(chunk[0])):
+            stack = [group[member] for group in chunk]
+            order += [t.source for t in stack] + [info for t in stack for info in t.inputs[1:]]
     return list({info.name: info for info in order}.values())
 
 
@@ -264,8 +256,7 @@ def quantize_steps(
     steps = [(list(t.inputs), functools.partial(single, t)) for t in batch.tensors if t.action not in STACKED]
     steps += [
         ([info for group in chunk for t in group for info in t.inputs], functools.partial(stacked, chunk))
-        for family in families(batch)
-        for chunk in family.chunks()
+        for chunk in stack_chunks(batch)
     ]
     if pending is not None:
         steps.sort(key=lambda step: pending.arrival(step[0]))
