@@ -4,6 +4,7 @@ so a fresh install can run a real conversion end to end."""
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -102,3 +103,25 @@ def demo_source(path: str | Path) -> Path:
 def file_bytes(path: Path) -> dict[str, bytes | None]:
     """Each entry's bytes by name (None for anything but a file)."""
     return {p.name: p.read_bytes() if p.is_file() else None for p in path.iterdir()}
+
+
+def next_steps(src: Path, out: Path, scheme: str, fmt: str) -> str:
+    """What to try after the demo: verify the output, inspect a plan, load it in transformers."""
+    from .output.card import TRANSFORMERS_NEEDS, transformers_support
+
+    source, target = shlex.quote(str(src)), shlex.quote(str(out))
+    lines = [
+        "next:",
+        f"  fp8convert verify {source} {target}    # compare every weight with the source",
+        f"  fp8convert inspect {source} --scheme block    # what a conversion would do, from headers only",
+    ]
+    loads, why = transformers_support(fmt, scheme, None)
+    if not loads:
+        return "\n".join(lines + [f"  (not loadable in transformers: {why}; vLLM and SGLang serve it)"])
+    lines += [
+        f"  in Python (pip install {TRANSFORMERS_NEEDS[fmt]}):",
+        "    import torch, transformers",
+        f"    model = transformers.AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})",
+        "    print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8))",
+    ]
+    return "\n".join(lines)

@@ -1,8 +1,9 @@
 """What the user asked for, validated once, before anything is read.
 
-`Options` is what decides the output bytes (the plan's inputs besides the checkpoint); `Settings` is the
-whole request of a conversion: those options plus where and how to run it. Both are plain frozen
-dataclasses, so a run can be handed to another process whole (`--devices`) and nothing is forgotten.
+`Options` is what decides the output bytes (the plan's inputs besides the checkpoint); `Settings`, the
+whole request of a conversion, extends them with where and how to run it, and `HubAccess` is how a Hub
+source is reached. All are plain frozen dataclasses, so a run can be handed to another process whole
+(`--devices`) and nothing is forgotten.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import enum
 import functools
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields, replace
 
 from .errors import FP8ConvertError, UsageError
 
@@ -93,17 +94,28 @@ def parse_size(value: int | str, what: str = "size") -> int:
 
 
 @dataclass(frozen=True)
+class HubAccess:
+    """How a Hub source is reached: its revision (branch, tag or commit; None: main), the token (None:
+    HF_TOKEN or the saved login) and the download cache (None: huggingface_hub's)."""
+
+    revision: str | None = None
+    token: str | None = None
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class Options:
-    """The choices that fix the output: with the same source they give the same bytes."""
+    """The choices that fix the output: with the same source they give the same bytes. The manifest
+    records them under their field names (`record`, `from_record`)."""
 
     scheme: str = "tensor"
     format: str = "compressed-tensors"
-    ignore: tuple[str, ...] = field(default_factory=tuple)
-    max_shard_size: int = 5 * 10**9
+    ignore: tuple[str, ...] = ()
+    max_shard_size: int | str = 5 * 10**9  # text ('5GB') is parsed
     target_tp: tuple[int, ...] = TARGET_TP  # the model card reports vLLM's limits at these sizes
-    scale_format: str = "float"
+    scale_format: str = "float"  # block scales: "ue8m0" rounds each up to a power of two
     dequantize: bool = False  # FP8 source to high precision (scheme and format do not apply)
-    dtype: str | None = None  # dequantized weights' dtype (BF16, F16, F32); None: the model's own
+    dtype: str | None = None  # dequantized weights' dtype (bf16, fp16, fp32); None: the model's own
 
     def __post_init__(self):
         object.__setattr__(self, "scheme", parse_scheme(self.scheme))
@@ -140,6 +152,16 @@ class Options:
         for pattern in self.ignore:
             if problem := regex_error(pattern):
                 raise UsageError(f"--ignore {pattern!r}: bad regular expression ({problem})")
+
+    def record(self) -> dict:
+        """The options as the manifest stores them: by field name, tuples as JSON lists."""
+        values = {f.name: getattr(self, f.name) for f in fields(Options)}
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
+
+    @classmethod
+    def from_record(cls, state: dict) -> Options:
+        """The options a manifest records; a key it lacks, or holds null or empty, takes the default."""
+        return cls(**{f.name: state[f.name] for f in fields(Options) if state.get(f.name) not in (None, "", [])})
 
 
 def did_you_mean(text: str, names) -> str:
@@ -244,21 +266,16 @@ def python_spelling(function):
     return call
 
 
-DEFAULT_MAX_RESIDENT = {"cuda": 4 * 2**30, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
+DEFAULT_MAX_RESIDENT = {"cuda": 256 * 2**20, "cpu": 1 * 2**30}  # bytes of one batch's inputs, by device
 AUTO = "auto"
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Everything a conversion needs besides SRC and OUT. Sizes may be given as text ('5GB'); they are
-    parsed here, so a bad value fails before anything is read or written."""
+class Settings(Options):
+    """Everything a conversion needs besides SRC and OUT: the Options, and where and how to run. Sizes may
+    be given as text ('5GB'); they are parsed here, so a bad value fails before anything is read or
+    written."""
 
-    scheme: str = "tensor"
-    format: str = "compressed-tensors"
-    ignore: tuple[str, ...] = ()
-    max_shard_size: int | str = "5GB"
-    target_tp: tuple[int, ...] = TARGET_TP
-    scale_format: str = "float"  # block scales: "ue8m0" rounds each up to a power of two
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
     worker: object = None  # this process's share: "K/N", (K, N), "auto", a WorkerSpec; None detects
@@ -274,23 +291,17 @@ class Settings:
     stream_download: bool = False  # Hub sources: keep only a few source shards on disk
     # write an output vLLM cannot load at any TP size (refused by default); None: $FP8CONVERT_WRITE_UNLOADABLE
     write_unloadable: bool | None = None
-    dequantize: bool = False  # FP8 in, high precision out (fp8convert dequantize)
-    dtype: str | None = None  # dequantized weights: bf16, fp16 or fp32; None: the model's dtype
     progress: bool = False
     finalize: bool = True  # False: write this worker's shards only
 
     @python_spelling
     def __post_init__(self):
-        options = self.options  # validates scheme, format, ignore and shard size now
-        for name in ("scheme", "format", "scale_format"):  # as fp8convert names them (an alias gives its scheme)
-            object.__setattr__(self, name, getattr(options, name))
+        super().__post_init__()
         if not DEVICE_TEXT.match(str(self.device)):  # spelling only: whether CUDA is there needs torch
             raise UsageError(
                 f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N"
                 + did_you_mean(self.device, ("auto", "cpu", "cuda"))
             )
-        object.__setattr__(self, "ignore", tuple(self.ignore))
-        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
         if self.max_resident:
             object.__setattr__(self, "max_resident", parse_size(self.max_resident, "--max-resident"))
         prefetch = str(self.prefetch).strip()
@@ -314,16 +325,11 @@ class Settings:
 
     @property
     def options(self) -> Options:
-        return Options(
-            self.scheme,
-            self.format,
-            tuple(self.ignore),
-            self.max_shard_size,
-            self.target_tp,
-            scale_format=self.scale_format,
-            dequantize=self.dequantize,
-            dtype=self.dtype,
-        )
+        return Options(**{f.name: getattr(self, f.name) for f in fields(Options)})
+
+    @property
+    def hub(self) -> HubAccess:
+        return HubAccess(self.revision, self.token, self.cache_dir)
 
     @classmethod
     def of(cls, settings: Settings | None = None, **overrides) -> Settings:
@@ -332,5 +338,4 @@ class Settings:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise TypeError(f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        base = settings or cls()
-        return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **overrides})
+        return replace(settings or cls(), **overrides)

@@ -14,8 +14,6 @@ from .source.hub import CARD_NAME
 from .source.hub_calls import hub_error, with_retries
 
 UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
-
-
 RESUME_PUSH = "rerun the same push to resume it (files that arrived are not sent again)"
 
 
@@ -29,14 +27,10 @@ def push(
     token: str | None = None,
     create_pr: bool = False,
 ) -> str:
-    """Upload a complete output directory to `repo_id` (created if needed). Returns the commit URL, or
-    with `create_pr` the URL of the pull request opened against `revision` (default main).
-
-    Uses huggingface_hub's `upload_folder`, which (with hf_xet) uploads in resumable batched commits:
-    rerunning an interrupted push skips what already arrived. `.fp8convert/` is never uploaded. A
-    model card is generated first if OUT has none (a generated one is re-pointed at `repo_id`).
-    Top-level `*.safetensors` on the remote that this output lacks (an earlier push with other
-    sharding) are deleted in the same upload."""
+    """Upload a complete output directory to `repo_id` (created if needed), with a model card (a
+    generated one re-pointed at `repo_id`). Returns the commit URL, or with `create_pr` the URL of the
+    pull request opened against `revision` (default main). huggingface_hub's `upload_folder` uploads in
+    resumable commits: rerunning an interrupted push skips what already arrived."""
     from huggingface_hub import HfApi
 
     out = Path(out)
@@ -46,8 +40,8 @@ def push(
     card_path = out / CARD_NAME
     if card_path.is_file():  # a generated card's examples should name the repo, not the local directory
         text = card_path.read_text(encoding="utf-8")
-        if retarget_card(text, repo_id) != text:
-            card_path.write_text(retarget_card(text, repo_id), encoding="utf-8")
+        if (retargeted := retarget_card(text, repo_id)) != text:
+            card_path.write_text(retargeted, encoding="utf-8")
     else:
         card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
     what = (

@@ -8,11 +8,11 @@ DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
 
 def format_size(nbytes: int | float) -> str:
     """Bytes for reading, in decimal units as the model card and `inspect` print them: '2.49 GB'."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(nbytes) < 1000:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
         nbytes /= 1000
-    raise AssertionError("unreachable")
+    return f"{nbytes:.2f} TB"
 
 
 def size_text(nbytes: int) -> str:

@@ -85,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The program: main(), then exit with its code. Once torch is loaded, or still loading (a run refused
-    before the pipeline started does not wait for it), the exit skips the interpreter's teardown: unloading
-    torch and destroying the CUDA context takes a second or so after every output is already fsynced and
-    renamed, and a teardown beside an import in progress can abort. main() has closed every file and joined
-    every thread of its own by then; only the streams' buffers are left to flush, and a flush that fails (a
-    closed pipe, a full disk under `> report.json`) fails the exit as Python's would."""
+    """The program: main(), then exit with its code. Once torch is loaded or loading, the exit skips the
+    interpreter's teardown: unloading torch takes a second or so after every output is fsynced, and a
+    teardown beside an import in progress can abort. main() has closed its files and joined its threads;
+    only the streams are flushed here, and a failed flush fails the exit as Python's would."""
     rc = main(argv)
     if "torch" not in sys.modules and not torch_starting():
         sys.exit(rc)

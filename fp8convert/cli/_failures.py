@@ -33,10 +33,6 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _is_cuda_oom(error: BaseException) -> bool:
-    return type(error).__name__ == "OutOfMemoryError" and type(error).__module__.startswith("torch")
-
-
 def _smaller_budget(error: BaseException) -> str:
     """Half the memory budget the run used (the pipeline notes it on the error), at least 256 MiB."""
     budget = getattr(error, "max_resident", None) or DEFAULT_MAX_RESIDENT["cuda"]
@@ -52,10 +48,6 @@ def _host_memory_line(error: BaseException) -> str:
         f"out of host memory ({type(error).__name__}); try a smaller batch: --max-resident "
         f"{_smaller_budget(error)}, or free memory"
     )
-
-
-def _is_disk_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _disk_full_line(error: OSError) -> str:
@@ -97,9 +89,9 @@ class Rule:
 
 RULES = [
     Rule(lambda e: isinstance(e, FP8ConvertError), str, 1),
-    Rule(_is_cuda_oom, _oom_line),
+    Rule(lambda e: type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"), _oom_line),
     Rule(lambda e: isinstance(e, MemoryError), _host_memory_line),
-    Rule(_is_disk_full, _disk_full_line),
+    Rule(lambda e: isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT), _disk_full_line),
     Rule(_is_network, _network_line),  # before OSError: a refused connection is an OSError too
     Rule(lambda e: isinstance(e, OSError) and bool(e.filename), _file_line),
     Rule(lambda e: isinstance(e, OSError), lambda e: f"{e.strerror or _first_line(e)} ({type(e).__name__})"),
@@ -120,15 +112,11 @@ def describe(error: BaseException) -> tuple[str, int]:
     ), 1
 
 
-def debugging() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
-
-
 def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
     """Print the failure: the traceback (FP8CONVERT_DEBUG=1), one `error:` line on stderr and, with
     --json when the command printed no JSON of its own, an error object on stdout. Returns the exit code."""
     line, code = describe(error)
-    if debugging():
+    if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
     print(f"error: {line}", file=sys.stderr)
     if json_wanted and not json_printed:

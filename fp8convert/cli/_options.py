@@ -4,6 +4,7 @@ the help conventions of every command (-h, usage `SRC OUT`, no type placeholders
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,11 +13,19 @@ from typer.core import TyperCommand, TyperGroup
 from ..options import FORMATS, SCALE_FORMATS, SCHEMES
 
 
-class _PlainHelp:
-    """Help as a user reads it: the usage line names arguments as SRC OUT (typer prints {src} {out}),
-    and -h/--help, like every flag, shows no type placeholder."""
+class _NoHelpPlaceholder:
+    """-h/--help, like every flag, shows no type placeholder."""
 
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_NoHelpPlaceholder, TyperCommand):
     def collect_usage_pieces(self, ctx) -> list[str]:
+        """The usage line names arguments as SRC OUT (typer prints {src} {out})."""
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
             if param.param_type_name == "argument":
@@ -24,23 +33,9 @@ class _PlainHelp:
                 pieces.append(name if param.required else f"[{name}]")
         return pieces
 
-    def get_help_option(self, ctx):
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
 
-
-class Command(_PlainHelp, TyperCommand):
+class Group(_NoHelpPlaceholder, TyperGroup):
     pass
-
-
-class Group(TyperGroup):
-    def get_help_option(self, ctx):
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
 
 
 def flag(*names: str, help: str) -> typer.models.OptionInfo:
@@ -200,6 +195,37 @@ CacheDir = Annotated[
         metavar="DIR",
         help="Where Hub downloads are cached. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
         "~/.cache/huggingface/hub (huggingface_hub's own rule).",
+    ),
+]
+
+
+Src = Annotated[
+    str,
+    typer.Argument(metavar="SRC", show_default=False, help="Local checkpoint directory or Hub repo id (owner/name)."),
+]
+Out = Annotated[
+    Path,
+    typer.Argument(
+        metavar="OUT",
+        show_default=False,
+        help="Output directory (created; must be empty, or a partial run of the same plan).",
+    ),
+]
+WriteUnloadable = Annotated[
+    bool,
+    flag(
+        "--write-unloadable",
+        help="Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
+        "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.",
+    ),
+]
+BaseModel = Annotated[
+    str | None,
+    typer.Option(
+        "--base-model",
+        metavar="REPO_ID",
+        help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
+        "local source).",
     ),
 ]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +15,7 @@ from ..options import REPO_ID, TARGET_TP, Settings
 from ..plan.summary import describe, plan_warnings, render
 from ..units import format_size, plural
 from ._options import (
+    BaseModel,
     CacheDir,
     Command,
     Device,
@@ -27,6 +26,7 @@ from ._options import (
     Json,
     MaxResident,
     MaxShardSize,
+    Out,
     Overwrite,
     Prefetch,
     Private,
@@ -35,44 +35,16 @@ from ._options import (
     Revision,
     ScaleFormat,
     Scheme,
+    Src,
     StreamDownload,
     TargetTp,
     Token,
     Worker,
+    WriteUnloadable,
     flag,
     token,
 )
 from ._output import print_json
-
-Src = Annotated[
-    str,
-    typer.Argument(metavar="SRC", show_default=False, help="Local checkpoint directory or Hub repo id (owner/name)."),
-]
-Out = Annotated[
-    Path,
-    typer.Argument(
-        metavar="OUT",
-        show_default=False,
-        help="Output directory (created; must be empty, or a partial run of the same plan).",
-    ),
-]
-WriteUnloadable = Annotated[
-    bool,
-    flag(
-        "--write-unloadable",
-        help="Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
-        "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.",
-    ),
-]
-BaseModel = Annotated[
-    str | None,
-    typer.Option(
-        "--base-model",
-        metavar="REPO_ID",
-        help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
-        "local source).",
-    ),
-]
 
 
 def quantize(
@@ -281,6 +253,15 @@ def done_text(report: api.Report) -> str:
     return ", ".join(parts + [f"{report.tensors_kept} kept"])
 
 
+# What `inspect --tensors` says becomes of a tensor, by action; {} is the plan's reason.
+ACTION_TEXT = {
+    "quantize": "fp8",
+    "pass": "fp8 (passed through)",
+    "requantize": "fp8 (requantized)",
+    "dequantize": "dequantize ({})",
+}
+
+
 def inspect(
     src: Src,
     scheme: Scheme = "tensor",
@@ -358,16 +339,10 @@ def inspect(
         print_json(info)
         return
     print(render(info))
-    if tensors:
-        for t in info["tensor_plan"]:
-            what = {
-                "quantize": "fp8",
-                "pass": "fp8 (passed through)",
-                "requantize": "fp8 (requantized)",
-                "dequantize": f"dequantize ({t['reason']})",
-            }.get(t["action"], f"keep ({t['reason']})")
-            origin = f"  <- {t['from']}" if t["from"] else ""
-            print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
+    for t in info.get("tensor_plan", []):
+        what = ACTION_TEXT.get(t["action"], "keep ({})").format(t["reason"])
+        origin = f"  <- {t['from']}" if t["from"] else ""
+        print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
 
 def demo(
@@ -386,11 +361,12 @@ def demo(
 
       fp8convert demo /tmp/fp8demo
     """
-    from ..demo import demo_source
+    from ..demo import demo_source, next_steps
     from ..run import startup_pages, warmup
 
     src = demo_source(directory / "source")
-    print(f"built demo model {src}", file=sys.stderr if json_out else sys.stdout)
+    text_to = sys.stderr if json_out else sys.stdout
+    print(f"built demo model {src}", file=text_to)
     quantize(
         str(src), directory / "fp8", scheme=scheme, format=format, device=device, overwrite=True, json_out=json_out
     )
@@ -398,31 +374,7 @@ def demo(
     # caller's process maps much else); this process is the program's own, so it leaves the record, and
     # the first real conversion on this device starts torch as every later one does.
     startup_pages.record(warmup.record_path(device))
-    print(next_steps(src, directory / "fp8", scheme, format), file=sys.stderr if json_out else sys.stdout)
-
-
-def next_steps(src: Path, out: Path, scheme: str, fmt: str) -> str:
-    """What to try after the demo: verify the output, inspect a plan, load it in transformers."""
-    from ..output.card import TRANSFORMERS_NEEDS, transformers_support
-
-    source, target = shlex.quote(str(src)), shlex.quote(str(out))
-    lines = [
-        "next:",
-        f"  fp8convert verify {source} {target}    # compare every weight with the source",
-        f"  fp8convert inspect {source} --scheme block    # what a conversion would do, from headers only",
-    ]
-    loads, why = transformers_support(fmt, scheme, None)
-    if not loads:
-        return "\n".join(lines + [f"  (not loadable in transformers: {why}; vLLM and SGLang serve it)"])
-    return "\n".join(
-        lines
-        + [
-            f"  in Python (pip install {TRANSFORMERS_NEEDS[fmt]}):",
-            "    import torch, transformers",
-            f"    model = transformers.AutoModelForCausalLM.from_pretrained({json.dumps(str(out))})",
-            "    print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8))",
-        ]
-    )
+    print(next_steps(src, directory / "fp8", scheme, format), file=text_to)
 
 
 def register(app: typer.Typer) -> None:

@@ -29,19 +29,7 @@ from .workers import log
 if TYPE_CHECKING:
     from ..plan.plan import Plan
 
-STRING_KEYS = (
-    "name",
-    "source",
-    "out",
-    "scheme",
-    "format",
-    "scale_format",
-    "device",
-    "revision",
-    "push_to_hub",
-    "max_resident",
-    "dtype",
-)
+STRING_KEYS = tuple("name source out scheme format scale_format device revision push_to_hub max_resident dtype".split())
 BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
@@ -94,12 +82,11 @@ def read_jobs(path: str | Path) -> list[Job]:
         raise FP8ConvertError(f"{path}: cannot read ({e.strerror})") from e
     except UnicodeDecodeError as e:
         raise FP8ConvertError(f"{path}: not UTF-8 text ({e})") from e
-    first = next((line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")), "")
+    entries = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip() and line.strip()[0] != "#"]
+    first = entries[0][1].strip() if entries else ""
     if path.suffix in (".jsonl", ".json", ".ndjson") or (path.suffix != ".toml" and first.startswith("{")):
         raw = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip() or line.strip().startswith("#"):
-                continue
+        for number, line in entries:
             try:
                 raw.append(json.loads(line))
             except ValueError as e:
@@ -153,12 +140,10 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     for key in ("source", "out"):
         if not merged.get(key):
             raise FP8ConvertError(f"{label}: missing {key!r}")
-    for key in STRING_KEYS:
-        if key in merged and not isinstance(merged[key], str):
-            raise FP8ConvertError(f"{label}: {key!r} must be a string, got {merged[key]!r}")
-    for key in BOOL_KEYS:
-        if key in merged and not isinstance(merged[key], bool):
-            raise FP8ConvertError(f"{label}: {key!r} must be true or false, got {merged[key]!r}")
+    for keys, kind, what in ((STRING_KEYS, str, "a string"), (BOOL_KEYS, bool, "true or false")):
+        for key in keys:
+            if key in merged and not isinstance(merged[key], kind):
+                raise FP8ConvertError(f"{label}: {key!r} must be {what}, got {merged[key]!r}")
     ignore = merged.get("ignore", [])
     ignore = [ignore] if isinstance(ignore, str) else ignore
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
@@ -200,15 +185,8 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
         raise FP8ConvertError(f"{label}: push_to_hub {push!r} is not a Hub repo id (owner/name)")
     if not push and merged.get("private"):
         raise FP8ConvertError(f"{label}: 'private' applies only with 'push_to_hub'")
-    return Job(
-        index,
-        merged.get("name") or str(index),
-        merged["source"],
-        merged["out"],
-        settings,
-        push,
-        bool(merged.get("private")),
-    )
+    name = merged.get("name") or str(index)
+    return Job(index, name, merged["source"], merged["out"], settings, push, bool(merged.get("private")))
 
 
 def task_index_from_env(env=None) -> int | None:

@@ -79,9 +79,8 @@ def run_on_devices(target: Callable, src: str, out: str, children: list[Settings
 
 
 def stop_workers(pool: ProcessPoolExecutor) -> None:
-    """End the pool's worker processes now (SIGTERM; what they wrote stays resumable, as after Ctrl-C).
-    Ctrl-C in a terminal reaches them anyway; a SIGTERM sent to this process alone (Kubernetes signals
-    only PID 1) would not. ProcessPoolExecutor has no public way to reach its processes."""
+    """SIGTERM the pool's worker processes now (what they wrote stays resumable): a SIGTERM sent to this
+    process alone (Kubernetes signals only PID 1) would not reach them. The pool has no public way to."""
     for process in list((getattr(pool, "_processes", None) or {}).values()):
         process.terminate()
     pool.shutdown(wait=False, cancel_futures=True)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FP8ConvertError, UsageError
+from ..output.finalize import finalize, finished_shards
 from ..output.manifest import WORK_DIR
+from ..plan.plan import Plan
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
@@ -66,8 +68,11 @@ class WorkerSpec:
 SINGLE = WorkerSpec()
 
 
-def _int(env, name: str) -> int:
+def _int(env, name: str, default: int | None = None) -> int | None:
+    """$name as an integer; `default` where it is unset or empty."""
     value = env.get(name, "")
+    if not value:
+        return default
     try:
         return int(value)
     except ValueError:
@@ -116,29 +121,21 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     and a Kubernetes indexed Job (JOB_COMPLETION_INDEX of JOB_COMPLETIONS)."""
     env = os.environ if env is None else env
     if all(env.get(v) for v in TORCHRUN_VARS):
-        local = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else None
-        per_node = _int(env, "LOCAL_WORLD_SIZE") if env.get("LOCAL_WORLD_SIZE") else None
+        local, per_node = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
         return _checked(
             _int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node
         )
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    if env.get("SLURM_PROCID") and env.get(tasks_var) and _int(env, tasks_var) > 1:
-        local = _int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else None
-        return _checked(
-            _int(env, "SLURM_PROCID"),
-            _int(env, tasks_var),
-            "slurm",
-            f"srun ($SLURM_PROCID/${tasks_var})",
-            local,
-            tasks_per_node(env),
-        )
+    if env.get("SLURM_PROCID") and _int(env, tasks_var, 0) > 1:
+        where = f"srun ($SLURM_PROCID/${tasks_var})"
+        local, procid, tasks = _int(env, "SLURM_LOCALID"), _int(env, "SLURM_PROCID"), _int(env, tasks_var)
+        return _checked(procid, tasks, "slurm", where, local, tasks_per_node(env))
     if not opt_in:
         return None
     if env.get("SLURM_ARRAY_TASK_ID"):
         if not env.get("SLURM_ARRAY_TASK_COUNT"):
             raise FP8ConvertError("Slurm array: $SLURM_ARRAY_TASK_COUNT is not set; pass --worker K/N")
-        step = _int(env, "SLURM_ARRAY_TASK_STEP") if env.get("SLURM_ARRAY_TASK_STEP") else 1
-        first = _int(env, "SLURM_ARRAY_TASK_MIN") if env.get("SLURM_ARRAY_TASK_MIN") else 0
+        step, first = _int(env, "SLURM_ARRAY_TASK_STEP", 1), _int(env, "SLURM_ARRAY_TASK_MIN", 0)
         offset = _int(env, "SLURM_ARRAY_TASK_ID") - first
         if step < 1 or offset % step:
             raise FP8ConvertError(
@@ -269,3 +266,34 @@ def release_finalize(out_dir: Path, fd: int | None) -> None:
 
 def _claim_path(out_dir: Path) -> Path:
     return Path(out_dir) / WORK_DIR / CLAIM
+
+
+def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) -> bool:
+    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after
+    every rank's shards are written, or as the worker that finds every shard present and takes the
+    claim. Returns whether OUT is complete."""
+    if spec.count > 1 and spec.launcher == "torchrun":
+        log(f"worker {spec.text}: shards written; waiting for the other ranks", progress)
+        barrier()
+        if spec.index != 0:
+            return False
+    elif spec.count > 1:
+        present = finished_shards(plan, out_dir)
+        if len(present) < len(plan.shards):
+            log(
+                f"worker {spec.text}: shards written; {len(present)} of {len(plan.shards)} shards present. "
+                f"The last worker to finish finalizes, or run: fp8convert finalize {out_dir}",
+                progress,
+            )
+            return False
+        claim = claim_finalize(out_dir)
+        if claim is None:
+            log(f"worker {spec.text}: every shard present; another worker is finalizing {out_dir}", progress)
+            return False
+        try:
+            finalize(plan, out_dir)
+        finally:
+            release_finalize(out_dir, claim)
+        return True
+    finalize(plan, out_dir)
+    return True

@@ -73,66 +73,50 @@ def split_front_matter(text: str | None) -> tuple[dict, str]:
     return (data if isinstance(data, dict) else {}), text[m.end() :]
 
 
-def _plan_info(plan) -> tuple[dict, dict]:
-    """describe() of a Plan, plus what the reproduce command needs (user ignore patterns, shard size, and
-    for a Hub source its commit; a local directory has no revision)."""
-    info = describe(plan, 1 << 30, "cpu")
-    source = plan.source
-    extra = {
-        "ignore_patterns": list(plan.options.ignore),
-        "max_shard_size": plan.options.max_shard_size,
-        "revision": source.revision,
-        "root": str(source.root),
-        "dtype": plan.options.dtype,
-    }
-    return info, extra
-
-
 SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
-
-
-def base_model_of(source: str, revision: str | None, root: str | None, given: str | None) -> str | None:
-    """The Hub repo the card names as base model: `given` (--base-model), else a Hub source's repo id
-    (a source with a Hub commit), else the repo of a huggingface_hub cache snapshot given as a
-    directory; None for any other local directory. (The source card's own base_model names the
-    source's parent, not the source, so it is not used.)"""
-    if given:
-        return given
-    if revision and REPO_ID.match(source):
-        return source
-    m = SNAPSHOT.search((root or source).replace("\\", "/"))
-    return f"{m.group(1)}/{m.group(2)}" if m else None
-
-
 DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
-def reproduce_command(
-    source: str,
-    target: str,
-    scheme: str,
-    fmt: str,
-    ignore_patterns=(),
-    max_shard_size: int | None = None,
-    revision: str | None = None,
-    base_model: str | None = None,
-    scale_format: str = "float",
-    dequantize: bool = False,
-    dtype: str | None = None,
-) -> str:
+def card_info(plan) -> dict:
+    """describe() of a Plan, plus what the reproduce command needs (a local directory has no revision)."""
+    return {
+        **describe(plan, 1 << 30, "cpu"),
+        "ignore_patterns": list(plan.options.ignore),
+        "max_shard_size": plan.options.max_shard_size,
+        "revision": plan.source.revision,
+        "root": str(plan.source.root),
+        "dtype": plan.options.dtype,
+    }
+
+
+def base_model_of(info: dict, given: str | None) -> str | None:
+    """The Hub repo the card names as base model: --base-model, else a Hub source's repo id, else the repo
+    of a huggingface_hub cache snapshot given as a directory. (The source card's own base_model names the
+    source's parent, not the source.)"""
+    source = str(info["source"])
+    if given:
+        return given
+    if info.get("revision") and REPO_ID.match(source):
+        return source
+    m = SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
+def reproduce_command(info: dict, target: str, base_model: str | None) -> str:
     """The quantize (or dequantize) command line, sizes written as a user types them ('2GB', not 2000000000)."""
-    if dequantize:
+    source, dtype, size = str(info["source"]), info.get("dtype"), info.get("max_shard_size")
+    if info.get("dequantize"):
         args = ["fp8convert", "dequantize", source, target] + (["--dtype", DTYPE_TEXT[dtype]] if dtype else [])
     else:
-        args = ["fp8convert", "quantize", source, target, "--scheme", scheme, "--format", fmt]
-        if scale_format != "float":
-            args += ["--scale-format", scale_format]
-    for pattern in ignore_patterns:
+        args = ["fp8convert", "quantize", source, target, "--scheme", info["scheme"], "--format", info["format"]]
+        if info.get("scale_format", "float") != "float":
+            args += ["--scale-format", info["scale_format"]]
+    for pattern in info.get("ignore_patterns") or ():
         args += ["--ignore", pattern]
-    if max_shard_size and max_shard_size != DEFAULT_MAX_SHARD:
-        args += ["--max-shard-size", size_text(max_shard_size)]
-    if revision:
-        args += ["--revision", revision]
+    if size and size != DEFAULT_MAX_SHARD:
+        args += ["--max-shard-size", size_text(size)]
+    if info.get("revision"):
+        args += ["--revision", info["revision"]]
     if base_model:
         args += ["--base-model", base_model]
     return shlex.join(args)
@@ -165,61 +149,20 @@ def make_card(
     out_dir: str | Path | None = None,
     base_model: str | None = None,
 ) -> str:
-    """The README.md of a converted checkpoint.
-
-    `plan_or_info`: the Plan, or a `summary.describe()` dict (with "revision", the Hub commit of a Hub
-    source). `source_card_text`: the source's README.md (its YAML header gives license, library_name,
-    pipeline_tag). `command`: the exact command line; generated from the plan when None. `verify`:
-    optional figures (e.g. worst relative error, min SNR) rendered as a table. `repo_id`: where it will
-    be published, else `out_dir`: where it was written (the load examples and the command use it;
-    `push` later replaces it with the repo id). `base_model`: --base-model, when given."""
-    if isinstance(plan_or_info, dict):
-        info, extra = (
-            plan_or_info,
-            {
-                "ignore_patterns": plan_or_info.get("ignore_patterns", []),
-                "max_shard_size": None,
-                "revision": plan_or_info.get("revision"),
-                "root": plan_or_info.get("root"),
-            },
-        )
-    else:
-        info, extra = _plan_info(plan_or_info)
+    """The README.md of a converted checkpoint, from its Plan or a card_info()-like dict. `command`: the
+    command line (default: generated); `verify`: figures for a table; the examples name `repo_id`, else
+    `out_dir` (`push` later puts the repo id there); `base_model`: --base-model."""
+    info = plan_or_info if isinstance(plan_or_info, dict) else card_info(plan_or_info)
     source = str(info["source"])
-    given = base_model
-    base_model = base_model_of(source, extra.get("revision"), extra.get("root"), given)
     dequantized = bool(info.get("dequantize"))
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
         name = f"{name}-{info.get('dequantized_dtype') if dequantized else 'FP8'}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
-    cmd = command or reproduce_command(
-        source,
-        where,
-        info["scheme"],
-        info["format"],
-        extra.get("ignore_patterns") or (),
-        extra.get("max_shard_size"),
-        extra.get("revision"),
-        given,
-        info.get("scale_format", "float"),
-        dequantized,
-        extra.get("dtype"),
-    )
-    if dequantized:
-        body = [
-            dequantized_introduction(info, source, base_model, extra.get("revision")),
-            "",
-            *dequantization_section(info),
-        ]
-    else:
-        body = [
-            introduction(source, base_model, extra.get("revision"), info.get("static_activations")),
-            "",
-            *quantization_section(info),
-            "",
-            *kept_section(info),
-        ]
+    cmd = command or reproduce_command(info, where, base_model)
+    base_model = base_model_of(info, base_model)
+    body = [introduction(info, base_model), ""]
+    body += dequantization_section(info) if dequantized else [*quantization_section(info), "", *kept_section(info)]
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
     if verify:
         lines += ["", *verification_section(verify)]
@@ -250,18 +193,20 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
     return f"---\n{header}---"
 
 
-def introduction(source: str, base_model: str | None, revision: str | None, static: bool = False) -> str:
-    from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
-    return (
-        f"FP8 (e4m3) weights of {from_text}"
-        + (f" at commit `{revision[:12]}`" if revision else "")
-        + f", converted offline with fp8convert {__version__}. "
-        + (
-            "Activations use the static per-tensor scales the source was calibrated with."
-            if static
-            else "Activations are quantized dynamically at run time, so no calibration data was used."
+def introduction(info: dict, base_model: str | None) -> str:
+    from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{info['source']}`"
+    at = f" at commit `{info['revision'][:12]}`" if info.get("revision") else ""
+    if info.get("dequantize"):
+        return (
+            f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}{at} "
+            f"({info.get('source_quantization')}), converted offline with fp8convert {__version__}."
         )
+    activations = (
+        "Activations use the static per-tensor scales the source was calibrated with."
+        if info.get("static_activations")
+        else "Activations are quantized dynamically at run time, so no calibration data was used."
     )
+    return f"FP8 (e4m3) weights of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
 
 
 def quantization_section(info: dict) -> list[str]:
@@ -297,15 +242,6 @@ def quantization_section(info: dict) -> list[str]:
             f"({info['bytes_out'] / info['bytes_in']:.0%})"
         )
     return lines
-
-
-def dequantized_introduction(info: dict, source: str, base_model: str | None, revision: str | None) -> str:
-    from_text = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"`{source}`"
-    return (
-        f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}"
-        + (f" at commit `{revision[:12]}`" if revision else "")
-        + f" ({info.get('source_quantization')}), converted offline with fp8convert {__version__}."
-    )
 
 
 def dequantization_section(info: dict) -> list[str]:
@@ -347,59 +283,19 @@ def kept_section(info: dict) -> list[str]:
 
 def use_section(info: dict, where: str) -> list[str]:
     """How to serve or load it: vLLM, SGLang, and transformers where it can."""
+    vllm = ["```bash", f"vllm serve {shlex.quote(where)}", "```"]
+    load = ["```python", "from transformers import AutoModelForCausalLM", ""]
+    load += [f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})", "```"]
     if info.get("dequantize"):
-        return [
-            "## Use",
-            "",
-            "A plain high-precision checkpoint:",
-            "",
-            "```bash",
-            f"vllm serve {shlex.quote(where)}",
-            "```",
-            "",
-            "transformers:",
-            "",
-            "```bash",
-            "pip install transformers",
-            "```",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM",
-            "",
-            f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})",
-            "```",
-        ]
-    lines = [
-        "## Use",
-        "",
-        "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):",
-        "",
-        "```bash",
-        f"vllm serve {shlex.quote(where)}",
-        "```",
-        "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {shlex.quote(where)}",
-        "```",
-    ]
+        intro = ["## Use", "", "A plain high-precision checkpoint:", "", *vllm, "", "transformers:", ""]
+        return intro + ["```bash", "pip install transformers", "```", "", *load]
+    lines = ["## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "", *vllm]
+    lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:
-        lines += [
-            "Loads with transformers, which dequantizes the weights on the CPU:",
-            "",
-            "```bash",
-            f"pip install {TRANSFORMERS_NEEDS[info['format']]}",
-            "```",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM",
-            "",
-            f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})",
-            "```",
-        ]
+        lines += ["Loads with transformers, which dequantizes the weights on the CPU:", "", "```bash"]
+        lines += [f"pip install {TRANSFORMERS_NEEDS[info['format']]}", "```", "", *load]
     else:
         lines += [f"Not loadable in transformers: {why.rstrip('.')}. Serve it with vLLM or SGLang."]
     caveats = [w for w in info.get("warnings") or [] if w != why]

@@ -1,12 +1,9 @@
 """The output directory: refusing to clobber, resuming, and finishing.
 
-An output is complete when config.json and the index exist (written last, after every shard was
-fsynced and renamed). A shard only ever gets its final name by an atomic rename after fsync, so a
-final-named shard of the planned size is finished: rerunning the same command (or another worker)
-skips it and continues with the rest (inside a partial shard, after its units already written:
-partial.py). OUT is claimed (its manifest written) only once the run can start, and a manifest whose
-run wrote nothing yet claims nothing: a run of another plan that writes the whole output starts afresh
-there.
+A shard gets its final name only by a rename after fsync, so a final-named shard of the planned size is
+finished: a rerun (or another worker) skips it. config.json and the index are written last, so their
+presence means complete. A manifest whose run wrote nothing yet claims nothing: a run of another plan
+that writes the whole output starts afresh there.
 """
 
 from __future__ import annotations
@@ -44,10 +41,9 @@ def prepare_output(
     plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False, lock: OutputLock | None = None
 ) -> tuple[set[int], bool]:
     """Make OUT ready, claiming nothing yet (Manifest.claim, once the run can start). Returns (indices of
-    shards finished by an earlier run of this plan, complete?).
-    `streamed`: the source shards are downloaded into OUT's work folder, so OUT holds the source. `lock`: this
-    run's lock of OUT (lock.py), taken once OUT is known to be fp8convert's, before anything in it is read
-    for resuming or changed; the caller holds it for the rest of the run (None: the caller takes none)."""
+    shards finished by an earlier run of this plan, complete?). `streamed`: OUT's work folder holds the
+    source's shards. `lock` is taken once OUT is known to be fp8convert's, before anything in it is read
+    or changed; the caller holds it for the rest of the run."""
     out_dir = Path(out_dir)
     check_placement(plan, out_dir, streamed)
     manifest = Manifest(out_dir)
@@ -85,8 +81,7 @@ def prepare_output(
 
 
 def wrote_nothing(state: dict, out_dir: Path) -> bool:
-    """Whether the run that wrote this manifest left nothing to keep: none of the files it lists at OUT's
-    top level, and no unit recorded as written in a partial shard."""
+    """Whether the run that wrote this manifest left nothing to keep (no output, no unit of a partial shard)."""
     outputs = state.get("outputs")
     return (
         isinstance(outputs, list)
@@ -135,12 +130,7 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
 
 
 def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
-    done = set()
-    for shard in plan.shards:
-        path = Path(out_dir) / shard.name
-        if path.is_file() and path.stat().st_size == shard.size:
-            done.add(shard.index)
-    return done
+    return {s.index for s in plan.shards if (p := Path(out_dir) / s.name).is_file() and p.stat().st_size == s.size}
 
 
 def finalize(plan: Plan, out_dir: Path) -> None:
@@ -166,9 +156,8 @@ def finalize(plan: Plan, out_dir: Path) -> None:
 
 
 def output_config(plan: Plan) -> dict:
-    """The source's config.json (key order kept) with the output's quantization_config, or without
-    any (dequantized). An FP8 source's own one is replaced (or removed), as is the old name
-    compression_config."""
+    """The source's config.json (key order kept) with the output's quantization_config (none when
+    dequantized) in place of the source's own, and without the old name compression_config."""
     config = dict(plan.source.config)
     config.pop("compression_config", None)
     quantization = plan.quantization_config()
@@ -214,10 +203,9 @@ def check_shards(the_plan: Plan, out_dir: Path) -> None:
 
 
 def check_output_complete(out: str | Path, action: str = "push") -> dict:
-    """Refuse anything but a finished conversion: manifest complete (when present), config.json with a
-    quantization_config (unless the manifest records a dequantize), the index, and every shard it names
-    present with the size its header implies. Returns the output's config.json. `action` names what is
-    refused ("push")."""
+    """Refuse (to `action`) anything but a finished conversion: a complete manifest (when present),
+    config.json with a quantization_config (unless dequantized), the index and every shard it names,
+    whole. Returns the output's config.json."""
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")

@@ -1,17 +1,12 @@
 """One writer per share of OUT at a time.
 
-Two runs writing one output at once would each take the other's shards for finished (or delete them,
-with --overwrite) and could leave an output that looks complete but is not. So a run holds a lock on
-OUT for as long as it writes there, and a second one is refused at once, before it changes anything:
+Two runs writing one output at once would take each other's shards for finished (or delete them) and
+could leave an output that looks complete but is not, so a second run is refused before it changes
+anything. A run that writes every shard (one worker; `finalize`) holds OUT/.fp8convert/lock exclusively;
+a worker of several holds it shared and its own share's lock-K-of-N exclusively.
 
-- a run that writes every shard (one worker; `finalize`) holds OUT/.fp8convert/lock exclusively;
-- a worker of several holds it shared (workers write different shards) and, exclusively, a lock of its
-  own share, lock-K-of-N: the same worker started twice is refused, and so is a whole run beside them.
-
-The locks are flock()s on files opened for writing: the kernel drops them when the process dies, however
-it dies, so a killed run never leaves OUT locked (forked children hold them while they live; they die
-with the run). A file system that has no locks (some network mounts) gets none: the run goes on as it
-did before locks existed; nor does a read-only one, where no run can write.
+The locks are flock()s: the kernel drops them when the process dies, however it dies, so a killed run
+never leaves OUT locked. A file system without locks (some network mounts), or a read-only one, gets none.
 """
 
 from __future__ import annotations
@@ -48,8 +43,7 @@ class OutputLock:
         self.fds: list[int] = []
 
     def acquire(self) -> None:
-        """Take the locks, making OUT and its work folder if needed; refuse, with one line, when another
-        run holds one of them."""
+        """Take the locks (making OUT's work folder); refused when another run holds one of them."""
         if self.fds:
             return
         work = self.out_dir / WORK_DIR
@@ -81,9 +75,8 @@ class OutputLock:
             self.fds.append(fd)
 
     def share(self) -> None:
-        """Hold the whole output's lock shared from now on, so that workers this run starts (--devices)
-        can join it; refused if another run took it in the moment between (flock converts by dropping
-        and retaking)."""
+        """Hold the whole output's lock shared from now on, so that the workers this run starts (--devices)
+        can join; refused if another run took it meanwhile (flock converts by dropping and retaking)."""
         for fd in self.fds if self.count == 1 else []:  # a worker holds it shared already
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -1,13 +1,8 @@
-"""OUT/.fp8convert/manifest.json: what this output is a conversion of, so a rerun can resume it, a
-worker can join it and `finalize` can rebuild its plan. This module is its one reader and writer.
-
-It records the plan's fingerprint (same fingerprint, same bytes), what `finalize_output` needs to rebuild
-the plan (source, scheme, format, ignore patterns, shard size, target TP sizes, scale format, dequantize
-and its dtype), the identity of the source's bytes (a Hub commit, or each local shard's size and
-modification time: the fingerprint covers names, shapes and offsets, not values), what the fingerprint
-was made of (the source's config.json and a digest of each shard's tensor list), so a refusal can say
-what changed, the names the conversion writes in OUT (see ownership.py) and whether the output is
-complete.
+"""OUT/.fp8convert/manifest.json, its one reader and writer: what this output is a conversion of, so a
+rerun can resume it, a worker can join it and `finalize` can rebuild its plan. Besides the plan's
+fingerprint it records the source's bytes' identity (a Hub commit, or each local shard's size and mtime:
+the fingerprint covers names, shapes and offsets, not values) and what the fingerprint was made of, so a
+refusal can say what changed.
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ class Manifest:
         self.path = Path(out_dir) / WORK_DIR / MANIFEST
 
     def read(self) -> dict | None:
-        """The recorded state; None when there is no manifest; an error naming the file when it is
-        unreadable."""
+        """The recorded state; None when there is no manifest."""
         try:
             state = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -81,9 +75,7 @@ class Manifest:
                 tmp.unlink()
             raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
         if (self.read() or {}).get("fingerprint") != plan.fingerprint:
-            raise PlanMismatchError(
-                f"{path.parent.parent}: another run started a conversion with a different plan in it at the same time"
-            )
+            raise self._raced()
         for leftover in path.parent.glob(f".{MANIFEST}*.tmp"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
@@ -96,18 +88,18 @@ class Manifest:
         if state is None:
             self.create(plan, base_model)
         elif state.get("fingerprint") != plan.fingerprint:
-            raise PlanMismatchError(
-                f"{self.path.parent.parent}: another run started a conversion with a different "
-                "plan in it at the same time"
-            )
+            raise self._raced()
+
+    def _raced(self) -> PlanMismatchError:
+        out = self.path.parent.parent
+        return PlanMismatchError(
+            f"{out}: another run started a conversion with a different plan in it at the same time"
+        )
 
     def mark_complete(self, plan: Plan) -> None:
         state = self.read() or new_manifest(plan)
         state["complete"] = True
         self.write(state)
-
-    def is_complete(self) -> bool:
-        return bool((self.read() or {}).get("complete"))
 
 
 def is_local(source: Source) -> bool:
@@ -144,7 +136,7 @@ def tensor_layout(source: Source) -> dict[str, str]:
 
 
 def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
-    """`base_model`: --base-model, for the model card (finalize may run in another process)."""
+    """`base_model` is recorded for the model card: finalize may run in another process."""
     source = plan.source
     return {
         "tool": "fp8convert",
@@ -154,14 +146,7 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
         "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
         "revision": source.revision,
         "source_files": source_identity(source).get("files"),
-        "scheme": plan.options.scheme,
-        "format": plan.options.format,
-        "ignore": list(plan.options.ignore),
-        "max_shard_size": plan.options.max_shard_size,
-        "target_tp": list(plan.options.target_tp),
-        "scale_format": plan.options.scale_format,
-        "dequantize": plan.options.dequantize,
-        "dtype": plan.options.dtype,
+        **plan.options.record(),  # what finalize_output rebuilds the plan from (Options.from_record)
         "shards": len(plan.shards),
         "config": source.config,
         "tensor_layout": tensor_layout(source),
@@ -171,18 +156,10 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
     }
 
 
-OPTION_NAMES = {
-    "source": "source",
-    "scheme": "--scheme",
-    "format": "--format",
-    "ignore": "--ignore",
-    "max_shard_size": "--max-shard-size",
-    "target_tp": "--target-tp",
-    "scale_format": "--scale-format",
-    "dequantize": "dequantize",
-    "dtype": "--dtype",
-    "version": "fp8convert version",
-}
+# The recorded options a plan change names, in the order it lists them, as the user spells them
+FLAG_OPTIONS = ("scheme", "format", "ignore", "max_shard_size", "target_tp", "scale_format")
+OPTION_NAMES = {"source": "source"} | {k: "--" + k.replace("_", "-") for k in FLAG_OPTIONS}
+OPTION_NAMES |= {"dequantize": "dequantize", "dtype": "--dtype", "version": "fp8convert version"}
 
 
 def option_value(key: str, value) -> str:

@@ -1,11 +1,7 @@
 """Whose files OUT holds: fp8convert may replace (`--overwrite`) only what it wrote itself.
 
-An output directory is fp8convert's when it is empty, holds only the work folder of a run killed before
-its manifest existed, or holds a manifest. A manifest records the names the conversion writes at OUT's
-top level, so anything else found there (the user's own files) is foreign and is never deleted: the
-command that would replace OUT is refused instead, naming a few of them. Every command that replaces an
-output (quantize, batch jobs, finalize's advice, and any later command that writes an OUT) asks
-`replace_output` or `foreign_entries`.
+The manifest records the names a conversion writes at OUT's top level; anything else there (the user's
+own files) is foreign and never deleted: the command that would replace OUT is refused instead.
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ NAMED = 3  # foreign entries named in a refusal; the rest are counted
 
 
 def killed_before_manifest(out_dir: Path) -> bool:
-    """OUT holds only the work directory, without a manifest: what a run killed before its manifest
-    existed leaves, or what a worker started a moment earlier has made so far (several workers start
-    together on an empty OUT). Such a directory is ours and empty in every way that matters."""
+    """OUT holds only the work folder, without a manifest: left by a run killed before its manifest
+    existed, or made by a worker started a moment earlier. Ours, and empty in every way that matters."""
     work = Path(out_dir) / WORK_DIR
     return (
         [p.name for p in Path(out_dir).iterdir()] == [WORK_DIR]
@@ -34,10 +29,8 @@ def killed_before_manifest(out_dir: Path) -> bool:
 
 
 def foreign_entries(out_dir: Path) -> list[str]:
-    """OUT's top-level entries that fp8convert did not write, sorted (directories end in '/'); [] when
-    every entry is its own. Without a manifest everything but the work folder is foreign. A manifest
-    that cannot be read, or one from before fp8convert recorded its outputs, cannot tell its files from
-    anyone else's: that is refused here, so nothing in such a folder is ever deleted."""
+    """OUT's top-level entries that fp8convert did not write, sorted (directories end in '/'). A manifest
+    that cannot be read, or that lists no outputs, cannot tell fp8convert's files from others': refused."""
     out_dir = Path(out_dir)
     entries = {p.name: p for p in out_dir.iterdir()} if out_dir.is_dir() else {}
     if not entries or killed_before_manifest(out_dir):
@@ -75,8 +68,7 @@ def describe(names: list[str]) -> str:
 
 
 def refuse_foreign(out_dir: Path, foreign: list[str], overwrite: bool) -> None:
-    """The one refusal for an OUT that holds someone else's files. It never suggests --overwrite, which
-    could not replace them anyway."""
+    """The one refusal for an OUT holding someone else's files (never suggesting --overwrite: it cannot help)."""
     why = " (--overwrite replaces only an earlier fp8convert output)" if overwrite else ""
     raise FP8ConvertError(
         f"{out_dir}: holds files fp8convert did not write ({describe(foreign)}); choose an "
@@ -85,8 +77,7 @@ def refuse_foreign(out_dir: Path, foreign: list[str], overwrite: bool) -> None:
 
 
 def replace_output(out_dir: Path) -> None:
-    """Delete an earlier fp8convert output so a new one can be written in its place; refused, deleting
-    nothing, when OUT holds anything fp8convert did not write."""
+    """Delete an earlier fp8convert output; refused, deleting nothing, when OUT holds anything else."""
     out_dir = Path(out_dir)
     foreign = foreign_entries(out_dir)
     if foreign:
@@ -97,8 +88,7 @@ def replace_output(out_dir: Path) -> None:
 
 
 def empty_work_folder(out_dir: Path) -> None:
-    """Delete what OUT's work folder holds, but the lock files: the folder stays, it holds this run's lock
-    (lock.py)."""
+    """Delete what OUT's work folder holds but the lock files, which hold this run's lock."""
     work = Path(out_dir) / WORK_DIR
     if work.is_dir() and not work.is_symlink():
         remove([e for e in work.iterdir() if not is_lock_file(e.name)])

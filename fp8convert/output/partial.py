@@ -1,11 +1,9 @@
 """Which units of a partial shard are already written, so that a rerun continues inside the shard.
 
-Beside each partial shard OUT/.fp8convert/NAME.partial, NAME.units lists the units whose bytes in that
-shard are written, one line each: the unit's label and a CRC-32 of its bytes in the file. A line is
-added only once every byte of the unit is written, read back for the checksum and fsynced, and the
-line is fsynced in turn; a line cut short by a kill or a crash is no line. A rerun trusts a unit only
-when the partial file has the planned size and header and the unit's bytes still give its checksum;
-every other unit of the shard is written again. The record goes once its shard has its final name.
+Beside each partial shard OUT/.fp8convert/NAME.partial, NAME.units has a line per unit whose bytes are
+written: its label and a CRC-32 of its bytes in the file, added only once those bytes are fsynced (a line
+cut short by a kill is no line). A rerun trusts a unit only when the partial file has the planned size
+and header and the unit's bytes still give its checksum. The record goes once its shard is final.
 """
 
 from __future__ import annotations
@@ -111,11 +109,9 @@ def remove_records(work_dir: Path) -> None:
 
 
 class UnitRecorder:
-    """Adds a unit's line to its shard's record once the writer has every byte of it in the file; in a
-    thread of its own (reading back and fsyncing take time), which `start` begins (the writer holds it
-    back while it keeps its writes in the page cache) and `close` ends once the lines asked for so far
-    are written. A unit whose shard gets its final name meanwhile needs no line. Failures only lose
-    lines: the rerun writes those units again."""
+    """Adds a unit's line to its shard's record once the writer has every byte of it in the file, in a
+    thread of its own (reading back and fsyncing take time) that `start` begins and `close` ends once the
+    lines asked for are written. Failures only lose lines: the rerun writes those units again."""
 
     def __init__(self, plan: Plan, work_dir: Path):
         self.plan, self.work_dir = plan, Path(work_dir)

@@ -208,7 +208,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
         quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",
         notes="fused experts [E, hidden, 2*inter] (gate, up concatenated) split per expert and transposed to "
-        "[out, in]; transformers loads them under compressed-tensors only",
+        "[out, in]; transformers loads them under compressed-tensors only (in the fp8 format it leaves the "
+        "experts randomly initialised)",
     ),
     Architecture(
         # vllm/model_executor/models/gpt_oss.py: GptOssModel.load_weights sends fp8 and compressed-tensors
@@ -287,7 +288,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H] (gate|up, chunk(2)),
         # output_linear [E, H, I]; router.layer -> router. vllm/model_executor/models/granitemoe.py:
-        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted.
+        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted. transformers
+        # merges no per-expert weights of this family, and on CPU reads fused FP8 experts as their codes
+        # (the dequantize op matches only `.weight` names): no FP8 expert layout loads in both.
         "GraniteMoE",
         ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
@@ -299,7 +302,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
-        notes="fused experts [E, 2*inter, hidden] split per expert",
+        notes="fused experts [E, 2*inter, hidden] split per expert, as vLLM loads them; transformers loads "
+        "that with the experts randomly initialised",
     ),
     Architecture(
         # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors with [E]
@@ -323,8 +327,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts [E*inter, hidden] stay BF16",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True (released
-        # [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
+        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True, whatever the
+        # shapes (released [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
+        # Where hidden == 2 * inter both fit: the released orientation, the one vLLM reads, is read.
         "Qwen3-VL-MoE",
         ("qwen3_vl_moe",),
         experts=Experts(
@@ -335,7 +340,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vllm_names=_QWEN_VL_VLLM,
         quantized=f"language model attention, {_MOE_ROUTED}",
         notes="fused experts ([E, hidden, 2*inter] as released, or [E, 2*inter, hidden] as transformers "
-        "saves them: told apart by the config's sizes) split per expert",
+        "saves them: told apart by the config's sizes, as released where both fit) split per expert",
     ),
     Architecture(
         # vllm/model_executor/models/gemma4.py: router.proj built without quant config; experts fused
@@ -362,6 +367,23 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
     ),
     _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
+    Architecture(
+        # transformers conversion_mapping.py "mllama": the legacy names load under model.* (the vision
+        # tower at model.vision_model.*), which is how compressed-tensors matches the ignore list there.
+        # vLLM removed MllamaForConditionalGeneration in 0.10.2 (model_executor/models/registry.py).
+        "Mllama",
+        ("mllama",),
+        transformers_names=(
+            Rename(r"^language_model\.model\.", "model.language_model."),
+            Rename(r"^language_model\.lm_head$", "lm_head"),
+            Rename(r"^(vision_model|multi_modal_projector)\b", r"model.\1"),
+        ),
+        limits=(
+            Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM does not serve Mllama (removed in vLLM 0.10.2); transformers can"),
+        ),
+        quantized="language model linears, cross-attention included",
+        notes="vision tower and projector kept, listed also as transformers names them (`model.vision_model.*`)",
+    ),
     _multimodal("Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal("Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal(

@@ -64,8 +64,9 @@ class Rename:
 class ExpertTensor:
     """One projection of all experts of a MoE layer in one source tensor.
 
-    `stored` lists the orientations checkpoints of this family come in (IN_OUT, OUT_IN). When both are
-    listed, the config's hidden and expert sizes tell which one a checkpoint has (never the shape alone).
+    `stored` lists the orientations checkpoints of this family come in (IN_OUT, OUT_IN), the family's
+    released one first. When both are listed, the config's hidden and expert sizes tell which one a
+    checkpoint has (never the shape alone); where both fit, it is the released one.
     `members` share the output axis: gate and up of a fused gate_up tensor, concatenated
     ([gate | up]) or `interleaved` (gate, up, gate, up, ... column by column)."""
 

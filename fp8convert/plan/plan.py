@@ -209,6 +209,22 @@ class Plan:
             self.options.scheme, tuple(self.ignore_list), self.options.scale_format, self.static_activations
         ).to_dict()
 
+    def units_in(self, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
+        """The units cut down to the tensors whose outputs land in `shards`, but in a shard where `written`
+        says the unit is written already. All outputs of an atom (fused group or single tensor) share one
+        shard, so atoms are never split and, across workers that own disjoint shards, no tensor is read
+        twice."""
+        units = []
+        for ui, unit in enumerate(self.units):
+            kept = [
+                t
+                for t in unit.tensors
+                if (shard := self.shard_of[t.name]) in shards and ui not in (written or {}).get(shard, ())
+            ]
+            if kept:
+                units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
+        return units
+
 
 # ---------------------------------------------------------------- units and shards
 

@@ -157,7 +157,8 @@ def expert_cuts(
 ) -> list[tuple[str, Cut]]:
     """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear
     orientation. The orientation comes from the registry and the config's sizes, never the shape
-    alone; a tensor that fits no declared orientation, or more than one, is refused."""
+    alone: where the sizes fit more than one, the family's own (listed first) is read; a tensor that
+    fits none is refused."""
     count = config_value(config, *arch.experts.count)
     width = config_value(config, *arch.experts.width)
     hidden = config_value(config, "hidden_size", "d_model")
@@ -169,12 +170,11 @@ def expert_cuts(
     out, inp = (hidden, width) if "down_proj" in layout.members else (width * len(layout.members), hidden)
     expected = {OUT_IN: (count, out, inp), IN_OUT: (count, inp, out)}
     fits = [o for o in layout.stored if expected[o] == tuple(info.shape)]
-    if len(fits) != 1:
+    if not fits:
         want = " or ".join(f"{list(expected[o])} ({o.replace('_', ', ')})" for o in layout.stored)
-        problem = "fits both orientations (hidden size == expert width x members)" if fits else f"expected {want}"
         raise UnsupportedLayout(
             f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
-            f"from config.json: {problem}; keep them with --ignore {module_of(info.name)}"
+            f"from config.json: expected {want}; keep them with --ignore {module_of(info.name)}"
         )
     transpose = fits[0] == IN_OUT
     parts = len(layout.members)

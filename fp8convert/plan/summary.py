@@ -95,17 +95,17 @@ def architecture_warnings(plan: Plan, has_experts: bool) -> list[PlanWarning]:
     ]
     split = arch.experts and any(t.cut for t in plan.tensors)
     if split and fmt not in arch.experts.transformers_loads_split:
+        # transformers' conversion mapping has no rule merging this family's per-expert weights, so it
+        # reports them as unexpected and leaves its fused expert parameters as initialised; its fused
+        # path reads FP8 expert codes without their scales, so no FP8 layout loads in both.
         elsewhere = arch.experts.transformers_loads_split
         warnings.append(
             PlanWarning(
                 Caveat.TRANSFORMERS_CANNOT_LOAD,
                 f"transformers cannot load {arch.name}'s experts written one weight per expert"
-                + (
-                    f" in the {fmt} format (it can in {', '.join(elsewhere)})"
-                    if elsewhere
-                    else " (it reads only fused expert tensors, and copies FP8 ones without their scales)"
-                )
-                + "; vLLM can",
+                + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else "")
+                + ": it loads the model without an error but with the experts randomly initialised; vLLM "
+                "serves this layout",
             )
         )
     return warnings

@@ -124,6 +124,19 @@ def refuse_pickle_only(names: list[str], where: str) -> None:
     raise FP8ConvertError(f"{where}: no safetensors weights found")
 
 
+def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) -> list[str]:
+    """The shards among a checkpoint's files `names`: those its index names, else its top-level
+    safetensors files; refused when there are none."""
+    if index_map is not None:
+        shards = index_files(index_map)
+    else:
+        shards = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+        refuse_missing_numbered(shards, where)
+    if not shards:
+        refuse_pickle_only(names, where)
+    return shards
+
+
 def load_config(root: Path) -> dict:
     path = Path(root) / "config.json"
     if not path.is_file():

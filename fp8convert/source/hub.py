@@ -1,15 +1,10 @@
-"""A source on the Hugging Face Hub.
-
-A repo id resolves to one commit, then either
-  * `remote_source`: a Source built from the shards' safetensors headers read with HTTP Range requests
+"""A source on the Hugging Face Hub. A repo id resolves to one commit, then either
+  * `remote_source`: a Source from the shards' safetensors headers, read with HTTP Range requests
     (planning and `inspect` download no weights), or
   * `download_source`: just the files a conversion needs, into the shared huggingface_hub cache
-    (resumable: a rerun re-uses every finished file and resumes a partial one), or
-  * `streaming.streaming_source`: the remote Source plus a fetcher that keeps only a few shards on
-    disk at a time, for models larger than the free disk.
-
-Every request goes through hub_calls.with_retries (timeouts, bounded retries) and every failure becomes
-one FP8ConvertError line that names the repo (hub_calls.hub_error).
+    (a rerun re-uses every finished file and resumes a partial one), or
+  * `streaming.streaming_source`: the remote Source and a fetcher that keeps a few shards on disk.
+Every request goes through hub_calls (timeouts, bounded retries, one error line naming the repo).
 """
 
 from __future__ import annotations
@@ -17,22 +12,14 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
+from ..options import HubAccess
 from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
-from .checkpoint import (
-    Source,
-    collect_tensors,
-    index_files,
-    is_copied_file,
-    load_config,
-    parse_index,
-    refuse_missing_numbered,
-    refuse_pickle_only,
-)
+from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
 from .hub_calls import causes, download_is_retryable, hub_error, is_transient, with_retries
 from .local import open_local
 
@@ -53,9 +40,7 @@ class RemoteRepo:
     repo_id: str
     sha: str
     sizes: dict[str, int]  # every file of the commit -> size in bytes
-    token: str | None = None
-    cache_dir: str | None = None
-    revision: str | None = None  # what the user asked for (branch, tag, commit), for messages
+    hub: HubAccess  # its revision is what the user asked for (branch, tag, commit), for messages
 
     def call(
         self,
@@ -74,7 +59,7 @@ class RemoteRepo:
         except FP8ConvertError:
             raise
         except Exception as e:  # huggingface_hub, httpx and OS errors alike
-            raise hub_error(self.repo_id, e, self.revision, then=then, needed_bytes=needed_bytes) from e
+            raise hub_error(self.repo_id, e, self.hub.revision, then=then, needed_bytes=needed_bytes) from e
 
     def download(self, filename: str, local_dir: Path | None = None, weights: bool = False) -> Path:
         """One file at the pinned commit: into the shared cache, or into `local_dir`. Resumes partial files.
@@ -88,8 +73,8 @@ class RemoteRepo:
                 self.repo_id,
                 filename,
                 revision=self.sha,
-                token=self.token,
-                cache_dir=self.cache_dir,
+                token=self.hub.token,
+                cache_dir=self.hub.cache_dir,
                 local_dir=str(local_dir) if local_dir else None,
                 then=then,
                 needed_bytes=self.sizes.get(filename),
@@ -104,17 +89,15 @@ class RemoteRepo:
         return path
 
 
-def resolve_repo(
-    repo_id: str, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
-) -> RemoteRepo:
-    """The commit `revision` points to, and the size of every file in it (one API call)."""
+def resolve_repo(repo_id: str, hub: HubAccess) -> RemoteRepo:
+    """The commit `hub.revision` points to, and the size of every file in it (one API call)."""
     from huggingface_hub import HfApi
 
-    probe = RemoteRepo(repo_id, "", {}, token, cache_dir, revision)
     with also_no_folder(repo_id):
-        info = probe.call(HfApi(token=token).model_info, repo_id, revision=revision, files_metadata=True)
-    sizes = {s.rfilename: s.size for s in (info.siblings or [])}
-    return RemoteRepo(repo_id, info.sha, sizes, token, cache_dir, revision)
+        info = RemoteRepo(repo_id, "", {}, hub).call(
+            HfApi(token=hub.token).model_info, repo_id, revision=hub.revision, files_metadata=True
+        )
+    return RemoteRepo(repo_id, info.sha, {s.rfilename: s.size for s in (info.siblings or [])}, hub)
 
 
 @contextlib.contextmanager
@@ -146,21 +129,15 @@ class RemoteLayout:
 
 def remote_layout(repo: RemoteRepo) -> RemoteLayout:
     """Refuse unusable repos (no config, pickle only, index naming absent shards) before any big download."""
-    where = f"{repo.repo_id}@{repo.revision}" if repo.revision else repo.repo_id
+    where = f"{repo.repo_id}@{repo.hub.revision}" if repo.hub.revision else repo.repo_id
     if "config.json" not in repo.sizes:
         raise FP8ConvertError(f"{where}: no config.json in the repository; fp8convert needs the model's config")
     index_map = None
     if INDEX_NAME in repo.sizes:
         index_map = parse_index(repo.download(INDEX_NAME).read_bytes(), f"{where}: {INDEX_NAME}")
-        shards = index_files(index_map)
-        missing = [s for s in shards if s not in repo.sizes]
-        if missing:
-            raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
-    else:
-        shards = sorted(n for n in repo.sizes if n.endswith(".safetensors") and "/" not in n)
-        refuse_missing_numbered(shards, where)
-    if not shards:
-        refuse_pickle_only(list(repo.sizes), where)
+    shards = shard_files(list(repo.sizes), index_map, where)
+    if missing := [s for s in shards if s not in repo.sizes]:
+        raise FP8ConvertError(f"{where}: {INDEX_NAME} names {missing[0]}, which is not in the repository")
     side = sorted(n for n in repo.sizes if is_copied_file(n))
     return RemoteLayout(shards, index_map, side, CARD_NAME if CARD_NAME in repo.sizes else None)
 
@@ -195,7 +172,7 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(repo.repo_id, filename, revision=repo.sha)
-    headers = build_hf_headers(token=repo.token)
+    headers = build_hf_headers(token=repo.hub.token)
     timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
     size = repo.sizes.get(filename)
     if size is not None and size < 8:
@@ -216,19 +193,12 @@ def _snapshot_dir(repo: RemoteRepo) -> Path:
 
 
 def source_from_repo(repo: RemoteRepo, layout: RemoteLayout, root: Path) -> Source:
-    config = load_config(repo.download("config.json").parent)
+    config = load_config(_snapshot_dir(repo))
     headers = dict(zip(layout.shards, parallel(lambda f: remote_header(repo, f)[0], layout.shards)))
     tensors = collect_tensors(headers, layout.index_map, repo.repo_id)
     quant = read_source_quantization(config, tensors, repo.repo_id, list(layout.side_files))
     return Source(
-        Path(root),
-        list(layout.shards),
-        tensors,
-        config,
-        list(layout.side_files),
-        repo.repo_id,
-        revision=repo.sha,
-        quant=quant,
+        Path(root), list(layout.shards), tensors, config, list(layout.side_files), repo.repo_id, repo.sha, quant
     )
 
 
@@ -238,7 +208,7 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def offline_source(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Source | None:
+def offline_source(repo_id: str, hub: HubAccess) -> Source | None:
     """With HF_HUB_OFFLINE set: the cached snapshot of an earlier download (None when online). The
     snapshot directory's name is its commit."""
     from huggingface_hub import constants, snapshot_download
@@ -248,75 +218,59 @@ def offline_source(repo_id: str, revision: str | None = None, cache_dir: str | N
         return None
     with also_no_folder(repo_id):
         try:
-            root = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+            root = snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)
         except LocalEntryNotFoundError as e:
-            at = f" at {revision}" if revision else ""
+            at = f" at {hub.revision}" if hub.revision else ""
             raise FP8ConvertError(
                 f"{repo_id}: HF_HUB_OFFLINE is set and the download cache "
-                f"({cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
+                f"({hub.cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
                 "HF_HUB_OFFLINE to download it"
             ) from e
-    return open_local(root, label=repo_id, revision=root.name)
+    return open_local(Path(root), label=repo_id, revision=Path(root).name)
 
 
-def remote_source(
-    repo_id: str,
-    revision: str | None = None,
-    token: str | None = None,
-    root: str | Path | None = None,
-    cache_dir: str | None = None,
-) -> Source:
-    """A Source from the Hub without downloading weights: the repo listing, config.json and the
-    index (small files, into the cache) and each shard's header (Range requests). `root` is where the
-    files would be downloaded: by default the cache snapshot that `download_source` fills.
-    Offline (HF_HUB_OFFLINE), the cached snapshot of an earlier download is read instead."""
-    cached = offline_source(repo_id, revision, cache_dir)
-    if cached is not None:
+def remote_source(repo_id: str, hub: HubAccess) -> Source:
+    """A Source from the Hub without downloading weights: the repo listing, config.json and the index
+    (small files, into the cache) and each shard's header (Range requests), rooted at the cache snapshot
+    that `download_source` fills. Offline (HF_HUB_OFFLINE), the cached snapshot of an earlier download."""
+    if (cached := offline_source(repo_id, hub)) is not None:
         return cached
-    repo = resolve_repo(repo_id, revision, token, cache_dir)
-    layout = remote_layout(repo)
-    return source_from_repo(repo, layout, Path(root) if root is not None else _snapshot_dir(repo))
+    repo = resolve_repo(repo_id, hub)
+    return source_from_repo(repo, remote_layout(repo), _snapshot_dir(repo))
 
 
-def download_source(
-    repo_id: str, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
-) -> Source:
-    """Download config, index, the shards the index names (or the top-level safetensors), the side
-    files and README.md into the huggingface_hub cache; the Source read from that snapshot.
-
-    Nothing else is fetched (no .bin, no original/ folder). Offline (HF_HUB_OFFLINE), the cached
-    snapshot of an earlier download is used as it is."""
-    cached = offline_source(repo_id, revision, cache_dir)
-    if cached is not None:
+def download_source(repo_id: str, hub: HubAccess) -> Source:
+    """Download config, index, the shards (those the index names, or the top-level safetensors), the side
+    files and README.md into the huggingface_hub cache, nothing else (no .bin, no original/ folder); the
+    Source read from that snapshot. Offline (HF_HUB_OFFLINE), the cached snapshot as it is."""
+    if (cached := offline_source(repo_id, hub)) is not None:
         return cached
-    repo = resolve_repo(repo_id, revision, token, cache_dir)
+    repo = resolve_repo(repo_id, hub)
     layout = remote_layout(repo)
     root = _fetch(repo, layout, layout.shards)
     _remember_ref(root, repo)
     return open_local(root, label=repo_id, revision=repo.sha)
 
 
-def fetch_from_hub(source: Source, shards: list[str], token: str | None, cache_dir: str | None = None) -> None:
+def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
     """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
     and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
     there is nothing to fetch."""
     if source.revision is None or hub_offline():
         return
-    repo = resolve_repo(source.label, source.revision, token, cache_dir)
+    repo = resolve_repo(source.label, replace(hub, revision=source.revision))
     _fetch(repo, remote_layout(repo), shards)
 
 
 def _fetch(repo: RemoteRepo, layout: RemoteLayout, shards: list[str]) -> Path:
-    """The small files (config, index, card, side files), then `shards`, into the cache snapshot; returns
-    it. Files the cache already holds for this commit cost no request, so a rerun re-uses them; a
-    partial one resumes, since the cache keeps `.incomplete` blobs."""
+    """The small files (config, index, card, side files), then `shards`, biggest first, into the cache
+    snapshot; returns it. Files the cache already holds for this commit cost no request, and a partial
+    one resumes (the cache keeps `.incomplete` blobs)."""
     small = [n for n in ["config.json", INDEX_NAME, layout.card, *layout.side_files] if n and n in repo.sizes]
     for name in dict.fromkeys(small):
         repo.download(name)
-    parallel(
-        lambda name: repo.download(name, weights=True),
-        sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0)),
-    )  # biggest first
+    shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
+    parallel(lambda name: repo.download(name, weights=True), shards)
     return _snapshot_dir(repo)
 
 
@@ -359,7 +313,7 @@ def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
 def _remember_ref(snapshot: Path, repo: RemoteRepo) -> None:
     """Record branch -> commit in the cache as huggingface_hub does (refs/<branch>), so an offline rerun
     finds this snapshot: the files were fetched by commit, which records no ref."""
-    ref = repo.revision or "main"
+    ref = repo.hub.revision or "main"
     if COMMIT_SHA.match(ref) or snapshot.parent.name != "snapshots":
         return
     path = snapshot.parent.parent / "refs" / ref

@@ -1,19 +1,15 @@
 """Every request fp8convert makes to the Hugging Face Hub: timeouts, bounded retries, and the one line a
 failure becomes.
 
-huggingface_hub's client has no timeout of its own (several calls, `model_info` among them, wait forever
-on a server that accepts the connection and never answers). `install_timeouts` gives every request of
-its shared client a connect and a read timeout, following huggingface_hub's own settings:
+huggingface_hub's client has no timeout of its own (`model_info`, among others, waits forever on a server
+that accepts the connection and never answers), so every request of its shared client gets these, or
+keeps its own where that is shorter:
 
-  HF_HUB_ETAG_TIMEOUT      seconds to open a connection (default 10)
-  HF_HUB_DOWNLOAD_TIMEOUT  seconds to wait for the next bytes of an answer (default 10); an upload's
-                           answer (the Hub may take minutes to make a commit) waits UPLOAD_READ_TIMEOUT_S
-  FP8CONVERT_HUB_RETRIES   how many times a request that timed out or failed on the network, or that
-                           the Hub answered 429/5xx, is tried again (default 2)
+  HF_HUB_ETAG_TIMEOUT        seconds to open a connection (default 10)
+  HF_HUB_DOWNLOAD_TIMEOUT    seconds to wait for the next bytes of an answer (default 10); an upload's
+                             answer (the Hub may take minutes to make a commit) waits UPLOAD_READ_TIMEOUT_S
+  FP8CONVERT_HUB_RETRIES     retries of a request that timed out, failed on the network or got 429/5xx (2)
   FP8CONVERT_HUB_RETRY_WAIT  seconds before the first retry, doubled for each further one (default 1)
-
-Only timeouts a request left open are filled in or, for reads, lowered to these: huggingface_hub's own
-60 s metadata retry is one example.
 """
 
 from __future__ import annotations
@@ -68,8 +64,8 @@ _done = False
 
 
 def install_timeouts() -> None:
-    """Make every request of huggingface_hub's shared client carry connect and read timeouts (once per
-    process; the client factory in place, a user's own included, is kept and wrapped)."""
+    """Once per process: wrap the client factory in place (a user's own included) so that every request
+    of huggingface_hub's shared client carries the timeouts."""
     global _done
     with _installed:
         if _done:
@@ -89,7 +85,7 @@ def install_timeouts() -> None:
 
 
 def _bound_timeouts(request) -> None:
-    """A request hook: connect and read timeouts no longer than the limits, and never none at all."""
+    """A request hook: connect and read timeouts, none longer than the limits."""
     limits = HubLimits.current()
     timeout = dict(request.extensions.get("timeout") or {})
     read = limits.read_s if request.method in ("GET", "HEAD") else max(limits.read_s, UPLOAD_READ_TIMEOUT_S)
@@ -110,7 +106,7 @@ def causes(error: BaseException):
 
 
 def http_module():
-    """The HTTP library huggingface_hub uses (httpx2 from its 2.0, httpx in 1.x): it re-exports it."""
+    """The HTTP library huggingface_hub uses and re-exports (httpx2 from its 2.0, httpx in 1.x)."""
     try:
         from huggingface_hub.utils import httpx
     except ImportError:  # huggingface_hub 1.x before 1.30
@@ -152,9 +148,8 @@ def is_transient(error: BaseException) -> bool:
 
 
 def download_is_retryable(error: BaseException) -> bool:
-    """Whether a failed hf_hub_download deserves another attempt: a transient failure, unless it came
-    out of huggingface_hub's content download (`http_get`), which has already retried a stalled or
-    broken transfer five times, resuming it; another round would multiply the wait."""
+    """A transient failure, unless it came out of huggingface_hub's content download (`http_get`), which
+    has already retried a stalled or broken transfer five times, resuming it."""
     if not is_transient(error):
         return False
     tb = error.__traceback__
@@ -166,9 +161,8 @@ def download_is_retryable(error: BaseException) -> bool:
 
 
 def with_retries(fn, *args, retryable=is_transient, **kwargs):
-    """fn(*args, **kwargs), tried again after failures `retryable` accepts (by default network errors,
-    timeouts and 429/5xx answers) up to FP8CONVERT_HUB_RETRIES times with a doubling wait; anything
-    else is raised at once."""
+    """fn(*args, **kwargs), tried again after failures `retryable` accepts, up to FP8CONVERT_HUB_RETRIES
+    times with a doubling wait; anything else is raised at once."""
     install_timeouts()
     limits = HubLimits.current()
     wait = limits.retry_wait_s
@@ -205,8 +199,7 @@ def hub_error(
     needed_bytes: int | None = None,
 ) -> FP8ConvertError:
     """One clear line for any huggingface_hub, network or download-cache failure. `then`: what to do
-    about a network failure in this command (e.g. that a rerun resumes it); `needed_bytes`: the size of
-    the file being downloaded, said when the cache's disk is full."""
+    about a network failure (e.g. that a rerun resumes it); `needed_bytes`: said when the disk is full."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,

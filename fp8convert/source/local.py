@@ -9,16 +9,9 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..safetensors_io import INDEX_NAME, read_header
-from .checkpoint import (
-    Source,
-    collect_tensors,
-    index_files,
-    is_copied_file,
-    load_config,
-    parse_index,
-    refuse_missing_numbered,
-    refuse_pickle_only,
-)
+from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
+
+NOT_A_FILE = "not a regular file (a directory, pipe, device or broken link)"
 
 
 def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
@@ -28,18 +21,12 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
     if not root.is_dir():
         raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
     listing = sorted(os.listdir(root))
-    index_map = None
-    index = root / INDEX_NAME
+    index, index_map = root / INDEX_NAME, None
     if (index.exists() or index.is_symlink()) and not index.is_file():  # not silently a folder without one
-        raise FP8ConvertError(f"{index}: not a regular file (a directory, pipe, device or broken link)")
+        raise FP8ConvertError(f"{index}: {NOT_A_FILE}")
     if index.is_file():
-        index_map = parse_index((root / INDEX_NAME).read_bytes(), str(root / INDEX_NAME))
-        shards = index_files(index_map)
-    else:
-        shards = [n for n in listing if n.endswith(".safetensors")]
-        refuse_missing_numbered(shards, str(root))
-    if not shards:
-        refuse_pickle_only(listing, str(root))
+        index_map = parse_index(index.read_bytes(), str(index))
+    shards = shard_files(listing, index_map, str(root))
     config = load_config(root)
     headers = {}
     for name in shards:
@@ -47,10 +34,7 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
         if not path.is_file():
             if index_map is not None and not path.exists() and not path.is_symlink():
                 raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
-            raise FP8ConvertError(
-                f"{path}: not a regular file (a directory, pipe, device or broken link), so it "
-                "cannot be read as a shard"
-            )
+            raise FP8ConvertError(f"{path}: {NOT_A_FILE}, so it cannot be read as a shard")
         headers[name], _ = read_header(str(path), name)
     tensors = collect_tensors(headers, index_map, str(root))
     copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]

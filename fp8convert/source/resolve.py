@@ -2,42 +2,62 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..options import REPO_ID
+from ..options import REPO_ID, HubAccess
 from .checkpoint import Source
+from .hub import download_source, fetch_from_hub, remote_source
 from .local import open_local
+from .streaming import NoFetcher, StreamingFetcher, streaming_source
 
 
 def looks_like_repo_id(src: str) -> bool:
     return bool(REPO_ID.match(src)) and not Path(src).exists()
 
 
-def open_source(
-    src: str | Path, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
-) -> Source:
+def open_source(src: str | Path, hub: HubAccess) -> Source:
     """The checkpoint with its data on this machine: a local directory, or a Hub repo downloaded into
-    the huggingface_hub cache (`cache_dir`, else its default; only the files a conversion reads)."""
+    the huggingface_hub cache (only the files a conversion reads)."""
     text = str(src)
     if Path(text).exists():
-        if revision:
+        if hub.revision:
             raise FP8ConvertError(f"--revision applies to Hub repo ids, but {text} is a local directory")
         return open_local(Path(text))
     if looks_like_repo_id(text):
-        from .hub import download_source
-
-        return download_source(text, revision=revision, token=token, cache_dir=cache_dir)
+        return download_source(text, hub)
     raise FP8ConvertError(f"{text}: no such directory, and not a Hub repo id (owner/name)")
 
 
-def plan_source(
-    src: str | Path, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
-) -> Source:
+def plan_source(src: str | Path, hub: HubAccess) -> Source:
     """The checkpoint's layout without its data: a Hub repo from remote headers (no weight download),
     a local directory as it is."""
     if looks_like_repo_id(str(src)):
-        from .hub import remote_source
+        return remote_source(str(src), hub)
+    return open_source(src, hub)
 
-        return remote_source(str(src), revision, token, cache_dir=cache_dir)
-    return open_source(src, revision, token, cache_dir)
+
+def run_source(
+    src: str | Path, hub: HubAccess, stream_to: Path | None, shared: bool
+) -> tuple[Source, NoFetcher | StreamingFetcher]:
+    """A conversion's source and the fetcher that brings its shards. `stream_to` (--stream-download): a
+    Hub repo's shards arrive there as the run needs them. `shared` (one worker of several): a Hub repo is
+    planned from its headers, and each worker fetches the shards it reads. Else the files are on disk
+    (a Hub repo downloaded first) and the fetcher does nothing."""
+    if stream_to is not None:
+        return streaming_source(str(src), stream_to, hub)
+    return (plan_source if shared else open_source)(src, hub), NoFetcher()
+
+
+def recorded_source(state: dict, hub: HubAccess) -> Source:
+    """The source a manifest records, under the label the model card names: its local directory, or the
+    Hub repo at the recorded commit from its headers, with the small files finalize reads (side files,
+    card) fetched into this machine's cache."""
+    if state.get("source_path"):
+        return open_local(Path(state["source_path"]), label=state["source"])
+    if not looks_like_repo_id(state["source"]):
+        raise FP8ConvertError(f"{state['source']}: the manifest's source is neither a directory nor a Hub repo id")
+    source = remote_source(state["source"], replace(hub, revision=state.get("revision")))
+    fetch_from_hub(source, [], hub)
+    return source

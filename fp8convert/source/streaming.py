@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..options import HubAccess
 from .checkpoint import Source
 from .hub import RemoteRepo, remote_layout, resolve_repo, source_from_repo
 from .hub_calls import hub_error
@@ -47,18 +48,16 @@ class StreamingFetcher:
     """Source shards on demand for `--stream-download`: at most `keep` of them on disk at once.
 
     A background thread downloads shards (into `download_dir`, not the shared cache) in the order the
-    pipeline will need them. The pipeline calls `need(files)` before reading a batch (blocks until
-    those files are on disk; raises FP8ConvertError if a download failed) and `release(files)` once
-    every batch that reads them has been written (deletes them, freeing a slot). In between, the
-    pipeline calls `done_reading(files)` once no later batch reads them: their slots free up as soon
-    as the batches in flight are written, so a blocked `need` waits for that. Only when no slot is
-    about to free (every shard on disk is still to be read again, or one batch spans more than `keep`
-    shards) does a blocked `need` go over `keep`, since waiting then would never end.
+    pipeline will need them. The pipeline calls `need(files)` before reading a batch (blocks until they
+    are on disk; raises a download's failure), `done_reading(files)` once no later batch reads them (their
+    slots free up as soon as the batches in flight are written, so a blocked `need` waits for that) and
+    `release(files)` once every batch reading them is written (deletes them). Only when no slot is about
+    to free (every shard on disk is still to be read again, or one batch spans more than `keep` shards)
+    does a blocked `need` go over `keep`, since waiting then would never end.
 
-    Lifecycle: `start(order)` after the output directory is prepared (it downloads the small side
-    files synchronously, then starts the thread), `need`/`release` during the run, `close(remove=True)`
-    after finalize (deletes the download directory), `close()` on failure (keeps finished files: a
-    rerun re-uses them and resumes a partial one).
+    `start(order)` comes after the output directory is prepared (it downloads the small side files, then
+    starts the thread). Leaving the context after a finished run deletes the download directory; after a
+    failure the finished files stay for the rerun, which also resumes a partial one.
     """
 
     PENDING, DOWNLOADING, PRESENT, RELEASED, FAILED = "pending", "downloading", "present", "released", "failed"
@@ -90,8 +89,6 @@ class StreamingFetcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """After a finished run the download directory goes; after a failure the finished files stay,
-        for the rerun."""
         self.close(remove=exc_type is None)
 
     def start(self, order: list[str] | None = None) -> None:
@@ -191,10 +188,6 @@ class StreamingFetcher:
         """Disk the streamed shards may need at once (the `keep` largest)."""
         return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.shards), reverse=True)[: self.keep])
 
-    def present(self) -> list[str]:
-        with self._cond:
-            return [f for f in self.shards if self.state[f] == self.PRESENT]
-
     # -- background thread
 
     def _live(self) -> int:
@@ -255,30 +248,17 @@ class StreamingFetcher:
 
 
 def streaming_source(
-    repo_id: str,
-    download_dir: str | Path,
-    revision: str | None = None,
-    token: str | None = None,
-    keep: int = 2,
-    cache_dir: str | None = None,
+    repo_id: str, download_dir: Path, hub: HubAccess, keep: int = 2
 ) -> tuple[Source, StreamingFetcher]:
     """The remote Source rooted at `download_dir` (in OUT's work folder), and the fetcher that fills it.
-
     Nothing is written until `fetcher.start(order)`, which must come after the output directory is
     prepared (prepare_output may clear OUT)."""
-    repo = resolve_repo(repo_id, revision, token, cache_dir)  # the small files go to the cache
+    repo = resolve_repo(repo_id, hub)  # the small files go to the cache
     layout = remote_layout(repo)
-    download_dir = Path(download_dir)
-    source = source_from_repo(repo, layout, download_dir)
     side = layout.side_files + ([layout.card] if layout.card else [])
-    return source, StreamingFetcher(repo, download_dir, layout.shards, side, keep=keep)
+    return source_from_repo(repo, layout, download_dir), StreamingFetcher(repo, download_dir, layout.shards, side, keep)
 
 
 def need_order(batches) -> list[str]:
     """Shards in the order a list of batches (anything with `.tensors` of TensorPlan) first reads them."""
-    order: dict[str, None] = {}
-    for batch in batches:
-        for t in batch.tensors:
-            for info in t.inputs:
-                order.setdefault(info.file, None)
-    return list(order)
+    return list(dict.fromkeys(info.file for batch in batches for t in batch.tensors for info in t.inputs))

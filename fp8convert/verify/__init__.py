@@ -2,26 +2,18 @@
 
 First the structure, from headers and config alone, without torch (structure.py, pairs.py): every
 source tensor accounted for, dtypes, shapes, scale names and shapes, config, ignore list, index. Then
-the data (stream.py): every tensor pair is streamed through quantize's reader (run/verify_stream.py)
-and checked by the functions of numbers.py, whose docstring gives the bound a conversion is held to.
-Works for both output formats:
+the data (stream.py): every pair's bytes streamed through quantize's reader (run/verify_stream.py) and
+checked by numbers.py, whose docstring gives the bound a conversion is held to. Both output formats:
 
 - compressed-tensors: `X.weight` F8_E4M3 + `X.weight_scale` F32 shaped [1] (tensor), [out, 1] (channel)
-  or [ceil(out/128), ceil(in/128)] (block);
+  or [ceil(out/128), ceil(in/128)] (block); MXFP8: `X.weight_scale` U8 [out, in/32], E8M0 exponents;
 - fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
-  [ceil(out/128), ceil(in/128)] (block);
-- compressed-tensors MXFP8: `X.weight_scale` U8 [out, in/32], E8M0 exponent bytes (value 2^(byte-127)).
+  [ceil(out/128), ceil(in/128)] (block).
 
-FP8 sources
------------
-When the source is itself FP8, its weights' values are float32(q) * scale. A dequantized output
-(`fp8convert dequantize`, or a weight kept with --ignore) must equal that product rounded once to the
-output's dtype, element for element, and its scales must be gone. An FP8 output is checked against
-those float32 values with the e4m3 bound of numbers.py (and, requantized to MXFP8 or UE8M0 blocks, with
-the exact power-of-two checks); one whose codes and scale values are the source's (passed through) is
-exact, its scales powers of two where the config says scale_fmt ue8m0. A static activation scale in
-the output must be the source's, byte for byte. All of it is read through the same stream, in slabs
-of whole 128-row blocks.
+An FP8 source's weights are float32(q) * scale. A dequantized output must be that product rounded once
+to the output's dtype, element for element; a requantized one is held to the e4m3 bound (and the
+power-of-two rules) against it; one whose codes and scale are the source's (passed through) is exact.
+A static activation scale must be the source's, byte for byte.
 """
 
 from __future__ import annotations
@@ -30,11 +22,10 @@ import time
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..options import AUTO, Settings, python_spelling
+from ..options import AUTO, HubAccess, Settings, python_spelling
 from ..source.resolve import open_source
-from .pairs import pair_tensors
 from .report import VerifyFailed, VerifyReport, record_in_card, render
-from .structure import check_config, check_manifest_and_side_files
+from .structure import check_config, check_manifest_and_side_files, pair_tensors
 
 __all__ = ["VerifyFailed", "VerifyReport", "record_in_card", "render", "verify"]
 
@@ -57,7 +48,7 @@ def verify(
     `max_resident` bytes a batch."""
     started = time.monotonic()
     settings = Settings(device=device, max_resident=max_resident, prefetch=prefetch, progress=progress)
-    source = open_source(src, revision, token, cache_dir)
+    source = open_source(src, HubAccess(revision, token, cache_dir))
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: not a directory")

@@ -1,39 +1,26 @@
 """The numeric checks of a slab of a tensor (torch): how far its codes are from its source, and whether
 its scales are the ones the rule allows.
 
-The numeric bound (why a conversion passes or fails)
----------------------------------------------------
-e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most half a
-step: 2^-4 * |x| where x is a normal number (|x| >= 2^-6), and 2^-10 where it is subnormal (fixed
-spacing 2^-9 below 2^-6). In weight units every element's error is therefore at most
-max(2^-4 * |w|, 2^-10 * scale), and ||w - dequant|| at most sqrt(sum of those squared). When every
-element is normal that is exactly 2^-4 = 6.25 % of ||w||; a per-tensor (or shared fused-group) scale
-pushes small elements into the subnormal range, and the second term is the exact allowance for them,
-not a guessed slack. A tensor whose relative error exceeds its bound is not a rounding of its source.
+The bound. e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most
+2^-4 * |x| where x is normal (|x| >= 2^-6) and 2^-10 where it is subnormal. In weight units each
+element's error is at most max(2^-4 * |w|, 2^-10 * scale), and ||w - dequant|| at most the root of the
+sum of their squares: 6.25 % of ||w|| when every element is normal. A per-tensor (or fused group's)
+scale pushes small elements into the subnormal range, and the second term is the exact allowance for
+them, not a guessed slack. Since a norm cannot see one corrupted code among millions, each code must
+also lie within half an e4m3 step of w / scale (computed in float32 as the quantizer does).
 
-A norm cannot see one corrupted code among millions, so each element is also checked on its own:
-the code must lie within half an e4m3 step of w / scale (computed in float32 exactly as the quantizer
-does). Round-to-nearest always satisfies this; any other code, and a NaN code, does not.
+Power-of-two scales (MXFP8 exponents, UE8M0 blocks) must be the smallest 2^e that fits their amax, and
+every code RNE(w / 2^e) exactly, ties included. Float scales must be at most OVERSIZE x amax / 448.
 
-Power-of-two scales (an MXFP8 exponent, a block scale under `scale_fmt: ue8m0`) must be the smallest
-2^e that fits their amax, and every code the round-to-nearest-even e4m3 value of w / 2^e, ties included
-(`power_of_two_checks`). Float scales must be at most twice amax / 448 of what they scale (`OVERSIZE`).
-
-How the numbers are computed (the same values, faster)
-------------------------------------------------------
-`exact_sums` computes the figures above element by element, in float64 where it sums. `fast_sums`
-gets the same values with fewer passes, and is used only where it can vouch for them: it re-rounds
-w / scale to e4m3 exactly as the quantizer does and compares the codes byte for byte. Where they all
-match, every code is the round-to-nearest code, so none is off the grid (nor, with power-of-two
-scales, off round-to-nearest-even), and float32(code) comes from the code's bits; the sums are the
-same float64 sums of the same float32 values. Where any code differs (or a weight is not finite), that
-piece is measured by `exact_sums`, element by element, and its codes by `power_of_two_checks` too.
+`exact_sums` computes the figures element by element. `fast_sums` gets the same values in fewer passes
+and answers only where it can vouch for them: it re-rounds w / scale to e4m3 as the quantizer does, and
+only if every code matches byte for byte (so none is off the grid, nor off RNE) does it sum, from the
+codes' bits, the same float32 values in float64. Elsewhere the tile is measured by `exact_sums`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 
 import torch
@@ -66,8 +53,8 @@ def compare_kept(source, output, origin: str = "the source") -> str | None:
 
 
 def exact_sums(w, q, s) -> ErrorSums:
-    """The figures of one piece, element by element. `w` the source rows, `q` their codes, `s` the
-    scale broadcastable to them (float32)."""
+    """The figures of source rows `w` and their codes `q`, element by element (`s`: the float32 scale,
+    broadcastable to them)."""
     w = w.float()
     dq = q.float() * s  # float32(q) * scale, as run.numerics.dequantize
     e2 = float((w.double() - dq.double()).square().sum())
@@ -83,31 +70,20 @@ def exact_sums(w, q, s) -> ErrorSums:
     return ErrorSums(w2, e2, bound2, off_grid)
 
 
-class Scratch:
-    """The buffers `fast_sums` works in, allocated once and reused by every tile: a fresh temporary per
-    operation would cost more in page faults than the arithmetic itself."""
-
-    KINDS = ("float32", "float32", "float64", "uint8", "int16", "float8_e4m3fn")
-
-    def __init__(self):
-        self.buffers: list = []
-        self.views: tuple = ((), None, [])  # the last shape and device asked for, and its views
-
-    def take(self, shape, device) -> list:
-        """One tensor per KINDS entry, shaped `shape` (views of buffers grown as needed)."""
-        if self.views[:2] == (shape, device):
-            return self.views[2]
-        n = math.prod(shape)
-        if not self.buffers or self.buffers[0].numel() < n or self.buffers[0].device != device:
-            self.buffers = [torch.empty(n, dtype=getattr(torch, kind), device=device) for kind in self.KINDS]
-        self.views = (shape, device, [b[:n].view(shape) for b in self.buffers])
-        return self.views[2]
+# The buffers `fast_sums` works in, one of each dtype, allocated once a slab and reused by every tile: a
+# fresh temporary per operation would cost more in page faults than the arithmetic itself.
+SCRATCH_DTYPES = (torch.float32, torch.float32, torch.float64, torch.uint8, torch.int16, torch.float8_e4m3fn)
 
 
-def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
+def scratch_for(n: int, device) -> list:
+    return [torch.empty(n, dtype=dtype, device=device) for dtype in SCRATCH_DTYPES]
+
+
+def fast_sums(w, q, s, scratch: list | None = None) -> ErrorSums | None:
     """The same figures as `exact_sums` when every code is the round-to-nearest code of w / scale (then
-    none is off the grid); None when some code is not, or a weight is not finite (module docstring)."""
-    wf, x, wide, magnitude, bits, x8 = (scratch or Scratch()).take(tuple(w.shape), w.device)
+    none is off the grid); None when some code is not, or a weight is not finite."""
+    n = w.numel()
+    wf, x, wide, magnitude, bits, x8 = (b[:n].view(w.shape) for b in scratch or scratch_for(n, w.device))
     wf.copy_(w)
     torch.div(wf, s, out=x).clamp_(-FP8_MAX, FP8_MAX)  # float32, exactly as the quantizer divides
     x8.copy_(x)
@@ -131,7 +107,7 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     w2 = float(torch.dot(flat, flat))
     if not (math.isfinite(w2) and math.isfinite(e2)):
         return None
-    # bound: sum of max(|w|, t)^2 / 2^8 with t = scale / 2^6 (module docstring). Where every |w| >= t
+    # bound: sum of max(|w|, t)^2 / 2^8 with t = scale / 2^6. Where every |w| >= t
     # that is w2 / 2^8; a w below t has |w / scale| < 2^-6, so its code is at most 2^-6 (magnitude bits
     # <= 0x08), and only then is the sum taken again with |w| raised to t (exact in float64: t is a
     # float32 times a power of two).
@@ -145,25 +121,21 @@ def fast_sums(w, q, s, scratch: Scratch | None = None) -> ErrorSums | None:
     return ErrorSums(w2, e2, bound2 * 2.0**-8, 0)
 
 
+# The C library's memcmp (among the process's own symbols): on a CPU several times faster than
+# torch.equal, which builds an elementwise comparison.
+memcmp = ctypes.CDLL(None).memcmp
+memcmp.restype, memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
 def same_bytes(a, b) -> bool:
-    """Two uint8 tensors of one length hold the same bytes. On a CPU that is the C library's memcmp:
-    several times faster than torch.equal, which builds an elementwise comparison."""
+    """Two uint8 tensors of one length hold the same bytes."""
     if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
         return torch.equal(a, b)
-    return memcmp()(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+    return memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
 
 
 def identical(a, b) -> bool:
-    """Two tensors of one size hold the same bytes."""
     return same_bytes(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-@functools.cache
-def memcmp():
-    function = ctypes.CDLL(None).memcmp  # the process's own symbols: the C library is among them
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return function
 
 
 def tile_scale(scale, r0: int, r1: int, scheme: str):
@@ -183,16 +155,15 @@ def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
 
 
 def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
-    """The figures of rows r0.. of a tensor (`w` source rows, `q` their codes, `scale` the tensor's
-    whole scale as float32 values), a tile at a time on a CPU (tiles that stay in the caches; block
-    tiles start on block rows), in one piece on a GPU. `powers`: the scales are powers of two (MXFP8,
-    UE8M0 blocks), checked exactly as well."""
+    """The figures of rows r0.. of a tensor (`scale`: the tensor's whole scale as float32 values), a tile
+    at a time on a CPU (tiles stay in the caches; block tiles start on block rows), in one piece on a GPU.
+    `powers`: the scales are powers of two (MXFP8, UE8M0 blocks), checked exactly as well."""
     rows, cols = w.shape
     step = rows if w.device.type != "cpu" else max(1, TILE_ELEMENTS // max(cols, 1))
     if scheme == "block":
         step = max(BLOCK, step // BLOCK * BLOCK)
     sums = ErrorSums()
-    scratch = Scratch()
+    scratch = scratch_for(min(rows, step) * cols, w.device)
     for t0 in range(0, rows, step):
         t1 = min(rows, t0 + step)
         s = slab_scale(scale, r0 + t0, r0 + t1, cols, scheme)
@@ -201,9 +172,7 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
         tile = fast or exact_sums(w_tile, q_tile, s)
         stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
         if powers:  # where fast_sums answered, every code is RNE(w / scale) byte for byte: none inexact
-            tile.off_rule, tile.inexact = power_of_two_checks(
-                w_tile.float(), q_tile, stored, scheme, codes=fast is None
-            )
+            tile.off_rule, tile.inexact = power_of_two_checks(w_tile.float(), q_tile, stored, scheme, fast is None)
         else:
             tile.oversized, tile.amax = float_scale_checks(w_tile, stored, scheme)
         sums.add(tile)
@@ -219,9 +188,8 @@ OVERSIZE = 2.0
 
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
-    """(channel or block scales over OVERSIZE x amax / 448 of their rows or blocks, the tensor scheme's
-    largest |w|) for one slab with float scales. The tensor scheme's scale may be a fused group's, so its
-    comparison waits for every member (check_tensor_scales)."""
+    """(channel or block scales over OVERSIZE x amax / 448 of theirs, the tensor scheme's largest |w|):
+    the tensor scheme's scale may be a fused group's, so it waits for every member (check_tensor_scales)."""
     if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
         if not w.numel():
             return 0, 0.0
@@ -237,14 +205,13 @@ def oversized(scale, amax):
 
 
 def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
-    """(scales off the rule, codes off RNE) for one slab of rows with power-of-two scales: MXFP8 exponents
-    ([rows, in/32]) or UE8M0 block scales (block rows of the slab). `w`: float32 source rows; `q`: their
-    codes; `s`: float32 scale values. `codes` False: the codes are known to be RNE(w / scale) already.
+    """(scales off the rule, codes off RNE) for one slab with power-of-two scales (MXFP8 exponents, or UE8M0
+    block scales of the slab's block rows). `codes` False: the codes are known to be RNE(w / scale).
 
-    The rule is written as a property, independently of how the quantizer computes it: s = 2^e must
-    satisfy A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), where A is the
-    group's amax, or the block's amax floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its
-    lowest byte (2^-127) only needs the first. Both products are exact in float32."""
+    The rule as a property, independent of how the quantizer computes it: s = 2^e must satisfy
+    A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), A the group's amax or the
+    block's floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its lowest byte (2^-127) only needs
+    the first. Both products are exact in float32."""
     a = amax(w, scheme)
     if scheme != "mxfp8":
         a = torch.maximum(a, torch.full_like(a, UE8M0_MIN_AMAX))

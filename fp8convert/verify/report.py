@@ -4,18 +4,19 @@ text or JSON, and its figures in the output's model card."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..output.card import with_verification
 from ..output.files import write_atomic
 from ..output.manifest import Manifest
+from ..output.ownership import describe
 from ..source.hub import CARD_NAME
 from ..units import plural
 
 FLOAT_SLACK = 1e-5  # float32 arithmetic in dequant / division, far below any real error
-NAMED = 3  # a grouped line names this many of its tensors
 
 
 class VerifyFailed(FP8ConvertError):
@@ -24,47 +25,41 @@ class VerifyFailed(FP8ConvertError):
 
 @dataclass
 class TensorCheck:
-    """The numbers of one quantized tensor."""
+    """The figures of one quantized tensor (the bound: numbers.py docstring)."""
 
     name: str
     shape: list[int]
     scale_shape: list[int]
     rel_error: float  # ||w - dequant|| / ||w||; 0 when both are zero, inf when only w is zero
     snr_db: float  # 20 log10(||w|| / ||w - dequant||); inf when exact
-    bound: float  # largest rel_error e4m3 rounding allows with these scales (numbers.py docstring)
-    off_grid: int  # elements whose code is not within half a step of w / scale (must be 0)
+    bound: float  # largest rel_error e4m3 rounding allows with these scales
+    off_grid: int  # codes not within half a step of w / scale
     ok: bool
-    off_rule_scales: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax (must be 0)
-    inexact_codes: int = 0  # with power-of-two scales: codes that are not RNE(w / scale) exactly (must be 0)
-    oversized_scales: int = 0  # channel and block float scales above twice amax / 448 of theirs (must be 0)
+    off_rule_scales: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax
+    inexact_codes: int = 0  # with power-of-two scales: codes that are not RNE(w / scale)
+    oversized_scales: int = 0  # channel and block float scales above twice amax / 448 of theirs
 
     def problem(self, scheme: str) -> str:
         """What is wrong with these figures, one line."""
 
-        def are(n: int) -> str:
-            return "is" if n == 1 else "are"
+        def counted(n: int, word: str, rest: str) -> list[str]:
+            return [f"{plural(n, word)} {'is' if n == 1 else 'are'} {rest}"] if n else []
 
-        what = []
-        if self.off_rule_scales:
-            what.append(
-                f"{plural(self.off_rule_scales, 'scale')} {are(self.off_rule_scales)} not the smallest power "
-                f"of two that fits their {'group' if scheme == 'mxfp8' else 'block'}"
-            )
-        if self.oversized_scales:
-            what.append(
-                f"{plural(self.oversized_scales, 'scale')} {are(self.oversized_scales)} more than twice "
-                f"amax / 448 of their {'row' if scheme == 'channel' else 'block'} (codes lose precision, or "
-                "round to zero)"
-            )
-        if self.inexact_codes:
-            what.append(
-                f"{plural(self.inexact_codes, 'code')} {are(self.inexact_codes)} not the "
-                "round-to-nearest-even e4m3 value of weight/scale"
-            )
-        if self.off_grid:
-            what.append(
-                f"{plural(self.off_grid, 'code')} {are(self.off_grid)} not the nearest e4m3 value of weight/scale"
-            )
+        what = [
+            *counted(
+                self.off_rule_scales,
+                "scale",
+                f"not the smallest power of two that fits their {'group' if scheme == 'mxfp8' else 'block'}",
+            ),
+            *counted(
+                self.oversized_scales,
+                "scale",
+                f"more than twice amax / 448 of their {'row' if scheme == 'channel' else 'block'} (codes lose "
+                "precision, or round to zero)",
+            ),
+            *counted(self.inexact_codes, "code", "not the round-to-nearest-even e4m3 value of weight/scale"),
+            *counted(self.off_grid, "code", "not the nearest e4m3 value of weight/scale"),
+        ]
         if not self.rel_error <= self.bound * (1 + FLOAT_SLACK):
             what.append(f"relative error {self.rel_error:.4g} exceeds the e4m3 bound {self.bound:.4g}")
         return f"{'; '.join(what)} (SNR {self.snr_db:.1f} dB)"
@@ -72,26 +67,21 @@ class TensorCheck:
 
 @dataclass
 class ErrorSums:
-    """What a quantized tensor's check adds up, slab by slab (numbers.py docstring)."""
+    """What a quantized tensor's check adds up, slab by slab (the counts as in TensorCheck)."""
 
     w2: float = 0.0  # sum of w^2
     e2: float = 0.0  # sum of (w - dequant)^2
     bound2: float = 0.0  # sum of max(2^-4 |w|, 2^-10 scale)^2
-    off_grid: int = 0  # codes not within half an e4m3 step of w / scale
-    off_rule: int = 0  # power-of-two scales that are not the smallest 2^e fitting their amax
-    inexact: int = 0  # with power-of-two scales: codes that are not RNE(w / scale) exactly
-    oversized: int = 0  # channel and block float scales above twice amax / 448 of their row or block
+    off_grid: int = 0
+    off_rule: int = 0
+    inexact: int = 0
+    oversized: int = 0
     amax: float = 0.0  # the largest |w| (the tensor scheme's scale is checked against it)
 
     def add(self, other: ErrorSums) -> None:
-        self.w2 += other.w2
-        self.e2 += other.e2
-        self.bound2 += other.bound2
-        self.off_grid += other.off_grid
-        self.off_rule += other.off_rule
-        self.inexact += other.inexact
-        self.oversized += other.oversized
-        self.amax = max(self.amax, other.amax)
+        for f in fields(self):
+            combine = max if f.name == "amax" else operator.add
+            setattr(self, f.name, combine(getattr(self, f.name), getattr(other, f.name)))
 
     def check(self, name: str, shape, scale_shape) -> TensorCheck:
         """The figures of a quantized tensor once every slab is summed."""
@@ -100,26 +90,9 @@ class ErrorSums:
         # An infinite error (a code and scale that read back as Inf) leaves no signal at all
         snr = math.inf if err == 0 else (20 * math.log10(norm / err) if norm and math.isfinite(err) else -math.inf)
         bound = math.sqrt(self.bound2) / norm if norm else math.inf
-        ok = (
-            self.off_grid == 0
-            and self.off_rule == 0
-            and self.inexact == 0
-            and self.oversized == 0
-            and self.e2 <= self.bound2 * (1 + FLOAT_SLACK) ** 2
-        )
-        return TensorCheck(
-            name,
-            list(shape),
-            list(scale_shape),
-            rel,
-            snr,
-            bound,
-            self.off_grid,
-            ok,
-            self.off_rule,
-            self.inexact,
-            self.oversized,
-        )
+        counts = (self.off_grid, self.off_rule, self.inexact, self.oversized)
+        ok = not any(counts) and self.e2 <= self.bound2 * (1 + FLOAT_SLACK) ** 2
+        return TensorCheck(name, list(shape), list(scale_shape), rel, snr, bound, self.off_grid, ok, *counts[1:])
 
 
 @dataclass
@@ -179,28 +152,19 @@ class VerifyReport:
     def causes(self) -> list[str]:
         """The problems by root cause, one line each: the tensors of an unreadable file are counted on
         the file's line, and tensors with the same problem share one line."""
-        roots = [
-            p
-            for p in self.problems
-            if p.follows_from is None
-            or not any(r.subject == p.follows_from and r.follows_from is None for r in self.problems)
-        ]
+        root_subjects = {p.subject for p in self.problems if p.follows_from is None}
         consequences: dict[str, int] = {}
+        by_what: dict[str, list[str]] = {}
         for p in self.problems:
-            if p not in roots:
+            if p.follows_from is not None and p.follows_from in root_subjects:
                 consequences[p.follows_from] = consequences.get(p.follows_from, 0) + 1
-        by_what: dict[str, list[Problem]] = {}
-        for p in roots:
-            by_what.setdefault(p.what, []).append(p)
+            else:
+                by_what.setdefault(p.what, []).append(p.subject)
         lines = []
-        for what, same in by_what.items():
-            names = [p.subject for p in same]
-            subject = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
-            line = f"{subject}: {what}"
+        for what, names in by_what.items():
             followed = sum(consequences.get(name, 0) for name in names)
-            if followed:
-                line += f"; so {plural(followed, 'tensor')} in it could not be checked"
-            lines.append(line)
+            so = f"; so {plural(followed, 'tensor')} in it could not be checked" if followed else ""
+            lines.append(f"{describe(names)}: {what}{so}")
         return lines
 
     def worst(self, n: int = 10) -> list[TensorCheck]:
@@ -211,9 +175,7 @@ class VerifyReport:
         """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan" (strict JSON)."""
         data = asdict(self)
         del data["tensors"], data["problems"]
-        data["failures"] = self.failures
-        data["causes"] = self.causes()
-        data["worst"] = [asdict(t) for t in self.worst(worst)]
+        data.update(failures=self.failures, causes=self.causes(), worst=[asdict(t) for t in self.worst(worst)])
         return _json_safe(data)
 
 
@@ -232,19 +194,14 @@ def _json_safe(obj):
 
 
 def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
-    what = (
-        f"{report.format or '?'} format, {report.scheme or '?'} scheme"
-        if report.format != "dequantized"
-        else "dequantized"
-    )
+    what = "dequantized"
+    if report.format != "dequantized":
+        what = f"{report.format or '?'} format, {report.scheme or '?'} scheme"
+    dequantized = report.tensors_dequantized
     lines = [
         f"verify {report.src} -> {report.out}: {what}",
         f"  {plural(report.tensors_quantized, 'tensor')} quantized, {report.tensors_kept} kept"
-        + (
-            f", {report.tensors_dequantized} dequantized (each equal to its one rounding)"
-            if report.tensors_dequantized
-            else ""
-        ),
+        + (f", {dequantized} dequantized (each equal to its one rounding)" if dequantized else ""),
     ]
     if report.tensors:
         lines.append(f"  relative error max {report.max_rel_error:.4g}, SNR min {report.min_snr_db:.1f} dB")
@@ -254,18 +211,12 @@ def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -
                 f"    {t.name:<60} rel {t.rel_error:.4g} (bound {t.bound:.4g})  SNR {t.snr_db:6.1f} dB"
                 + ("" if t.ok else "  FAILED")
             )
-    for w in report.warnings:
-        lines.append(f"  warning: {w}")
+    lines += [f"  warning: {w}" for w in report.warnings]
     if report.ok:
-        lines.append("  OK")
-        return "\n".join(lines)
-    causes = report.causes()
-    shown = report.failures if every_problem else causes
-    more = (
-        ""
-        if every_problem or len(shown) == len(report.failures)
-        else f" ({len(report.failures)} findings in all; --all lists each)"
-    )
+        return "\n".join([*lines, "  OK"])
+    causes, failures = report.causes(), report.failures
+    shown = failures if every_problem else causes
+    more = "" if len(shown) == len(failures) else f" ({len(failures)} findings in all; --all lists each)"
     lines.append(f"  FAILED: {plural(len(causes), 'problem')}{more}")
     lines += [f"    - {f}" for f in shown]
     return "\n".join(lines)
@@ -279,20 +230,12 @@ def record_in_card(report: VerifyReport, out: str | Path) -> str | None:
     card = Path(out) / CARD_NAME
     if not card.is_file() or card.is_symlink() or not Manifest(out).path.is_file():
         return None
-    figures = {
-        "tensors quantized": report.tensors_quantized,
-        "tensors kept (byte-identical)": report.tensors_kept,
-        "worst relative error": report.max_rel_error,
-        "lowest SNR (dB)": report.min_snr_db,
-    }
+    figures = {"tensors quantized": report.tensors_quantized} if report.format != "dequantized" else {}
+    figures["tensors kept (byte-identical)"] = report.tensors_kept
+    if report.format != "dequantized":
+        figures.update({"worst relative error": report.max_rel_error, "lowest SNR (dB)": report.min_snr_db})
     if report.tensors_dequantized:
         figures["tensors dequantized (every element its one rounding)"] = report.tensors_dequantized
-    if report.format == "dequantized":
-        figures = {
-            k: v
-            for k, v in figures.items()
-            if k not in ("tensors quantized", "worst relative error", "lowest SNR (dB)")
-        }
     try:
         write_atomic(card, with_verification(card.read_text(), figures).encode())
     except (OSError, FP8ConvertError) as e:  # write_atomic says what failed in the OSError it was raised from

@@ -1,21 +1,29 @@
 """The output's structure, from headers and files alone (no tensor data, no torch): the index against
-the shards' headers, config.json against the source's, the manifest and side files, and the outputs the
-source implies."""
+the shards' headers, config.json against the source's, the manifest and side files, and each output
+tensor paired with the source tensor it must come from (pairs.py), its dtype, shape and scale checked.
+
+A fused expert tensor (all experts of a layer in one tensor) that the output holds as one weight per
+expert is checked output by output against the slice of the source it must come from, as the
+architecture registry lays it out (plan/rules.py expert_cuts). Missing experts, extra tensors and a
+wrong slice all fail.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..formats import QuantizationConfig, read_quantization_config
+from ..formats.sources import FP8Weight
 from ..output.manifest import Manifest
-from ..plan.architectures import Architecture
+from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.cuts import Cut
-from ..plan.rules import UnsupportedLayout, expert_cuts
-from ..safetensors_io import INDEX_NAME, TensorInfo, read_header
+from ..plan.rules import UnsupportedLayout, default_keep_reason, expert_cuts, is_linear_weight, module_of
+from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
 from ..source.checkpoint import Source, index_files, parse_index
+from .pairs import DequantizedPair, KeptPair, QuantizedPair, SameBytesPair, not_requantized, shapes_text
 from .report import VerifyReport
 
 
@@ -160,9 +168,172 @@ def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: 
             expected.append(Expected(info.name, info))
             continue
         try:
-            expected += [
-                Expected(name, info, cut) for name, cut in expert_cuts(info, fused[0], fused[1], arch, source.config)
-            ]
+            expected += [Expected(n, info, cut) for n, cut in expert_cuts(info, *fused, arch, source.config)]
         except UnsupportedLayout as e:
             report.fail_with(e)
     return expected
+
+
+def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, report: VerifyReport) -> list:
+    """Each output the source implies with what the output holds for it (structure checked); missing
+    outputs and output tensors nothing in the source explains are problems."""
+    layout = read_output_layout(out, report)
+    outputs = layout.tensors
+    if fmt and fmt.static_activations and not any(n.endswith((".input_scale", ".activation_scale")) for n in outputs):
+        report.fail(
+            str(out / "config.json"),
+            "declares static input activations, but the output holds no "
+            "input_scale tensors (engines would read scales that are not there)",
+        )
+    pairing = Pairing(outputs, fmt, report, architecture_of(source.config) or GENERIC)
+    pairs: list = []
+    for want in expected_outputs(source, pairing.arch, outputs, report):
+        name, got = want.name, outputs.get(want.name)
+        if got is None:
+            file = layout.placed_in.get(name)
+            if file in layout.unreadable:
+                report.fail(name, f"not checked: {file} cannot be read", follows_from=file)
+            else:
+                report.fail(
+                    name,
+                    f"missing from the output ({want.where})" if want.cut else "source tensor missing from the output",
+                )
+            continue
+        pairing.accounted.add(name)
+        fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
+        if got.dtype == FP8 and fmt is None:
+            report.fail(name, "still FP8, but the output has no quantization_config")
+        elif fp8_weight is not None:
+            pairs += pairing.fp8_weight(fp8_weight, got)
+        elif got.dtype == FP8:
+            pairs += pairing.quantized(want, got)
+        else:
+            pairs += pairing.kept(want, got)
+    for name in sorted(set(outputs) - pairing.accounted):
+        report.fail(name, f"in the output ({outputs[name].file}) but not derived from any source tensor")
+    return pairs
+
+
+@dataclass
+class Pairing:
+    """What pairing each tensor needs: the output's tensors, its layout (None for a dequantized output),
+    and the output tensors accounted for so far."""
+
+    outputs: dict[str, TensorInfo]
+    fmt: QuantizationConfig | None
+    report: VerifyReport
+    arch: Architecture
+    accounted: set[str] = field(default_factory=set)
+
+    def scale_of(self, name: str) -> tuple[str, TensorInfo | None]:
+        scale_name = self.fmt.scale_name(name)
+        self.accounted.add(scale_name)
+        return scale_name, self.outputs.get(scale_name)
+
+    def kept(self, want: Expected, got: TensorInfo) -> list:
+        """Kept in high precision: the dtype and shape of its source (or cut), and not a linear the config
+        says is FP8."""
+        name, info, fmt = want.name, want.info, self.fmt
+        self.report.tensors_kept += 1
+        if got.dtype != info.dtype or got.shape != want.shape:
+            self.report.fail(
+                name,
+                f"kept as {got.dtype} {list(got.shape)} but the source ({want.where}) is {info.dtype} "
+                f"{list(want.shape)}",
+            )
+            return []
+        reason = default_keep_reason(info, self.arch, fmt.format, fmt.scheme) if fmt and len(info.shape) == 2 else None
+        if fmt and is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
+            self.report.fail(
+                name,
+                f"kept in high precision, but {module_of(name)} is not in the ignore list "
+                "(engines would expect FP8 weights for it)",
+            )
+        return [KeptPair(name, info, got, want.cut, want.where if want.cut else "the source")]
+
+    def quantized(self, want: Expected, got: TensorInfo) -> list:
+        self.report.tensors_quantized += 1
+        scale_name, scale = self.scale_of(want.name)
+        if problems := self.structure_problems(want, got, scale, scale_name):
+            self.report.fail(want.name, "; ".join(problems))
+            return []
+        return [QuantizedPair(want.name, want.info, got, scale, scale_name, self.fmt.scheme == "block", want.cut)]
+
+    def structure_problems(
+        self, want: Expected, got: TensorInfo, scale: TensorInfo | None, scale_name: str, fp8_source: bool = False
+    ) -> list[str]:
+        """What is wrong with a quantized tensor's structure: a 2-D float source (or an FP8 source weight),
+        the same shape, a module the ignore list does not name, and a scale of the format's dtype and of a
+        shape it allows."""
+        info, shape, fmt = want.info, want.shape, self.fmt
+        problems = []
+        if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
+            problems.append(
+                f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D float weight)"
+            )
+        elif got.shape != shape:
+            problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
+        if fmt.ignores(module_of(want.name)):
+            problems.append(f"quantized, but the ignore list names {module_of(want.name)}")
+        if scale is None:
+            problems.append(f"its scale {scale_name} is missing")
+        elif scale.dtype != fmt.scale_dtype() or (not problems and scale.shape not in fmt.scale_shapes(shape)):
+            problems.append(
+                f"scale {scale_name} is {scale.dtype} {list(scale.shape)}, expected "
+                f"{fmt.scale_dtype()} {shapes_text(fmt.scale_shapes(shape))}"
+            )
+        return problems
+
+    def fp8_weight(self, weight: FP8Weight, got: TensorInfo) -> list:
+        """An FP8 source weight's output: dequantized (exact), or FP8 (passed through: exact; requantized:
+        within the e4m3 bound of the dequantized values), with its static activation scale if the output
+        has one."""
+        name, fmt, report = weight.weight.name, self.fmt, self.report
+        if got.dtype != FP8:
+            report.tensors_dequantized += 1
+            pairs = []
+            if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.weight.shape:
+                report.fail(
+                    name,
+                    f"dequantized as {got.dtype} {list(got.shape)}, but the source is an FP8 weight "
+                    f"{list(weight.weight.shape)} (expected BF16, F16 or F32 of that shape)",
+                )
+            else:
+                pairs.append(DequantizedPair(name, weight, got))
+            if fmt is not None and not fmt.ignores(module_of(name)):
+                report.fail(
+                    name,
+                    f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
+                    "(engines would expect FP8 weights for it)",
+                )
+            return pairs
+        report.tensors_quantized += 1
+        scale_name, scale = self.scale_of(name)
+        pairs = self.activation_scale(weight)
+        may_pass = (
+            scale is not None
+            and (scale.dtype, scale.nbytes) == (weight.scale.dtype, weight.scale.nbytes)
+            and got.shape == weight.weight.shape
+        )
+        if not may_pass and scale is not None and scale.dtype != fmt.scale_dtype():
+            report.fail(name, not_requantized(scale_name, scale.dtype, fmt))
+            return pairs
+        problems = self.structure_problems(Expected(name, weight.weight), got, scale, scale_name, fp8_source=True)
+        if not may_pass and problems:
+            report.fail(name, "; ".join(problems))
+            return pairs
+        pair = QuantizedPair(name, weight.weight, got, scale, scale_name, True, None, weight, may_pass, problems)
+        return [*pairs, pair]
+
+    def activation_scale(self, weight: FP8Weight) -> list:
+        """A static activation scale in the output must be the source's, byte for byte."""
+        name = weight.weight.name.removesuffix(".weight") + ".input_scale"
+        if name not in self.outputs:
+            return []
+        self.accounted.add(name)
+        got, source_scale = self.outputs[name], weight.input_scale
+        what = "not the source's static activation scale"
+        if source_scale is None or (got.dtype, got.nbytes) != (source_scale.dtype, source_scale.nbytes):
+            self.report.fail(name, what + ("" if source_scale else " (the source has none)"))
+            return []
+        return [SameBytesPair(name, source_scale, got, what)]

@@ -504,9 +504,9 @@ def test_sigterm_mid_run_is_one_line_exit_143_and_resumable(demo, tmp_path):
 # A worker that finds every shard written takes the finalize claim, then is held in finalize (a marker
 # file says so) until SIGTERM arrives.
 HELD_IN_FINALIZE = (
-    "import sys, time, pathlib; import fp8convert.api as api; real = api.finalize; "
+    "import sys, time, pathlib; from fp8convert.cluster import workers; real = workers.finalize; "
     "marker = pathlib.Path(sys.argv.pop(1)); "
-    "api.finalize = lambda *a, **k: (marker.write_text('in'), time.sleep(60), real(*a, **k))[-1]; "
+    "workers.finalize = lambda *a, **k: (marker.write_text('in'), time.sleep(60), real(*a, **k))[-1]; "
     "from fp8convert.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 

@@ -298,7 +298,7 @@ def test_finalize_a_hub_source(fake_hub, tmp_path):
     for k in range(2):
         shutil.rmtree(constants.HF_HUB_CACHE)  # each worker fetches what it reads (as on its own node)
         api.quantize("acme/demo", out, worker=(k, 2), finalize=False, **kwargs)
-        reads = {t.source.file for u in api.units_for(plan, WorkerSpec(k, 2).owned(6)) for t in u.tensors}
+        reads = {t.source.file for u in plan.units_in(WorkerSpec(k, 2).owned(6)) for t in u.tensors}
         fetched.append({p.name for p in Path(constants.HF_HUB_CACHE).rglob("model-*.safetensors")})
         assert fetched[-1] == reads
     assert [len(f) for f in fetched] == [3, 4]  # of the 4 source shards

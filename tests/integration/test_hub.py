@@ -25,6 +25,7 @@ from tiny_ckpt import llama_tensors, slow_writes, write_checkpoint
 from fp8convert import api, publish
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
+from fp8convert.options import HubAccess
 from fp8convert.output.card import make_card, retarget_card, split_front_matter
 from fp8convert.safetensors_io import INDEX_NAME
 from fp8convert.source import hub
@@ -432,7 +433,7 @@ def five_shards(fake_hub: FakeHub, tmp_path: Path) -> list[str]:
 
 
 def make_fetcher(fake_hub, tmp_path, keep=2, **kw):
-    repo = hub.resolve_repo("acme/five", token=fake_hub.token)
+    repo = hub.resolve_repo("acme/five", HubAccess(token=fake_hub.token))
     layout = hub.remote_layout(repo)
     return StreamingFetcher(repo, tmp_path / "dl", layout.shards, layout.side_files, keep=keep, **kw)
 

@@ -580,13 +580,13 @@ def test_verify_reads_through_the_batch_reader_within_the_budget(made, monkeypat
     out = outs[("fp8", "block")]
     whole = {t.name: t.rel_error for t in verify(src, out, device="cpu").tensors}
     sizes = []
-    real = BatchReader.read
+    real = BatchReader.start
 
     def spy(self, tensors):
         sizes.append(sum(t.nbytes for t in tensors))
         return real(self, tensors)
 
-    monkeypatch.setattr(BatchReader, "read", spy)
+    monkeypatch.setattr(BatchReader, "start", spy)
     report = verify(src, out, device="cpu", max_resident="64KB")
     assert report.ok and {t.name: t.rel_error for t in report.tensors} == pytest.approx(whole, rel=1e-12)
     largest = 320 * 64 * 2  # up_proj: one read larger than a batch is a batch of its own

@@ -1299,3 +1299,5 @@ MORE_ARCHS = (
     "qwen3_5_moe",
     "falcon",
 )
+# Registered families vLLM does not serve, converted in tests of their own (test_transformers_loads.py).
+NOT_IN_VLLM_ARCHS = ("mllama",)
