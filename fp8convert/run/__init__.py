@@ -1,6 +1,6 @@
 """Stage 3, run: read -> quantize -> write, overlapped, with bounded memory.
 
-pipeline.py  the reader thread, the quantizing main thread and the writer thread; handoff.py between them
+pipeline.py  the reader thread, the quantizing main thread and the writer thread
 reader.py    one batch's bytes into one device buffer; prefetch.py fills the page cache ahead of it
 quantizer.py one batch's outputs (numerics.py: the FP8 math); assembly.py gathers them into output runs
 writer.py    runs streamed into preallocated shards (writeback.py: the Linux file calls)

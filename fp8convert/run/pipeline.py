@@ -24,7 +24,6 @@ from ..plan.plan import Plan, Unit
 from ..plan.runs import Run, output_runs
 from .assembly import BatchOutput, shares_storage
 from .device import budget_for, cpu_threads_for_quantizing, io_threads, resolve_device
-from .handoff import POLL_S, STOPPED, Failed, acquire_unless_stopped, get_unless_stopped, put_unless_stopped
 from .progress import Progress
 from .quantizer import quantize_steps, read_order
 from .reader import BatchReader, PendingRead
@@ -35,6 +34,46 @@ from .writer import ShardWriter
 READ_AHEAD = 1
 WRITE_AHEAD = 1
 END = object()  # the last item of a batch's feed of runs to the writer
+# Every wait between the threads wakes this often to check the run's stop event, so a thread ends even when
+# an interrupt landed inside a queue operation and a notification was lost.
+POLL_S = 0.1
+STOPPED = object()  # what get_unless_stopped returns once the run stopped with nothing to take
+
+
+class Failed:
+    """A thread's failure, handed to the thread that consumes its items, which raises it."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put `item` once there is room; False (not put) once `stop` is set."""
+    while not stop.is_set():
+        try:
+            handoff.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
+    """The next item; STOPPED once `stop` is set and the queue is empty."""
+    while True:
+        try:
+            return handoff.get(timeout=POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                return STOPPED
+
+
+def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> bool:
+    """Take a slot once one is free; False (none taken) once `stop` is set."""
+    while not slot.acquire(timeout=POLL_S):
+        if stop.is_set():
+            return False
+    return True
 
 
 @dataclass
@@ -132,8 +171,7 @@ class Pipeline:
                 self._wait_for_writer()
             return self.seconds
         finally:
-            # Every wait in the other threads times out and checks `stop`, so they end even if an interrupt
-            # lost a notification; the writer finishes the tensor it is writing (a partial shard is resumed).
+            # the other threads see `stop` within POLL_S; the writer finishes the tensor it is writing first
             self.stop.set()
             with contextlib.suppress(queue.Full):
                 self.to_writer.put_nowait(None)
