@@ -1,8 +1,8 @@
-"""safetensors file format helpers: parse and build headers. No tensor math, no torch import needed.
+"""safetensors headers, parsed and built (no torch needed).
 
-A safetensors file is: 8-byte little-endian header length N, N bytes of JSON, then the data buffer.
-The JSON maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (relative to the
-buffer) plus an optional "__metadata__" of strings. Offsets must tile the buffer with no holes.
+A file is an 8-byte little-endian header length N, N bytes of JSON, then the data: the JSON maps tensor
+names to {"dtype", "shape", "data_offsets": [begin, end]} (within the data, which they tile with no holes),
+plus an optional "__metadata__" of strings.
 """
 
 from __future__ import annotations
@@ -16,24 +16,15 @@ from dataclasses import dataclass
 from .errors import FP8ConvertError
 
 # safetensors dtype name -> (bytes per element, torch dtype name). The one dtype table of the package.
+# fmt: off
 DTYPES = {
-    "BOOL": (1, "bool"),
-    "U8": (1, "uint8"),
-    "I8": (1, "int8"),
-    "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E5M2": (1, "float8_e5m2"),
-    "F8_E8M0": (1, "float8_e8m0fnu"),
-    "I16": (2, "int16"),
-    "U16": (2, "uint16"),
-    "F16": (2, "float16"),
-    "BF16": (2, "bfloat16"),
-    "I32": (4, "int32"),
-    "U32": (4, "uint32"),
-    "F32": (4, "float32"),
-    "I64": (8, "int64"),
-    "U64": (8, "uint64"),
-    "F64": (8, "float64"),
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2"), "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
+    "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
 }
+# fmt: on
 DTYPE_SIZES = {name: size for name, (size, _) in DTYPES.items()}
 FLOAT_SOURCE_DTYPES = ("BF16", "F16", "F32")  # what fp8convert quantizes
 FP8 = "F8_E4M3"
@@ -42,7 +33,7 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def torch_dtype(name: str):
-    """The torch dtype of a safetensors dtype name (imports torch: call it from the stages that use it)."""
+    """The torch dtype of a safetensors dtype name (imports torch)."""
     import torch
 
     return getattr(torch, DTYPES[name][1])
@@ -72,27 +63,6 @@ def open_read(path) -> int:
         raise FP8ConvertError(f"{path}: cannot open ({e.strerror})") from e
 
 
-class SourceFiles:
-    """A source's files under `root`, each opened read-only the first time `fd(name)` asks for it; all
-    closed on leaving."""
-
-    def __init__(self, root):
-        self.root, self.fds = root, {}
-
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = open_read(os.path.join(self.root, name))
-        return self.fds[name]
-
-    def __enter__(self) -> SourceFiles:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
 def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
     """Fill `view` from `offset` of an open file; a short file is an error naming `label`."""
     done = 0
@@ -104,8 +74,8 @@ def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
 
 
 def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one safetensors header. Returns (tensors by name, metadata). The tensors'
-    `file` is `file_name` (the shard's name in its checkpoint); errors name the whole `path`."""
+    """(tensors by name, metadata) of one file's validated header. The tensors' `file` is `file_name` (the
+    shard's name in its checkpoint); errors name the whole `path`."""
     label = file_name or os.path.basename(path)
     try:
         size = os.path.getsize(path)
@@ -118,7 +88,7 @@ def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, Tens
 
 
 def header_length(first8: bytes, file_size: int | None, label: str) -> int:
-    """The header length from a file's first 8 bytes, checked against the file size (if known)."""
+    """The header length from a file's first 8 bytes, checked against its size (if known)."""
     if len(first8) < 8:
         raise FP8ConvertError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
     (header_len,) = struct.unpack("<Q", first8[:8])
@@ -128,30 +98,23 @@ def header_length(first8: bytes, file_size: int | None, label: str) -> int:
 
 
 def decode_header(raw: bytes, label: str) -> dict:
-    """The header's JSON object. A name given twice is an error: json would silently keep the last
-    entry, and then which bytes are the tensor?"""
+    """The header's JSON object. A name given twice is an error (json would silently keep the last)."""
+
+    def unique(pairs: list[tuple[str, object]]) -> dict:
+        result = {}
+        for key, value in pairs:
+            if key in result:
+                raise FP8ConvertError(f"{label}: tensor {key} is named twice in the header")
+            result[key] = value
+        return result
+
     try:
-        header = json.loads(raw, object_pairs_hook=_refuse_duplicate_keys)
+        header = json.loads(raw, object_pairs_hook=unique)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FP8ConvertError(f"{label}: corrupt safetensors header (not JSON: {e})") from e
-    except _DuplicateKey as e:
-        raise FP8ConvertError(f"{label}: tensor {e.args[0]} is named twice in the header") from None
     if not isinstance(header, dict):
         raise FP8ConvertError(f"{label}: corrupt safetensors header (not a JSON object)")
     return header
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    result = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(key)
-        result[key] = value
-    return result
 
 
 def _is_int(x) -> bool:
@@ -161,7 +124,7 @@ def _is_int(x) -> bool:
 def parse_header(
     header: dict, label: str, data_start: int, file_size: int | None, where: str | None = None
 ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the buffer.
+    """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the data.
     `label` is the tensors' file; errors name `where` (by default the label)."""
     where = where or label
     metadata = header.pop("__metadata__", None) or {}
@@ -217,11 +180,9 @@ class OutputTensor:
 
 
 def layout_shard(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, dict[str, OutputTensor]]:
-    """Lay out a shard: wider dtypes first so every tensor is aligned to its element size.
-
-    `entries` are (name, dtype, shape) in plan order. Returns the complete header bytes (length prefix
-    included, JSON padded with spaces to a multiple of 8) and each tensor's place in the data buffer.
-    """
+    """A shard's header bytes (length prefix included, JSON padded with spaces to a multiple of 8) and each
+    tensor's place in its data, for (name, dtype, shape) entries in plan order: wider dtypes first, so every
+    tensor is aligned to its element size."""
     order = sorted(range(len(entries)), key=lambda i: -DTYPE_SIZES[entries[i][1]])  # stable: plan order kept
     placed: dict[str, OutputTensor] = {}
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}

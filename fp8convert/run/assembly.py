@@ -1,9 +1,5 @@
-"""A batch's outputs, assembled into the bytes they will occupy in the output shards (plan/runs.py).
-
-Each run is filled on the device, leaves it in a few large copies and is written with a few large
-pwrites, instead of thousands of per-tensor copies, synchronisations and writes (a MoE layer has
-hundreds of experts).
-"""
+"""A batch's outputs assembled into the byte runs they occupy in the output shards (plan/runs.py): each run
+leaves the device in a few large copies and writes, not one per tensor (a MoE layer has hundreds)."""
 
 from __future__ import annotations
 
@@ -18,21 +14,19 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class BatchOutput:
-    """The run buffers of one batch, filled by `put_all` as its outputs are computed, each run handed
-    over as soon as its last piece is in. A run of a single piece takes that tensor's own bytes (no copy);
-    a larger run gets one buffer on the device, each piece copied into its place."""
+    """One batch's run buffers, each handed over once its last piece is in. A run of one piece is that
+    tensor's own bytes (no copy); a larger one gets a device buffer, each piece copied into its place."""
 
     def __init__(self, runs: list[Run], device: torch.device):
         self.runs, self.device = runs, device
         self.buffers: list[torch.Tensor | None] = [None] * len(runs)
         self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
-        self.pieces_left = [len(run.pieces) for run in runs]  # a run is handed over when its count reaches 0
+        self.pieces_left = [len(run.pieces) for run in runs]
 
     def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> list[tuple[Run, torch.Tensor]]:
-        """Every output (name, tensor, byte offset in that output, for a piece of one). Returns the runs
-        these outputs completed, with their bytes, handed over once: the caller drops each after writing
-        it. The copies into run buffers go in a few multi-tensor launches: one launch and a few views per
-        output cost the main thread about 20 us each, and a MoE layer has hundreds of outputs."""
+        """Take outputs (name, tensor, byte offset in that output); return the runs they completed, with
+        their bytes, once (the caller drops each after writing it). The copies go in one multi-tensor
+        launch: a launch per output costs the main thread about 20 us, and a MoE layer has hundreds."""
         targets, sources, completed = [], [], []
         for name, tensor, at in outputs:
             i, piece = self.where[(name, at)]

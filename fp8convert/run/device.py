@@ -11,12 +11,11 @@ import torch
 from ..errors import FP8ConvertError
 from ..options import DEFAULT_MAX_RESIDENT
 from ..units import plural
-from .cores import usable_cores
+from .cores import io_share, usable_cores
 
 
 def resolve_device(device: str, option: str = "--device") -> torch.device:
-    """'auto', 'cpu', 'cuda' or 'cuda:N' as a torch.device this machine has; `option` names the flag
-    the text came from in errors."""
+    """'auto', 'cpu', 'cuda' or 'cuda:N' as a torch.device this machine has; errors name `option`."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -42,22 +41,19 @@ def budget_for(dev: torch.device, max_resident: int | None) -> int:
 
 
 def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
-    """(reader, writer) threads. With a GPU quantizing, parallel reads and writes keep the disk busy
-    (8 writers fill a shard through mappings faster than 4 or 16). On the CPU, quantizing is the slowest
-    stage and needs the cores; I/O threads take a quarter of them, 1 to 4 readers (more readers and
-    writers on 2 cores slow the run down)."""
+    """(reader, writer) threads. With a GPU quantizing, parallel I/O keeps the disk busy (8 writers fill a
+    shard through mappings faster than 4 or 16). On the CPU quantizing is the slowest stage and needs the
+    cores: 1 to 4 readers, a quarter of them, and 1 or 2 writers."""
     if device_type != "cpu":
         return 8, 8
     cores = cores or usable_cores()
-    return min(4, max(1, cores // 4)), 1 if cores <= 4 else 2
+    return io_share(cores), 1 if cores <= 4 else 2
 
 
 def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> int | None:
-    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the reader
-    threads, which copy each batch in while the one before is quantized (and the writers copy outputs
-    out). Every one of torch's threads must finish its share of a step before the next begins, so one
-    that waits for a core taken by an I/O thread holds up the rest. On 2 cores none is spared. Never more
-    than torch has; None (leave it) where the user set OMP_NUM_THREADS."""
+    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the readers (every
+    torch thread must finish its share of a step before the next begins, so one waiting for a core an I/O
+    thread took holds up the rest). Never more than torch has; None where the user set OMP_NUM_THREADS."""
     if environ.get("OMP_NUM_THREADS"):
         return None
     spared = io_threads("cpu", cores)[0] if cores > 4 else 0
@@ -66,7 +62,7 @@ def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> in
 
 @contextlib.contextmanager
 def cpu_threads_for_quantizing() -> Iterator[None]:
-    """torch's thread count set by quantizing_threads for the run, the caller's restored after."""
+    """torch's threads set by quantizing_threads for the run, the caller's restored after."""
     before = torch.get_num_threads()
     threads = quantizing_threads(before, usable_cores())
     if threads is not None:

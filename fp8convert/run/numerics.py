@@ -1,26 +1,19 @@
-"""FP8 e4m3 quantization math. Pure tensor functions; identical bytes on CPU and CUDA because every
-step is exact (abs, max, integer bit arithmetic) or a single IEEE float32 operation (divide,
-round-to-nearest-even cast).
+"""FP8 e4m3 quantization math: pure tensor functions, the same bytes on CPU and CUDA because every step
+is exact (abs, max, integer bit arithmetic) or one IEEE float32 operation (divide, nearest-even cast).
 
-Weights are [..., out, in]: a single 2-D weight, or a stack of same-shaped weights (e.g. the experts
-of a MoE layer) quantized in one launch chain, each with its own scales.
+Weights are [..., out, in]: one 2-D weight, or a stack of same-shaped ones (a MoE layer's experts)
+quantized in one launch chain, each with its own scales.
 
 Scales
-- tensor, channel, block: scale = amax / 448 in float32 (one IEEE division).
-- block with scale format "ue8m0": scale = 2^e, the smallest power of two with max(amax, 1e-4) <= 448 * 2^e.
-  Rounding the scale *up* before the codes are computed means no code overflows, and DeepGEMM (which
-  wants power-of-two block scales and re-derives them at load with exactly this rule, 1e-4 clamp
-  included: vLLM `requant_weight_ue8m0_inplace` -> `per_block_cast_to_fp8`) finds nothing to change in
-  value. The clamp keeps near-empty blocks at DeepGEMM's scale too.
-- mxfp8: per row, one scale 2^e per 32 consecutive input elements, stored as its E8M0 byte e + 127.
-  e is the smallest integer with amax <= 448 * 2^e, i.e. ceil(log2(amax / 448)) computed exactly. This
-  is the rule vLLM's own MXFP8 quantizer (`_mxfp8_e4m3_quantize_torch`), DeepGEMM and FlashInfer use;
-  no code overflows, and at amax = 1.75 * 2^k = 448 * 2^(k-8) it uses the full code range, where
-  compressed-tensors' rule picks one exponent higher and loses a bit. (The OCP spec's
-  floor(log2(amax)) - 8 would clip codes above 448.) Every reader computes code * 2^(byte - 127),
-  so all of these load alike. amax = 0 gives byte 0 (2^-127), as vLLM and compressed-tensors do.
-  The exponent is found from the float32 bits of amax, not from log2: float32 log2 can round
-  across the boundary for FP32 sources just above 448 * 2^k, bit arithmetic cannot.
+- tensor, channel, block: amax / 448 in float32.
+- block with scale format "ue8m0": the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e. Rounded up, so no
+  code overflows, and DeepGEMM (which re-derives power-of-two block scales at load by this rule, clamp
+  included: vLLM `requant_weight_ue8m0_inplace` -> `per_block_cast_to_fp8`) finds nothing to change.
+- mxfp8: per row, one 2^e per 32 input elements, stored as the E8M0 byte e + 127, e the smallest integer
+  with amax <= 448 * 2^e: the rule of vLLM's MXFP8 quantizer, DeepGEMM and FlashInfer (compressed-tensors'
+  picks one exponent higher at amax = 1.75 * 2^k and loses a bit; the OCP spec's floor(log2(amax)) - 8
+  would clip codes above 448). amax = 0 gives byte 0. e comes from amax's float32 bits, not from log2,
+  which can round across the boundary for FP32 sources just above 448 * 2^k.
 """
 
 from __future__ import annotations
@@ -36,15 +29,14 @@ FP8_MAX = 448.0
 UE8M0_MIN_AMAX = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamps block amax here (as float32)
 
 
-# With power-of-two scales a group's largest value can round up to the next code: 248 * 2^120 and above
-# (within 3% of float32's maximum) give code 256 under scale 2^120, and 256 * 2^120 = 2^128 reads back as
-# Inf in float32. Scales of amax / 448 never exceed amax's magnitude when multiplied back.
+# With power-of-two scales, amax from 248 * 2^120 (within 3% of float32's maximum) gets code 256 under
+# scale 2^120, and 256 * 2^120 = 2^128 reads back as Inf.
 POW2_OVERFLOW_AMAX = 248.0 * 2.0**120
 
 
 class NonFiniteWeight(ValueError):
-    """A weight holds NaN or Inf, or (`overflows`) values that its power-of-two scale would write as a
-    code that reads back as Inf. `member` indexes the list given to quantize_group, `index` the stack."""
+    """A weight holds NaN or Inf, or (`overflows`) values whose power-of-two scale reads back as Inf.
+    `member` indexes the list given to quantize_group, `index` the stack."""
 
     def __init__(self, member: int, index: int, overflows: bool = False):
         super().__init__(member, index)
@@ -52,17 +44,15 @@ class NonFiniteWeight(ValueError):
 
 
 def use_cpu_path(w: torch.Tensor, cpu_path: bool | None) -> bool:
-    """`cpu_path` None means: the path made for w's device. Tests pass True or False to run both
-    paths on a CPU (they must give the same bytes)."""
+    """None: the path made for w's device. Tests force both on a CPU (they must give the same bytes)."""
     return w.device.type == "cpu" if cpu_path is None else cpu_path
 
 
 def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Tensor:
-    """Largest magnitude in float32, per tensor [..., 1, 1], per row [..., out, 1] or per 128x128
-    block [..., ceil(out/128), ceil(in/128)]. max|w| = max(max w, -min w): no full-size |w|
-    temporary, and NaN propagates through both."""
+    """Largest magnitude in float32: per tensor [..., 1, 1], row [..., out, 1], 32-group, or 128x128 block
+    [..., ceil(out/128), ceil(in/128)]. max(max w, -min w): no full-size |w|, and NaN propagates."""
     if scheme == "tensor" and use_cpu_path(w, cpu_path):
-        # One aminmax pass per weight: on a CPU about twice as fast as amax and amin over two dims.
+        # one aminmax pass per weight: on a CPU about twice as fast as amax and amin over two dims
         pairs = [torch.aminmax(x) for x in w.reshape(-1, w.shape[-2] * w.shape[-1])]
         return torch.stack([torch.maximum(hi, lo.neg()) for lo, hi in pairs]).float().reshape(*w.shape[:-2], 1, 1)
     if scheme == "tensor":
@@ -85,48 +75,33 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """scale = amax / 448 in float32. An all-zero tensor (or block/row) gets scale 1.0: finite and
-    positive, so consumers can divide or multiply by it, and every code is 0 anyway."""
-    # Divide by a tensor, not a Python number: CUDA turns division by a scalar into multiplication by
+    """amax / 448 in float32; 1.0 where amax is 0 (finite and positive, and every code is 0 anyway)."""
+    # Divided by a tensor, not a Python number: CUDA turns division by a scalar into multiplication by
     # its reciprocal, which rounds differently from the CPU's true division.
     scale = amax.float() / torch.full_like(amax, FP8_MAX, dtype=torch.float32)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """int32 e: the smallest integer with amax <= 448 * 2^e, clamped to [-127, 127] (the E8M0 range
-    this project writes; finite float32 amax never needs more than 120). Exact: from amax's float32
-    bits. A normal amax = (1 + m / 2^23) * 2^(E - 127) gives e = E - 127 - 8, plus one when its
-    significand exceeds 1.75 (448 = 1.75 * 2^8). Zero and subnormal amax land below -127: clamped."""
+def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+    """The E8M0 byte e + 127 of each scale, e the smallest integer with amax <= 448 * 2^e, clamped to
+    [-127, 127], from amax's bits: (1 + m / 2^23) * 2^(E - 127) gives E - 135, plus one when the significand
+    exceeds 1.75 (448 = 1.75 * 2^8). Zero and subnormal amax land below -127."""
     bits = amax.float().contiguous().view(torch.int32)
     biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    return (biased - 135 + (mantissa > 0x600000).int()).clamp(-127, 127)
-
-
-def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """The E8M0 byte (biased exponent, uint8) of each MXFP8 group's scale."""
-    return (pow2_exponent(amax) + 127).to(torch.uint8)
+    return ((biased - 135 + (mantissa > 0x600000).int()).clamp(-127, 127) + 127).to(torch.uint8)
 
 
 def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
-    """2^(byte - 127) as float32, exactly, built from its bits (byte 0 is the subnormal 2^-127; byte 255
-    is E8M0's NaN). This is how every consumer reads an MXFP8 scale: w' = code * 2^(byte - 127)."""
+    """2^(byte - 127) as float32, exactly, from its bits (byte 0: the subnormal 2^-127; 255: NaN)."""
     b = scale_bytes.to(torch.int32)
     bits = torch.where(b == 0, torch.full_like(b, 0x400000), b << 23)
     return torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits).view(torch.float32)
 
 
 def powers_of_two(values: torch.Tensor) -> torch.Tensor:
-    """Elementwise: the value is 2^e, i.e. positive with a float32 significand of exactly 1/2 in frexp's
-    terms (zero, negative, NaN and Inf are not)."""
+    """Elementwise: the value is a positive 2^e (frexp's significand exactly 1/2)."""
     mantissa, _ = torch.frexp(values.float())
     return mantissa == 0.5
-
-
-def ue8m0_block_scale(amax: torch.Tensor) -> torch.Tensor:
-    """float32 power-of-two block scale: the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e."""
-    floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
-    return e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> torch.Tensor:
@@ -142,13 +117,12 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
 def quantize_with_scale(
     w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_path: bool | None = None
 ) -> torch.Tensor:
-    """q = clamp(float32(w) / scale, -448, 448) cast to e4m3 (round to nearest even). `w` is left as it
-    was (a float32 weight is copied, not divided in place: it may be a view of the read buffer)."""
+    """clamp(float32(w) / scale, -448, 448) cast to e4m3 (nearest even); `w` (maybe a view of the read
+    buffer) is left as it was."""
     if use_cpu_path(w, cpu_path) and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
-    # One pass from w's own dtype to the float32 quotient (torch divides in float32, the result type,
-    # not in bfloat16: the scale is a float32 tensor of w's rank), rather than a float32 copy and then
-    # a division over it
+    # One pass from w's dtype to the float32 quotient (torch divides in the result type, float32: the
+    # scale is a float32 tensor of w's rank), not a float32 copy and then a division over it.
     if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
         q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
     else:
@@ -162,13 +136,13 @@ CPU_TILE_BYTES = 2 << 20  # float32 working tile per two of torch's threads: eac
 
 
 def cpu_tile_bytes() -> int:
-    """The tile grows with the threads that split it, so each thread's share stays in its L2."""
+    """Grown with the threads that split the tile, so each one's share stays in its L2."""
     return CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2)
 
 
 def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The same arithmetic as above, a few rows at a time through one small float32 tile: on a CPU,
-    three passes over a tile in cache are about 3x faster than three passes over main memory."""
+    """The same arithmetic a few rows at a time through one small float32 tile: on a CPU, three passes
+    over a tile in cache are about 3x faster than over main memory."""
     stack, out, inp = w.shape
     rows = max(1, cpu_tile_bytes() // (4 * inp))
     if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
@@ -193,16 +167,15 @@ def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.T
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """w' = float32(q) * scale; MXFP8 scales given as their uint8 E8M0 bytes are decoded first
-    (code * 2^(byte - 127), exact)."""
+    """float32(q) * scale; MXFP8 scales given as E8M0 bytes are decoded first."""
     if scale.dtype == torch.uint8:
         scale = e8m0_to_float(scale)
     return q.float() * expand_scale(scale.float(), tuple(q.shape), scheme)
 
 
 def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """An FP8 source's scale (float32, bfloat16 or float16: all exact in float32) as float32 shaped to
-    broadcast against its weight: [1, 1] per tensor (stored [] or [1]), [out, 1] per row, the block grid."""
+    """An FP8 source's scale (float32, bfloat16 or float16) as float32 that broadcasts against its weight:
+    [1, 1] per tensor (stored [] or [1]), else as stored."""
     s = scale.to(torch.float32)
     return s.reshape(1, 1) if scheme == "tensor" else s
 
@@ -210,30 +183,23 @@ def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
 def dequantize_to(
     q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype, cpu_path: bool | None = None
 ) -> torch.Tensor:
-    """(float32(q) * float32(scale)).to(dtype) for FP8 weights [..., out, in] (one, or a stack of
-    same-shaped ones with their scales stacked alike): one float32 product, rounded once to `dtype`
-    (nearest even), as DeepSeek's and transformers' own dequantizers compute it. Block scales are
-    expanded over their 128x128 tiles, the edge tiles cut to the weight. `scale` is scale_as_stored's."""
+    """(float32(q) * scale).to(dtype) for FP8 weights [..., out, in] and scale_as_stored's scales (stacked
+    alike): one float32 product rounded once, as DeepSeek's and transformers' dequantizers compute it."""
     if not use_cpu_path(q, cpu_path):
         return (q.to(torch.float32) * expand_scale(scale, tuple(q.shape), scheme)).to(dtype)
     return _dequantize_by_table(q, scale, scheme, dtype)
 
 
-def code_values(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The float32 value of each of the 256 e4m3 codes (NaN for the two NaN codes)."""
-    return torch.arange(256, dtype=torch.uint8, device=device).view(FP8_DTYPE).to(torch.float32)
-
-
 def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
-    """The same bytes by lookup. One scale covers a weight, a row or a 128x128 block, so each output is
-    table[code] of that scale's table: the 256 products float32(code) * scale rounded to `dtype`. Every
-    element is still that one float32 product and rounding, but no code is converted to float32 (torch's
-    float8 conversion is the slowest step on a CPU, about 10x a plain cast). Weight by weight, three
-    passes: codes into an int32 index buffer, plus each element's table offset, one gather."""
+    """The same bytes by lookup: each scale's table holds the 256 products float32(code) * scale rounded
+    to `dtype`, so no code is converted to float32 (torch's float8 conversion is the slowest step on a CPU,
+    about 10x a plain cast). Per weight: codes into an int32 index, plus each element's table offset, one
+    gather."""
     out, inp = q.shape[-2:]
     codes = q.view(torch.uint8).reshape(-1, out, inp)
     count = codes.shape[0]
-    tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values(q.device)).to(dtype)
+    code_values = torch.arange(256, dtype=torch.uint8, device=q.device).view(FP8_DTYPE).to(torch.float32)
+    tables = (scale.reshape(count, *scale.shape[-2:]).unsqueeze(-1) * code_values).to(dtype)
     tables = tables.reshape(count, -1)  # weight n's tables in row n, 256 entries each
     arange = functools.partial(torch.arange, dtype=torch.int32, device=q.device)
     offsets = None
@@ -252,29 +218,28 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
 
 
 def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale as written, scale the weight is divided by): the E8M0 bytes and their float32 value for
-    mxfp8, else the same float32 tensor twice."""
+    """(scale as written, scale divided by): E8M0 bytes and their value for mxfp8, else one tensor twice."""
     if scheme == "mxfp8":
         stored = mx_scale_bytes(amax)
         return stored, e8m0_to_float(stored)
-    scale = ue8m0_block_scale(amax) if scale_format == "ue8m0" else scale_from_amax(amax)
+    if scale_format == "ue8m0":  # the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e
+        floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
+        scale = e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
+    else:
+        scale = scale_from_amax(amax)
     return scale, scale
 
 
 def quantize_group(
     members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None, scale_format: str = "float"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Quantize the members of a fused group together. Each member is a stack [N, out, in]; index n
-    of every member belongs to the same group (N = 1 for a single group). In the tensor scheme members share the max
-    amax (vLLM re-quantizes a fused layer to its largest scale, which sharing makes a no-op); per-row
-    per-block and MXFP8 scales need no sharing. Returns (codes, scales as written: float32, or uint8
-    E8M0 bytes for mxfp8), one per member. `cpu_path`: see use_cpu_path. `scale_format` "ue8m0": block
-    scales rounded up to powers of two (module docstring).
+    """Quantize a fused group's members, each a stack [N, out, in] (index n of every member is one group).
+    In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale,
+    which sharing makes a no-op). Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8),
+    one per member. `scale_format` "ue8m0": block scales rounded up to powers of two.
 
-    Raises NonFiniteWeight for NaN or Inf: amax propagates both, so checking the small amax tensor
-    finds them without another pass over the weights. With power-of-two scales, also for an amax of
-    POW2_OVERFLOW_AMAX or more (its code would read back as Inf).
-    """
+    Raises NonFiniteWeight for NaN or Inf, found in the small amax tensor (amax propagates both), and with
+    power-of-two scales for an amax of POW2_OVERFLOW_AMAX or more."""
     amaxes = [amax(w, scheme, cpu_path) for w in members]
     pow2 = scheme == "mxfp8" or scale_format == "ue8m0"
     for j, a in enumerate(amaxes):

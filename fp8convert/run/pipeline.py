@@ -1,14 +1,10 @@
 """The run: read, quantize and write each batch as a stream; read the next while this one is written.
 
-Three threads with hand-offs of one batch each. Quantizing is fast next to the disk (on a GPU), so
-the disk is what stays busy, and the page-cache prefetcher keeps reading ahead. The main thread takes
-a batch as soon as its reads start, quantizes each stack of it once that stack's bytes have landed,
-and hands each run of output bytes to the writer as soon as its last output is in: the batch's read,
-quantizing and write overlap, and the reads of batch i+1 overlap the end of batch i's write. The
-device holds at most the batch being read plus the outputs of the batch being written (a batch is
-quantized only once the previous one is written), so device memory stays under about 1.5x the
-largest batch. On CUDA, host memory is only the readers' and the writer's fixed pinned chunks; on the
-CPU the batches themselves live there.
+A reader thread starts a batch's reads and hands it over at once; the main thread quantizes each stack as
+its bytes land and hands each run of output bytes to the writer thread as soon as its last output is in.
+Hand-offs hold one batch each, so the device holds at most the batch being read plus the outputs of the
+batch being written (under about 1.5x the largest batch). On CUDA, host memory is only the readers' and
+the writer's pinned chunks; on the CPU the batches live there.
 """
 
 from __future__ import annotations
@@ -28,31 +24,56 @@ from ..plan.plan import Plan, Unit
 from ..plan.runs import Run, output_runs
 from .assembly import BatchOutput, shares_storage
 from .device import budget_for, cpu_threads_for_quantizing, io_threads, resolve_device
-from .handoff import POLL_S, STOPPED, Failed, acquire_unless_stopped, get_unless_stopped, put_unless_stopped
 from .progress import Progress
 from .quantizer import quantize_steps, read_order
 from .reader import BatchReader, PendingRead
 from .writer import ShardWriter
 
-# How far the stages may run ahead of each other, in batches. READ_AHEAD: batches read (or being
-# read) into device memory and not yet quantized; WRITE_AHEAD: batches being quantized or written. 1
-# and 1 keep the device at one batch read plus one batch of outputs; scripts/profile_stages.py measures
-# the others.
+# Batches read and not yet quantized, and batches quantized ahead of the writer (scripts/profile_stages.py
+# measures others): 1 and 1 keep the device at one batch read plus one batch of outputs.
 READ_AHEAD = 1
 WRITE_AHEAD = 1
 END = object()  # the last item of a batch's feed of runs to the writer
+# Every wait between the threads wakes this often to check the run's stop event, so a thread ends even when
+# an interrupt landed inside a queue operation and a notification was lost.
+POLL_S = 0.1
+STOPPED = object()  # what get_unless_stopped returns once the run stopped with nothing to take
 
 
-@dataclass
-class StageSeconds:
-    """Where the main thread's time went: waiting for reads, quantizing, waiting for writes."""
+class Failed:
+    """A thread's failure, handed to the thread that consumes its items, which raises it."""
 
-    wait_read: float = 0.0
-    quantize: float = 0.0
-    wait_write: float = 0.0
+    def __init__(self, error: BaseException):
+        self.error = error
 
-    def as_dict(self) -> dict:
-        return {k: round(v, 3) for k, v in vars(self).items()}
+
+def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put `item` once there is room; False (not put) once `stop` is set."""
+    while not stop.is_set():
+        try:
+            handoff.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
+    """The next item; STOPPED once `stop` is set and the queue is empty."""
+    while True:
+        try:
+            return handoff.get(timeout=POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                return STOPPED
+
+
+def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> bool:
+    """Take a slot once one is free; False (none taken) once `stop` is set."""
+    while not slot.acquire(timeout=POLL_S):
+        if stop.is_set():
+            return False
+    return True
 
 
 @dataclass
@@ -75,9 +96,8 @@ def convert(
     on_read: Callable[[int], None] = lambda nbytes: None,
     started: float | None = None,
 ) -> RunResult:
-    """Write the outputs of `units` through `writer`: the part of a conversion that needs torch.
-    `fetcher` brings streamed source shards (a do-nothing one for files already on disk); `on_read(nbytes)`
-    is told after each batch is read (the prefetcher's pace)."""
+    """Write the outputs of `units` through `writer`. `fetcher` brings streamed source shards (a do-nothing
+    one for files on disk); `on_read(nbytes)` is told after each batch is read (the prefetcher's pace)."""
     started = time.monotonic() if started is None else started
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
@@ -93,14 +113,14 @@ def convert(
             BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader,
             cpu_threads_for_quantizing() if dev.type == "cpu" else contextlib.nullcontext(),
         ):
-            stages = Pipeline(plan, batches, reader, writer, dev, progress, fetcher, on_read).run()
+            seconds = Pipeline(plan, batches, reader, writer, progress, fetcher, on_read).run()
     except (torch.OutOfMemoryError, MemoryError) as e:
         e.max_resident = budget  # the CLI suggests a smaller --max-resident than this
         raise
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     seconds = {
         "torch_ready_at": round(torch_ready - started, 3),
-        **stages.as_dict(),
+        **{k: round(v, 3) for k, v in seconds.items()},
         "pipeline": round(time.monotonic() - torch_ready, 3),
     }
     return RunResult(seconds, str(dev), peak)
@@ -113,39 +133,27 @@ def last_use(uses_left: Counter, files: list[str]) -> list[str]:
 
 
 class Pipeline:
-    """One run over `batches`: a reader thread, the main thread quantizing, a writer thread.
-
-    Hand-offs hold one batch each: the reader starts batch i's reads and hands it over at once; once
-    the writer has written batch i-1, the main thread quantizes batch i as its tensors land and feeds
-    the writer its runs as they fill; then the reader reads batch i+1 while the writer finishes batch i.
-    Files no later batch reads are released as soon as the batches reading them are written (a streamed
-    source deletes them)."""
+    """One run over `batches`. Files no later batch reads are released as soon as the batches reading
+    them are written (a streamed source deletes them)."""
 
     def __init__(
-        self,
-        plan: Plan,
-        batches: list[Batch],
-        reader: BatchReader,
-        writer: ShardWriter,
-        device: torch.device,
-        progress,
-        fetcher,
-        on_read: Callable[[int], None],
+        self, plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter, progress, fetcher, on_read
     ):
-        self.plan, self.batches, self.reader, self.writer, self.device = plan, batches, reader, writer, device
+        self.plan, self.batches, self.reader, self.writer = plan, batches, reader, writer
+        self.device = reader.device
         self.progress, self.fetcher, self.on_read = progress, fetcher, on_read
-        self.seconds = StageSeconds()
+        # where the main thread's time went
+        self.seconds = {"wait_read": 0.0, "quantize": 0.0, "wait_write": 0.0}
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
         self.writes_left = self.reads_left.copy()  # the writer's count
         self.to_main: queue.Queue = queue.Queue(maxsize=1)
         self.to_writer: queue.Queue = queue.Queue(maxsize=1)
-        self.read_slot = threading.Semaphore(READ_AHEAD)  # batches read and not yet quantized
-        self.write_ahead = WRITE_AHEAD
-        self.write_slot = threading.Semaphore(self.write_ahead)  # quantize only this far ahead of the writer
+        self.read_slot = threading.Semaphore(READ_AHEAD)
+        self.write_slot = threading.Semaphore(WRITE_AHEAD)
         self.stop = threading.Event()
         self.writer_error: list[BaseException] = []
 
-    def run(self) -> StageSeconds:
+    def run(self) -> dict[str, float]:
         threads = [
             threading.Thread(target=self._read_loop, name="fp8convert-reader", daemon=True),
             threading.Thread(target=self._write_loop, name="fp8convert-writer", daemon=True),
@@ -159,17 +167,21 @@ class Pipeline:
                 self._quantize(batch, pending, runs)
                 del pending
                 self.read_slot.release()
-            for _ in range(self.write_ahead):  # every batch is written
+            for _ in range(WRITE_AHEAD):  # every batch is written
                 self._wait_for_writer()
             return self.seconds
         finally:
-            self._shut_down(threads)
+            # the other threads see `stop` within POLL_S; the writer finishes the tensor it is writing first
+            self.stop.set()
+            with contextlib.suppress(queue.Full):
+                self.to_writer.put_nowait(None)
+            for th in threads:
+                th.join()
 
     # -- main thread
 
     def _next_read(self):
-        """The next batch whose reads have started (batch, PendingRead, output runs), or None after the
-        last one."""
+        """(batch, PendingRead, output runs) of the next batch whose reads have started; None after the last."""
         t0 = time.monotonic()
         while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
             try:
@@ -177,15 +189,14 @@ class Pipeline:
                 break
             except queue.Empty:
                 self._raise_writer_error()
-        self.seconds.wait_read += time.monotonic() - t0
+        self.seconds["wait_read"] += time.monotonic() - t0
         if isinstance(item, Failed):
             raise item.error
         return item
 
     def _quantize(self, batch: Batch, pending: PendingRead, runs: list[Run]) -> None:
-        """Compute the batch's outputs and hand them to the writer in `runs`, the byte runs they fill in
-        the shards: each step starts as soon as its own inputs are read, and each run leaves as soon as
-        its last output is in."""
+        """Compute the batch's outputs, each step once its inputs are read, and hand each run of output
+        bytes to the writer once its last output is in."""
         self._wait_for_writer()
         feed: queue.Queue = queue.Queue()  # (run, bytes, CUDA event after which they are ready); END last
         self.to_writer.put((batch, feed))
@@ -220,39 +231,28 @@ class Pipeline:
             # The next batch's reads (on other streams) may reuse this buffer's memory once it is freed.
             torch.cuda.current_stream(self.device).synchronize()
         feed.put(END)
-        self.seconds.wait_read += pending.waited
-        self.seconds.quantize += time.monotonic() - t0 - pending.waited
+        self.seconds["wait_read"] += pending.waited
+        self.seconds["quantize"] += time.monotonic() - t0 - pending.waited
         if not keep_buf:  # else buf lives until those bytes are written
             self.reader.recycle(pending.buf)
 
     def _wait_for_writer(self) -> None:
         t0 = time.monotonic()
         self.write_slot.acquire()
-        self.seconds.wait_write += time.monotonic() - t0
+        self.seconds["wait_write"] += time.monotonic() - t0
         self._raise_writer_error()
 
     def _raise_writer_error(self) -> None:
         if self.writer_error:
             raise self.writer_error[0]
 
-    def _shut_down(self, threads: list[threading.Thread]) -> None:
-        # Every wait in the other threads times out and checks `stop`, so they end even if an interrupt
-        # landed inside a queue operation and a notification was lost; the writer finishes the tensor
-        # it is writing and then stops (a partial shard is rewritten by the next run).
-        self.stop.set()
-        with contextlib.suppress(queue.Full):
-            self.to_writer.put_nowait(None)
-        for th in threads:
-            th.join()
-
     # -- reader thread
 
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
-                # Worked out before waiting for room on the device, so while the main thread quantizes the
-                # batch before. From a GPU, few large copies beat many small ones; on the CPU the outputs
-                # are written as they are (assembling them would only add a copy).
+                # Worked out before waiting for room, so while the batch before is quantized. From a GPU, few
+                # large copies beat many small ones; on the CPU outputs are written as they are.
                 order = read_order(batch)
                 runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
                 if not acquire_unless_stopped(self.read_slot, self.stop):
@@ -272,17 +272,16 @@ class Pipeline:
     # -- writer thread
 
     def _write_loop(self) -> None:
-        if self.device.type == "cuda":
-            try:
+        try:
+            if self.device.type == "cuda":
                 self.writer.pin_ring()
-            except BaseException as e:
-                self._writer_failed(e)
-                return
+        except BaseException as e:
+            self._writer_failed(e)
+            return
         while True:
             item = get_unless_stopped(self.to_writer, self.stop)
-            if item is STOPPED:  # the run ended (or was interrupted) and nothing is left to write
-                return
-            if item is None or self.stop.is_set():  # stop is set early only by a failure or an interrupt
+            # STOPPED: the run ended with nothing left; None or `stop`: a failure or an interrupt
+            if item is STOPPED or item is None or self.stop.is_set():
                 return
             try:
                 batch, feed = item
@@ -305,8 +304,8 @@ class Pipeline:
         self.stop.set()
 
     def _write(self, feed: queue.Queue) -> bool:
-        """Write a batch's runs as the main thread hands them over, dropping each once written (device
-        memory is freed early). False if the run stopped first."""
+        """Write a batch's runs as they come, dropping each once written (device memory is freed early).
+        False if the run stopped first."""
         while (item := get_unless_stopped(feed, self.stop)) is not END:
             if item is STOPPED:
                 return False

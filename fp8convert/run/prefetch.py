@@ -1,14 +1,10 @@
 """Pull the source's bytes into the page cache ahead of the reader, in the order it will read them.
 
-Cold reads are the bottleneck, so the disk should be busy from the first second: the prefetcher
-starts before torch is even imported (that import alone takes seconds) and keeps large sequential
-reads in flight with several threads, never more than `window` bytes ahead of what the reader has
-consumed, so page-cache use stays bounded. The reader then copies from the page cache. Nothing here
-is needed for correctness: if the prefetcher falls behind, the reader simply reads from disk itself.
-
-The window is larger than one might think it needs to be: while torch loads (seconds, more with cold
-files) the reader consumes nothing, so a window the disk fills before torch is ready leaves it idle
-until then. default_window sizes it from the memory this process may use.
+Cold reads are the bottleneck, so the disk should be busy from the first second: the prefetcher starts
+before torch is imported and keeps large reads in flight on several threads, at most `window` bytes ahead
+of what the reader consumed. It is only a hint: a reader that overtakes it reads from the disk itself. The
+window is large because the reader consumes nothing while torch loads, and a window filled before then
+leaves the disk idle.
 """
 
 from __future__ import annotations
@@ -20,12 +16,11 @@ from pathlib import Path
 
 from ..options import AUTO
 from ..safetensors_io import TensorInfo
-from .cores import usable_cores
+from .cores import io_share, usable_cores
 
 
 def default_threads() -> int:
-    """Prefetch reads cost CPU time too: a quarter of the cores, from 1 to 4 (4 is plenty for a disk)."""
-    return min(4, max(1, usable_cores() // 4))
+    return io_share(usable_cores())
 
 
 WINDOW_CAP = 32 << 30  # the default window's largest
@@ -33,9 +28,8 @@ FALLBACK_WINDOW = 8 << 30  # where the available memory cannot be read (off Linu
 
 
 def default_window(workers: int = 1, available: int | None = None) -> int:
-    """--prefetch auto: half the memory available at the start, shared by the `workers` of this run
-    (processes of one machine may each convert a share), at most WINDOW_CAP. A small window fills
-    while torch is still loading and the disk then idles until it is ready."""
+    """--prefetch auto: half the memory available at the start, shared by the `workers` of this run on
+    this machine, at most WINDOW_CAP."""
     available = available_memory() if available is None else available
     if available is None:
         return FALLBACK_WINDOW
@@ -60,11 +54,10 @@ def available_memory(
     cgroups: Path = Path("/sys/fs/cgroup"),
     own_cgroup: Path = Path("/proc/self/cgroup"),
 ) -> int | None:
-    """Bytes this process may still fill: the kernel's MemAvailable, or less where a cgroup above the
-    process caps its memory (a job's limit counts page cache too): the least headroom of its cgroup and
-    each one above it, the limit less what is used plus the inactive file pages the kernel reclaims
-    first (a job that has just downloaded the checkpoint holds gigabytes of it in its cache). cgroup v2,
-    and v1's memory controller. None where /proc/meminfo cannot be read."""
+    """Bytes this process may still fill: MemAvailable, or less where a cgroup (v2, or v1's memory
+    controller) above the process caps its memory, page cache included: the least of each one's limit
+    less its use plus the inactive file pages the kernel reclaims first (a job that just downloaded the
+    checkpoint holds gigabytes of it in its cache). None where /proc/meminfo cannot be read."""
     try:
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
         available = int(fields["MemAvailable"].split()[0]) * 1024  # "123456 kB"
@@ -83,8 +76,8 @@ def available_memory(
 
 
 def cgroup_headroom(cgroups: Path, version: str, path: str) -> int:
-    """The least headroom of the cgroup at `path` and each one above it (where the process's path is not
-    mounted, as inside some containers, the mount's own root still counts)."""
+    """The least headroom of the cgroup at `path` and each one above it (where that path is not mounted,
+    as inside some containers, the mount's root still counts)."""
     mount, limit_file, usage_file, inactive_keys = CGROUP_MEMORY[version]
     root = cgroups / mount
     group, headroom = root / path.strip().lstrip("/"), 1 << 62
@@ -149,13 +142,13 @@ class Prefetcher:
         self.stop()
 
     def advance(self, nbytes: int) -> None:
-        """The reader consumed `nbytes` more, in the same order as the spans."""
+        """The reader consumed `nbytes` more, in the spans' order."""
         with self.cond:
             self.consumed += nbytes
             self.cond.notify_all()
 
     def ahead(self) -> int:
-        """Bytes read into the page cache and not consumed yet: how far the disk is ahead of the run."""
+        """Bytes in the page cache and not consumed yet: how far the disk is ahead of the run."""
         with self.cond:
             return self.landed - self.consumed
 
@@ -195,10 +188,8 @@ class Prefetcher:
                 os.close(fd)
 
     def _read(self, fd: int, offset: int, length: int) -> None:
-        """Bring the bytes into the page cache. sendfile into /dev/null reads them there without copying
-        them anywhere, a fraction of the CPU time a pread into scratch takes: CPU time the quantizing threads
-        of a `--device cpu` run need. Where sendfile is refused (it needs a socket on macOS) or there is
-        no sink, a pread."""
+        """Bring the bytes into the page cache: by sendfile into /dev/null, a fraction of the CPU time of a
+        pread into scratch (which a `--device cpu` run's quantizing needs), else by that pread."""
         if self.stopped:
             return
         try:
@@ -213,8 +204,7 @@ class Prefetcher:
 
 
 def open_sink() -> int | None:
-    """/dev/null opened for writing, for pull_into_cache; None where this system has no sendfile or the
-    device cannot be opened."""
+    """/dev/null opened for writing, for pull_into_cache; None where there is no sendfile or no device."""
     if not hasattr(os, "sendfile"):
         return None
     try:
@@ -224,8 +214,8 @@ def open_sink() -> int | None:
 
 
 def pull_into_cache(sink: int, fd: int, offset: int, length: int) -> bool:
-    """Read [offset, offset + length) of `fd` into the page cache by sending it to `sink` (/dev/null).
-    False when this system's sendfile cannot do that."""
+    """Read [offset, offset + length) of `fd` into the page cache by sending it to `sink`; False when this
+    system's sendfile cannot (it needs a socket on macOS)."""
     try:
         while length > 0:
             sent = os.sendfile(sink, fd, offset, length)

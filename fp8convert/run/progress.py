@@ -11,37 +11,22 @@ from ..units import format_size
 # between the five columns; the description and the bar share the rest of the terminal's width.
 NUMBERS_WIDTH = 14 + 10 + 7 + 4
 BAR_WIDTH = (10, 40)  # least, most
+LOG_INTERVAL_S = 10.0
 
 
 class Progress:
-    def __init__(
-        self,
-        total_bytes: int,
-        label: str,
-        enabled: bool = True,
-        stream=None,
-        interval_s: float = 10.0,
-        plain: bool = False,
-    ):
+    """`plain`: log lines even on a terminal (several workers' live bars would garble it)."""
+
+    def __init__(self, total_bytes: int, label: str, enabled: bool = True, stream=None, plain: bool = False):
         self.total, self.label, self.enabled = total_bytes, label, enabled
         self.stream = stream or sys.stderr
         self.done = 0
-        self.start = time.monotonic()
-        self.last_log = self.start
-        self.interval = interval_s
+        self.start = self.last_log = time.monotonic()
         self.bar = None
-        # `plain`: one of several workers sharing a terminal logs lines; several live bars would garble it.
         if enabled and not plain and self.stream.isatty():
             from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-            from rich.progress import (
-                Progress as RichProgress,
-            )
+            from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import Progress as RichProgress
 
             self.bar_column = BarColumn()
             self.bar = RichProgress(
@@ -57,9 +42,9 @@ class Progress:
             self.task = self.bar.add_task(self.fit(""), total=total_bytes)
 
     def fit(self, what: str) -> str:
-        """The description (label, then what is being converted) and the bar's width, to fit the terminal
-        on one line: a long description is shortened in the middle (its start says which run, its end
-        which layer), then the bar narrows to what is left."""
+        """The description (label, then what is being converted), fitted with the bar on one terminal line:
+        a long one is shortened in the middle (its start says which run, its end which layer), then the bar
+        narrows to what is left."""
         text = f"{self.label} {what}".strip()
         room = self.bar.console.width - NUMBERS_WIDTH
         most = max(room - BAR_WIDTH[0], 10)
@@ -74,26 +59,18 @@ class Progress:
         self.done += nbytes
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done, description=self.fit(what))
-        elif self.enabled:
-            now = time.monotonic()
-            if now - self.last_log >= self.interval or self.done >= self.total:
-                self.last_log = now
-                self.log(self.line(now))
-
-    def line(self, now: float) -> str:
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        pct = 100.0 * self.done / self.total if self.total else 100.0
-        return (
-            f"{self.label}: {format_size(self.done)} of {format_size(self.total)} ({pct:.0f}%), "
-            f"{format_size(rate)}/s, eta {eta:.0f}s"
-        )
-
-    def log(self, message: str) -> None:
-        if self.enabled and self.bar is None:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-            print(f"{stamp} {message}", file=self.stream, flush=True)
+            return
+        now = time.monotonic()
+        if self.enabled and (now - self.last_log >= LOG_INTERVAL_S or self.done >= self.total):
+            self.last_log = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            line = (
+                f"{self.label}: {format_size(self.done)} of {format_size(self.total)} ({pct:.0f}%), "
+                f"{format_size(rate)}/s, eta {eta:.0f}s"
+            )
+            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

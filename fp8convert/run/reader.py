@@ -1,17 +1,13 @@
-"""Read stage: bytes of one batch of tensors into one buffer on the device.
+"""Read stage: one batch's tensors into one buffer on the device, by parallel preads (several threads help
+a cold disk), returning while they are in flight so the first stacks are quantized before the last bytes land.
 
-Parallel preads (several threads help a cold disk). For CUDA the batch's tensors that lie back to back in a
-file are read together, in preads of up to one chunk, whatever order they take in the buffer; each thread owns
-one pinned staging chunk and its own stream, copies each tensor's part of the chunk to its place, and host
-memory stays threads x chunk whatever the layer size. (A MoE layer is hundreds of tensors of a few MB: reading
-neighbours together makes far fewer, larger preads.) For CPU the threads read each tensor straight into the
-batch buffer. `start` returns while the reads are in flight, so the batch's first stacks can be quantized
-before its last bytes land (PendingRead.wait).
+For CUDA, tensors that lie back to back in a file are read together in preads of up to one chunk (a MoE
+layer is hundreds of tensors of a few MB), each thread through its own pinned staging chunk and stream: host
+memory stays threads x chunk. On the CPU each tensor is read straight into the batch buffer.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 import time
@@ -28,25 +24,25 @@ ALIGN = 64  # every tensor starts aligned in the batch buffer, so dtype views ar
 
 @dataclass(frozen=True)
 class Piece:
-    """One pread of `length` bytes at `offset` in `file`, and where its parts go in the batch buffer:
-    (offset in the piece, offset in the buffer, bytes)."""
+    """One pread of `length` bytes at `offset` in `file`; its parts, (offset in it, offset in the buffer,
+    bytes), and the tensor each part belongs to."""
 
     file: str
     offset: int
     length: int
     parts: tuple[tuple[int, int, int], ...]
+    tensors: tuple[str, ...]
 
 
 def plan_pieces(tensors: list[TensorInfo], offsets: dict[str, int], chunk: int, merge: bool) -> list[Piece]:
-    """The preads that fill the batch buffer: each tensor in pieces of at most `chunk` bytes, or with
-    `merge` the runs of tensors adjacent in a file, cut every `chunk` bytes (a piece may then end or
-    start inside a tensor). Empty tensors need no read."""
+    """The preads that fill the buffer: each tensor in pieces of at most `chunk` bytes, or with `merge` the
+    runs of tensors adjacent in a file cut every `chunk` bytes (a piece may then cut a tensor)."""
     pieces: list[Piece] = []
-    file, start, length, parts = None, 0, 0, []
+    file, start, length, parts, names = None, 0, 0, [], []
 
     def close() -> None:
         if length:
-            pieces.append(Piece(file, start, length, tuple(parts)))
+            pieces.append(Piece(file, start, length, tuple(parts), tuple(names)))
 
     ordered = sorted(tensors, key=lambda t: (t.file, t.offset)) if merge else tensors
     for t in ordered:
@@ -55,9 +51,10 @@ def plan_pieces(tensors: list[TensorInfo], offsets: dict[str, int], chunk: int, 
             at = t.offset + done
             if not (merge and t.file == file and at == start + length and length < chunk):
                 close()
-                file, start, length, parts = t.file, at, 0, []
+                file, start, length, parts, names = t.file, at, 0, [], []
             n = min(chunk - length, t.nbytes - done)
             parts.append((length, offsets[t.name] + done, n))
+            names.append(t.name)
             length += n
             done += n
         if not merge:
@@ -69,10 +66,8 @@ def plan_pieces(tensors: list[TensorInfo], offsets: dict[str, int], chunk: int, 
 
 @dataclass
 class PendingRead:
-    """A batch's reads in flight: its buffer and offsets, and a wait for the tensors one step needs, so
-    the step can start while the rest of the batch is still being read. `pieces_of` maps each tensor to
-    the indices of the preads (in submission order) that fill it; `waited` adds up the seconds spent
-    waiting."""
+    """A batch's reads in flight. `pieces_of`: each tensor's preads (indices in submission order);
+    `waited`: the seconds spent waiting for them."""
 
     buf: torch.Tensor
     offsets: dict[str, int]
@@ -81,12 +76,11 @@ class PendingRead:
     waited: float = 0.0
 
     def arrival(self, tensors: list[TensorInfo]) -> int:
-        """When `tensors` will all have landed, as the submission rank of their last pread (-1: nothing
-        to read). Preads finish roughly in that order."""
+        """The submission rank of the last pread `tensors` need (-1: none): preads finish roughly in order."""
         return max((i for t in tensors for i in self.pieces_of[t.name]), default=-1)
 
     def wait(self, tensors: list[TensorInfo]) -> None:
-        """Return once every byte of `tensors` is in the buffer; a failed read raises here."""
+        """Until every byte of `tensors` is in the buffer; a failed read raises here."""
         t0 = time.monotonic()
         for i in sorted({i for t in tensors for i in self.pieces_of[t.name]}):
             self.jobs[i].result()
@@ -109,9 +103,8 @@ class BatchReader:
         self.spare: torch.Tensor | None = None  # CPU: a batch buffer handed back for reuse
 
     def recycle(self, buf: torch.Tensor) -> None:
-        """The caller is done with `buf` (nothing refers to it): reuse it for a later batch. On the CPU a
-        fresh buffer costs a page fault per 4 KiB, as much as a third of the read time; CUDA's caching
-        allocator already reuses device memory."""
+        """Nothing refers to `buf` any more: reuse it (on the CPU a fresh buffer costs a page fault per 4 KiB,
+        up to a third of the read time; CUDA's caching allocator reuses device memory itself)."""
         if buf.device.type == "cpu" and (self.spare is None or buf.untyped_storage().nbytes() > self.spare.numel()):
             self.spare = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
 
@@ -128,7 +121,7 @@ class BatchReader:
         self.fds.clear()
 
     def forget(self, files: list[str]) -> None:
-        """No batch reads these files again: close them (a deleted streamed shard frees its space)."""
+        """Close files no batch reads again (a deleted streamed shard then frees its space)."""
         with self.fds_lock:
             for file in files:
                 fd = self.fds.pop(file, None)
@@ -150,7 +143,7 @@ class BatchReader:
         return offsets, cursor
 
     def read(self, tensors: list[TensorInfo]) -> tuple[torch.Tensor, dict[str, int]]:
-        """Returns a uint8 buffer on the device and each tensor's offset in it."""
+        """A uint8 buffer on the device holding `tensors`, and each one's offset in it."""
         pending = self.start(tensors)
         pending.wait_all()
         return pending.buf, pending.offsets
@@ -164,12 +157,9 @@ class BatchReader:
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         pieces = plan_pieces(tensors, offsets, self.chunk, merge=self.device.type != "cpu")
         pieces_of: dict[str, list[int]] = {t.name: [] for t in tensors}
-        spans = sorted((offsets[t.name], offsets[t.name] + t.nbytes, t.name) for t in tensors if t.nbytes)
-        for i, piece in enumerate(pieces):  # each part lands in one tensor's span of the buffer
-            for _, dest, _ in piece.parts:
-                name = spans[bisect.bisect_right(spans, (dest, float("inf"))) - 1][2]
-                if not pieces_of[name] or pieces_of[name][-1] != i:
-                    pieces_of[name].append(i)
+        for i, piece in enumerate(pieces):  # a tensor has at most one part in a piece
+            for name in piece.tensors:
+                pieces_of[name].append(i)
         jobs = [self.pool.submit(self._read_piece, piece, buf) for piece in pieces]
         return PendingRead(buf, offsets, jobs, pieces_of)
 

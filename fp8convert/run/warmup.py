@@ -1,8 +1,8 @@
-"""torch and CUDA loaded in the background.
+"""torch imported (and CUDA started) in the background.
 
-Importing torch and creating a CUDA context take seconds (more with cold files). A thread does it while
-the main thread goes on with what needs neither (preparing OUT, copying kept tensors, reading ahead),
-and the pipeline's own `import torch` then finds it done, or waits for the rest.
+Both take seconds (more with cold files): a thread does them while the main thread goes on with what needs
+neither (preparing OUT, copying kept tensors, reading ahead), and the pipeline's `import torch` then finds
+them done, or waits for the rest.
 """
 
 from __future__ import annotations
@@ -11,56 +11,38 @@ import importlib.util
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import startup_pages
 
 # Pinned host memory from malloc and cudaHostRegister, its pages touched by 8 threads, instead of one
-# cudaHostAlloc call at a time: the readers' and the writer's 17 buffers of 32 MB are pinned at the start of
-# every run, in its critical path (docs/performance.md).
+# cudaHostAlloc call at a time: the readers' and the writer's buffers are pinned in every run's critical path.
 PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-
 TORCH_THREAD = "fp8convert-torch"
 CUDA_DRIVER = "libcuda.so.1"  # the name torch's CUDA runtime loads the driver by
-
-# The longest torch's import and the checkpoint's reads wait for the recorded start-up pages to be queued.
-PAGES_WAIT_S = 3.0
+PAGES_WAIT_S = 3.0  # the longest torch's import and the checkpoint's reads wait for the start-up pages to be queued
 
 
 def pin_by_registering() -> None:
-    """Ask torch's pinned allocator for PINNED_ALLOC_CONF, unless the user configured the allocator
-    (theirs stands) or torch is already loaded (it has read its configuration)."""
-    if torch_loaded() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+    """Ask torch's pinned allocator for PINNED_ALLOC_CONF, unless the user configured the allocator or
+    torch is loaded already (it has read its configuration)."""
+    if "torch" in sys.modules or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = PINNED_ALLOC_CONF
 
 
-def already_set() -> threading.Event:
-    event = threading.Event()
-    event.set()
-    return event
-
-
-@dataclass
 class TorchStart:
-    """torch's start on `device`, in `thread`. `pages_queued` is set once the reads of the pages an
-    earlier run recorded are queued (at once when there is no record); `record` is where this run records
-    its own (None when torch was loaded before: an API caller's process maps much else)."""
+    """torch's start on `device`, in `thread`. `pages_queued` is set once the reads of the pages an earlier
+    run recorded are queued; `record` is where this run records its own (None when torch was loaded before:
+    an API caller's process maps much else)."""
 
-    device: str
-    record: Path | None
-    pages_queued: threading.Event = field(default_factory=already_set)
-    thread: threading.Thread | None = None
-
-    def begin(self) -> None:
-        """Queue the recorded pages' reads, then import torch (and start CUDA) in a thread."""
-        self.pages_queued = startup_pages.read_ahead(self.record)
+    def __init__(self, device: str, record: Path | None):
+        self.device, self.record = device, record
+        self.pages_queued = startup_pages.read_ahead(record)
         self.thread = threading.Thread(target=self._load, name=TORCH_THREAD, daemon=True)
         self.thread.start()
 
     def join(self) -> None:
-        """Until torch is ready."""
         self.thread.join()
 
     def record_pages(self) -> None:
@@ -68,8 +50,8 @@ class TorchStart:
         startup_pages.record(self.record)
 
     def _load(self) -> None:
-        # The recorded reads are all queued (begin) before the import: a thousand-odd posix_fadvise calls
-        # beside an import holding the GIL are slow, and the checkpoint's reads wait for them.
+        # The recorded reads are all queued before the import: a thousand-odd posix_fadvise calls beside an
+        # import holding the GIL are slow, and the checkpoint's reads wait for them.
         self.pages_queued.wait(PAGES_WAIT_S)
         try:
             import torch
@@ -80,25 +62,19 @@ class TorchStart:
             pass
 
 
-def cuda_device_count() -> int:
-    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 where the installed torch
-    lacks CUDA."""
-    if not torch_has_cuda():
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+def start_torch(device: str) -> TorchStart:
+    """Import torch and, unless `device` is the CPU, start CUDA on it, in a thread; failures are left for
+    the pipeline to report when it resolves the device. In a process without torch yet, the pages an
+    earlier run's start-up read are read ahead first (startup_pages)."""
+    record = None if "torch" in sys.modules else record_path(device)
+    if device != "cpu":
+        pin_by_registering()
+    return TorchStart(device, record)
 
 
 def torch_starting() -> bool:
-    """Whether this process's thread that loads torch and starts CUDA (start_torch's) is still at it."""
+    """Whether start_torch's thread is still at it."""
     return any(t.name == TORCH_THREAD and t.is_alive() for t in threading.enumerate())
-
-
-def cuda_missing(device: str) -> bool:
-    """Whether `device` asks for CUDA that the installed torch lacks (a CPU build): the run is refused
-    once torch is loaded, so nothing is worth starting before that."""
-    return device.startswith("cuda") and not torch_has_cuda()
 
 
 def torch_has_cuda() -> bool:
@@ -111,16 +87,24 @@ def torch_has_cuda() -> bool:
     return any((Path(folder) / "lib" / "libtorch_cuda.so").exists() for folder in folders or [])
 
 
-def record_path(device: str) -> Path | None:
-    """Where the start-up record of a run on `device` ("cpu", "auto", "cuda:1"...) lives: named after
-    the device type the run uses ("auto" is the CPU where there is no CUDA driver to use)."""
-    cuda = device.startswith("cuda") or (device == "auto" and cuda_driver_present())
-    return startup_pages.record_path("cuda" if cuda else "cpu")
+def cuda_missing(device: str) -> bool:
+    """Whether `device` asks for CUDA that the installed torch lacks: the run is refused once torch is
+    loaded, so nothing is worth starting before that."""
+    return device.startswith("cuda") and not torch_has_cuda()
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees; 0 where the installed torch lacks CUDA."""
+    if not torch_has_cuda():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def cuda_driver_present() -> bool:
-    """Whether the installed torch has CUDA and the driver library loads: what "auto" needs to choose
-    CUDA, found without starting the driver (that takes a while: torch's thread does it)."""
+    """Whether torch has CUDA and the driver library loads (what "auto" needs to choose CUDA), without
+    starting the driver."""
     if not torch_has_cuda():
         return False
     import ctypes
@@ -132,18 +116,8 @@ def cuda_driver_present() -> bool:
     return True
 
 
-def torch_loaded() -> bool:
-    """Whether this process has imported torch (an API caller's may have): then nothing waits for it."""
-    return "torch" in sys.modules
-
-
-def start_torch(device: str) -> TorchStart:
-    """Import torch and, unless `device` is the CPU, start CUDA on it, in a thread. Failures are left for
-    the pipeline to report in its own words, when it resolves the device. In a process without torch
-    yet, the pages an earlier run's start-up read are read ahead first (startup_pages)."""
-    fresh = not torch_loaded()
-    start = TorchStart(device, record_path(device) if fresh else None)
-    if device != "cpu":
-        pin_by_registering()
-    start.begin()
-    return start
+def record_path(device: str) -> Path | None:
+    """The start-up record for a run on `device` ("cpu", "auto", "cuda:1"...), named after the device type
+    it uses ("auto" is the CPU where no CUDA driver loads)."""
+    cuda = device.startswith("cuda") or (device == "auto" and cuda_driver_present())
+    return startup_pages.record_path("cuda" if cuda else "cpu")

@@ -1,19 +1,12 @@
-"""Linux file calls that keep the output's disk busy and its writes cheap.
+"""Linux file calls that keep the output's disk busy and its writes cheap (elsewhere: plain fallbacks).
 
-start_writeback: start writing dirty pages to disk as soon as they are written, without waiting for them.
-With lots of RAM the kernel lets gigabytes of dirty pages pile up and flushes them only at fsync, so
-the disk idles while we read and then stalls the run at every shard's end. sync_file_range(WRITE)
-queues the writeback at once, so reads and writes share the disk throughout and the final fsync has
-little left to do. Linux only; elsewhere this is a no-op and fsync does all the work.
-
-reserve: give a file its final size with every block allocated up front (fallocate). A full disk then
-shows before any data is written, and later writes only copy bytes, which is faster than writes that
-must also allocate the pages.
-
-write_mapped: copy bytes into a reserved file through a shared mapping of just their range. The
-kernel serialises buffered writes (pwrite) to one file, so one shard is written no faster however many
-threads write it; copies into a mapping are not serialised. Each thread is slower (its page faults) but
-they add up (scripts/io_limits.py measures both).
+start_writeback: queue dirty pages for the disk as soon as they are written (sync_file_range). Left alone,
+the kernel lets gigabytes pile up and flushes them at fsync: the disk idles during reads, then stalls the
+run at every shard's end.
+reserve: the file's final size with every block allocated (fallocate): a full disk shows before any data
+is written, and later writes need not allocate.
+write_mapped: copy bytes into a reserved file through a shared mapping of their range. The kernel serialises
+pwrites to one file; copies into a mapping are not, so threads add up (scripts/io_limits.py measures both).
 """
 
 from __future__ import annotations
@@ -44,11 +37,10 @@ def _load(name: str, *argtypes):
 _sync_file_range = _load("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _fallocate = _load("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 _statfs = _load("statfs", ctypes.c_char_p, ctypes.c_void_p)
-# fallocate's "this file system cannot": the file then grows sparse, as before
+# fallocate's "this file system cannot": the file then grows sparse
 NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-# Where writes through a mapping were measured faster than pwrite (statfs f_type): tmpfs and ext4.
-# Elsewhere (network and parallel file systems above all, where each page fault can be a round
-# trip) shards are written with pwrite.
+# Where writes through a mapping were measured faster than pwrite (statfs f_type); elsewhere (network and
+# parallel file systems above all, where each page fault can be a round trip) shards get pwrite.
 MAPPED_WRITE_FILE_SYSTEMS = {0x01021994: "tmpfs", 0xEF53: "ext4"}
 
 
@@ -67,8 +59,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def reserve(fd: int, size: int) -> bool:
-    """Make the file `size` bytes long with its blocks allocated, and say so; where the file system
-    cannot allocate ahead (or off Linux), only set the size (False). A full disk raises OSError(ENOSPC)."""
+    """Make the file `size` bytes long with its blocks allocated (True), or where that cannot be done only
+    set the size (False). A full disk raises OSError(ENOSPC)."""
     if _fallocate is not None and size:
         if _fallocate(fd, 0, 0, size) == 0:
             return True
@@ -80,8 +72,7 @@ def reserve(fd: int, size: int) -> bool:
 
 
 def maps_writes(directory) -> bool:
-    """Whether files in `directory` are written faster through a mapping (its file system is one of
-    MAPPED_WRITE_FILE_SYSTEMS)."""
+    """Whether `directory`'s file system is one of MAPPED_WRITE_FILE_SYSTEMS."""
     if _statfs is None:
         return False
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
@@ -92,9 +83,8 @@ def maps_writes(directory) -> bool:
 
 def write_mapped(fd: int, data: memoryview, offset: int) -> None:
     """Copy `data` (a writable byte buffer) to `offset` in the file through a shared mapping of that range.
-    Only into reserved blocks: where a write fault needs a block the disk does not have, the process
-    dies (SIGBUS) instead of getting pwrite's ENOSPC; a reserved block needs no allocation. (A disk
-    that fails to read back a page at a piece's edge does the same; pwrite would return EIO.)"""
+    Only into reserved blocks: a write fault that needs a block the disk lacks kills the process (SIGBUS)
+    where pwrite would get ENOSPC."""
     if not data.nbytes:
         return
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
