@@ -52,6 +52,18 @@ def compare_kept(source, output, origin: str = "the source") -> str | None:
     return None
 
 
+def count_wrong(codes, scale, stored, r0: int, source_scheme: str) -> int | None:
+    """How many elements of a dequantized slab are not (float32(q) * scale) rounded once to their dtype;
+    None when the source's scale is not finite and positive."""
+    values = source_values(codes, scale, r0, source_scheme)
+    if values is None:
+        return None
+    size = stored.element_size()
+    a = values.to(stored.dtype).contiguous().view(torch.uint8).reshape(-1)
+    b = stored.contiguous().view(torch.uint8).reshape(-1)
+    return 0 if same_bytes(a, b) else int((a.view(-1, size) != b.view(-1, size)).any(dim=1).sum())
+
+
 def exact_sums(w, q, s) -> ErrorSums:
     """The figures of source rows `w` and their codes `q`, element by element (`s`: the float32 scale,
     broadcastable to them)."""

@@ -336,4 +336,4 @@ class Pairing:
         if source_scale is None or (got.dtype, got.nbytes) != (source_scale.dtype, source_scale.nbytes):
             self.report.fail(name, what + ("" if source_scale else " (the source has none)"))
             return []
-        return [SameBytesPair(name, source_scale, got, what)]
+        return [SameBytesPair(name, source_scale, got, what=what)]
