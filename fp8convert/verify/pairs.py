@@ -20,9 +20,9 @@ from .report import ErrorSums, TensorCheck
 CHUNK_ELEMENTS = 1 << 24  # elements per slab of a quantized tensor (one read of the stream)
 CHUNK_BYTES = 64 << 20  # bytes per piece when comparing kept tensors
 
-# One read of a pair: (first row, source pieces, output pieces). A kept tensor is read in pieces of
-# CHUNK_BYTES (its "rows" counted in bytes), a quantized one in slabs of rows, each with the whole
-# (small) scales; a cut of a fused expert tensor, or a carried tensor, in one read.
+# One read of a pair: (first row, source pieces, output pieces). A kept or carried tensor is read in
+# pieces of CHUNK_BYTES (its "rows" counted in bytes), a quantized one in slabs of rows, each with the
+# whole (small) scales; a cut of a fused expert tensor in one read.
 Piece = tuple[int, list[TensorInfo], list[TensorInfo]]
 
 SOURCE_SCALE_NOT_FINITE = "the source's scale is not finite and positive everywhere"
@@ -68,9 +68,6 @@ class SameBytesPair(KeptPair):
     """A tensor carried as it is (a static activation scale): the source's bytes, or `what` fails."""
 
     what: str = ""
-
-    def pieces(self) -> list[Piece]:
-        return [(0, [self.source], [self.output])]
 
     def check(self, sources, outputs, r0: int, checks) -> str | None:
         from .numbers import identical
