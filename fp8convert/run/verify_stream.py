@@ -1,10 +1,6 @@
-"""verify's read engine: the bytes of every check, streamed through quantize's reader in batches.
-
-A check (`Read`) names pieces of source tensors and of output tensors. Reads are grouped into batches
-of at most half the memory budget, and the next batch is read (the reader's parallel preads, pinned
-staging on CUDA, the page-cache prefetcher ahead of it) while the caller checks the current one: at
-most two batches are in memory. What a check does with its bytes is the caller's business
-(fp8convert.verify): this module knows nothing of FP8.
+"""verify's read engine: pieces of source and output tensors, streamed through quantize's reader in
+batches of at most half the memory budget; the next batch is read while the caller checks the current
+one. It knows nothing of FP8 (fp8convert.verify does).
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ Batch = list[tuple["Read", list[torch.Tensor], list[torch.Tensor]]]
 
 @dataclass
 class Read:
-    """What one check reads: pieces of source tensors and of output tensors (each a TensorInfo whose
-    file is relative to its checkpoint's directory). `key` is the caller's; `label` is shown in the
-    progress display."""
+    """What one check reads (files relative to each checkpoint's directory); `key` is the caller's,
+    `label` is shown in the progress display."""
 
     key: object
     source: list[TensorInfo]
@@ -57,8 +52,7 @@ def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
 
 
 def pieces(group: list[Read], side: str) -> list[TensorInfo]:
-    """A batch's source or output pieces, under names unique within it (two pieces of one tensor may share
-    a batch)."""
+    """A batch's source or output pieces, under names unique within it (read `k`'s j-th is "k.j")."""
     return [replace(t, name=f"{i}.{j}") for i, read in enumerate(group) for j, t in enumerate(getattr(read, side))]
 
 

@@ -1,19 +1,9 @@
-"""Check an FP8 checkpoint against its source: structure and numbers, at the speed of the disk.
-
-First the structure, from headers and config alone, without torch (structure.py, pairs.py): every
-source tensor accounted for, dtypes, shapes, scale names and shapes, config, ignore list, index. Then
-the data (stream.py): every pair's bytes streamed through quantize's reader (run/verify_stream.py) and
-checked by numbers.py, whose docstring gives the bound a conversion is held to. Both output formats:
-
-- compressed-tensors: `X.weight` F8_E4M3 + `X.weight_scale` F32 shaped [1] (tensor), [out, 1] (channel)
-  or [ceil(out/128), ceil(in/128)] (block); MXFP8: `X.weight_scale` U8 [out, in/32], E8M0 exponents;
-- fp8 (vLLM/DeepSeek native): `X.weight_scale` F32 [] or [1] (tensor), or `X.weight_scale_inv` F32
-  [ceil(out/128), ceil(in/128)] (block).
-
-An FP8 source's weights are float32(q) * scale. A dequantized output must be that product rounded once
-to the output's dtype, element for element; a requantized one is held to the e4m3 bound (and the
-power-of-two rules) against it; one whose codes and scale are the source's (passed through) is exact.
-A static activation scale must be the source's, byte for byte.
+"""Check an FP8 checkpoint against its source: first the structure, from headers and config alone
+(structure.py), then every pair's bytes, streamed through quantize's reader (stream.py) and held to the
+bound numbers.py gives. An FP8 source's weights are float32(q) * scale: a dequantized output must be
+that rounded once to its dtype, a requantized one is held to the e4m3 bound against it, and one whose
+codes and scale are the source's (passed through) is exact; a static activation scale must be the
+source's, byte for byte.
 """
 
 from __future__ import annotations
@@ -43,9 +33,8 @@ def verify(
     prefetch: int | str = AUTO,
     progress: bool = False,
 ) -> VerifyReport:
-    """Verify the FP8 checkpoint in `out` (or an FP8 source's dequantized one) against its source `src`
-    (directory or Hub repo id), reading both through the conversion's reader on `device` within
-    `max_resident` bytes a batch."""
+    """Verify the FP8 (or dequantized) checkpoint in `out` against its source `src` (directory or Hub
+    repo id), reading both on `device` within `max_resident` bytes a batch."""
     started = time.monotonic()
     settings = Settings(device=device, max_resident=max_resident, prefetch=prefetch, progress=progress)
     source = open_source(src, HubAccess(revision, token, cache_dir))

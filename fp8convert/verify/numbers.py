@@ -1,21 +1,14 @@
-"""The numeric checks of a slab of a tensor (torch): how far its codes are from its source, and whether
-its scales are the ones the rule allows.
+"""The numeric checks of a slab of a tensor (torch).
 
-The bound. e4m3 keeps 3 mantissa bits, so rounding x = w / scale to the nearest code moves x by at most
-2^-4 * |x| where x is normal (|x| >= 2^-6) and 2^-10 where it is subnormal. In weight units each
-element's error is at most max(2^-4 * |w|, 2^-10 * scale), and ||w - dequant|| at most the root of the
-sum of their squares: 6.25 % of ||w|| when every element is normal. A per-tensor (or fused group's)
-scale pushes small elements into the subnormal range, and the second term is the exact allowance for
-them, not a guessed slack. Since a norm cannot see one corrupted code among millions, each code must
-also lie within half an e4m3 step of w / scale (computed in float32 as the quantizer does).
+The bound: rounding x = w / scale to e4m3 moves x by at most 2^-4 |x| where x is normal (|x| >= 2^-6)
+and 2^-10 where it is subnormal, so each element's error is at most max(2^-4 |w|, 2^-10 scale) and
+||w - dequant|| at most the root of the sum of their squares. A norm cannot see one corrupted code, so
+each code must also lie within half an e4m3 step of w / scale (in float32, as the quantizer divides).
+Power-of-two scales (MXFP8, UE8M0 blocks) must be the smallest 2^e that fits their amax, and every code
+RNE(w / 2^e) exactly; float scales at most OVERSIZE x amax / 448.
 
-Power-of-two scales (MXFP8 exponents, UE8M0 blocks) must be the smallest 2^e that fits their amax, and
-every code RNE(w / 2^e) exactly, ties included. Float scales must be at most OVERSIZE x amax / 448.
-
-`exact_sums` computes the figures element by element. `fast_sums` gets the same values in fewer passes
-and answers only where it can vouch for them: it re-rounds w / scale to e4m3 as the quantizer does, and
-only if every code matches byte for byte (so none is off the grid, nor off RNE) does it sum, from the
-codes' bits, the same float32 values in float64. Elsewhere the tile is measured by `exact_sums`.
+`exact_sums` computes the figures element by element; `fast_sums` answers only where every code is
+byte for byte the quantizer's RNE(w / scale), and then sums the same values from the codes' bits.
 """
 
 from __future__ import annotations
@@ -52,6 +45,18 @@ def compare_kept(source, output, origin: str = "the source") -> str | None:
     return None
 
 
+def count_wrong(codes, scale, stored, r0: int, source_scheme: str) -> int | None:
+    """How many elements of a dequantized slab are not (float32(q) * scale) rounded once to their dtype;
+    None when the source's scale is not finite and positive."""
+    values = source_values(codes, scale, r0, source_scheme)
+    if values is None:
+        return None
+    size = stored.element_size()
+    a = values.to(stored.dtype).contiguous().view(torch.uint8).reshape(-1)
+    b = stored.contiguous().view(torch.uint8).reshape(-1)
+    return 0 if same_bytes(a, b) else int((a.view(-1, size) != b.view(-1, size)).any(dim=1).sum())
+
+
 def exact_sums(w, q, s) -> ErrorSums:
     """The figures of source rows `w` and their codes `q`, element by element (`s`: the float32 scale,
     broadcastable to them)."""
@@ -70,8 +75,7 @@ def exact_sums(w, q, s) -> ErrorSums:
     return ErrorSums(w2, e2, bound2, off_grid)
 
 
-# The buffers `fast_sums` works in, one of each dtype, allocated once a slab and reused by every tile: a
-# fresh temporary per operation would cost more in page faults than the arithmetic itself.
+# `fast_sums`' buffers, allocated once a slab and reused by every tile (fresh temporaries cost page faults).
 SCRATCH_DTYPES = (torch.float32, torch.float32, torch.float64, torch.uint8, torch.int16, torch.float8_e4m3fn)
 
 
@@ -107,10 +111,8 @@ def fast_sums(w, q, s, scratch: list | None = None) -> ErrorSums | None:
     w2 = float(torch.dot(flat, flat))
     if not (math.isfinite(w2) and math.isfinite(e2)):
         return None
-    # bound: sum of max(|w|, t)^2 / 2^8 with t = scale / 2^6. Where every |w| >= t
-    # that is w2 / 2^8; a w below t has |w / scale| < 2^-6, so its code is at most 2^-6 (magnitude bits
-    # <= 0x08), and only then is the sum taken again with |w| raised to t (exact in float64: t is a
-    # float32 times a power of two).
+    # bound: sum of max(|w|, t)^2 / 2^8, t = scale / 2^6; w2 / 2^8 unless some |w| < t, whose code is then
+    # at most 2^-6 (magnitude bits <= 0x08): only then is it summed again with |w| raised to t
     bound2 = w2
     if int(magnitude.min()) <= 0x08:
         if s.numel() == 1:
@@ -121,8 +123,7 @@ def fast_sums(w, q, s, scratch: list | None = None) -> ErrorSums | None:
     return ErrorSums(w2, e2, bound2 * 2.0**-8, 0)
 
 
-# The C library's memcmp (among the process's own symbols): on a CPU several times faster than
-# torch.equal, which builds an elementwise comparison.
+# The C library's memcmp: on a CPU several times faster than torch.equal's elementwise comparison.
 memcmp = ctypes.CDLL(None).memcmp
 memcmp.restype, memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
@@ -155,9 +156,9 @@ def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
 
 
 def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
-    """The figures of rows r0.. of a tensor (`scale`: the tensor's whole scale as float32 values), a tile
-    at a time on a CPU (tiles stay in the caches; block tiles start on block rows), in one piece on a GPU.
-    `powers`: the scales are powers of two (MXFP8, UE8M0 blocks), checked exactly as well."""
+    """The figures of rows r0.. of a tensor (`scale`: all of its scale, float32), a tile at a time on a
+    CPU (in the caches; block tiles start on block rows), in one piece on a GPU. `powers`: the scales
+    are powers of two, checked exactly as well."""
     rows, cols = w.shape
     step = rows if w.device.type != "cpu" else max(1, TILE_ELEMENTS // max(cols, 1))
     if scheme == "block":
@@ -179,17 +180,15 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
     return sums
 
 
-# Codes are checked against whatever scale is stored beside them, so a scale far too large (every code
-# rounding to zero) would pass that check; the scale itself is held to at most OVERSIZE x amax / 448 of
-# what it scales (or 1 where amax is 0). fp8convert writes amax / 448 exactly; a checkpoint whose float
-# scales were rounded up to powers of two (less than 2x) still passes, a scale that wastes more than one
-# binade of the e4m3 range does not. A scale too small shows in the codes instead (they saturate).
+# A scale far too large (every code rounding to zero) passes the code checks, so a float scale is held to
+# at most OVERSIZE x amax / 448 (or 1 where amax is 0): float scales rounded up to powers of two pass, one
+# wasting more than a binade of the e4m3 range does not. A scale too small shows in the codes (they saturate).
 OVERSIZE = 2.0
 
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
-    """(channel or block scales over OVERSIZE x amax / 448 of theirs, the tensor scheme's largest |w|):
-    the tensor scheme's scale may be a fused group's, so it waits for every member (check_tensor_scales)."""
+    """(channel or block scales oversized, the tensor scheme's largest |w|): a tensor scale may be a fused
+    group's, so it waits for every member (Checks.check_tensor_scales)."""
     if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
         if not w.numel():
             return 0, 0.0
@@ -205,13 +204,10 @@ def oversized(scale, amax):
 
 
 def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
-    """(scales off the rule, codes off RNE) for one slab with power-of-two scales (MXFP8 exponents, or UE8M0
-    block scales of the slab's block rows). `codes` False: the codes are known to be RNE(w / scale).
-
-    The rule as a property, independent of how the quantizer computes it: s = 2^e must satisfy
-    A <= 448 * s (no code overflows) and A > 224 * s (2^(e-1) would overflow), A the group's amax or the
-    block's floored at 1e-4 (DeepGEMM's clamp). An MXFP8 exponent at its lowest byte (2^-127) only needs
-    the first. Both products are exact in float32."""
+    """(scales off the rule, codes off RNE) for a slab with power-of-two scales; `codes` False: the codes
+    are known to be RNE(w / scale). The rule, independent of how the quantizer computes it: s = 2^e with
+    A <= 448 s (no code overflows) and A > 224 s (2^(e-1) would), A the group's amax or the block's floored
+    at 1e-4 (DeepGEMM's clamp); MXFP8's lowest exponent (2^-127) needs only the first."""
     a = amax(w, scheme)
     if scheme != "mxfp8":
         a = torch.maximum(a, torch.full_like(a, UE8M0_MIN_AMAX))

@@ -1,9 +1,11 @@
-"""The kinds of pair an output tensor makes with the source tensor it must come from (no torch): the
-pieces in which a pair's bytes are read for its data checks (stream.py), and a quantized pair's verdict
-once they are in."""
+"""The kinds of pair an output tensor makes with the source tensor it must come from. Each reads its
+bytes in pieces (`pieces`), checks a piece on a worker thread (`check`, no shared state touched) and
+records the result into the report in the order of the pieces (`record`, the main thread). The checks
+import torch when they first run, so that the structure (structure.py) is checked without it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from ..formats import QuantizationConfig
@@ -12,14 +14,15 @@ from ..options import BLOCK
 from ..plan.cuts import Cut
 from ..plan.rules import module_of
 from ..safetensors_io import TensorInfo
-from .report import ErrorSums
+from ..units import plural
+from .report import ErrorSums, TensorCheck
 
 CHUNK_ELEMENTS = 1 << 24  # elements per slab of a quantized tensor (one read of the stream)
 CHUNK_BYTES = 64 << 20  # bytes per piece when comparing kept tensors
 
-# One read of a pair: (first row, source pieces, output pieces). A kept tensor is read in pieces of
-# CHUNK_BYTES (its "rows" counted in bytes), a quantized one in slabs of rows, each with the whole
-# (small) scales; a cut of a fused expert tensor, or a carried tensor, in one read.
+# One read of a pair: (first row, source pieces, output pieces). A kept or carried tensor is read in
+# pieces of CHUNK_BYTES (its "rows" counted in bytes), a quantized one in slabs of rows, each with the
+# whole (small) scales; a cut of a fused expert tensor in one read.
 Piece = tuple[int, list[TensorInfo], list[TensorInfo]]
 
 SOURCE_SCALE_NOT_FINITE = "the source's scale is not finite and positive everywhere"
@@ -46,6 +49,68 @@ class KeptPair:
             (start, [bytes_of(info, start, step, item)], [bytes_of(self.output, start, step, item)])
             for start in range(0, info.nbytes, step)
         ] or [(0, [info], [self.output])]
+
+    def check(self, sources, outputs, r0: int, checks) -> str | None:
+        from .numbers import compare_kept
+
+        piece = sources[0] if self.cut is None else cut_of(self.cut, sources[0]).contiguous()
+        return compare_kept(piece, outputs[0], self.origin)
+
+    def record(self, r0: int, last: bool, problem: str | None, checks) -> None:
+        """A piece's problem, once a tensor."""
+        if problem and not self.failed:
+            self.failed = True
+            checks.report.fail(self.name, problem)
+
+
+@dataclass(eq=False)
+class SameBytesPair(KeptPair):
+    """A tensor carried as it is (a static activation scale): the source's bytes, or `what` fails."""
+
+    what: str = ""
+
+    def check(self, sources, outputs, r0: int, checks) -> str | None:
+        from .numbers import identical
+
+        return None if identical(sources[0], outputs[0]) else self.what
+
+
+@dataclass(eq=False)
+class DequantizedPair:
+    """An FP8 source weight written in high precision: every element its one rounding."""
+
+    name: str
+    fp8: FP8Weight
+    output: TensorInfo
+    wrong: int = 0
+    failed: bool = False
+
+    def pieces(self) -> list[Piece]:
+        weight, out = self.fp8, self.output
+        return [
+            (r0, [rows_of(weight.weight, r0, n), weight.scale], [rows_of(out, r0, n)])
+            for r0, n in slabs(*out.shape, whole_blocks=True)
+        ]
+
+    def check(self, sources, outputs, r0: int, checks) -> int | None:
+        from .numbers import count_wrong
+
+        return count_wrong(*sources, outputs[0], r0, checks.source_scheme)
+
+    def record(self, r0: int, last: bool, wrong: int | None, checks) -> None:
+        if self.failed:
+            return
+        if wrong is None:
+            self.failed = True
+            checks.report.fail(self.fp8.scale.name, SOURCE_SCALE_NOT_FINITE)
+            return
+        self.wrong += wrong
+        if last and self.wrong:
+            checks.report.fail(
+                self.name,
+                f"{plural(self.wrong, 'element')} {'differs' if self.wrong == 1 else 'differ'} "
+                f"from float32(q) * scale rounded once to {self.output.dtype}",
+            )
 
 
 @dataclass
@@ -82,6 +147,64 @@ class QuantizedPair:
     same_codes: bool = True  # every slab's codes are the source's
     source_scale_ok: bool = True
 
+    def pieces(self) -> list[Piece]:
+        if self.cut is not None:
+            return cut_read(self.source, self.cut, [self.codes, self.scale])
+        extra = [self.fp8.scale] if self.fp8 else []
+        return [
+            (r0, [rows_of(self.source, r0, n), *extra], [rows_of(self.codes, r0, n), self.scale])
+            for r0, n in slabs(*self.codes.shape, self.whole_blocks)
+        ]
+
+    def check(self, sources, outputs, r0: int, checks) -> SlabResult:
+        """A slab's scale, its figures against its source (an FP8 source's dequantized values), and for an
+        FP8 source whether its codes (and, in the first slab, its scale) are the source's."""
+        from .numbers import finite_positive, identical, measure_slab, powers_of_two, scale_values, source_values
+
+        q, scale = outputs
+        values = scale_values(scale)
+        result = SlabResult(finite_positive(values))
+        if self.fp8 is None:
+            w = sources[0] if self.cut is None else cut_of(self.cut, sources[0])
+        else:
+            codes, source_scale = sources
+            result.same_codes = self.may_pass and identical(codes, q)
+            if r0 == 0:
+                result.same_scale = self.may_pass and identical(source_scale, scale)
+                result.scale_pow2 = not result.scale_ok or bool(powers_of_two(values).all())
+            w = source_values(codes, source_scale, r0, checks.source_scheme)
+            result.source_scale_ok = w is not None
+        if result.scale_ok and checks.fmt.scheme == "tensor":
+            result.scale_value = values.reshape(-1)[0].item()
+        if w is not None and result.scale_ok and not self.requantized_problems:
+            result.sums = measure_slab(w, q, values, r0, checks.fmt.scheme, checks.powers_of_two)
+        return result
+
+    def record(self, r0: int, last: bool, result: SlabResult, checks) -> None:
+        """A slab; once all are in, the tensor's verdict: passed through from an FP8 source (its codes and
+        scale the source's: exact), or measured against its source."""
+        if r0 == 0:
+            self.first = result
+        self.same_codes &= result.same_codes
+        self.source_scale_ok &= result.source_scale_ok
+        if result.sums is not None:
+            self.sums.add(result.sums)
+        if not last:
+            return
+        report = checks.report
+        if problem := self.problem(checks.fmt):
+            report.fail(*problem)
+        elif self.passed_through:
+            shape, scale_shape = list(self.codes.shape), list(self.scale.shape)
+            report.tensors.append(TensorCheck(self.name, shape, scale_shape, 0.0, math.inf, 0.0, 0, True))
+            checks.add_tensor_scale(self, measured=False)
+        else:
+            checks.add_tensor_scale(self, measured=True)
+            check = self.sums.check(self.name, self.codes.shape, self.scale.shape)
+            report.tensors.append(check)
+            if not check.ok:
+                report.fail(self.name, check.problem(checks.fmt.scheme))
+
     @property
     def passed_through(self) -> bool:
         """An FP8 source's codes and scale, unchanged: exact, and not measured."""
@@ -113,46 +236,10 @@ class QuantizedPair:
             return name, "; ".join(self.requantized_problems)
         return None if first.scale_ok else (name, not_finite)
 
-    def pieces(self) -> list[Piece]:
-        if self.cut is not None:
-            return cut_read(self.source, self.cut, [self.codes, self.scale])
-        extra = [self.fp8.scale] if self.fp8 else []
-        return [
-            (r0, [rows_of(self.source, r0, n), *extra], [rows_of(self.codes, r0, n), self.scale])
-            for r0, n in slabs(*self.codes.shape, self.whole_blocks)
-        ]
 
-
-@dataclass(eq=False)
-class DequantizedPair:
-    """An FP8 source weight written in high precision: every element its one rounding."""
-
-    name: str
-    fp8: FP8Weight
-    output: TensorInfo
-    wrong: int = 0
-    failed: bool = False
-
-    def pieces(self) -> list[Piece]:
-        weight, out = self.fp8, self.output
-        return [
-            (r0, [rows_of(weight.weight, r0, n), weight.scale], [rows_of(out, r0, n)])
-            for r0, n in slabs(*out.shape, whole_blocks=True)
-        ]
-
-
-@dataclass(eq=False)
-class SameBytesPair:
-    """A tensor carried as it is (a static activation scale): the source's bytes, or `what` fails."""
-
-    name: str
-    source: TensorInfo
-    output: TensorInfo
-    what: str
-    failed: bool = False
-
-    def pieces(self) -> list[Piece]:
-        return [(0, [self.source], [self.output])]
+def cut_of(cut: Cut, piece):
+    """A cut's 2-D weight from what was read of its source: the one expert's rows, or the whole tensor."""
+    return cut.apply(piece) if cut.expert is None else cut.across_experts().apply(piece)[0]
 
 
 def rows_of(info: TensorInfo, r0: int, n: int) -> TensorInfo:
@@ -162,8 +249,7 @@ def rows_of(info: TensorInfo, r0: int, n: int) -> TensorInfo:
 
 
 def bytes_of(info: TensorInfo, start: int, n: int, item: int) -> TensorInfo:
-    """Bytes [start, start + n) of a tensor whose elements are `item` bytes (n cut at its end), as a flat
-    piece of its file."""
+    """Bytes [start, start + n) of a tensor of `item`-byte elements (n cut at its end), as a flat piece."""
     n = min(n, info.nbytes - start)
     return replace(info, offset=info.offset + start, nbytes=n, shape=(n // item,))
 

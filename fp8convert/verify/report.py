@@ -150,8 +150,7 @@ class VerifyReport:
         return [str(p) for p in self.problems]
 
     def causes(self) -> list[str]:
-        """The problems by root cause, one line each: the tensors of an unreadable file are counted on
-        the file's line, and tensors with the same problem share one line."""
+        """The problems by root cause, one line each (an unreadable file's tensors counted on its line)."""
         root_subjects = {p.subject for p in self.problems if p.follows_from is None}
         consequences: dict[str, int] = {}
         by_what: dict[str, list[str]] = {}
@@ -223,10 +222,8 @@ def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -
 
 
 def record_in_card(report: VerifyReport, out: str | Path) -> str | None:
-    """After a passing verify, put its figures in OUT's model card (README.md), so they travel with a
-    push: only when OUT is fp8convert's own output (it has a manifest), never someone else's checkpoint
-    or a link into a download cache. Returns a warning when the card cannot be written (a read-only
-    output still passes), else None."""
+    """After a passing verify, put its figures in the model card of OUT when it is fp8convert's own output
+    (it has a manifest; not a link into a download cache). A warning when the card cannot be written."""
     card = Path(out) / CARD_NAME
     if not card.is_file() or card.is_symlink() or not Manifest(out).path.is_file():
         return None

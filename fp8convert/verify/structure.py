@@ -1,11 +1,7 @@
-"""The output's structure, from headers and files alone (no tensor data, no torch): the index against
-the shards' headers, config.json against the source's, the manifest and side files, and each output
-tensor paired with the source tensor it must come from (pairs.py), its dtype, shape and scale checked.
-
-A fused expert tensor (all experts of a layer in one tensor) that the output holds as one weight per
-expert is checked output by output against the slice of the source it must come from, as the
-architecture registry lays it out (plan/rules.py expert_cuts). Missing experts, extra tensors and a
-wrong slice all fail.
+"""The output's structure, from headers and files alone: the index against the shards' headers,
+config.json against the source's, the manifest and side files, and each output tensor paired with the
+source tensor (or, for a fused expert tensor held one weight per expert, the cut of it, as
+plan/rules.py expert_cuts lays it out) it must come from (pairs.py), its dtype, shape and scale checked.
 """
 
 from __future__ import annotations
@@ -91,9 +87,8 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
 
 
 def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool, QuantizationConfig | None]:
-    """The output's config.json: the source's plus a quantization_config this module can read, or, for
-    an FP8 source's dequantized output, the source's without one. (readable, layout): layout None for a
-    dequantized output."""
+    """The output's config.json: the source's plus a readable quantization_config (none for an FP8 source's
+    dequantized output). (readable, layout), layout None when dequantized."""
     config_path = out / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -155,9 +150,8 @@ class Expected:
 
 
 def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: VerifyReport) -> list[Expected]:
-    """Every output the source implies. A fused expert tensor the output does not hold as it is must
-    be there one 2-D weight per expert, cut as the registry's layout says. An FP8 source's scales are
-    checked with their weights."""
+    """Every output the source implies (a fused expert tensor not held as it is: one cut per expert);
+    an FP8 source's scales are checked with their weights."""
     expected = []
     companions = source.quant.companions() if source.quant else set()
     for info in source.tensors:
@@ -216,8 +210,7 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
 
 @dataclass
 class Pairing:
-    """What pairing each tensor needs: the output's tensors, its layout (None for a dequantized output),
-    and the output tensors accounted for so far."""
+    """What pairing each tensor needs, and the output tensors accounted for so far."""
 
     outputs: dict[str, TensorInfo]
     fmt: QuantizationConfig | None
@@ -262,9 +255,7 @@ class Pairing:
     def structure_problems(
         self, want: Expected, got: TensorInfo, scale: TensorInfo | None, scale_name: str, fp8_source: bool = False
     ) -> list[str]:
-        """What is wrong with a quantized tensor's structure: a 2-D float source (or an FP8 source weight),
-        the same shape, a module the ignore list does not name, and a scale of the format's dtype and of a
-        shape it allows."""
+        """What is wrong with a quantized tensor's structure: its source, shape, ignore list and scale."""
         info, shape, fmt = want.info, want.shape, self.fmt
         problems = []
         if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
@@ -285,9 +276,8 @@ class Pairing:
         return problems
 
     def fp8_weight(self, weight: FP8Weight, got: TensorInfo) -> list:
-        """An FP8 source weight's output: dequantized (exact), or FP8 (passed through: exact; requantized:
-        within the e4m3 bound of the dequantized values), with its static activation scale if the output
-        has one."""
+        """An FP8 source weight's output: dequantized, passed through or requantized, with its static
+        activation scale if the output has one."""
         name, fmt, report = weight.weight.name, self.fmt, self.report
         if got.dtype != FP8:
             report.tensors_dequantized += 1
@@ -336,4 +326,4 @@ class Pairing:
         if source_scale is None or (got.dtype, got.nbytes) != (source_scale.dtype, source_scale.nbytes):
             self.report.fail(name, what + ("" if source_scale else " (the source has none)"))
             return []
-        return [SameBytesPair(name, source_scale, got, what)]
+        return [SameBytesPair(name, source_scale, got, what=what)]
