@@ -46,6 +46,7 @@ TEXT_SIZES = {
 }
 # What the DeepSeek configs derive from the MLA sizes at construction (head_dim is the rope part)
 _MLA_DERIVED = {"head_dim": 64, "qk_head_dim": 192}
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 24, 24]}
 # Families whose sizes live under other keys.
 EXTRA = {
     "gpt2": {"n_embd": 256, "n_head": 2, "n_inner": 256},
@@ -58,8 +59,12 @@ EXTRA = {
     },
     "gemma2": {"query_pre_attn_scalar": 128},
     "gemma3": {"text_config.query_pre_attn_scalar": 128},
-    "qwen2_5_vl": {"vision_config.out_hidden_size": 256},
-    "qwen3_vl": {"vision_config.out_hidden_size": 256},
+    # M-RoPE sections must add up to half the head dim (vLLM asserts it): the released models' for 128
+    "qwen2_5_vl": {"vision_config.out_hidden_size": 256, "text_config.rope_parameters": _MROPE},
+    "qwen3_vl": {
+        "vision_config.out_hidden_size": 256,
+        "text_config.rope_parameters": {**_MROPE, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    },
     "qwen3_vl_moe": {"vision_config.out_hidden_size": 256},
     "qwen3_5": {"vision_config.out_hidden_size": 256},
     "qwen3_5_moe": {"vision_config.out_hidden_size": 256},
