@@ -61,13 +61,16 @@ EXTRA = {
     },
     "gemma2": {"query_pre_attn_scalar": 128},
     "gemma3": {"text_config.query_pre_attn_scalar": 128},
+    # its full-attention layer's wider heads (the zoo's 32 would end the fused q/k/v mid-block)
+    "gemma4": {"text_config.per_layer_config": {"1": {"head_dim": 256}}},
     # M-RoPE sections must add up to half the head dim (vLLM asserts it): the released models' for 128
     "qwen2_5_vl": {"vision_config.out_hidden_size": 256, "text_config.rope_parameters": _MROPE},
     "qwen3_vl": {
         "vision_config.out_hidden_size": 256,
         "text_config.rope_parameters": {**_MROPE, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
     },
-    "qwen3_vl_moe": {
+    "qwen3_vl_moe": {  # vLLM reads norm_topk_prob, which transformers' config lacks (its MoE always normalizes)
+        "text_config.norm_topk_prob": True,
         "vision_config.out_hidden_size": 256,
         "text_config.rope_parameters": {**_MROPE, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
     },
