@@ -130,6 +130,14 @@ def force_emulation() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
+def text_only(model_dir: str) -> dict:
+    """LLM arguments for the prompts' text-only inputs: a multimodal model's processors need a tokenizer,
+    which the test models do not have, so vLLM builds its language model alone (the towers are neither
+    built nor loaded)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return {"language_model_only": True} if "vision_config" in json.load(f) else {}
+
+
 def run(model_dir: str, prompt: list[int], dtype: str, emulate: str) -> dict:
     emulating = emulate == "always" or not has_amx()
     if emulating:
@@ -141,7 +149,15 @@ def run(model_dir: str, prompt: list[int], dtype: str, emulate: str) -> dict:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=128, seed=0)
+        llm = LLM(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=128,
+            seed=0,
+            **text_only(model_dir),
+        )
         stage = "generate"
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=0, detokenize=False)
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]

@@ -21,6 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[2]
 CHILD = HERE / "engine_child.py"
+SITE = HERE / "engine_site"  # on the engine's PYTHONPATH: lets PyPI's torchvision import (its sitecustomize says how)
 PROMPT_IDS = (1, 17, 42, 99, 123, 7, 250, 64, 3, 200, 31, 5)
 CHILD_TIMEOUT_S = 600
 
@@ -57,8 +58,9 @@ def run_engine(model_dir, dtype: str = "bfloat16", emulate: str = "auto", prompt
     python = engine_python()
     if python is None:
         raise FileNotFoundError(f"no vLLM venv at {engine_venv()} (build it with .ci/run)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine imports nothing of ours
+    env = dict(os.environ)
     env.update(
+        PYTHONPATH=str(SITE),  # and nothing else of ours
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_LOGGING_LEVEL="ERROR",
         HF_HUB_OFFLINE="1",

@@ -46,6 +46,9 @@ TEXT_SIZES = {
 }
 # What the DeepSeek configs derive from the MLA sizes at construction (head_dim is the rope part)
 _MLA_DERIVED = {"head_dim": 64, "qk_head_dim": 192}
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 24, 24]}
+# Qwen3.5 rotates half of each head: 64 dims, sections adding up to 32
+_MROPE_HALF_ROTARY = {**_MROPE, "mrope_section": [11, 11, 10], "mrope_interleaved": True, "partial_rotary_factor": 0.5}
 # Families whose sizes live under other keys.
 EXTRA = {
     "gpt2": {"n_embd": 256, "n_head": 2, "n_inner": 256},
@@ -58,11 +61,21 @@ EXTRA = {
     },
     "gemma2": {"query_pre_attn_scalar": 128},
     "gemma3": {"text_config.query_pre_attn_scalar": 128},
-    "qwen2_5_vl": {"vision_config.out_hidden_size": 256},
-    "qwen3_vl": {"vision_config.out_hidden_size": 256},
-    "qwen3_vl_moe": {"vision_config.out_hidden_size": 256},
-    "qwen3_5": {"vision_config.out_hidden_size": 256},
-    "qwen3_5_moe": {"vision_config.out_hidden_size": 256},
+    # its full-attention layer's wider heads (the zoo's 32 would end the fused q/k/v mid-block)
+    "gemma4": {"text_config.per_layer_config": {"1": {"head_dim": 256}}},
+    # M-RoPE sections must add up to half the head dim (vLLM asserts it): the released models' for 128
+    "qwen2_5_vl": {"vision_config.out_hidden_size": 256, "text_config.rope_parameters": _MROPE},
+    "qwen3_vl": {
+        "vision_config.out_hidden_size": 256,
+        "text_config.rope_parameters": {**_MROPE, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    },
+    "qwen3_vl_moe": {  # vLLM reads norm_topk_prob, which transformers' config lacks (its MoE always normalizes)
+        "text_config.norm_topk_prob": True,
+        "vision_config.out_hidden_size": 256,
+        "text_config.rope_parameters": {**_MROPE, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    },
+    "qwen3_5": {"vision_config.out_hidden_size": 256, "text_config.rope_parameters": _MROPE_HALF_ROTARY},
+    "qwen3_5_moe": {"vision_config.out_hidden_size": 256, "text_config.rope_parameters": _MROPE_HALF_ROTARY},
     # Falcon: head dim 64 as released; vLLM sizes its MLP 4 x hidden whatever ffn_hidden_size says
     "falcon": {"hidden_size": 256, "num_attention_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 1024},
     # Llama-4 routes each token to one expert, and vLLM implements its router-weighted input for top-1 only

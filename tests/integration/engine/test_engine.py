@@ -1,11 +1,12 @@
 """vLLM's CPU build loads and runs fp8convert's outputs, and they agree with the BF16 original.
 
 For a representative set of families (dense, fused 3-D experts, gpt-oss, hybrid linear attention with
-a shared-expert MoE, Falcon's per-head query_key_value), the engine-sized zoo model runs in vLLM
-first as BF16 (the control: a failure there is vLLM CPU's, not the converter's; its distance from
-transformers in FP32 sets the bound, engine_harness.logprob_bound), then as every output format vLLM's
-CPU build runs for that family. Each must give the control's first generated token and teacher-forced prompt
-log-probs within the bound. scripts/engine_table.py runs every registered family the same way.
+a shared-expert MoE, Falcon's per-head query_key_value, a multimodal family with a text-only prompt), the
+engine-sized zoo model runs in vLLM first as BF16 (the control: a failure there is vLLM CPU's, not the
+converter's; its distance from transformers in FP32 sets the bound, engine_harness.logprob_bound), then
+as every output format vLLM's CPU build runs for that family. Each must give the control's first
+generated token and teacher-forced prompt log-probs within the bound. scripts/engine_table.py runs every
+registered family the same way.
 
 Where the CPU has no AMX, vLLM has no block FP8 GEMM or MoE kernel, and the child emulates exactly
 those (engine_child.py); the terminal summary lists the runs that were emulated.
@@ -32,9 +33,8 @@ CI_FAMILIES = {
     "gpt_oss": (CT_CHANNEL,),  # experts kept BF16 and fused, attention with sinks
     "qwen3_next": (CT_BLOCK, FP8_BLOCK),  # gated DeltaNet + attention; MoE with a shared expert
     "falcon": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),  # query_key_value regrouped per KV head by vLLM
+    "llava": (CT_CHANNEL, FP8_BLOCK),  # multimodal, legacy language_model.* names; text-only prompt
 }
-# No multimodal family: vLLM's multimodal model files import torchvision (through transformers' image
-# processors) even for text-only prompts, and PyPI's torchvision does not load with the CPU build of torch.
 CASES = [
     pytest.param(family, fmt, scheme, id=f"{family}-{M.FORMAT_IDS[(fmt, scheme)]}")
     for family, formats in CI_FAMILIES.items()
