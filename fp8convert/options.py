@@ -339,3 +339,6 @@ class Settings(Options):
         if unknown:
             raise TypeError(f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
         return replace(settings or cls(), **overrides)
+
+
+SETTING_NAMES = frozenset(f.name for f in fields(Settings))  # what the CLI and jobs files pass to Settings

@@ -4,14 +4,13 @@ the help conventions of every command (-h, usage `SRC OUT`, no type placeholders
 from __future__ import annotations
 
 import os
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..options import FORMATS, SCALE_FORMATS, SCHEMES, Settings
+from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings
 
 
 class _NoHelpPlaceholder:
@@ -234,9 +233,6 @@ BaseModel = Annotated[
 def token(given: str | None = None) -> str | None:
     """The Hub token: --token, else HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
     return given or os.environ.get("HF_TOKEN") or None
-
-
-SETTING_NAMES = frozenset(f.name for f in fields(Settings))
 
 
 def settings_from(params: dict, **values) -> Settings:

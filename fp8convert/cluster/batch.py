@@ -14,12 +14,12 @@ import os
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import FP8ConvertError
-from ..options import REPO_ID, Settings
+from ..options import REPO_ID, SETTING_NAMES, Settings
 from ..output.files import json_bytes, read_json_object, write_atomic
 from ..output.manifest import WORK_DIR
 from ..units import plural
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 STRING_KEYS = tuple("name source out scheme format scale_format device revision push_to_hub max_resident dtype".split())
 BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
-SETTING_NAMES = frozenset(f.name for f in fields(Settings))  # the job keys passed to Settings; the others are the Job's
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
 
