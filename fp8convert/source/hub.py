@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess
-from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
+from ..safetensors_io import INDEX_NAME, TensorInfo, header_length, parse_header
 from .checkpoint import Source, collect_tensors, is_copied_file, load_config, open_local, parse_index, shard_files
 from .hub_calls import CHECK_AND_RERUN, causes, download_is_retryable, hub_error, is_transient, with_retries
 
@@ -154,7 +154,7 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     raw = first[8 : 8 + header_len]
     if len(raw) < header_len:
         raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
-    return parse_header(decode_header(raw, filename), filename, data_start=8 + header_len, file_size=size)
+    return parse_header(raw, filename, data_start=8 + header_len, file_size=size)
 
 
 def _snapshot_dir(repo: RemoteRepo) -> Path:
