@@ -84,7 +84,7 @@ def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, Tens
             raw = f.read(header_len)
     except OSError as e:
         raise FP8ConvertError(f"{path}: cannot read ({e.strerror})") from e
-    return parse_header(decode_header(raw, path), label, data_start=8 + header_len, file_size=size, where=path)
+    return parse_header(raw, label, data_start=8 + header_len, file_size=size, where=path)
 
 
 def header_length(first8: bytes, file_size: int | None, label: str) -> int:
@@ -97,36 +97,32 @@ def header_length(first8: bytes, file_size: int | None, label: str) -> int:
     return header_len
 
 
-def decode_header(raw: bytes, label: str) -> dict:
-    """The header's JSON object. A name given twice is an error (json would silently keep the last)."""
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(
+    raw: bytes, label: str, data_start: int, file_size: int | None, where: str | None = None
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Validate a header's JSON: a name given once (json would silently keep the last), known dtypes,
+    sizes that match shapes, offsets that tile the data. `label` is the tensors' file; errors name
+    `where` (by default the label)."""
+    where = where or label
 
     def unique(pairs: list[tuple[str, object]]) -> dict:
         result = {}
         for key, value in pairs:
             if key in result:
-                raise FP8ConvertError(f"{label}: tensor {key} is named twice in the header")
+                raise FP8ConvertError(f"{where}: tensor {key} is named twice in the header")
             result[key] = value
         return result
 
     try:
         header = json.loads(raw, object_pairs_hook=unique)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FP8ConvertError(f"{label}: corrupt safetensors header (not JSON: {e})") from e
+        raise FP8ConvertError(f"{where}: corrupt safetensors header (not JSON: {e})") from e
     if not isinstance(header, dict):
-        raise FP8ConvertError(f"{label}: corrupt safetensors header (not a JSON object)")
-    return header
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_header(
-    header: dict, label: str, data_start: int, file_size: int | None, where: str | None = None
-) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate a decoded header: known dtypes, sizes that match shapes, offsets that tile the data.
-    `label` is the tensors' file; errors name `where` (by default the label)."""
-    where = where or label
+        raise FP8ConvertError(f"{where}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise FP8ConvertError(f"{where}: corrupt safetensors header (__metadata__ is not an object)")

@@ -8,15 +8,11 @@ transformers 5.24 read it: X.weight_scale U8 [out, in / 32], the E8M0 byte (bias
 2^(byte - 127) of each run of 32 inputs of a row; never F8_E8M0 (vLLM's parameter is uint8 and copies by
 value). vLLM takes its MXFP8 path (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone, and
 without scale_dtype it is no FP8 scheme it knows; the args models forbid unknown keys, so only these are
-written. Its dense layer needs in % 32 == 0 (per TP rank for row-parallel layers). transformers decodes
-dense layers exactly to bfloat16, but its MoE expert path fails (summary.compatibility_warnings says so).
+written. Its dense layer needs in % 32 == 0 (per TP rank for row-parallel layers); transformers' MoE expert
+path fails on it (summary.compatibility_warnings says so). As a source, MXFP8 is refused.
 
-Block scales rounded to powers of two (--scale-format ue8m0): compressed-tensors has no field for it, but
-vLLM reads a top-level `scale_fmt` whatever the quant_method ("ue8m0" turns on DeepGEMM's UE8M0 mode) and
-the other readers ignore unknown top-level keys, so it is written there, as in the fp8 format.
-
-As a source (from_dict with source=True), only FP8 weights stored as they are (float-quantized,
-naive-quantized) are read; MXFP8 is written here but refused as a source.
+Power-of-two block scales (--scale-format ue8m0) add a top-level `scale_fmt`, as in the fp8 format:
+vLLM reads it whatever the quant_method, the other readers ignore unknown top-level keys.
 """
 
 from __future__ import annotations

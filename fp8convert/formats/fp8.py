@@ -1,12 +1,9 @@
 """vLLM / DeepSeek native "fp8": per-tensor X.weight_scale (a float32 scalar) or, for blocks,
 X.weight_scale_inv float32 [ceil(out/128), ceil(in/128)] (historical name: it multiplies).
-No per-channel and no MXFP8 scheme in this format.
 
-Power-of-two block scales (--scale-format ue8m0) add "scale_fmt": "ue8m0", DeepSeek-V3.1's spelling.
-vLLM reads it (any quant_method) to turn on DeepGEMM's UE8M0 mode; transformers 5.24 reads it as
-"scales are 1-byte float8_e8m0fnu" and, on a GPU, casts the float32 scales to that dtype on load: exact
-for the powers of two written here (never write scale_fmt over scales that are not). The scales stay
-float32 on disk, as DeepSeek-V3.1 ships them.
+Power-of-two block scales (--scale-format ue8m0) add "scale_fmt": "ue8m0", DeepSeek-V3.1's spelling: vLLM
+turns on DeepGEMM's UE8M0 mode; transformers 5.24 casts the float32 scales to float8_e8m0fnu on a GPU,
+exact only for powers of two (never write scale_fmt over scales that are not).
 """
 
 from __future__ import annotations

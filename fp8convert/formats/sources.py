@@ -19,29 +19,16 @@ from .config import QuantizationConfig
 
 SCALE_DTYPES = ("F32", "BF16", "F16")  # every value of these is exact in float32
 # quant_method -> what it is, for refusals (transformers' QuantizationMethod and vLLM's names).
+# fmt: off
 OTHER_METHODS = {
-    "gptq": "GPTQ integer weights",
-    "awq": "AWQ integer weights",
-    "bitsandbytes": "bitsandbytes 4/8-bit weights",
-    "mxfp4": "MXFP4 (4-bit float) weights",
-    "mxfp8": "MXFP8 weights",
-    "nvfp4": "NVFP4 (4-bit float) weights",
-    "modelopt": "NVIDIA ModelOpt quantization",
-    "fbgemm_fp8": "FBGEMM FP8 (per-channel, not read here)",
-    "gguf": "GGUF",
-    "hqq": "HQQ",
-    "eetq": "EETQ int8",
-    "aqlm": "AQLM",
-    "quanto": "optimum-quanto",
-    "torchao": "torchao",
-    "auto-round": "AutoRound",
-    "quark": "AMD Quark",
-    "higgs": "HIGGS",
-    "vptq": "VPTQ",
-    "spqr": "SpQR",
-    "bitnet": "BitNet",
-    "fp_quant": "FP-Quant",
+    "gptq": "GPTQ integer weights", "awq": "AWQ integer weights", "bitsandbytes": "bitsandbytes 4/8-bit weights",
+    "mxfp4": "MXFP4 (4-bit float) weights", "mxfp8": "MXFP8 weights", "nvfp4": "NVFP4 (4-bit float) weights",
+    "modelopt": "NVIDIA ModelOpt quantization", "fbgemm_fp8": "FBGEMM FP8 (per-channel, not read here)",
+    "gguf": "GGUF", "hqq": "HQQ", "eetq": "EETQ int8", "aqlm": "AQLM", "quanto": "optimum-quanto",
+    "torchao": "torchao", "auto-round": "AutoRound", "quark": "AMD Quark", "higgs": "HIGGS", "vptq": "VPTQ",
+    "spqr": "SpQR", "bitnet": "BitNet", "fp_quant": "FP-Quant",
 }
+# fmt: on
 # Tensor names that only other quantization layouts have (packed integers, 4-bit float blocks, KV-cache
 # scales, scales fp8convert does not read): found in a checkpoint, they name what it is.
 FOREIGN_SUFFIXES = tuple(

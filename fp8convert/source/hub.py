@@ -1,15 +1,13 @@
-"""A source on the Hugging Face Hub. A repo id resolves to one commit, then either
-  * `remote_source`: a Source from the shards' safetensors headers, read with HTTP Range requests
-    (planning and `inspect` download no weights), or
-  * `download_source`: just the files a conversion needs, into the shared huggingface_hub cache
-    (a rerun re-uses every finished file and resumes a partial one), or
-  * `streaming.streaming_source`: the remote Source and a fetcher that keeps a few shards on disk.
-Every request goes through hub_calls (timeouts, bounded retries, one error line naming the repo).
+"""A source on the Hugging Face Hub: a repo id pinned to one commit, read from its shards' headers
+(HTTP Range requests: planning and `inspect` download no weights) or downloaded into the shared
+huggingface_hub cache (a rerun re-uses every finished file and resumes a partial one). Every request
+goes through hub_calls (timeouts, bounded retries, one error line naming the repo).
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import re
 import threading
 from dataclasses import dataclass, field, replace
@@ -18,7 +16,7 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess
-from ..safetensors_io import INDEX_NAME, TensorInfo, decode_header, header_length, parse_header
+from ..safetensors_io import INDEX_NAME, TensorInfo, header_length, parse_header
 from .checkpoint import Source, collect_tensors, is_copied_file, load_config, open_local, parse_index, shard_files
 from .hub_calls import CHECK_AND_RERUN, causes, download_is_retryable, hub_error, is_transient, with_retries
 
@@ -156,12 +154,11 @@ def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo
     raw = first[8 : 8 + header_len]
     if len(raw) < header_len:
         raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
-    return parse_header(decode_header(raw, filename), filename, data_start=8 + header_len, file_size=size)
+    return parse_header(raw, filename, data_start=8 + header_len, file_size=size)
 
 
 def _snapshot_dir(repo: RemoteRepo) -> Path:
-    """Where the shared cache keeps this commit's files (download_source's root)."""
-    return repo.download("config.json").parent
+    return repo.download("config.json").parent  # where the shared cache keeps this commit's files
 
 
 def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
@@ -178,14 +175,19 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def offline_source(repo_id: str, hub: HubAccess) -> Source | None:
-    """With HF_HUB_OFFLINE set: the cached snapshot of an earlier download (None when online). The
-    snapshot directory's name is its commit."""
+def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
+    """A Source from the Hub. `download`: config, index, the shards, side files and README.md into the
+    huggingface_hub cache, nothing else (no .bin, no original/ folder); else the layout alone, from the
+    shards' headers (Range requests), rooted at the cache snapshot a download fills. With HF_HUB_OFFLINE
+    set, the cached snapshot of an earlier download, whose directory name is its commit."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if not hub_offline():
-        return None
+        repo = resolve_repo(repo_id, hub)
+        if download:
+            return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
+        return source_from_repo(repo, _snapshot_dir(repo))
     with also_no_folder(repo_id):
         try:
             root = snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)
@@ -197,26 +199,6 @@ def offline_source(repo_id: str, hub: HubAccess) -> Source | None:
                 "HF_HUB_OFFLINE to download it"
             ) from e
     return open_local(Path(root), label=repo_id, revision=Path(root).name)
-
-
-def remote_source(repo_id: str, hub: HubAccess) -> Source:
-    """A Source from the Hub without downloading weights: the repo listing, config.json and the index
-    (small files, into the cache) and each shard's header (Range requests), rooted at the cache snapshot
-    that `download_source` fills. Offline (HF_HUB_OFFLINE), the cached snapshot of an earlier download."""
-    if (cached := offline_source(repo_id, hub)) is not None:
-        return cached
-    repo = resolve_repo(repo_id, hub)
-    return source_from_repo(repo, _snapshot_dir(repo))
-
-
-def download_source(repo_id: str, hub: HubAccess) -> Source:
-    """Download config, index, the shards (those the index names, or the top-level safetensors), the side
-    files and README.md into the huggingface_hub cache, nothing else (no .bin, no original/ folder); the
-    Source read from that snapshot. Offline (HF_HUB_OFFLINE), the cached snapshot as it is."""
-    if (cached := offline_source(repo_id, hub)) is not None:
-        return cached
-    repo = resolve_repo(repo_id, hub)
-    return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
 
 
 def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
@@ -249,29 +231,29 @@ def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
 
 
 def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
-    """fn over items on daemon threads, results in order. The first failure stops handing out items
-    and is raised; Ctrl-C returns at once (a thread pool would wait for every download in flight,
-    whose partial files a rerun resumes anyway)."""
-    items = list(items)
+    """fn over items on daemon threads, results in order; the first failure stops handing out items and
+    is raised. Ctrl-C returns at once (a thread pool would wait for every download in flight, whose
+    partial files a rerun resumes anyway)."""
+    items, failed = list(items), []
     results: list = [None] * len(items)
-    failed: list[BaseException] = []
-    lock = threading.Lock()
-    cursor = iter(range(len(items)))
+    todo = queue.SimpleQueue()
+    for i in range(len(items)):
+        todo.put(i)
 
     def work() -> None:
-        while True:
-            with lock:
-                i = None if failed else next(cursor, None)
-            if i is None:
+        while not failed:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
                 return
             try:
                 results[i] = fn(items[i])
             except BaseException as e:
-                with lock:
-                    failed.append(e)
+                failed.append(e)
 
-    count = max(1, min(workers, len(items)))
-    threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True) for _ in range(count)]
+    threads = [
+        threading.Thread(target=work, name="fp8convert-hub", daemon=True) for _ in range(min(workers, len(items)))
+    ]
     for th in threads:
         th.start()
     for th in threads:

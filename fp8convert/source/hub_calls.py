@@ -1,13 +1,10 @@
 """Every request fp8convert makes to the Hugging Face Hub: timeouts, bounded retries, and the one line a
-failure becomes.
-
-huggingface_hub's client has no timeout of its own (`model_info`, among others, waits forever on a server
-that accepts the connection and never answers), so every request of its shared client gets these, or
-keeps its own where that is shorter:
+failure becomes. huggingface_hub's client has no timeout of its own (`model_info` waits forever on a server
+that never answers), so every request of its shared client gets these, or keeps its own where shorter:
 
   HF_HUB_ETAG_TIMEOUT        seconds to open a connection (default 10)
-  HF_HUB_DOWNLOAD_TIMEOUT    seconds to wait for the next bytes of an answer (default 10); an upload's
-                             answer (the Hub may take minutes to make a commit) waits UPLOAD_READ_TIMEOUT_S
+  HF_HUB_DOWNLOAD_TIMEOUT    seconds to wait for the next bytes of an answer (default 10; an upload's
+                             answer, a commit the Hub may take minutes to make, UPLOAD_READ_TIMEOUT_S)
   FP8CONVERT_HUB_RETRIES     retries of a request that timed out, failed on the network or got 429/5xx (2)
   FP8CONVERT_HUB_RETRY_WAIT  seconds before the first retry, doubled for each further one (default 1)
 """
@@ -15,6 +12,7 @@ keeps its own where that is shorter:
 from __future__ import annotations
 
 import errno
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -59,8 +57,7 @@ _installed = False
 
 
 def install_timeouts() -> None:
-    """Once per process: wrap the client factory in place (a user's own included) so that every request
-    of huggingface_hub's shared client carries the timeouts."""
+    """Once per process: wrap the client factory (a user's own included) so every request carries them."""
     global _installed
     with _install_lock:
         if _installed:
@@ -161,18 +158,17 @@ def with_retries(fn, *args, retryable=is_transient, **kwargs):
     install_timeouts()
     limits = HubLimits.current()
     wait = limits.retry_wait_s
-    for attempt in range(limits.retries + 1):
+    for attempt in itertools.count(1):
         try:
             return fn(*args, **kwargs)
         except FP8ConvertError:
             raise
         except Exception as e:
-            if attempt == limits.retries or not retryable(e):
-                e.attempts = attempt + 1  # hub_error says how often it was tried
+            if attempt > limits.retries or not retryable(e):
+                e.attempts = attempt  # hub_error says how often it was tried
                 raise
         time.sleep(wait)
         wait = min(MAX_RETRY_WAIT_S, wait * 2)
-    raise AssertionError("unreachable")
 
 
 def _first_line(error: BaseException) -> str:

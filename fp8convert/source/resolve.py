@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..options import REPO_ID, HubAccess
 from .checkpoint import Source, open_local
-from .hub import download_source, fetch_from_hub, remote_source
+from .hub import fetch_from_hub, hub_source
 from .streaming import NoFetcher, StreamingFetcher, streaming_source
 
 
@@ -25,7 +25,7 @@ def open_source(src: str | Path, hub: HubAccess) -> Source:
             raise FP8ConvertError(f"--revision applies to Hub repo ids, but {text} is a local directory")
         return open_local(Path(text))
     if looks_like_repo_id(text):
-        return download_source(text, hub)
+        return hub_source(text, hub, download=True)
     raise FP8ConvertError(f"{text}: no such directory, and not a Hub repo id (owner/name)")
 
 
@@ -33,7 +33,7 @@ def plan_source(src: str | Path, hub: HubAccess) -> Source:
     """The checkpoint's layout without its data: a Hub repo from remote headers (no weight download),
     a local directory as it is."""
     if looks_like_repo_id(str(src)):
-        return remote_source(str(src), hub)
+        return hub_source(str(src), hub, download=False)
     return open_source(src, hub)
 
 
@@ -57,6 +57,6 @@ def recorded_source(state: dict, hub: HubAccess) -> Source:
         return open_local(Path(state["source_path"]), label=state["source"])
     if not looks_like_repo_id(state["source"]):
         raise FP8ConvertError(f"{state['source']}: the manifest's source is neither a directory nor a Hub repo id")
-    source = remote_source(state["source"], replace(hub, revision=state.get("revision")))
+    source = hub_source(state["source"], replace(hub, revision=state.get("revision")), download=False)
     fetch_from_hub(source, [], hub)
     return source
