@@ -17,8 +17,7 @@ from .._version import __version__
 from ..options import command_line
 from ..run.warmup import torch_starting
 from . import _failures, cluster, convert, publish, verify
-from ._options import Group
-from ._output import printed
+from ._options import Command, Group, option, printed
 
 app = typer.Typer(
     name="fp8convert",
@@ -40,15 +39,22 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _top(
-    version: bool = typer.Option(
-        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version, metavar=""
-    ),
+    version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version) = False,
 ) -> None:
     """Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers."""
 
 
-for commands in (convert, verify, publish, cluster):
-    commands.register(app)
+for command in (
+    convert.quantize,
+    convert.dequantize,
+    convert.inspect,
+    convert.demo,
+    verify.verify,
+    publish.push,
+    cluster.finalize,
+    cluster.batch,
+):
+    app.command(cls=Command)(command)
 
 
 # What Python itself exits with when it cannot flush stdout at exit.

@@ -5,9 +5,6 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from .. import api, publish
 from ..errors import UsageError
@@ -17,7 +14,6 @@ from ..units import format_size, plural
 from ._options import (
     BaseModel,
     CacheDir,
-    Command,
     Device,
     Devices,
     Dtype,
@@ -41,10 +37,11 @@ from ._options import (
     Token,
     Worker,
     WriteUnloadable,
-    flag,
+    argument,
+    option,
+    print_json,
     settings_from,
 )
-from ._output import print_json
 
 
 def quantize(
@@ -238,10 +235,10 @@ def inspect(
     json_out: Json = False,
     target_tp: TargetTp = None,
     scale_format: ScaleFormat = "float",
-    tensors: Annotated[bool, flag("--tensors", help="Also list every tensor and what becomes of it.")] = False,
-    dequantize: Annotated[
-        bool, flag("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC instead of a quantize.")
-    ] = False,
+    tensors: option(bool, "--tensors", "Also list every tensor and what becomes of it.") = False,
+    dequantize: option(
+        bool, "--dequantize", "Plan `fp8convert dequantize` of an FP8 SRC instead of a quantize."
+    ) = False,
     dtype: Dtype = None,
     token: Token = None,
     cache_dir: CacheDir = None,
@@ -296,9 +293,9 @@ def inspect(
 
 
 def demo(
-    directory: Annotated[
-        Path, typer.Argument(metavar="DIR", help="Where to put the demo model and its FP8 conversion.")
-    ] = Path("fp8convert-demo"),
+    directory: argument(Path, "DIR", "Where to put the demo model and its FP8 conversion.", show_default=True) = Path(
+        "fp8convert-demo"
+    ),
     scheme: Scheme = "tensor",
     format: Format = "compressed-tensors",
     device: Device = "auto",
@@ -325,10 +322,3 @@ def demo(
     # the first real conversion on this device starts torch as every later one does.
     startup_pages.record(warmup.record_path(device))
     print(next_steps(src, directory / "fp8", scheme, format), file=text_to)
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(quantize)
-    app.command(cls=Command)(dequantize)
-    app.command(cls=Command)(inspect)
-    app.command(cls=Command)(demo)
