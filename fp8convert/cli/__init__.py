@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     command = command_of(argv)
     printed.json = False
-    with _failures.StopOnSigterm() as sigterm:
+    with _failures.stop_on_sigterm() as sigterm:
         try:
             # With standalone_mode=False typer returns exit codes instead of raising them; in particular
             # it turns Ctrl-C (and so SIGTERM, raised as a KeyboardInterrupt) inside a command into 130.
