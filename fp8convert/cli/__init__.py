@@ -41,7 +41,7 @@ def _print_version(value: bool) -> None:
 def _top(
     version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version) = False,
 ) -> None:
-    """Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers."""
+    """The options before a command: --version (the help text is the app's)."""
 
 
 for command in (
@@ -61,14 +61,9 @@ for command in (
 FLUSH_FAILED_EXIT = 120
 
 
-def command_of(argv: list[str]) -> str | None:
-    """The command word of a command line (the first argument that is not an option)."""
-    return next((a for a in argv if not a.startswith("-")), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    command = command_of(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # the first argument that is no option
     printed.json = False
     with _failures.stop_on_sigterm() as sigterm:
         try:
