@@ -101,7 +101,7 @@ def quantize(
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
     settings = settings_from(locals(), progress=not quiet)
-    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+    _convert(src, out, settings, json_out, push_to_hub, private)
 
 
 def dequantize(
@@ -139,12 +139,10 @@ def dequantize(
       fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
     """
     settings = settings_from(locals(), dequantize=True, progress=not quiet)
-    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+    _convert(src, out, settings, json_out, push_to_hub, private)
 
 
-def _convert(
-    src: str, out: Path, settings: Settings, json_out: bool, quiet: bool, push_to_hub: str | None, private: bool
-) -> None:
+def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to_hub: str | None, private: bool) -> None:
     """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to_hub:
         raise UsageError("--private applies only with --push-to-hub REPO_ID")
@@ -153,7 +151,7 @@ def _convert(
     report = api.quantize(src, out, settings, on_plan=print_warnings)
     if json_out:
         print_json(asdict(report))
-    elif not quiet:
+    elif settings.progress:  # not -q
         print(summary_line(report))
     if push_to_hub and report.complete:
         url = publish.push(out, push_to_hub, private=private, token=settings.token)
