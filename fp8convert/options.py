@@ -53,16 +53,8 @@ BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
 MX_GROUP = 32  # mxfp8: one power-of-two scale per 32 consecutive input elements of a row (OCP MX)
 TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
 # --dtype of dequantized weights: its spellings -> the safetensors dtype written
-DTYPE_NAMES = {
-    "bf16": "BF16",
-    "bfloat16": "BF16",
-    "fp16": "F16",
-    "float16": "F16",
-    "half": "F16",
-    "fp32": "F32",
-    "float32": "F32",
-    "float": "F32",
-}
+DTYPE_NAMES = dict.fromkeys(("bf16", "bfloat16"), "BF16") | dict.fromkeys(("fp16", "float16", "half"), "F16")
+DTYPE_NAMES |= dict.fromkeys(("fp32", "float32", "float"), "F32")
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 
@@ -118,9 +110,12 @@ class Options:
     dtype: str | None = None  # dequantized weights' dtype (bf16, fp16, fp32); None: the model's own
 
     def __post_init__(self):
-        object.__setattr__(self, "scheme", parse_scheme(self.scheme))
-        object.__setattr__(self, "format", one_of(self.format, "--format", FORMATS))
-        object.__setattr__(self, "scale_format", one_of(self.scale_format, "--scale-format", SCALE_FORMATS))
+        _set(
+            self,
+            scheme=parse_scheme(self.scheme),
+            format=one_of(self.format, "--format", FORMATS),
+            scale_format=one_of(self.scale_format, "--scale-format", SCALE_FORMATS),
+        )
         if self.dequantize and self.scale_format != "float":
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
         if self.format == "fp8" and self.scheme == "channel":
@@ -138,10 +133,13 @@ class Options:
                 f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
                 + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else "")
             )
-        object.__setattr__(self, "ignore", tuple(self.ignore))
-        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, "--max-shard-size"))
-        object.__setattr__(self, "target_tp", parse_target_tp(self.target_tp))
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        _set(
+            self,
+            ignore=tuple(self.ignore),
+            max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
+            target_tp=parse_target_tp(self.target_tp),
+            dtype=parse_dtype(self.dtype),
+        )
         if self.dtype and not self.dequantize:
             raise UsageError(
                 f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
@@ -162,6 +160,12 @@ class Options:
     def from_record(cls, state: dict) -> Options:
         """The options a manifest records; a key it lacks, or holds null or empty, takes the default."""
         return cls(**{f.name: state[f.name] for f in fields(Options) if state.get(f.name) not in (None, "", [])})
+
+
+def _set(frozen, **values) -> None:
+    """Store the parsed values on a frozen dataclass while it validates itself."""
+    for name, value in values.items():
+        object.__setattr__(frozen, name, value)
 
 
 def did_you_mean(text: str, names) -> str:
@@ -303,25 +307,19 @@ class Settings(Options):
                 + did_you_mean(self.device, ("auto", "cpu", "cuda"))
             )
         if self.max_resident:
-            object.__setattr__(self, "max_resident", parse_size(self.max_resident, "--max-resident"))
+            _set(self, max_resident=parse_size(self.max_resident, "--max-resident"))
         prefetch = str(self.prefetch).strip()
-        object.__setattr__(
-            self,
-            "prefetch",
-            0
-            if prefetch in ("0", "")
-            else AUTO
-            if prefetch.lower() == AUTO
-            else parse_size(self.prefetch, "--prefetch"),
-        )
+        if prefetch in ("0", "") or prefetch.lower() == AUTO:
+            _set(self, prefetch=0 if prefetch in ("0", "") else AUTO)
+        else:
+            _set(self, prefetch=parse_size(self.prefetch, "--prefetch"))
         if isinstance(self.devices, list):
-            object.__setattr__(self, "devices", tuple(self.devices))
+            _set(self, devices=tuple(self.devices))
         if self.base_model is not None and not REPO_ID.match(self.base_model):
             raise UsageError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
         if self.write_unloadable is None:
-            object.__setattr__(
-                self, "write_unloadable", os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0")
-            )
+            unloadable = os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0")
+            _set(self, write_unloadable=unloadable)
 
     @property
     def options(self) -> Options:

@@ -17,8 +17,7 @@ from .._version import __version__
 from ..options import command_line
 from ..run.warmup import torch_starting
 from . import _failures, cluster, convert, publish, verify
-from ._options import Group
-from ._output import printed
+from ._options import Command, Group, option, printed
 
 app = typer.Typer(
     name="fp8convert",
@@ -40,31 +39,33 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _top(
-    version: bool = typer.Option(
-        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version, metavar=""
-    ),
+    version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version) = False,
 ) -> None:
-    """Convert BF16 Hugging Face checkpoints to FP8 (e4m3) for vLLM, SGLang and transformers."""
+    """The options before a command: --version (the help text is the app's)."""
 
 
-for commands in (convert, verify, publish, cluster):
-    commands.register(app)
+for command in (
+    convert.quantize,
+    convert.dequantize,
+    convert.inspect,
+    convert.demo,
+    verify.verify,
+    publish.push,
+    cluster.finalize,
+    cluster.batch,
+):
+    app.command(cls=Command)(command)
 
 
 # What Python itself exits with when it cannot flush stdout at exit.
 FLUSH_FAILED_EXIT = 120
 
 
-def command_of(argv: list[str]) -> str | None:
-    """The command word of a command line (the first argument that is not an option)."""
-    return next((a for a in argv if not a.startswith("-")), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    command = command_of(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # the first argument that is no option
     printed.json = False
-    with _failures.StopOnSigterm() as sigterm:
+    with _failures.stop_on_sigterm() as sigterm:
         try:
             # With standalone_mode=False typer returns exit codes instead of raising them; in particular
             # it turns Ctrl-C (and so SIGTERM, raised as a KeyboardInterrupt) inside a command into 130.

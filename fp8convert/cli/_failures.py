@@ -1,22 +1,23 @@
 """How a command that fails ends: one line on stderr, an exit code, and with --json an error object.
 
-fp8convert's own errors already are one line. Everything else is mapped by the one table below
-(`RULES`, first match wins) instead of ending in a traceback; FP8CONVERT_DEBUG=1 prints the traceback
-as well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the same way: one
-line saying what a rerun does for that command, exit 130 or 143.
+fp8convert's own errors already are one line, with their own exit code. Everything else is mapped by the
+one table below (`RULES`, first match wins, exit 1) instead of ending in a traceback; FP8CONVERT_DEBUG=1
+prints the traceback as well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the
+same way: one line saying what a rerun does for that command, exit 130 or 143.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 from ..errors import FP8ConvertError, UsageError
 from ..options import DEFAULT_MAX_RESIDENT
@@ -33,31 +34,20 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _smaller_budget(error: BaseException) -> str:
+def _smaller_batch(error: BaseException) -> str:
     """Half the memory budget the run used (the pipeline notes it on the error), at least 256 MiB."""
     budget = getattr(error, "max_resident", None) or DEFAULT_MAX_RESIDENT["cuda"]
-    return size_option(max(256 << 20, budget // 2))
-
-
-def _oom_line(error: BaseException) -> str:
-    return f"CUDA out of memory ({_first_line(error)}); try a smaller batch: --max-resident {_smaller_budget(error)}"
-
-
-def _host_memory_line(error: BaseException) -> str:
-    return (
-        f"out of host memory ({type(error).__name__}); try a smaller batch: --max-resident "
-        f"{_smaller_budget(error)}, or free memory"
-    )
+    return f"try a smaller batch: --max-resident {size_option(max(256 << 20, budget // 2))}"
 
 
 def _disk_full_line(error: OSError) -> str:
-    where = error.filename or "a file"
     free = ""
     directory = os.path.dirname(os.path.abspath(error.filename)) if error.filename else None
     if directory and os.path.isdir(directory):
         free = f" ({format_size(shutil.disk_usage(directory).free)} free there)"
     needed = getattr(error, "bytes_needed", None)
     need = f"; {format_size(needed)} more is needed" if needed else ""
+    where = error.filename or "a file"
     return f"{where}: no space left on the device{free}{need}; free space and rerun the same command to resume"
 
 
@@ -67,45 +57,37 @@ def _is_network(error: BaseException) -> bool:
     return is_network_error(error)
 
 
-def _network_line(error: BaseException) -> str:
-    return f"network error ({type(error).__name__}: {_first_line(error)}); check the connection and rerun"
-
-
 def _file_line(error: OSError) -> str:
-    what = error.strerror or _first_line(error)
-    if error.filename2:
-        return f"{error.filename} -> {error.filename2}: {what}"
-    return f"{error.filename}: {what}"
+    where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
+    return f"{where}: {error.strerror or _first_line(error)}"
 
 
-@dataclass(frozen=True)
-class Rule:
-    """Errors `matches` accepts end with `line(error)` and `exit_code`."""
-
-    matches: Callable[[BaseException], bool]
-    line: Callable[[BaseException], str]
-    exit_code: int = 1
-
-
+# (which errors, their line), first match wins
 RULES = [
-    Rule(lambda e: isinstance(e, FP8ConvertError), str, 1),
-    Rule(lambda e: type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"), _oom_line),
-    Rule(lambda e: isinstance(e, MemoryError), _host_memory_line),
-    Rule(lambda e: isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT), _disk_full_line),
-    Rule(_is_network, _network_line),  # before OSError: a refused connection is an OSError too
-    Rule(lambda e: isinstance(e, OSError) and bool(e.filename), _file_line),
-    Rule(lambda e: isinstance(e, OSError), lambda e: f"{e.strerror or _first_line(e)} ({type(e).__name__})"),
+    (lambda e: isinstance(e, FP8ConvertError), str),
+    (
+        lambda e: type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"),
+        lambda e: f"CUDA out of memory ({_first_line(e)}); {_smaller_batch(e)}",
+    ),
+    (
+        lambda e: isinstance(e, MemoryError),
+        lambda e: f"out of host memory ({type(e).__name__}); {_smaller_batch(e)}, or free memory",
+    ),
+    (lambda e: isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT), _disk_full_line),
+    (  # before OSError: a refused connection is an OSError too
+        _is_network,
+        lambda e: f"network error ({type(e).__name__}: {_first_line(e)}); check the connection and rerun",
+    ),
+    (lambda e: isinstance(e, OSError) and bool(e.filename), _file_line),
+    (lambda e: isinstance(e, OSError), lambda e: f"{e.strerror or _first_line(e)} ({type(e).__name__})"),
 ]
 
 
 def describe(error: BaseException) -> tuple[str, int]:
     """(one line, exit code) for any exception a command raised."""
-    for rule in RULES:
-        if rule.matches(error):
-            line = " ".join(rule.line(error).split())
-            return line, (
-                getattr(error, "exit_code", rule.exit_code) if isinstance(error, FP8ConvertError) else rule.exit_code
-            )
+    for matches, line in RULES:
+        if matches(error):
+            return " ".join(line(error).split()), error.exit_code if isinstance(error, FP8ConvertError) else 1
     return (
         f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
         "please report it)"
@@ -135,8 +117,6 @@ def report_usage(error, json_wanted: bool) -> int:
 
 
 def _print_error_object(line: str, code: int) -> None:
-    import json
-
     try:
         print(json.dumps({"ok": False, "error": line, "exit_code": code}))
     except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line on stderr said so
@@ -145,13 +125,14 @@ def _print_error_object(line: str, code: int) -> None:
 
 # ------------------------------------------------------------------------------- stopping
 
+RESUME = "rerun the same command to resume"
 # What a rerun does, by command: said when the command is interrupted or terminated.
 RERUN = {
-    "quantize": "rerun the same command to resume",
-    "dequantize": "rerun the same command to resume",
-    "batch": "rerun the same command to resume (finished jobs are skipped)",
+    "quantize": RESUME,
+    "dequantize": RESUME,
+    "demo": RESUME,
+    "batch": f"{RESUME} (finished jobs are skipped)",
     "finalize": "rerun the same command to finish",
-    "demo": "rerun the same command to resume",
     "push": "rerun the same push to resume the upload",
     "verify": "nothing was changed; rerun it to verify",
     "inspect": "nothing was changed",
@@ -169,23 +150,20 @@ class Terminated(KeyboardInterrupt):
     stopped, partial shards left for a rerun, the finalize claim released)."""
 
 
-class StopOnSigterm:
-    """While active, SIGTERM raises Terminated in the main thread (signal handlers can only be set
-    there: elsewhere this does nothing). `received` tells the caller which signal stopped it."""
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """While active, SIGTERM raises Terminated in the main thread (signal handlers can only be set there:
+    elsewhere this does nothing). The state's `received` tells the caller which signal stopped it."""
+    state = SimpleNamespace(received=False)
 
-    def __init__(self):
-        self.received = False
-        self.previous = None
-
-    def __enter__(self) -> StopOnSigterm:
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
+    def handle(signum, frame):
+        state.received = True
         raise Terminated()
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, handle) if main_thread else None
+    try:
+        yield state
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,8 +1,9 @@
-"""Option aliases shared by the commands, defined once so every command spells them the same way, and
-the help conventions of every command (-h, usage `SRC OUT`, no type placeholders after flags)."""
+"""What the commands share: their options, declared once so every command spells them the same way; the
+help conventions (-h, usage `SRC OUT`, no type placeholders after flags); JSON output on stdout."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -10,6 +11,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from ..errors import FP8ConvertError
 from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings
 
 
@@ -38,196 +40,127 @@ class Group(_NoHelpPlaceholder, TyperGroup):
     pass
 
 
-def flag(*names: str, help: str) -> typer.models.OptionInfo:
-    """An on/off option, shown without a <bool> placeholder."""
-    return typer.Option(*names, help=help, metavar="")
+def option(kind, usage: str, help: str, **extra):
+    """An option of type `kind`, written as its usage reads: '--scheme tensor|channel', '--quiet -q'. A
+    last word that is no flag names the value; without one the option is an on/off flag."""
+    *names, value = usage.split()
+    if value.startswith("-"):
+        names, value = [*names, value], ""
+    return Annotated[kind, typer.Option(*names, metavar=value, help=help, **extra)]
 
 
-Scheme = Annotated[
+def argument(kind, metavar: str, help: str, show_default: bool = False):
+    return Annotated[kind, typer.Argument(metavar=metavar, show_default=show_default, help=help)]
+
+
+Scheme = option(
     str,
-    typer.Option(
-        "--scheme",
-        metavar="|".join(SCHEMES),
-        help="Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
-        "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only). "
-        "llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK name tensor, channel and block.",
-    ),
-]
-ScaleFormat = Annotated[
+    "--scheme " + "|".join(SCHEMES),
+    "Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
+    "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only). "
+    "llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK name tensor, channel and block.",
+)
+ScaleFormat = option(
     str,
-    typer.Option(
-        "--scale-format",
-        metavar="|".join(SCALE_FORMATS),
-        help="Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as DeepGEMM on "
-        "Blackwell wants; the config says scale_fmt ue8m0).",
-    ),
-]
-Format = Annotated[
-    str,
-    typer.Option(
-        "--format", metavar="|".join(FORMATS), help="Output format: compressed-tensors, or fp8 (vLLM/DeepSeek native)."
-    ),
-]
-Ignore = Annotated[
+    "--scale-format " + "|".join(SCALE_FORMATS),
+    "Block scales: float (amax/448) or ue8m0 (each rounded up to a power of two, as DeepGEMM on "
+    "Blackwell wants; the config says scale_fmt ue8m0).",
+)
+Format = option(
+    str, "--format " + "|".join(FORMATS), "Output format: compressed-tensors, or fp8 (vLLM/DeepSeek native)."
+)
+Ignore = option(
     list[str] | None,
-    typer.Option(
-        "--ignore",
-        metavar="PATTERN",
-        help="Keep matching modules in high precision, on top of the defaults: exact module name, "
-        "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.",
-    ),
-]
-TargetTp = Annotated[
+    "--ignore PATTERN",
+    "Keep matching modules in high precision, on top of the defaults: exact module name, "
+    "glob ('*.mlp.down_proj') or 're:' regex. Repeatable.",
+)
+TargetTp = option(
     list[int] | None,
-    typer.Option(
-        "--target-tp",
-        metavar="N",
-        help="Tensor-parallel size to check against vLLM's splitting rules (block scales per rank, MoE "
-        "intermediate size per rank); repeatable. Default: 1, 2, 4 and 8.",
-    ),
-]
-Device = Annotated[
+    "--target-tp N",
+    "Tensor-parallel size to check against vLLM's splitting rules (block scales per rank, MoE "
+    "intermediate size per rank); repeatable. Default: 1, 2, 4 and 8.",
+)
+Device = option(
+    str, "--device auto|cpu|cuda|cuda:N", "Where to compute: auto (CUDA when present), cpu, cuda or cuda:N."
+)
+MaxShardSize = option(str, "--max-shard-size SIZE", "Largest output shard, e.g. 5GB, 500MB.")
+MaxResident = option(
+    str | None,
+    "--max-resident SIZE",
+    "Memory budget for one batch of tensors on the device (default 256MiB on CUDA, "
+    "1GiB on CPU); larger layers are split, never inside a fused group.",
+)
+Prefetch = option(
     str,
-    typer.Option(
-        "--device",
-        metavar="auto|cpu|cuda|cuda:N",
-        help="Where to compute: auto (CUDA when present), cpu, cuda or cuda:N.",
-    ),
-]
-MaxShardSize = Annotated[
-    str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB.")
-]
-MaxResident = Annotated[
+    "--prefetch SIZE",
+    "How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); 0 turns it off. "
+    "Default auto: half the memory available at the start (within the job's cgroup limit), shared by "
+    "the run's workers, at most 32GiB. Page cache is reclaimable, but it counts in some job memory limits.",
+)
+Revision = option(str | None, "--revision REV", "Hub revision (branch, tag or commit) of SRC.")
+Json = option(
+    bool, "--json", "Print a JSON document on stdout instead of text (an error object when the command fails)."
+)
+Worker = option(
     str | None,
-    typer.Option(
-        "--max-resident",
-        metavar="SIZE",
-        help="Memory budget for one batch of tensors on the device (default 256MiB on CUDA, "
-        "1GiB on CPU); larger layers are split, never inside a fused group.",
-    ),
-]
-Prefetch = Annotated[
-    str,
-    typer.Option(
-        "--prefetch",
-        metavar="SIZE",
-        help="How far the page-cache read-ahead may run ahead of the converter (e.g. 8GiB); 0 turns it off. "
-        "Default auto: half the memory available at the start (within the job's cgroup limit), shared by "
-        "the run's workers, at most 32GiB. Page cache is reclaimable, but it counts in some job memory limits.",
-    ),
-]
-Revision = Annotated[
-    str | None, typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) of SRC.")
-]
-Json = Annotated[
+    "--worker K/N|auto",
+    "Convert only worker K's share of N (output shards with index % N == K, counting from 0). Without "
+    "it, torchrun and multi-task srun are detected; 'auto' also detects a Slurm array or a Kubernetes "
+    "indexed Job. See docs/cluster.md.",
+)
+Devices = option(
+    str | None,
+    "--devices LIST|all",
+    "One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
+    "entries are allowed too.",
+)
+Dtype = option(
+    str | None,
+    "--dtype bf16|fp16|fp32",
+    "dtype of dequantized weights (default: the model's own, from config.json; bf16 when it names none).",
+)
+Overwrite = option(
+    bool, "--overwrite", "Replace an earlier fp8convert output in OUT (a folder holding other files is refused)."
+)
+PushToHub = option(str | None, "--push-to-hub REPO_ID", "Then upload OUT to this Hub repo (created if needed).")
+StreamDownload = option(
     bool,
-    flag("--json", help="Print a JSON document on stdout instead of text (an error object when the command fails)."),
-]
-Worker = Annotated[
-    str | None,
-    typer.Option(
-        "--worker",
-        metavar="K/N|auto",
-        help="Convert only worker K's share of N (output shards with index % N == K, counting from 0). Without "
-        "it, torchrun and multi-task srun are detected; 'auto' also detects a Slurm array or a Kubernetes "
-        "indexed Job. See docs/cluster.md.",
-    ),
-]
-Devices = Annotated[
-    str | None,
-    typer.Option(
-        "--devices",
-        metavar="LIST|all",
-        help="One worker process per device on this machine, e.g. cuda:0,cuda:1 or all (every GPU); cpu "
-        "entries are allowed too.",
-    ),
-]
-Dtype = Annotated[
-    str | None,
-    typer.Option(
-        "--dtype",
-        metavar="bf16|fp16|fp32",
-        help="dtype of dequantized weights (default: the model's own, from config.json; bf16 when it names none).",
-    ),
-]
-Overwrite = Annotated[
+    "--stream-download",
+    "Hub source: keep only a few source shards on disk, deleting each once "
+    "converted (for models larger than the free disk).",
+)
+Quiet = option(
     bool,
-    flag("--overwrite", help="Replace an earlier fp8convert output in OUT (a folder holding other files is refused)."),
-]
-PushToHub = Annotated[
+    "--quiet -q",
+    "No progress output and no summary line (warnings and errors are still printed, and --json's document).",
+)
+QuietReport = option(bool, "--quiet -q", "No progress output (the result, warnings and errors are still printed).")
+Private = option(bool, "--private", "Create the Hub repo as private (an existing repo keeps its visibility).")
+Token = option(
     str | None,
-    typer.Option("--push-to-hub", metavar="REPO_ID", help="Then upload OUT to this Hub repo (created if needed)."),
-]
-StreamDownload = Annotated[
+    "--token TOKEN",
+    "Hugging Face token for the Hub. Default: $HF_TOKEN, else the token saved by `hf auth login`.",
+)
+CacheDir = option(
+    str | None,
+    "--cache-dir DIR",
+    "Where Hub downloads are cached. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+    "~/.cache/huggingface/hub (huggingface_hub's own rule).",
+)
+WriteUnloadable = option(
     bool,
-    flag(
-        "--stream-download",
-        help="Hub source: keep only a few source shards on disk, deleting each once "
-        "converted (for models larger than the free disk).",
-    ),
-]
-Quiet = Annotated[
-    bool,
-    flag(
-        "--quiet",
-        "-q",
-        help="No progress output and no summary line (warnings and errors are still printed, and --json's document).",
-    ),
-]
-QuietReport = Annotated[
-    bool, flag("--quiet", "-q", help="No progress output (the result, warnings and errors are still printed).")
-]
-Private = Annotated[
-    bool, flag("--private", help="Create the Hub repo as private (an existing repo keeps its visibility).")
-]
-Token = Annotated[
+    "--write-unloadable",
+    "Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
+    "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.",
+)
+BaseModel = option(
     str | None,
-    typer.Option(
-        "--token",
-        metavar="TOKEN",
-        help="Hugging Face token for the Hub. Default: $HF_TOKEN, else the token saved by `hf auth login`.",
-    ),
-]
-CacheDir = Annotated[
-    str | None,
-    typer.Option(
-        "--cache-dir",
-        metavar="DIR",
-        help="Where Hub downloads are cached. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
-        "~/.cache/huggingface/hub (huggingface_hub's own rule).",
-    ),
-]
-
-
-Src = Annotated[
-    str,
-    typer.Argument(metavar="SRC", show_default=False, help="Local checkpoint directory or Hub repo id (owner/name)."),
-]
-Out = Annotated[
-    Path,
-    typer.Argument(
-        metavar="OUT",
-        show_default=False,
-        help="Output directory (created; must be empty, or a partial run of the same plan).",
-    ),
-]
-WriteUnloadable = Annotated[
-    bool,
-    flag(
-        "--write-unloadable",
-        help="Write the output even where vLLM cannot load it at any TP size (a fused block layer whose members "
-        "do not end on 128-row blocks); refused by default. FP8CONVERT_WRITE_UNLOADABLE=1 does the same.",
-    ),
-]
-BaseModel = Annotated[
-    str | None,
-    typer.Option(
-        "--base-model",
-        metavar="REPO_ID",
-        help="The Hub repo the model card names as base model (default: the source's repo id; set it for a "
-        "local source).",
-    ),
-]
+    "--base-model REPO_ID",
+    "The Hub repo the model card names as base model (default: the source's repo id; set it for a local source).",
+)
+Src = argument(str, "SRC", "Local checkpoint directory or Hub repo id (owner/name).")
+Out = argument(Path, "OUT", "Output directory (created; must be empty, or a partial run of the same plan).")
 
 
 def token(given: str | None = None) -> str | None:
@@ -241,3 +174,18 @@ def settings_from(params: dict, **values) -> Settings:
     $FP8CONVERT_WRITE_UNLOADABLE still decides; the token is --token, else $HF_TOKEN."""
     given = {k: v for k, v in params.items() if k in SETTING_NAMES and v is not None and v is not False}
     return Settings(**{**given, **values, "token": token(given.get("token"))})
+
+
+class _Printed:
+    json = False  # whether the command printed its JSON document: main() then prints no error object
+
+
+printed = _Printed()
+
+
+def print_json(doc) -> None:
+    try:
+        print(json.dumps(doc, indent=2))
+    except OSError as e:  # a full disk under `> report.json`, a closed pipe
+        raise FP8ConvertError(f"stdout: cannot write the JSON report ({e.strerror})") from e
+    printed.json = True

@@ -5,21 +5,15 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from ..errors import FP8ConvertError
 from ..units import format_size, plural
-from ._options import CacheDir, Command, Json, QuietReport, Token, token
-from ._output import print_json
+from ._options import CacheDir, Json, QuietReport, Token, argument, option, print_json, token
 from .convert import print_warnings
 
 
 def finalize(
-    out: Annotated[
-        Path, typer.Argument(metavar="OUT", help="An output directory whose shards workers wrote.", show_default=False)
-    ],
+    out: argument(Path, "OUT", "An output directory whose shards workers wrote."),
     json_out: Json = False,
     hub_token: Token = None,
     cache_dir: CacheDir = None,
@@ -46,23 +40,14 @@ def finalize(
 
 
 def batch(
-    jobs: Annotated[
-        Path,
-        typer.Argument(  # \\[ keeps rich from reading [[job]] as markup
-            metavar="JOBS",
-            help="Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md).",
-            show_default=False,
-        ),
-    ],
-    task_index: Annotated[
+    # \\[ keeps rich from reading [[job]] as markup
+    jobs: argument(Path, "JOBS", "Jobs file: TOML with \\[\\[job]] tables, or JSON lines (docs/cluster.md)."),
+    task_index: option(
         int | None,
-        typer.Option(
-            "--task-index",
-            metavar="N",
-            help="Run only job N (counting from 0). Default in a Slurm array: "
-            "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.",
-        ),
-    ] = None,
+        "--task-index N",
+        "Run only job N (counting from 0). Default in a Slurm array: "
+        "$SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN; elsewhere every job.",
+    ) = None,
     json_out: Json = False,
     quiet: QuietReport = False,
     hub_token: Token = None,
@@ -101,8 +86,3 @@ def batch(
             f"{batch_mod.result_title(failed[0])}: {failed[0].error})"
         )
     sys.stdout.flush()
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(finalize)
-    app.command(cls=Command)(batch)

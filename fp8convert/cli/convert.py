@@ -5,9 +5,6 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from .. import api, publish
 from ..errors import UsageError
@@ -17,7 +14,6 @@ from ..units import format_size, plural
 from ._options import (
     BaseModel,
     CacheDir,
-    Command,
     Device,
     Devices,
     Dtype,
@@ -41,10 +37,11 @@ from ._options import (
     Token,
     Worker,
     WriteUnloadable,
-    flag,
+    argument,
+    option,
+    print_json,
     settings_from,
 )
-from ._output import print_json
 
 
 def quantize(
@@ -104,7 +101,7 @@ def quantize(
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
     settings = settings_from(locals(), progress=not quiet)
-    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+    _convert(src, out, settings, json_out, push_to_hub, private)
 
 
 def dequantize(
@@ -142,12 +139,10 @@ def dequantize(
       fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
     """
     settings = settings_from(locals(), dequantize=True, progress=not quiet)
-    _convert(src, out, settings, json_out, quiet, push_to_hub, private)
+    _convert(src, out, settings, json_out, push_to_hub, private)
 
 
-def _convert(
-    src: str, out: Path, settings: Settings, json_out: bool, quiet: bool, push_to_hub: str | None, private: bool
-) -> None:
+def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to_hub: str | None, private: bool) -> None:
     """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to_hub:
         raise UsageError("--private applies only with --push-to-hub REPO_ID")
@@ -156,7 +151,7 @@ def _convert(
     report = api.quantize(src, out, settings, on_plan=print_warnings)
     if json_out:
         print_json(asdict(report))
-    elif not quiet:
+    elif settings.progress:  # not -q
         print(summary_line(report))
     if push_to_hub and report.complete:
         url = publish.push(out, push_to_hub, private=private, token=settings.token)
@@ -238,10 +233,10 @@ def inspect(
     json_out: Json = False,
     target_tp: TargetTp = None,
     scale_format: ScaleFormat = "float",
-    tensors: Annotated[bool, flag("--tensors", help="Also list every tensor and what becomes of it.")] = False,
-    dequantize: Annotated[
-        bool, flag("--dequantize", help="Plan `fp8convert dequantize` of an FP8 SRC instead of a quantize.")
-    ] = False,
+    tensors: option(bool, "--tensors", "Also list every tensor and what becomes of it.") = False,
+    dequantize: option(
+        bool, "--dequantize", "Plan `fp8convert dequantize` of an FP8 SRC instead of a quantize."
+    ) = False,
     dtype: Dtype = None,
     token: Token = None,
     cache_dir: CacheDir = None,
@@ -296,9 +291,9 @@ def inspect(
 
 
 def demo(
-    directory: Annotated[
-        Path, typer.Argument(metavar="DIR", help="Where to put the demo model and its FP8 conversion.")
-    ] = Path("fp8convert-demo"),
+    directory: argument(Path, "DIR", "Where to put the demo model and its FP8 conversion.", show_default=True) = Path(
+        "fp8convert-demo"
+    ),
     scheme: Scheme = "tensor",
     format: Format = "compressed-tensors",
     device: Device = "auto",
@@ -325,10 +320,3 @@ def demo(
     # the first real conversion on this device starts torch as every later one does.
     startup_pages.record(warmup.record_path(device))
     print(next_steps(src, directory / "fp8", scheme, format), file=text_to)
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(quantize)
-    app.command(cls=Command)(dequantize)
-    app.command(cls=Command)(inspect)
-    app.command(cls=Command)(demo)

@@ -3,40 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from .. import publish
-from ._options import Command, Json, Private, Token, flag, token
-from ._output import print_json
+from ._options import Json, Private, Token, argument, option, print_json, token
 
 
 def push(
-    out: Annotated[
-        Path, typer.Argument(metavar="OUT", help="A complete fp8convert output directory.", show_default=False)
-    ],
-    repo_id: Annotated[
-        str,
-        typer.Argument(
-            metavar="REPO_ID", show_default=False, help="Hub repo to upload to (owner/name); created if needed."
-        ),
-    ],
+    out: argument(Path, "OUT", "A complete fp8convert output directory."),
+    repo_id: argument(str, "REPO_ID", "Hub repo to upload to (owner/name); created if needed."),
     private: Private = False,
-    revision: Annotated[
-        str | None,
-        typer.Option("--revision", metavar="BRANCH", help="Branch to push to (created from main if needed)."),
-    ] = None,
-    commit_message: Annotated[
-        str | None, typer.Option("--commit-message", metavar="TEXT", help="Commit title.")
-    ] = None,
-    create_pr: Annotated[
+    revision: option(str | None, "--revision BRANCH", "Branch to push to (created from main if needed).") = None,
+    commit_message: option(str | None, "--commit-message TEXT", "Commit title.") = None,
+    create_pr: option(
         bool,
-        flag(
-            "--create-pr",
-            help="Open a pull request (against --revision, default main) instead of committing to the branch.",
-        ),
-    ] = False,
+        "--create-pr",
+        "Open a pull request (against --revision, default main) instead of committing to the branch.",
+    ) = False,
     hub_token: Token = None,
     json_out: Json = False,
 ):
@@ -65,7 +47,3 @@ def push(
         print_json({"out": str(out), "repo_id": repo_id, "revision": revision, "pull_request": create_pr, "url": url})
     else:
         print(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(push)

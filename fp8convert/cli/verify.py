@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from ..units import plural
-from ._options import CacheDir, Command, Device, Json, MaxResident, Prefetch, QuietReport, Revision, Token, flag, token
-from ._output import print_json
+from ._options import (
+    CacheDir,
+    Device,
+    Json,
+    MaxResident,
+    Prefetch,
+    QuietReport,
+    Revision,
+    Token,
+    argument,
+    option,
+    print_json,
+    token,
+)
 
 
 def verify(
-    src: Annotated[
-        str, typer.Argument(metavar="SRC", help="The source checkpoint: directory or Hub repo id.", show_default=False)
-    ],
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="The FP8 checkpoint to check.", show_default=False)],
+    src: argument(str, "SRC", "The source checkpoint: directory or Hub repo id."),
+    out: argument(Path, "OUT", "The FP8 checkpoint to check."),
     revision: Revision = None,
     json_out: Json = False,
-    worst: Annotated[
-        int, typer.Option("--worst", metavar="N", min=0, help="How many of the worst tensors to list.")
-    ] = 10,
-    every_problem: Annotated[bool, flag("--all", help="List every problem found, not one line per cause.")] = False,
+    worst: option(int, "--worst N", "How many of the worst tensors to list.", min=0) = 10,
+    every_problem: option(bool, "--all", "List every problem found, not one line per cause.") = False,
     device: Device = "auto",
     max_resident: MaxResident = None,
     prefetch: Prefetch = "auto",
@@ -70,7 +75,3 @@ def verify(
         raise verify_mod.VerifyFailed(
             f"{out}: verification failed, {plural(len(causes), 'problem')}; first: {causes[0]}"
         )
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(verify)
