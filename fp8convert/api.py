@@ -23,11 +23,10 @@ from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError, UsageError
 from .options import HubAccess, Settings, python_spelling
-from .output.finalize import check_shards, finalize, prepare_output
+from .output.finalize import check_shards, finalize, prepare_output, recorded_plan
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest
 from .output.partial import written_bytes, written_units
-from .output.recorded import recorded_plan
 from .plan.build import build_plan
 from .plan.plan import Action, Plan, unique_inputs
 from .plan.summary import plan_warnings, refuse_unloadable
