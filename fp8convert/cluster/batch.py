@@ -24,7 +24,7 @@ from ..output.files import json_bytes, read_json_object, write_atomic
 from ..output.manifest import WORK_DIR
 from ..units import plural
 from .devices import parse_devices
-from .workers import log
+from .workers import env_int, log
 
 if TYPE_CHECKING:
     from ..plan.plan import Plan
@@ -129,6 +129,10 @@ def _check_keys(entry: dict, where: str, not_here=()) -> None:
             raise FP8ConvertError(f"{where}: {key!r} belongs in each [[job]], not in [defaults]")
 
 
+def strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     label = f"{path}: job {index}"
     if not isinstance(entry, dict):
@@ -146,13 +150,10 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
                 raise FP8ConvertError(f"{label}: {key!r} must be {what}, got {merged[key]!r}")
     if isinstance(merged.get("ignore"), str):  # one pattern
         merged["ignore"] = [merged["ignore"]]
-    ignore = merged.get("ignore", [])
-    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+    if not strings(merged.get("ignore", [])):
         raise FP8ConvertError(f"{label}: 'ignore' must be a list of patterns")
     devices = merged.get("devices")
-    if devices is not None and not (
-        isinstance(devices, str) or (isinstance(devices, list) and all(isinstance(d, str) for d in devices))
-    ):
+    if not (devices is None or isinstance(devices, str) or strings(devices)):
         raise FP8ConvertError(f"{label}: 'devices' must be a string (cuda:0,cuda:1 or all) or a list")
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
@@ -175,13 +176,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
 def task_index_from_env(env=None) -> int | None:
     """The job of this Slurm array task: job N for task id N, whatever the array's first id and step, so
     `--array=3,7` reruns jobs 3 and 7 (None outside an array)."""
-    env = os.environ if env is None else env
-    if not env.get("SLURM_ARRAY_TASK_ID"):
-        return None
-    try:
-        return int(env["SLURM_ARRAY_TASK_ID"])
-    except ValueError:
-        raise FP8ConvertError(f"$SLURM_ARRAY_TASK_ID={env['SLURM_ARRAY_TASK_ID']!r}: not an integer") from None
+    return env_int(os.environ if env is None else env, "SLURM_ARRAY_TASK_ID")
 
 
 def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job]:
@@ -224,12 +219,10 @@ def run_job(
         if job.push_to_hub and report.complete:
             pushed_file = Path(job.out) / WORK_DIR / PUSHED
             pushed = read_json_object(pushed_file)
-            if report.already_complete and job.push_to_hub in pushed:
-                result.pushed = pushed[job.push_to_hub]
-            else:
-                result.pushed = publish.push(job.out, job.push_to_hub, private=job.private, token=token)
-                pushed[job.push_to_hub] = result.pushed
+            if not (report.already_complete and job.push_to_hub in pushed):
+                pushed[job.push_to_hub] = publish.push(job.out, job.push_to_hub, private=job.private, token=token)
                 write_atomic(pushed_file, json_bytes(pushed))
+            result.pushed = pushed[job.push_to_hub]
         elif not report.complete:
             result.status = "partial"  # this worker's shards are written; others still owe theirs
     except FP8ConvertError as e:
