@@ -1,10 +1,8 @@
 """Batch conversion: many models from one jobs file, one after another or one per Slurm array task.
 
-A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one job
-object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may set the
-quantize options below (`dequantize = true`, with an optional `dtype`, makes it a dequantize). The whole file
-is validated before any job starts; then jobs run in order, a finished output is skipped (quantize recognises
-it at once), a failed job does not stop the others, and the summary says what happened to each.
+A jobs file is TOML (`[[job]]` tables, optional `[defaults]` for every job) or JSON lines (`#` comments
+and blank lines skipped); each job names `source` and `out` and may set the options below. The whole file
+is validated before any job starts; a finished output is skipped, a failed job does not stop the others.
 """
 
 from __future__ import annotations
@@ -197,7 +195,7 @@ def run_job(
     on_plan: Callable[[Job, Plan], None] | None = None,
 ) -> JobResult:
     """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything).
-    `on_plan(job, plan)` is called before the job reads any data (the CLI prints its warnings there)."""
+    `on_plan(job, plan)` is called before the job reads any data."""
     from .. import api, publish
 
     started = time.monotonic()
@@ -246,8 +244,8 @@ def run_batch(
     cache_dir: str | None = None,
     on_plan: Callable[[Job, Plan], None] | None = None,
 ) -> list[JobResult]:
-    """Validate the jobs file, then run its jobs in order (or only job `task_index`; by default the
-    Slurm array task's). Returns one result per job run."""
+    """Validate the jobs file, then run its jobs in order (or only job `task_index`, by default the Slurm
+    array task's)."""
     jobs = read_jobs(path)
     if task_index is None:
         task_index = task_index_from_env()
@@ -257,17 +255,9 @@ def run_batch(
 def render(results: list[JobResult]) -> str:
     """The summary table, then one line per failure."""
     rows = [("job", "source", "out", "status", "seconds", "GB")]
-    rows += [
-        (
-            f"{r.index} {r.job}" if r.job != str(r.index) else r.job,
-            r.source,
-            r.out,
-            r.status,
-            f"{r.seconds:.1f}",
-            f"{r.gb_out:.2f}",
-        )
-        for r in results
-    ]
+    for r in results:
+        job = f"{r.index} {r.job}" if r.job != str(r.index) else r.job
+        rows.append((job, r.source, r.out, r.status, f"{r.seconds:.1f}", f"{r.gb_out:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))

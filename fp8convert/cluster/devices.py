@@ -18,8 +18,8 @@ from .workers import WorkerSpec
 
 
 def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
-    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device). 'cpu' entries are allowed
-    (several CPU workers; mostly for tests). Bare 'cuda' is refused: say which GPU."""
+    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device); 'cpu' entries too (several CPU
+    workers, mostly for tests). Bare 'cuda' is refused: say which GPU."""
     items = devices.split(",") if isinstance(devices, str) else list(devices)
     items = [d.strip() for d in items if d.strip()]
     if items == ["all"]:
@@ -66,8 +66,7 @@ def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> 
 
 
 def run_on_devices(target: Callable, src: str, out: str, children: list[Settings]) -> list:
-    """target(src, out, settings) in one spawned process per child; returns their results (Reports).
-    `target` must be importable by name (spawned processes import it)."""
+    """target(src, out, settings) in one spawned process per child (so importable by name): their Reports."""
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     with ProcessPoolExecutor(len(children), mp_context=ctx) as pool:
         jobs = [(child.device, pool.submit(target, src, out, child)) for child in children]

@@ -1,14 +1,10 @@
 """Splitting one conversion over several processes: which worker am I, which shards are mine, who finalizes.
 
-The plan is deterministic, so every worker computes the same shard layout on its own; worker K of N
-owns the output shards whose index satisfies `index % N == K` and reads only the tensors that land in
-them (all outputs of a fused group or tensor share one shard, so no byte is read twice). Workers share
-nothing but the output directory: a shard only gets its final name once complete, so whoever finds
-every shard there can finalize (index, config, card), and finalizing twice writes the same bytes.
-
-Launchers are detected from their environment variables (`detect_worker`): torchrun and multi-task
-`srun` always, since N identical copies of one command would otherwise collide; Slurm arrays and
-Kubernetes indexed Jobs only with `--worker auto`, since an array also runs different models (batch).
+Every worker computes the same plan on its own; worker K of N writes the shards with index % N == K and
+reads only their tensors. Workers share nothing but OUT: a shard gets its final name only once complete,
+so whoever finds every shard there can finalize, and finalizing twice writes the same bytes. torchrun and
+multi-task srun are detected always (N copies of one command would collide), Slurm arrays and Kubernetes
+indexed Jobs only with --worker auto (an array also runs different models: batch).
 """
 
 from __future__ import annotations
@@ -112,12 +108,8 @@ def parse_worker(text: str) -> WorkerSpec:
 
 
 def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
-    """The launcher's split, from environment variables; None when none is found.
-
-    Always: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) and a multi-task srun step (SLURM_PROCID with
-    SLURM_STEP_NUM_TASKS, else SLURM_NTASKS, > 1). With `opt_in` (--worker auto) also a Slurm array
-    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN [/ SLURM_ARRAY_TASK_STEP] of SLURM_ARRAY_TASK_COUNT)
-    and a Kubernetes indexed Job (JOB_COMPLETION_INDEX of JOB_COMPLETIONS)."""
+    """The launcher's split, from environment variables; None when none is found. With `opt_in`
+    (--worker auto) also a Slurm array task or a Kubernetes indexed Job."""
     env = os.environ if env is None else env
     if env.get("RANK") and env.get("WORLD_SIZE"):
         local, per_node = env_int(env, "LOCAL_RANK"), env_int(env, "LOCAL_WORLD_SIZE")
@@ -156,8 +148,7 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
 
 
 def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
-    """None: detect torchrun / multi-task srun, else a single worker. 'auto': detect any launcher.
-    'K/N' or (K, N): explicit."""
+    """None: detect torchrun / multi-task srun, else one worker; 'auto': any launcher; 'K/N' or (K, N)."""
     if isinstance(worker, WorkerSpec):
         return worker
     if worker is None:
@@ -187,12 +178,9 @@ def log(message: str, enabled: bool = True) -> None:
         print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ torchrun: wait for every rank
-
-
 def barrier() -> None:
-    """Wait until every torchrun rank is here. A gloo group (CPU, no NCCL needed) is created just for
-    this when the program has none, with a long timeout: ranks finish their shards at different times."""
+    """Wait until every torchrun rank is here, in a gloo group of our own when the program has none
+    (with a long timeout: ranks finish their shards at different times)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -205,9 +193,6 @@ def barrier() -> None:
     finally:
         if created:
             dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------ workers without a barrier
 
 
 def claim_finalize(out_dir: Path) -> int | None:
@@ -251,9 +236,8 @@ def release_finalize(out_dir: Path, fd: int | None) -> None:
 
 
 def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) -> bool:
-    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after
-    every rank's shards are written, or as the worker that finds every shard present and takes the
-    claim. Returns whether OUT is complete."""
+    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after the
+    barrier, or as the worker that finds every shard present and takes the claim. Whether OUT is complete."""
     if spec.count > 1 and spec.launcher == "torchrun":
         log(f"worker {spec.text}: shards written; waiting for the other ranks", progress)
         barrier()

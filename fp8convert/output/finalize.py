@@ -36,10 +36,9 @@ RECORDED = ("fingerprint", "source", "scheme", "format", "ignore", "max_shard_si
 def prepare_output(
     plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False, lock: OutputLock | None = None
 ) -> tuple[set[int], bool]:
-    """Make OUT ready, claiming nothing yet (Manifest.claim, once the run can start). Returns (indices of
-    shards finished by an earlier run of this plan, complete?). `streamed`: OUT's work folder holds the
-    source's shards. `lock` is taken once OUT is known to be fp8convert's, before anything in it is read
-    or changed; the caller holds it for the rest of the run."""
+    """Make OUT ready, claiming nothing yet (Manifest.claim does, once the run can start): (shards finished
+    by an earlier run of this plan, complete?). `lock` is taken once OUT is known to be fp8convert's,
+    before anything in it is read or changed. `streamed`: OUT's work folder holds the source's shards."""
     out_dir = Path(out_dir)
     check_placement(plan, out_dir, streamed)
     # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
@@ -126,8 +125,8 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
 
 
 def recorded_plan(out_dir: Path, hub: HubAccess) -> Plan:
-    """The workers' plan again, from the source, revision and Options the manifest records (headers only);
-    refused when the source no longer gives that plan or its bytes changed."""
+    """The workers' plan again, from what the manifest records (headers only); refused when the source no
+    longer gives that plan or its bytes changed."""
     if not out_dir.is_dir():
         raise FP8ConvertError(f"{out_dir}: no such output directory")
     manifest = Manifest(out_dir)
@@ -306,9 +305,8 @@ def check_shards(the_plan: Plan, out_dir: Path) -> None:
 
 
 def check_output_complete(out: str | Path, action: str = "push") -> dict:
-    """Refuse (to `action`) anything but a finished conversion: a complete manifest (when present),
-    config.json with a quantization_config (unless dequantized), the index and every shard it names,
-    whole. Returns the output's config.json."""
+    """The output's config.json; refused (to `action`) for anything but a finished conversion: a complete
+    manifest (when present), a quantization_config (unless dequantized), every shard the index names."""
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")

@@ -1,8 +1,7 @@
 """OUT/.fp8convert/manifest.json, its one reader and writer: what this output is a conversion of, so a
 rerun can resume it, a worker can join it and `finalize` can rebuild its plan. Besides the plan's
-fingerprint it records the source's bytes' identity (a Hub commit, or each local shard's size and mtime:
-the fingerprint covers names, shapes and offsets, not values) and what the fingerprint was made of, so a
-refusal can say what changed.
+fingerprint (names, shapes and offsets, not values) it records the source's bytes' identity and what
+the fingerprint was made of, so a refusal can say what changed.
 """
 
 from __future__ import annotations
@@ -155,8 +154,7 @@ def option_value(key: str, value) -> str:
 
 
 def plan_change(state: dict, plan: Plan) -> str:
-    """What differs between the recorded run and this one: each option with both values, then the
-    source's config.json keys or the shard files whose tensors changed."""
+    """What differs between the recorded run and this one: the options, else the source's layout."""
     now = new_manifest(plan)
     diffs = [
         f"{OPTION_NAMES[key]} was {option_value(key, state.get(key))}, now {option_value(key, now[key])}"
