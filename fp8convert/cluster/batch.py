@@ -109,13 +109,11 @@ def read_jobs(path: str | Path) -> list[Job]:
     jobs = [_job(path, i, entry, defaults) for i, entry in enumerate(raw)]
     seen: dict[str, Job] = {}
     for job in jobs:
-        key = os.path.abspath(job.out)
-        if key in seen:
+        if (first := seen.setdefault(os.path.abspath(job.out), job)) is not job:
             raise FP8ConvertError(
                 f"{path}: {job_title(job.index, job.name)} writes to {job.out}, as "
-                f"{job_title(seen[key].index, seen[key].name)} does"
+                f"{job_title(first.index, first.name)} does"
             )
-        seen[key] = job
     return jobs
 
 
