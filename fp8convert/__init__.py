@@ -13,15 +13,8 @@ from .errors import FP8ConvertError
 
 # The API's names, imported on first use: the program (__main__.py) imports this package before it can
 # catch Ctrl-C, so the package itself imports next to nothing.
-_LAZY = {
-    "FinalizeReport": "api",
-    "Report": "api",
-    "dequantize": "api",
-    "finalize_output": "api",
-    "make_plan": "api",
-    "quantize": "api",
-    "Settings": "options",
-}
+API = ("FinalizeReport", "Report", "dequantize", "finalize_output", "make_plan", "quantize")
+_LAZY = dict.fromkeys(API, "api") | {"Settings": "options"}
 
 
 def __getattr__(name: str):
@@ -30,14 +23,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "FP8ConvertError",
-    "FinalizeReport",
-    "Report",
-    "Settings",
-    "dequantize",
-    "finalize_output",
-    "make_plan",
-    "quantize",
-    "__version__",
-]
+__all__ = ["FP8ConvertError", "Settings", "__version__", *API]

@@ -21,13 +21,12 @@ from pathlib import Path
 
 from .cluster import devices as device_split
 from .cluster import workers
-from .errors import FP8ConvertError, UsageError
+from .errors import FP8ConvertError
 from .options import HubAccess, Settings, python_spelling
-from .output.finalize import check_shards, finalize, prepare_output
+from .output.finalize import check_shards, finalize, prepare_output, recorded_plan
 from .output.lock import OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest
 from .output.partial import written_bytes, written_units
-from .output.recorded import recorded_plan
 from .plan.build import build_plan
 from .plan.plan import Action, Plan, unique_inputs
 from .plan.summary import plan_warnings, refuse_unloadable
@@ -112,22 +111,18 @@ def quantize(
     **overrides,
 ) -> Report:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub repo id) to FP8 in `out`.
-
     `on_plan` is called with the plan before any data is read (the CLI prints its warnings there).
 
-    Several processes can share one conversion (docs/cluster.md). `worker`: this process's share, "K/N"
-    or (K, N): it writes only the output shards whose index % N == K; None detects torchrun and
-    multi-task srun (else one worker does everything); "auto" also detects a Slurm array or a
-    Kubernetes indexed Job. A worker that finds every shard present finalizes (under torchrun: rank 0,
-    after a barrier); otherwise `finalize_output(out)` does it later. `devices` ("cuda:0,cuda:1", a
-    list, or "all"): one spawned worker process per device splits this worker's share, then this
-    process finalizes. `finalize=False`: write the shards only."""
+    Several processes can share one conversion (docs/cluster.md). `worker` "K/N" or (K, N): write only
+    the shards whose index % N == K; None detects torchrun and multi-task srun, "auto" also a Slurm array
+    or a Kubernetes indexed Job. The worker that finds every shard present finalizes (torchrun: rank 0,
+    after a barrier); else `finalize_output(out)` does. `devices` ("cuda:0,cuda:1", a list, or "all"):
+    one spawned process per device splits this worker's share, then this one finalizes.
+    `finalize=False`: write the shards only."""
     started = time.monotonic()
     settings = Settings.of(settings, **overrides)  # bad options fail before any I/O
     spec = workers.resolve_worker(settings.worker)
-    devices = _device_list(settings)
-    if devices and len(devices) == 1:  # one device: no child process needed
-        settings, devices = Settings.of(settings, device=devices[0], devices=None), None
+    settings, devices = device_split.split_settings(settings)
     _refuse_conflicts(src, settings, spec, devices)
     if cuda_missing(settings.device):  # known without torch: refused before OUT is made or space reserved
         raise FP8ConvertError(
@@ -136,18 +131,14 @@ def quantize(
     out_dir = Path(out)
     stream_to = out_dir / WORK_DIR / DOWNLOAD_DIR if settings.stream_download else None
     source, fetcher = run_source(src, settings.hub, stream_to, shared=spec.count > 1)
-    # While the plan is made (seconds, for tens of thousands of tensors), the disk pulls the checkpoint into
-    # the page cache in file order: the first layers, which the pipeline reads first, are in the first
-    # file. Only for one worker (each of several reads its share) and a fresh OUT (a resumed one may
-    # have its first shards done, or be refused).
+    # While the plan is made (seconds, for tens of thousands of tensors), the disk pulls the checkpoint
+    # into the page cache in file order, the pipeline's order: only for one worker (each of several reads
+    # its share) on a fresh OUT (a resumed one may have its first shards done, or be refused).
     alone_on_fresh_out = spec.count == 1 and not devices and _fresh(out_dir)
     head = _prefetcher(source.root, source.tensors, settings) if alone_on_fresh_out else None
-    # The head start's reads are joined on leaving, refused or not: a thread still reading as the
-    # interpreter exits fails there with a traceback of its own.
-    with (
-        head or contextlib.nullcontext(),
-        OutputLock(out_dir, spec.index, spec.count) as lock,
-    ):  # held while this run writes OUT
+    # The head start's reads are joined on leaving, refused or not (a thread still reading as the
+    # interpreter exits fails with a traceback); the lock is held while this run writes OUT.
+    with head or contextlib.nullcontext(), OutputLock(out_dir, spec.index, spec.count) as lock:
         try:
             the_plan = build_plan(source, settings.options)
             if not settings.write_unloadable:
@@ -161,13 +152,19 @@ def quantize(
         finally:
             if head:
                 head.stop(wait=False)  # the run's own prefetcher takes over, in the pipeline's order
-        if complete:
-            pass  # an earlier run of this plan finished it
-        elif devices:
-            lock.share()  # the workers it starts, one per device, hold it shared too
-            _quantize_on_devices(the_plan, str(src), out_dir, settings, spec, done, devices, report)
-        else:
-            _quantize_here(the_plan, out_dir, settings, spec, done, fetcher, started, report)
+        if not complete:  # else an earlier run of this plan finished it
+            if devices:
+                lock.share()  # the workers it starts, one per device, hold it shared too
+            todo = spec.owned(len(the_plan.shards)) - done
+            # the units an earlier run wrote in this share's partial shards, checked against their bytes
+            # (with --devices, each device's worker checks its own)
+            written = {} if devices else written_in(the_plan, out_dir, todo)
+            check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
+            Manifest(out_dir).claim(the_plan, settings.base_model)
+            if devices:
+                _quantize_on_devices(the_plan, str(src), out_dir, settings, spec, devices, report)
+            else:
+                _quantize_here(the_plan, out_dir, settings, spec, todo, written, fetcher, started, report)
     report.seconds = time.monotonic() - started
     report.stage_seconds["total"] = round(report.seconds, 3)
     return report
@@ -184,23 +181,9 @@ def dequantize(
 ) -> Report:
     """Convert an FP8 checkpoint (native fp8 or compressed-tensors, directory or Hub repo id) to high
     precision in `out`: every FP8 weight becomes float32(q) * scale rounded once to `dtype` (bf16, fp16
-    or fp32; default the model's own dtype), scales and quantization_config disappear, everything else is
-    copied byte for byte. The same pipeline and guarantees as `quantize` (plan first, bounded memory,
-    resumable, workers, devices, streamed Hub sources)."""
+    or fp32; default the model's own), scales and quantization_config go, the rest is copied byte for
+    byte; with `quantize`'s pipeline and guarantees."""
     return quantize(src, out, Settings.of(settings, **{**overrides, "dequantize": True}), on_plan=on_plan)
-
-
-def _device_list(settings: Settings) -> list[str] | None:
-    if not settings.devices:
-        return None
-    devices = device_split.parse_devices(settings.devices)
-    if settings.device != "auto":
-        raise UsageError(f"--device {settings.device} and --devices {','.join(devices)}: give only one of them")
-    from .run.device import resolve_device
-
-    for d in devices:  # a GPU this machine lacks fails now, named as --devices, not later as --device
-        resolve_device(d, "--devices")
-    return devices
 
 
 def _refuse_conflicts(src, settings: Settings, spec: workers.WorkerSpec, devices: list[str] | None) -> None:
@@ -267,14 +250,7 @@ def _device_worker(src: str, out: str, settings: Settings) -> Report:
 
 
 def _quantize_on_devices(
-    the_plan: Plan,
-    src: str,
-    out_dir: Path,
-    settings: Settings,
-    spec: workers.WorkerSpec,
-    done: set[int],
-    devices: list[str],
-    report: Report,
+    the_plan: Plan, src: str, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, devices: list, report: Report
 ) -> None:
     """One spawned worker process per device shares this worker's shards; then this process finalizes."""
     workers.log(
@@ -282,20 +258,23 @@ def _quantize_on_devices(
         + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""),
         settings.progress,
     )
-    todo = spec.owned(len(the_plan.shards)) - done
-    check_free_space(the_plan, out_dir, set(range(len(the_plan.shards))) - todo)
-    Manifest(out_dir).claim(the_plan, settings.base_model)
     reports = device_split.run_on_devices(
         _device_worker, src, str(out_dir), device_split.child_settings(settings, spec, devices)
     )
     report.device = ",".join(r.device for r in reports)
     report.shards_written = sum(r.shards_written for r in reports)
     report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)
-    peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
-    report.peak_device_bytes = max(peaks, default=None)
+    report.peak_device_bytes = max(
+        (r.peak_device_bytes for r in reports if r.peak_device_bytes is not None), default=None
+    )
     report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
     if settings.finalize:
         report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
+
+
+def written_in(the_plan: Plan, out_dir: Path, todo: set[int]) -> dict[int, set[int]]:
+    shards = ((i, written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i])) for i in sorted(todo))
+    return {i: units for i, units in shards if units}
 
 
 def _quantize_here(
@@ -303,20 +282,13 @@ def _quantize_here(
     out_dir: Path,
     settings: Settings,
     spec: workers.WorkerSpec,
-    done: set[int],
+    todo: set[int],
+    written: dict[int, set[int]],
     fetcher,
     started: float,
     report: Report,
 ) -> None:
     """This process writes its share of the shards (all of them when it is the only worker)."""
-    todo = spec.owned(len(the_plan.shards)) - done
-    skip = set(range(len(the_plan.shards))) - todo
-    # the units an earlier run wrote in this share's partial shards, checked against their bytes
-    written = {
-        i: units for i in sorted(todo) if (units := written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]))
-    }
-    check_free_space(the_plan, out_dir, skip, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
-    Manifest(out_dir).claim(the_plan, settings.base_model)
     units = the_plan.units_in(todo, written)
     report.units = len(the_plan.units_in(todo))
     report.units_resumed = report.units - len(units)
@@ -329,7 +301,7 @@ def _quantize_here(
         hint = " (more workers than shards: a smaller --max-shard-size gives more shards)"
         workers.log(
             f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
-            f"{len(the_plan.shards)} shards to write, {len(done)} already done"
+            f"{len(the_plan.shards)} shards to write, {report.shards_resumed} already done"
             + (hint if spec.count > len(the_plan.shards) else ""),
             settings.progress,
         )
@@ -351,7 +323,9 @@ def _quantize_here(
         fetcher,
         prefetcher or contextlib.nullcontext(),
         contextlib.closing(bar),
-        ShardWriter(the_plan, out_dir, out_dir / WORK_DIR, skip, written=written) as writer,
+        ShardWriter(
+            the_plan, out_dir, out_dir / WORK_DIR, set(range(len(the_plan.shards))) - todo, written=written
+        ) as writer,
     ):
         fetcher.start(need_order(units))
         # Join torch's thread before importing the pipeline (which imports torch): on a small model the
@@ -389,10 +363,10 @@ def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1)
     )
 
 
-def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_bytes: int = 0, written: int = 0) -> None:
+def check_free_space(the_plan: Plan, out_dir: Path, todo: set[int], streamed_bytes: int, written: int) -> None:
     """The output shards still to write, but the bytes of their partial files that are `written`, plus
     the source shards a streamed download keeps at once."""
-    needed = sum(s.size for s in the_plan.shards if s.index not in skip) - written + streamed_bytes
+    needed = sum(the_plan.shards[i].size for i in todo) - written + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:
         what = " and the streamed source shards" if streamed_bytes else ""
@@ -404,10 +378,9 @@ def check_free_space(the_plan: Plan, out_dir: Path, skip: set[int], streamed_byt
 @python_spelling
 def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str | None = None) -> FinalizeReport:
     """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
-    records (source, revision and the Options; headers only, a Hub repo id is planned from remote
-    headers), refuse if it is not the plan the workers used or the source changed, check that every shard
-    is present and complete (size and header bytes), then write side files, card, index and config.json.
-    Idempotent: finalizing a complete output rewrites the same bytes."""
+    records (headers only), refused if it is not the workers' plan or the source changed, check every
+    shard's size and header bytes, then write side files, card, index and config.json (the same bytes
+    again on a complete output)."""
     started = time.monotonic()
     out_dir = Path(out)
     the_plan = recorded_plan(out_dir, HubAccess(token=token, cache_dir=cache_dir))

@@ -42,29 +42,19 @@ def make_demo_model(path: str | Path, seed: int = 0, shards: int = 2) -> Path:
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     gen = torch.Generator().manual_seed(seed)
 
-    def rnd(*shape):
+    def weight(*shape):  # a norm's weight (one dimension) is ones
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=torch.bfloat16)
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
-    tensors = {
-        "model.embed_tokens.weight": rnd(c["vocab_size"], h),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-        "lm_head.weight": rnd(c["vocab_size"], h),
-    }
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    layer = {"input_layernorm": (h,), "post_attention_layernorm": (h,), "self_attn.q_proj": (q, h)}
+    layer |= {"self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q)}
+    layer |= {"mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    tensors = {"model.embed_tokens.weight": weight(c["vocab_size"], h), "model.norm.weight": weight(h)}
+    tensors["lm_head.weight"] = weight(c["vocab_size"], h)
     for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        tensors.update(
-            {
-                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                p + "self_attn.q_proj.weight": rnd(c["num_attention_heads"] * hd, h),
-                p + "self_attn.k_proj.weight": rnd(c["num_key_value_heads"] * hd, h),
-                p + "self_attn.v_proj.weight": rnd(c["num_key_value_heads"] * hd, h),
-                p + "self_attn.o_proj.weight": rnd(h, c["num_attention_heads"] * hd),
-                p + "mlp.gate_proj.weight": rnd(i, h),
-                p + "mlp.up_proj.weight": rnd(i, h),
-                p + "mlp.down_proj.weight": rnd(h, i),
-            }
-        )
+        tensors |= {f"model.layers.{n}.{name}.weight": weight(*shape) for name, shape in layer.items()}
     names = sorted(tensors)
     per = -(-len(names) // shards)
     weight_map = {}

@@ -27,10 +27,9 @@ def push(
     token: str | None = None,
     create_pr: bool = False,
 ) -> str:
-    """Upload a complete output directory to `repo_id` (created if needed), with a model card (a
-    generated one re-pointed at `repo_id`). Returns the commit URL, or with `create_pr` the URL of the
-    pull request opened against `revision` (default main). huggingface_hub's `upload_folder` uploads in
-    resumable commits: rerunning an interrupted push skips what already arrived."""
+    """Upload a complete output directory to `repo_id` (created if needed), with a model card (generated
+    when missing) naming `repo_id`: the commit URL, or with `create_pr` the pull request's. The upload is
+    resumable: rerunning an interrupted push skips what already arrived."""
     from huggingface_hub import HfApi
 
     out = Path(out)

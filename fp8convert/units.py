@@ -30,3 +30,9 @@ def size_option(nbytes: int) -> str:
 def plural(count: int, word: str, words: str | None = None) -> str:
     """'1 tensor', '3 tensors', '0 shards' ('words' for irregular plurals)."""
     return f"{count} {word if count == 1 else (words or word + 's')}"
+
+
+def listed(names: list[str], shown: int = 3) -> str:
+    """'a, b, c and 4 more'."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -1,10 +1,8 @@
 """Batch conversion: many models from one jobs file, one after another or one per Slurm array task.
 
-A jobs file is TOML (`[[job]]` tables, optional `[defaults]` applied to every job) or JSON lines (one job
-object per line; blank lines and `#` comments skipped). Each job names `source` and `out` and may set the
-quantize options below (`dequantize = true`, with an optional `dtype`, makes it a dequantize). The whole file
-is validated before any job starts; then jobs run in order, a finished output is skipped (quantize recognises
-it at once), a failed job does not stop the others, and the summary says what happened to each.
+A jobs file is TOML (`[[job]]` tables, optional `[defaults]` for every job) or JSON lines (`#` comments
+and blank lines skipped); each job names `source` and `out` and may set the options below. The whole file
+is validated before any job starts; a finished output is skipped, a failed job does not stop the others.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from ..output.files import json_bytes, read_json_object, write_atomic
 from ..output.manifest import WORK_DIR
 from ..units import plural
 from .devices import parse_devices
-from .workers import log
+from .workers import env_int, log
 
 if TYPE_CHECKING:
     from ..plan.plan import Plan
@@ -111,13 +109,11 @@ def read_jobs(path: str | Path) -> list[Job]:
     jobs = [_job(path, i, entry, defaults) for i, entry in enumerate(raw)]
     seen: dict[str, Job] = {}
     for job in jobs:
-        key = os.path.abspath(job.out)
-        if key in seen:
+        if (first := seen.setdefault(os.path.abspath(job.out), job)) is not job:
             raise FP8ConvertError(
                 f"{path}: {job_title(job.index, job.name)} writes to {job.out}, as "
-                f"{job_title(seen[key].index, seen[key].name)} does"
+                f"{job_title(first.index, first.name)} does"
             )
-        seen[key] = job
     return jobs
 
 
@@ -127,6 +123,10 @@ def _check_keys(entry: dict, where: str, not_here=()) -> None:
             raise FP8ConvertError(f"{where}: unknown key {key!r} (known: {', '.join(KNOWN_KEYS)})")
         if key in not_here:
             raise FP8ConvertError(f"{where}: {key!r} belongs in each [[job]], not in [defaults]")
+
+
+def strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def _job(path: Path, index: int, entry, defaults: dict) -> Job:
@@ -146,13 +146,10 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
                 raise FP8ConvertError(f"{label}: {key!r} must be {what}, got {merged[key]!r}")
     if isinstance(merged.get("ignore"), str):  # one pattern
         merged["ignore"] = [merged["ignore"]]
-    ignore = merged.get("ignore", [])
-    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+    if not strings(merged.get("ignore", [])):
         raise FP8ConvertError(f"{label}: 'ignore' must be a list of patterns")
     devices = merged.get("devices")
-    if devices is not None and not (
-        isinstance(devices, str) or (isinstance(devices, list) and all(isinstance(d, str) for d in devices))
-    ):
+    if not (devices is None or isinstance(devices, str) or strings(devices)):
         raise FP8ConvertError(f"{label}: 'devices' must be a string (cuda:0,cuda:1 or all) or a list")
     size = merged.get("max_shard_size", "5GB")
     if isinstance(size, bool) or not isinstance(size, (str, int)):
@@ -175,13 +172,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
 def task_index_from_env(env=None) -> int | None:
     """The job of this Slurm array task: job N for task id N, whatever the array's first id and step, so
     `--array=3,7` reruns jobs 3 and 7 (None outside an array)."""
-    env = os.environ if env is None else env
-    if not env.get("SLURM_ARRAY_TASK_ID"):
-        return None
-    try:
-        return int(env["SLURM_ARRAY_TASK_ID"])
-    except ValueError:
-        raise FP8ConvertError(f"$SLURM_ARRAY_TASK_ID={env['SLURM_ARRAY_TASK_ID']!r}: not an integer") from None
+    return env_int(os.environ if env is None else env, "SLURM_ARRAY_TASK_ID")
 
 
 def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job]:
@@ -202,7 +193,7 @@ def run_job(
     on_plan: Callable[[Job, Plan], None] | None = None,
 ) -> JobResult:
     """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything).
-    `on_plan(job, plan)` is called before the job reads any data (the CLI prints its warnings there)."""
+    `on_plan(job, plan)` is called before the job reads any data."""
     from .. import api, publish
 
     started = time.monotonic()
@@ -224,12 +215,10 @@ def run_job(
         if job.push_to_hub and report.complete:
             pushed_file = Path(job.out) / WORK_DIR / PUSHED
             pushed = read_json_object(pushed_file)
-            if report.already_complete and job.push_to_hub in pushed:
-                result.pushed = pushed[job.push_to_hub]
-            else:
-                result.pushed = publish.push(job.out, job.push_to_hub, private=job.private, token=token)
-                pushed[job.push_to_hub] = result.pushed
+            if not (report.already_complete and job.push_to_hub in pushed):
+                pushed[job.push_to_hub] = publish.push(job.out, job.push_to_hub, private=job.private, token=token)
                 write_atomic(pushed_file, json_bytes(pushed))
+            result.pushed = pushed[job.push_to_hub]
         elif not report.complete:
             result.status = "partial"  # this worker's shards are written; others still owe theirs
     except FP8ConvertError as e:
@@ -253,8 +242,8 @@ def run_batch(
     cache_dir: str | None = None,
     on_plan: Callable[[Job, Plan], None] | None = None,
 ) -> list[JobResult]:
-    """Validate the jobs file, then run its jobs in order (or only job `task_index`; by default the
-    Slurm array task's). Returns one result per job run."""
+    """Validate the jobs file, then run its jobs in order (or only job `task_index`, by default the Slurm
+    array task's)."""
     jobs = read_jobs(path)
     if task_index is None:
         task_index = task_index_from_env()
@@ -264,17 +253,9 @@ def run_batch(
 def render(results: list[JobResult]) -> str:
     """The summary table, then one line per failure."""
     rows = [("job", "source", "out", "status", "seconds", "GB")]
-    rows += [
-        (
-            f"{r.index} {r.job}" if r.job != str(r.index) else r.job,
-            r.source,
-            r.out,
-            r.status,
-            f"{r.seconds:.1f}",
-            f"{r.gb_out:.2f}",
-        )
-        for r in results
-    ]
+    for r in results:
+        job = f"{r.index} {r.job}" if r.job != str(r.index) else r.job
+        rows.append((job, r.source, r.out, r.status, f"{r.seconds:.1f}", f"{r.gb_out:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))

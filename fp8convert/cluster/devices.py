@@ -18,8 +18,8 @@ from .workers import WorkerSpec
 
 
 def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
-    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device). 'cpu' entries are allowed
-    (several CPU workers; mostly for tests). Bare 'cuda' is refused: say which GPU."""
+    """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device); 'cpu' entries too (several CPU
+    workers, mostly for tests). Bare 'cuda' is refused: say which GPU."""
     items = devices.split(",") if isinstance(devices, str) else list(devices)
     items = [d.strip() for d in items if d.strip()]
     if items == ["all"]:
@@ -38,25 +38,35 @@ def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
     return items
 
 
+def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
+    """`settings` and the devices its --devices names, checked on this machine; one device is no split
+    (it becomes --device), no devices None."""
+    if not settings.devices:
+        return settings, None
+    devices = parse_devices(settings.devices)
+    if settings.device != "auto":
+        raise UsageError(f"--device {settings.device} and --devices {','.join(devices)}: give only one of them")
+    from ..run.device import resolve_device
+
+    for d in devices:  # a GPU this machine lacks fails now, named as --devices, not later as --device
+        resolve_device(d, "--devices")
+    if len(devices) == 1:  # no child process needed
+        return replace(settings, device=devices[0], devices=None), None
+    return settings, devices
+
+
 def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> list[Settings]:
     """Each device's settings: its device, its part of worker `spec`'s shards, no finalize, and no
     --overwrite (the parent has already replaced OUT; a worker of several may not)."""
+    parts = len(devices)
     return [
-        replace(
-            settings,
-            device=device,
-            devices=None,
-            worker=spec.split(len(devices), part),
-            finalize=False,
-            overwrite=False,
-        )
-        for part, device in enumerate(devices)
+        replace(settings, device=d, devices=None, worker=spec.split(parts, i), finalize=False, overwrite=False)
+        for i, d in enumerate(devices)
     ]
 
 
 def run_on_devices(target: Callable, src: str, out: str, children: list[Settings]) -> list:
-    """target(src, out, settings) in one spawned process per child; returns their results (Reports).
-    `target` must be importable by name (spawned processes import it)."""
+    """target(src, out, settings) in one spawned process per child (so importable by name): their Reports."""
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     with ProcessPoolExecutor(len(children), mp_context=ctx) as pool:
         jobs = [(child.device, pool.submit(target, src, out, child)) for child in children]

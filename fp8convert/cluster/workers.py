@@ -1,14 +1,10 @@
 """Splitting one conversion over several processes: which worker am I, which shards are mine, who finalizes.
 
-The plan is deterministic, so every worker computes the same shard layout on its own; worker K of N
-owns the output shards whose index satisfies `index % N == K` and reads only the tensors that land in
-them (all outputs of a fused group or tensor share one shard, so no byte is read twice). Workers share
-nothing but the output directory: a shard only gets its final name once complete, so whoever finds
-every shard there can finalize (index, config, card), and finalizing twice writes the same bytes.
-
-Launchers are detected from their environment variables (`detect_worker`): torchrun and multi-task
-`srun` always, since N identical copies of one command would otherwise collide; Slurm arrays and
-Kubernetes indexed Jobs only with `--worker auto`, since an array also runs different models (batch).
+Every worker computes the same plan on its own; worker K of N writes the shards with index % N == K and
+reads only their tensors. Workers share nothing but OUT: a shard gets its final name only once complete,
+so whoever finds every shard there can finalize, and finalizing twice writes the same bytes. torchrun and
+multi-task srun are detected always (N copies of one command would collide), Slurm arrays and Kubernetes
+indexed Jobs only with --worker auto (an array also runs different models: batch).
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from ..output.finalize import finalize, finished_shards
 from ..output.manifest import WORK_DIR
 from ..plan.plan import Plan
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
 CLAIM = "finalize.claim"  # in OUT/.fp8convert: the worker finalizing now (workers without a barrier)
 STALE_CLAIM_S = 600  # a claim older than this was left by a worker that died while finalizing
@@ -68,7 +63,7 @@ class WorkerSpec:
 SINGLE = WorkerSpec()
 
 
-def _int(env, name: str, default: int | None = None) -> int | None:
+def env_int(env, name: str, default: int | None = None) -> int | None:
     """$name as an integer; `default` where it is unset or empty."""
     value = env.get(name, "")
     if not value:
@@ -113,54 +108,39 @@ def parse_worker(text: str) -> WorkerSpec:
 
 
 def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
-    """The launcher's split, from environment variables; None when none is found.
-
-    Always: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) and a multi-task srun step (SLURM_PROCID with
-    SLURM_STEP_NUM_TASKS, else SLURM_NTASKS, > 1). With `opt_in` (--worker auto) also a Slurm array
-    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN [/ SLURM_ARRAY_TASK_STEP] of SLURM_ARRAY_TASK_COUNT)
-    and a Kubernetes indexed Job (JOB_COMPLETION_INDEX of JOB_COMPLETIONS)."""
+    """The launcher's split, from environment variables; None when none is found. With `opt_in`
+    (--worker auto) also a Slurm array task or a Kubernetes indexed Job."""
     env = os.environ if env is None else env
-    if all(env.get(v) for v in TORCHRUN_VARS):
-        local, per_node = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
-        return _checked(
-            _int(env, "RANK"), _int(env, "WORLD_SIZE"), "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node
-        )
+    if env.get("RANK") and env.get("WORLD_SIZE"):
+        local, per_node = env_int(env, "LOCAL_RANK"), env_int(env, "LOCAL_WORLD_SIZE")
+        rank, size = env_int(env, "RANK"), env_int(env, "WORLD_SIZE")
+        return _checked(rank, size, "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node)
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    if env.get("SLURM_PROCID") and _int(env, tasks_var, 0) > 1:
-        where = f"srun ($SLURM_PROCID/${tasks_var})"
-        local, procid, tasks = _int(env, "SLURM_LOCALID"), _int(env, "SLURM_PROCID"), _int(env, tasks_var)
-        return _checked(procid, tasks, "slurm", where, local, tasks_per_node(env))
+    if env.get("SLURM_PROCID") and env_int(env, tasks_var, 0) > 1:
+        local, procid, tasks = env_int(env, "SLURM_LOCALID"), env_int(env, "SLURM_PROCID"), env_int(env, tasks_var)
+        return _checked(procid, tasks, "slurm", f"srun ($SLURM_PROCID/${tasks_var})", local, tasks_per_node(env))
     if not opt_in:
         return None
     if env.get("SLURM_ARRAY_TASK_ID"):
         if not env.get("SLURM_ARRAY_TASK_COUNT"):
             raise FP8ConvertError("Slurm array: $SLURM_ARRAY_TASK_COUNT is not set; pass --worker K/N")
-        step, first = _int(env, "SLURM_ARRAY_TASK_STEP", 1), _int(env, "SLURM_ARRAY_TASK_MIN", 0)
-        offset = _int(env, "SLURM_ARRAY_TASK_ID") - first
+        step, first = env_int(env, "SLURM_ARRAY_TASK_STEP", 1), env_int(env, "SLURM_ARRAY_TASK_MIN", 0)
+        offset = env_int(env, "SLURM_ARRAY_TASK_ID") - first
         if step < 1 or offset % step:
             raise FP8ConvertError(
                 f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; pass --worker K/N"
             )
-        return _checked(
-            offset // step,
-            _int(env, "SLURM_ARRAY_TASK_COUNT"),
-            "slurm-array",
-            "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)",
-            on_this_machine=1,
-        )
+        where = "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)"
+        return _checked(offset // step, env_int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array", where, on_this_machine=1)
     if env.get("JOB_COMPLETION_INDEX"):
         if not env.get("JOB_COMPLETIONS"):
             raise FP8ConvertError(
                 "Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
                 "completions, or pass --worker $JOB_COMPLETION_INDEX/N"
             )
-        return _checked(
-            _int(env, "JOB_COMPLETION_INDEX"),
-            _int(env, "JOB_COMPLETIONS"),
-            "k8s",
-            "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)",
-            on_this_machine=1,
-        )
+        index, count = env_int(env, "JOB_COMPLETION_INDEX"), env_int(env, "JOB_COMPLETIONS")
+        where = "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)"
+        return _checked(index, count, "k8s", where, on_this_machine=1)
     raise FP8ConvertError(
         "--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
         "or a Kubernetes indexed Job); pass --worker K/N"
@@ -168,8 +148,7 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
 
 
 def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
-    """None: detect torchrun / multi-task srun, else a single worker. 'auto': detect any launcher.
-    'K/N' or (K, N): explicit."""
+    """None: detect torchrun / multi-task srun, else one worker; 'auto': any launcher; 'K/N' or (K, N)."""
     if isinstance(worker, WorkerSpec):
         return worker
     if worker is None:
@@ -199,12 +178,9 @@ def log(message: str, enabled: bool = True) -> None:
         print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ torchrun: wait for every rank
-
-
 def barrier() -> None:
-    """Wait until every torchrun rank is here. A gloo group (CPU, no NCCL needed) is created just for
-    this when the program has none, with a long timeout: ranks finish their shards at different times."""
+    """Wait until every torchrun rank is here, in a gloo group of our own when the program has none
+    (with a long timeout: ranks finish their shards at different times)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -219,14 +195,11 @@ def barrier() -> None:
             dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------ workers without a barrier
-
-
 def claim_finalize(out_dir: Path) -> int | None:
     """Become the one worker that finalizes now: an O_EXCL claim file naming host and pid. None when
     another worker holds the claim (it is finalizing); a claim left by a dead worker (its pid gone on
     this host, or older than STALE_CLAIM_S) is taken over."""
-    path = _claim_path(out_dir)
+    path = Path(out_dir) / WORK_DIR / CLAIM
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -250,28 +223,21 @@ def _dead_here(holder: list[str]) -> bool:
         return False
     try:
         os.kill(int(holder[1]), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
         return False
-    return False
+    except OSError as e:
+        return isinstance(e, ProcessLookupError)
 
 
 def release_finalize(out_dir: Path, fd: int | None) -> None:
     """Drop the claim (fd None: drop whatever claim is there, e.g. after an explicit finalize)."""
     if fd is not None:
         os.close(fd)
-    _claim_path(out_dir).unlink(missing_ok=True)
-
-
-def _claim_path(out_dir: Path) -> Path:
-    return Path(out_dir) / WORK_DIR / CLAIM
+    (Path(out_dir) / WORK_DIR / CLAIM).unlink(missing_ok=True)
 
 
 def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) -> bool:
-    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after
-    every rank's shards are written, or as the worker that finds every shard present and takes the
-    claim. Returns whether OUT is complete."""
+    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after the
+    barrier, or as the worker that finds every shard present and takes the claim. Whether OUT is complete."""
     if spec.count > 1 and spec.launcher == "torchrun":
         log(f"worker {spec.text}: shards written; waiting for the other ranks", progress)
         barrier()

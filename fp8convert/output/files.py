@@ -11,9 +11,8 @@ from ..errors import FP8ConvertError
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write under a temporary name, fsync, rename. A failure (disk full) is one resumable error. A file
-    that holds these bytes already is left as it is: finishing or verifying a complete output again
-    writes nothing, so it works on a read-only copy too."""
+    """Write under a temporary name, fsync, rename; a failure (disk full) is one resumable error. A file
+    holding these bytes already is left alone, so finishing a complete output again works read-only."""
     tmp = path.with_name(f".{path.name}.tmp")
     if holds(path, data):
         with contextlib.suppress(OSError):  # what a run killed mid-write left

@@ -1,62 +1,56 @@
-"""The output directory: refusing to clobber, resuming, and finishing.
+"""The output directory: whose files it holds, refusing to clobber, resuming, and finishing.
 
 A shard gets its final name only by a rename after fsync, so a final-named shard of the planned size is
 finished: a rerun (or another worker) skips it. config.json and the index are written last, so their
-presence means complete. A manifest whose run wrote nothing yet claims nothing: a run of another plan
-that writes the whole output starts afresh there.
+presence means complete. The manifest lists the names a conversion writes at OUT's top level; anything
+else there is the user's and never deleted: a command that would replace it is refused instead. A
+manifest whose run wrote nothing yet claims nothing: a run of another plan starts afresh there.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from ..errors import FP8ConvertError, PlanMismatchError
+from ..options import HubAccess, Options
+from ..plan.build import build_plan
 from ..plan.plan import Plan
 from ..run.writeback import fsync_dir
 from ..safetensors_io import INDEX_NAME, read_header
 from ..source.checkpoint import index_files, parse_index
+from ..source.resolve import recorded_source
+from ..units import listed
 from .card import make_card, read_source_card
 from .files import json_bytes, write_atomic
-from .lock import OutputLock
-from .manifest import WORK_DIR, Manifest, plan_change, source_change
-from .ownership import (
-    empty_work_folder,
-    foreign_entries,
-    killed_before_manifest,
-    refuse_foreign,
-    replace_advice,
-    replace_output,
-)
+from .lock import OutputLock, is_lock_file
+from .manifest import MANIFEST, WORK_DIR, Manifest, plan_change, source_change
 from .partial import RECORD_SUFFIX, remove_records
 
-
-def is_inside(child: Path, parent: Path) -> bool:
-    child, parent = child.resolve(), parent.resolve()
-    return child == parent or parent in child.parents
+YOURSELF = "delete the folder yourself or choose another output directory"
+RECORDED = ("fingerprint", "source", "scheme", "format", "ignore", "max_shard_size")  # what a rebuild needs
 
 
 def prepare_output(
     plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False, lock: OutputLock | None = None
 ) -> tuple[set[int], bool]:
-    """Make OUT ready, claiming nothing yet (Manifest.claim, once the run can start). Returns (indices of
-    shards finished by an earlier run of this plan, complete?). `streamed`: OUT's work folder holds the
-    source's shards. `lock` is taken once OUT is known to be fp8convert's, before anything in it is read
-    or changed; the caller holds it for the rest of the run."""
+    """Make OUT ready, claiming nothing yet (Manifest.claim does, once the run can start): (shards finished
+    by an earlier run of this plan, complete?). `lock` is taken once OUT is known to be fp8convert's,
+    before anything in it is read or changed. `streamed`: OUT's work folder holds the source's shards."""
     out_dir = Path(out_dir)
     check_placement(plan, out_dir, streamed)
-    manifest = Manifest(out_dir)
     # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
     # replacing it (--overwrite) needs every file in it to be fp8convert's.
     occupied = out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir)
-    if occupied and (overwrite or read_for_resume(manifest, out_dir) is None) and (foreign := foreign_entries(out_dir)):
+    if occupied and (overwrite or read_for_resume(out_dir) is None) and (foreign := foreign_entries(out_dir)):
         refuse_foreign(out_dir, foreign, overwrite)
     if lock is not None:
         lock.acquire()
     if occupied and overwrite:
         replace_output(out_dir)
-    elif occupied and (state := read_for_resume(manifest, out_dir)) is not None:
+    elif occupied and (state := read_for_resume(out_dir)) is not None:
         try:
             check_same_conversion(state, plan, out_dir)
         except PlanMismatchError:
@@ -67,12 +61,10 @@ def prepare_output(
             empty_work_folder(out_dir)
         else:
             done = finished_shards(plan, out_dir)
-            return done, bool(state.get("complete")) and len(done) == len(plan.shards) and (
-                out_dir / "config.json"
-            ).is_file() and (out_dir / INDEX_NAME).is_file()
+            ends = all((out_dir / name).is_file() for name in ("config.json", INDEX_NAME))
+            return done, bool(state.get("complete")) and len(done) == len(plan.shards) and ends
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / WORK_DIR).mkdir(exist_ok=True)
+        (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
     if not os.access(out_dir, os.W_OK):
@@ -80,25 +72,9 @@ def prepare_output(
     return set(), False
 
 
-def wrote_nothing(state: dict, out_dir: Path) -> bool:
-    """Whether the run that wrote this manifest left nothing to keep (no output, no unit of a partial shard)."""
-    outputs = state.get("outputs")
-    return (
-        isinstance(outputs, list)
-        and not any((out_dir / name).exists() for name in outputs)
-        and not any((out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX))
-    )
-
-
-def read_for_resume(manifest: Manifest, out_dir: Path) -> dict | None:
-    try:
-        return manifest.read()
-    except FP8ConvertError as e:
-        raise FP8ConvertError(
-            f"{e}: {out_dir} cannot be resumed, and fp8convert cannot tell its files there from "
-            "others' to replace them; delete the folder yourself or choose another output "
-            "directory"
-        ) from e
+def is_inside(child: Path, parent: Path) -> bool:
+    child, parent = child.resolve(), parent.resolve()
+    return child == parent or parent in child.parents
 
 
 def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:
@@ -111,6 +87,26 @@ def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:
         raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
 
 
+def read_for_resume(out_dir: Path) -> dict | None:
+    try:
+        return Manifest(out_dir).read()
+    except FP8ConvertError as e:
+        raise FP8ConvertError(
+            f"{e}: {out_dir} cannot be resumed, and fp8convert cannot tell its files there from others' to "
+            f"replace them; {YOURSELF}"
+        ) from e
+
+
+def wrote_nothing(state: dict, out_dir: Path) -> bool:
+    """Whether the run that wrote this manifest left nothing to keep (no output, no unit of a partial shard)."""
+    outputs = state.get("outputs")
+    return (
+        isinstance(outputs, list)
+        and not any((out_dir / name).exists() for name in outputs)
+        and not any((out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX))
+    )
+
+
 def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
     """OUT holds a run of this very conversion: same plan, and the same source bytes."""
     if state.get("fingerprint") != plan.fingerprint:
@@ -118,8 +114,7 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
             f"{out_dir}: holds a conversion with a different plan ({plan_change(state, plan)}); "
             "rerun the original command to resume it, or " + replace_advice(out_dir, "pass --overwrite to replace it")
         )
-    changed = source_change(state, plan.source)
-    if changed:
+    if changed := source_change(state, plan.source):
         how = (
             "" if plan.source.revision else "; fp8convert records each file's size and modification time, not its bytes"
         )
@@ -129,6 +124,119 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
         )
 
 
+def recorded_plan(out_dir: Path, hub: HubAccess) -> Plan:
+    """The workers' plan again, from what the manifest records (headers only); refused when the source no
+    longer gives that plan or its bytes changed."""
+    if not out_dir.is_dir():
+        raise FP8ConvertError(f"{out_dir}: no such output directory")
+    manifest = Manifest(out_dir)
+    state = manifest.read()
+    if state is None:
+        raise FP8ConvertError(f"{out_dir}: no {WORK_DIR}/{MANIFEST}, so no fp8convert worker started here")
+    if lacking := [k for k in RECORDED if k not in state]:
+        raise FP8ConvertError(
+            f"{manifest.path}: does not record {lacking[0]} (written by an older fp8convert); "
+            "rerun the quantize command to finish the output"
+        )
+    plan = build_plan(recorded_source(state, hub), Options.from_record(state))
+    again = "rerun the conversion with --overwrite"
+    if plan.fingerprint != state["fingerprint"]:
+        raise PlanMismatchError(
+            f"{out_dir}: the source no longer gives the plan the workers used ({plan_change(state, plan)}); "
+            + replace_advice(out_dir, again)
+        )
+    if changed := source_change(state, plan.source):
+        raise PlanMismatchError(
+            f"{out_dir}: the source changed since the workers read it ({changed}); " + replace_advice(out_dir, again)
+        )
+    return plan
+
+
+# ------------------------------------------------------------------ whose files OUT holds
+
+
+def killed_before_manifest(out_dir: Path) -> bool:
+    """OUT holds only the work folder, without a manifest: left by a run killed before its manifest
+    existed, or made by a worker started a moment earlier. Ours, and empty in every way that matters."""
+    work = Path(out_dir) / WORK_DIR
+    return (
+        [p.name for p in Path(out_dir).iterdir()] == [WORK_DIR]
+        and work.is_dir()
+        and not work.is_symlink()
+        and not (work / MANIFEST).exists()
+    )
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """OUT's top-level entries that fp8convert did not write, sorted (directories end in '/'). A manifest
+    that cannot be read, or that lists no outputs, cannot tell fp8convert's files from others': refused."""
+    out_dir = Path(out_dir)
+    entries = {p.name: p for p in out_dir.iterdir()} if out_dir.is_dir() else {}
+    if not entries or killed_before_manifest(out_dir):
+        return []
+    manifest = Manifest(out_dir)
+    ours = {WORK_DIR}
+    if manifest.path.is_file():
+        try:
+            recorded = (manifest.read() or {}).get("outputs")
+        except FP8ConvertError as e:
+            raise FP8ConvertError(
+                f"{e}: fp8convert cannot tell its files in {out_dir} from others', so it replaces nothing there; "
+                + YOURSELF
+            ) from e
+        if not isinstance(recorded, list):
+            raise FP8ConvertError(
+                f"{manifest.path}: does not list the files fp8convert wrote (an older output), so it replaces "
+                f"nothing in {out_dir}; {YOURSELF}"
+            )
+        ours |= set(recorded)
+    return sorted(n + ("/" if p.is_dir() and not p.is_symlink() else "") for n, p in entries.items() if n not in ours)
+
+
+def refuse_foreign(out_dir: Path, foreign: list[str], overwrite: bool) -> None:
+    """The one refusal for an OUT holding someone else's files (never suggesting --overwrite: it cannot help)."""
+    why = " (--overwrite replaces only an earlier fp8convert output)" if overwrite else ""
+    raise FP8ConvertError(
+        f"{out_dir}: holds files fp8convert did not write ({listed(foreign)}); choose an "
+        f"empty or new output directory{why}"
+    )
+
+
+def replace_advice(out_dir: Path, what: str) -> str:
+    """How to start OUT again: `what` when --overwrite may replace it, else what stands in the way."""
+    if foreign := foreign_entries(out_dir):
+        return f"move {listed(foreign)} out of {out_dir} or choose another output directory"
+    return what
+
+
+def replace_output(out_dir: Path) -> None:
+    """Delete an earlier fp8convert output; refused, deleting nothing, when OUT holds anything else."""
+    if foreign := foreign_entries(out_dir):
+        refuse_foreign(out_dir, foreign, overwrite=True)
+    remove([e for e in out_dir.iterdir() if e.name != WORK_DIR])
+    empty_work_folder(out_dir)
+
+
+def empty_work_folder(out_dir: Path) -> None:
+    """Delete what OUT's work folder holds but the lock files, which hold this run's lock."""
+    work = Path(out_dir) / WORK_DIR
+    if work.is_dir() and not work.is_symlink():
+        remove([e for e in work.iterdir() if not is_lock_file(e.name)])
+    elif work.exists() or work.is_symlink():
+        remove([work])
+
+
+def remove(entries: list[Path]) -> None:
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+# ------------------------------------------------------------------ finishing
+
+
 def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
     return {s.index for s in plan.shards if (p := Path(out_dir) / s.name).is_file() and p.stat().st_size == s.size}
 
@@ -136,21 +244,19 @@ def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
 def finalize(plan: Plan, out_dir: Path) -> None:
     """Copy side files, then write the card, the index and config.json last: their presence means complete."""
     out_dir = Path(out_dir)
-    missing = [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]
-    if missing:
+    if missing := [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]:
         raise FP8ConvertError(
             f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
             f"{len(plan.shards)} shards); rerun the conversion to finish it"
         )
     for name in plan.source.copy_files:
         write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
-    card = make_card(
-        plan, read_source_card(plan.source.root), base_model=(Manifest(out_dir).read() or {}).get("base_model")
-    )
+    manifest = Manifest(out_dir)
+    card = make_card(plan, read_source_card(plan.source.root), base_model=(manifest.read() or {}).get("base_model"))
     write_atomic(out_dir / "README.md", card.encode())
     write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
     write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
-    Manifest(out_dir).mark_complete(plan)
+    manifest.mark_complete(plan)
     remove_records(out_dir / WORK_DIR)  # of a shard renamed by a run that stopped before removing its record
     fsync_dir(out_dir)
 
@@ -178,34 +284,29 @@ def index_of(plan: Plan) -> dict:
 
 def check_shards(the_plan: Plan, out_dir: Path) -> None:
     """Every planned shard present, of the planned size, starting with the planned header bytes."""
-    out_dir = Path(out_dir)
-    missing = [s for s in the_plan.shards if not (out_dir / s.name).is_file()]
-    if missing:
+    if missing := [s for s in the_plan.shards if not (out_dir / s.name).is_file()]:
         raise FP8ConvertError(
             f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
             "shards); run the workers that own them (the same quantize command) first"
         )
     for shard in the_plan.shards:
         path = out_dir / shard.name
-        size = path.stat().st_size
-        if size != shard.size:
+        if (size := path.stat().st_size) != shard.size:
             raise FP8ConvertError(
                 f"{path}: {size} bytes, the plan says {shard.size} (incomplete or not from this "
                 "plan); remove it and rerun the quantize command to rewrite it"
             )
         with open(path, "rb") as f:
-            head = f.read(len(shard.header))
-        if head != shard.header:
-            raise FP8ConvertError(
-                f"{path}: its header differs from the plan's (not written by this conversion); "
-                "remove it and rerun the quantize command to rewrite it"
-            )
+            if f.read(len(shard.header)) != shard.header:
+                raise FP8ConvertError(
+                    f"{path}: its header differs from the plan's (not written by this conversion); "
+                    "remove it and rerun the quantize command to rewrite it"
+                )
 
 
 def check_output_complete(out: str | Path, action: str = "push") -> dict:
-    """Refuse (to `action`) anything but a finished conversion: a complete manifest (when present),
-    config.json with a quantization_config (unless dequantized), the index and every shard it names,
-    whole. Returns the output's config.json."""
+    """The output's config.json; refused (to `action`) for anything but a finished conversion: a complete
+    manifest (when present), a quantization_config (unless dequantized), every shard the index names."""
     out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")
@@ -213,17 +314,12 @@ def check_output_complete(out: str | Path, action: str = "push") -> dict:
         state = Manifest(out).read()
     except FP8ConvertError as e:
         raise FP8ConvertError(f"{e}; refusing to {action}") from e
+    finish = f"rerun the same quantize command to finish it before you {action}"
     if state is not None and not state.get("complete"):
-        raise FP8ConvertError(
-            f"{out}: the conversion is not complete (manifest says so); rerun the same "
-            f"quantize command to finish it before you {action}"
-        )
+        raise FP8ConvertError(f"{out}: the conversion is not complete (manifest says so); {finish}")
     for name in ("config.json", INDEX_NAME):
         if not (out / name).is_file():
-            raise FP8ConvertError(
-                f"{out}: no {name}, so the conversion is not complete; rerun the same quantize "
-                f"command to finish it before you {action}"
-            )
+            raise FP8ConvertError(f"{out}: no {name}, so the conversion is not complete; {finish}")
     try:
         config = json.loads((out / "config.json").read_text())
         shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))

@@ -3,10 +3,9 @@
 Two runs writing one output at once would take each other's shards for finished (or delete them) and
 could leave an output that looks complete but is not, so a second run is refused before it changes
 anything. A run that writes every shard (one worker; `finalize`) holds OUT/.fp8convert/lock exclusively;
-a worker of several holds it shared and its own share's lock-K-of-N exclusively.
-
-The locks are flock()s: the kernel drops them when the process dies, however it dies, so a killed run
-never leaves OUT locked. A file system without locks (some network mounts), or a read-only one, gets none.
+a worker of several holds it shared and its own share's lock-K-of-N exclusively. The locks are flock()s,
+which the kernel drops when the process dies however it dies; a file system without locks (some network
+mounts), or a read-only one, gets none.
 """
 
 from __future__ import annotations
@@ -23,20 +22,14 @@ LOCK = "lock"
 HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # what a non-blocking flock says when another holds it
 
 
-def lock_names(index: int, count: int) -> list[tuple[str, int]]:
-    """(file in the work folder, flock mode) for worker `index` of `count`; count 1 is the whole output."""
-    if count == 1:
-        return [(LOCK, fcntl.LOCK_EX)]
-    return [(LOCK, fcntl.LOCK_SH), (f"{LOCK}-{index}-of-{count}", fcntl.LOCK_EX)]
-
-
 def is_lock_file(name: str) -> bool:
     """Whether a work-folder entry is one of the lock files (--overwrite empties the folder but them)."""
     return name == LOCK or name.startswith(f"{LOCK}-")
 
 
 class OutputLock:
-    """The locks of one run's share of OUT, taken by `acquire` and dropped by `release` (or on exit)."""
+    """The locks of worker `index` of `count`'s share of OUT (count 1: the whole output), taken by
+    `acquire` and dropped by `release` (or on leaving a `with`)."""
 
     def __init__(self, out_dir: Path, index: int = 0, count: int = 1):
         self.out_dir, self.index, self.count = Path(out_dir), index, count
@@ -51,15 +44,18 @@ class OutputLock:
             work.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise FP8ConvertError(f"{self.out_dir}: cannot create ({e.strerror})") from e
-        for name, mode in lock_names(self.index, self.count):
-            path = work / name
+        if self.count == 1:
+            locks = [(LOCK, fcntl.LOCK_EX)]
+        else:
+            locks = [(LOCK, fcntl.LOCK_SH), (f"{LOCK}-{self.index}-of-{self.count}", fcntl.LOCK_EX)]
+        for name, mode in locks:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = os.open(work / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
                 if e.errno == errno.EROFS:  # no run can write here either; what reads it (finalize) goes on
                     continue
                 self.release()
-                raise FP8ConvertError(f"{path}: cannot open ({e.strerror})") from e
+                raise FP8ConvertError(f"{work / name}: cannot open ({e.strerror})") from e
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
             except OSError as e:

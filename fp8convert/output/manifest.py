@@ -1,8 +1,7 @@
 """OUT/.fp8convert/manifest.json, its one reader and writer: what this output is a conversion of, so a
 rerun can resume it, a worker can join it and `finalize` can rebuild its plan. Besides the plan's
-fingerprint it records the source's bytes' identity (a Hub commit, or each local shard's size and mtime:
-the fingerprint covers names, shapes and offsets, not values) and what the fingerprint was made of, so a
-refusal can say what changed.
+fingerprint (names, shapes and offsets, not values) it records the source's bytes' identity and what
+the fingerprint was made of, so a refusal can say what changed.
 """
 
 from __future__ import annotations
@@ -45,23 +44,31 @@ class Manifest:
             raise FP8ConvertError(f"{self.path}: not a JSON object")
         return state
 
-    def write(self, data: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, json_bytes(data))
+    def claim(self, plan: Plan, base_model: str | None = None) -> None:
+        """Make OUT this conversion's, once the run can start (every check before writing has passed), so
+        that a run refused before it wrote anything leaves no claim behind. A resumed run's manifest (and
+        its `base_model`) stands."""
+        state = self.read()
+        if state is None:
+            self._create(new_manifest(plan, base_model))
+            state = self.read() or {}
+        if state.get("fingerprint") != plan.fingerprint:
+            raise PlanMismatchError(
+                f"{self.path.parent.parent}: another run started a conversion with a different plan in it at the "
+                "same time"
+            )
 
-    def create(self, plan: Plan, base_model: str | None = None) -> None:
-        """The manifest of a new output. Workers started together on an empty OUT all get here: each
-        writes its own temporary file and renames it into place (same plan, same bytes: whichever lands
-        last is the same manifest), checks that the manifest in place records its plan, and removes
-        temporary files left by runs killed before their rename. A worker whose temporary file another
-        removed that way finds the other's manifest in place."""
+    def _create(self, state: dict) -> None:
+        """Workers started together on an empty OUT all get here: each renames its own temporary file into
+        place (same plan, same bytes) and removes those left by runs killed before their rename. A worker
+        whose temporary file another removed that way finds the other's manifest in place."""
         path = self.path
         tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             for _ in range(3):
                 try:
                     with open(tmp, "wb") as f:
-                        f.write(json_bytes(new_manifest(plan, base_model)))
+                        f.write(json_bytes(state))
                         f.flush()
                         os.fsync(f.fileno())
                     os.replace(tmp, path)
@@ -74,44 +81,21 @@ class Manifest:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise FP8ConvertError(f"{path}: cannot write ({e.strerror})") from e
-        if (self.read() or {}).get("fingerprint") != plan.fingerprint:
-            raise self._raced()
         for leftover in path.parent.glob(f".{MANIFEST}*.tmp"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
 
-    def claim(self, plan: Plan, base_model: str | None = None) -> None:
-        """Make OUT this conversion's, once the run can start (every check before writing has passed), so
-        that a run refused before it wrote anything leaves no claim behind. Nothing to do when the
-        manifest records this plan already (a resumed run: the first run's `base_model` stands)."""
-        state = self.read()
-        if state is None:
-            self.create(plan, base_model)
-        elif state.get("fingerprint") != plan.fingerprint:
-            raise self._raced()
-
-    def _raced(self) -> PlanMismatchError:
-        out = self.path.parent.parent
-        return PlanMismatchError(
-            f"{out}: another run started a conversion with a different plan in it at the same time"
-        )
-
     def mark_complete(self, plan: Plan) -> None:
         state = self.read() or new_manifest(plan)
-        state["complete"] = True
-        self.write(state)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, json_bytes({**state, "complete": True}))
 
 
-def is_local(source: Source) -> bool:
-    """A directory the user named (not a Hub repo, not a download of one)."""
-    return source.revision is None
-
-
-def source_identity(source: Source) -> dict:
-    """What says the source's bytes are the ones a recorded run read: its Hub commit, or each shard's
-    size and modification time."""
-    if not is_local(source):
-        return {"revision": source.revision}
+def source_files(source: Source) -> dict | None:
+    """Each local shard's size and modification time (None: gone), which say that the source's bytes are
+    the ones a recorded run read; None for a Hub source, whose commit says it."""
+    if source.revision is not None:
+        return None
     files = {}
     for name in source.files:
         try:
@@ -119,7 +103,7 @@ def source_identity(source: Source) -> dict:
             files[name] = [st.st_size, st.st_mtime_ns]
         except OSError:
             files[name] = None
-    return {"files": files}
+    return files
 
 
 def output_names(plan: Plan) -> list[str]:
@@ -143,9 +127,9 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
         "version": __version__,
         "fingerprint": plan.fingerprint,
         "source": source.label,
-        "source_path": str(Path(source.root).resolve()) if is_local(source) else None,
+        "source_path": str(Path(source.root).resolve()) if source.revision is None else None,
         "revision": source.revision,
-        "source_files": source_identity(source).get("files"),
+        "source_files": source_files(source),
         **plan.options.record(),  # what finalize_output rebuilds the plan from (Options.from_record)
         "shards": len(plan.shards),
         "config": source.config,
@@ -170,8 +154,7 @@ def option_value(key: str, value) -> str:
 
 
 def plan_change(state: dict, plan: Plan) -> str:
-    """What differs between the recorded run and this one: each option with both values, then the
-    source's config.json keys or the shard files whose tensors changed."""
+    """What differs between the recorded run and this one: the options, else the source's layout."""
     now = new_manifest(plan)
     diffs = [
         f"{OPTION_NAMES[key]} was {option_value(key, state.get(key))}, now {option_value(key, now[key])}"
@@ -183,25 +166,23 @@ def plan_change(state: dict, plan: Plan) -> str:
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"
 
 
+def differing(was: dict, now: dict) -> list[str]:
+    return sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+
+
 def source_layout_change(state: dict, now: dict) -> list[str]:
     """The config.json keys and the shards whose tensor lists differ from the recorded ones (manifests
     written before these were recorded have neither: then nothing is said)."""
     diffs = []
-    was_config = state.get("config")
-    if isinstance(was_config, dict) and was_config != now["config"]:
-        keys = sorted(k for k in set(was_config) | set(now["config"]) if was_config.get(k) != now["config"].get(k))
-        shown = ", ".join(
-            f"{k} was {json.dumps(was_config.get(k))}, now {json.dumps(now['config'].get(k))}" for k in keys[:3]
-        )
+    was = state.get("config")
+    if isinstance(was, dict) and (keys := differing(was, now["config"])):
+        shown = ", ".join(f"{k} was {json.dumps(was.get(k))}, now {json.dumps(now['config'].get(k))}" for k in keys[:3])
         more = f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
         diffs.append(f"the source's config.json changed ({shown}{more})")
-    was_layout = state.get("tensor_layout")
-    if isinstance(was_layout, dict) and was_layout != now["tensor_layout"]:
-        files = sorted(set(was_layout) | set(now["tensor_layout"]))
+    was = state.get("tensor_layout")
+    if isinstance(was, dict) and (files := differing(was, now["tensor_layout"])):
         changed = [
-            f + (" (new)" if f not in was_layout else " (gone)" if f not in now["tensor_layout"] else "")
-            for f in files
-            if was_layout.get(f) != now["tensor_layout"].get(f)
+            f + (" (new)" if f not in was else " (gone)" if f not in now["tensor_layout"] else "") for f in files
         ]
         diffs.append(f"the source's tensors (names, dtypes, shapes or offsets) changed in {', '.join(changed)}")
     return diffs
@@ -210,16 +191,13 @@ def source_layout_change(state: dict, now: dict) -> list[str]:
 def source_change(state: dict, source: Source) -> str | None:
     """How the source's bytes differ from what the recorded run read, or None when they do not (or the
     manifest predates the record)."""
-    now = source_identity(source)
-    if "revision" in now:
+    if source.revision is not None:
         was = state.get("revision")
-        if was and was != now["revision"]:
-            return f"{source.label} is now at commit {now['revision'][:12]}, the output was started from {was[:12]}"
+        if was and was != source.revision:
+            return f"{source.label} is now at commit {source.revision[:12]}, the output was started from {was[:12]}"
         return None
     recorded = state.get("source_files")
-    if not recorded:
-        return None
-    for name, stat in now["files"].items():
+    for name, stat in (source_files(source) if recorded else {}).items():
         if recorded.get(name) != stat:
             if stat is None:
                 return f"{Path(source.root) / name} is gone"

@@ -1,9 +1,8 @@
 """Which units of a partial shard are already written, so that a rerun continues inside the shard.
 
 Beside each partial shard OUT/.fp8convert/NAME.partial, NAME.units has a line per unit whose bytes are
-written: its label and a CRC-32 of its bytes in the file, added only once those bytes are fsynced (a line
-cut short by a kill is no line). A rerun trusts a unit only when the partial file has the planned size
-and header and the unit's bytes still give its checksum. The record goes once its shard is final.
+fsynced: its label and a CRC-32 of its bytes (a line cut short by a kill is no line). A rerun trusts a
+unit only when the file has the planned size and header and the unit's bytes still give its checksum.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ def record_path(work_dir: Path, shard: Shard) -> Path:
 
 
 def unit_spans(plan: Plan, shard: Shard) -> dict[int, list[tuple[int, int]]]:
-    """Per unit with outputs in `shard`: its byte ranges in the shard's file (header included), in file
-    order, adjacent ones merged. Wider dtypes come first in a shard, so a unit has a range per dtype size."""
+    """Per unit with outputs in `shard`: its byte ranges in the shard's file, in file order, adjacent ones
+    merged (a unit has a range per dtype size: wider dtypes come first in a shard)."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for ui in shard.units:
         ranges = sorted(
@@ -110,8 +109,8 @@ def remove_records(work_dir: Path) -> None:
 
 class UnitRecorder:
     """Adds a unit's line to its shard's record once the writer has every byte of it in the file, in a
-    thread of its own (reading back and fsyncing take time) that `start` begins and `close` ends once the
-    lines asked for are written. Failures only lose lines: the rerun writes those units again."""
+    thread of its own (reading back and fsyncing take time). Failures only lose lines: the rerun writes
+    those units again."""
 
     def __init__(self, plan: Plan, work_dir: Path):
         self.plan, self.work_dir = plan, Path(work_dir)
@@ -149,9 +148,8 @@ class UnitRecorder:
                 batch.append(self.queue.get())
             stop = None in batch
             by_shard: dict[int, list[tuple[int, int]]] = {}
-            for item in batch:
-                if item is not None:
-                    by_shard.setdefault(item[0], []).append(item[1:])
+            for shard, unit, fd in filter(None, batch):
+                by_shard.setdefault(shard, []).append((unit, fd))
             for shard, units in by_shard.items():
                 try:
                     if shard not in self.finished:

@@ -12,9 +12,8 @@ from ..errors import FP8ConvertError
 from ..output.card import with_verification
 from ..output.files import write_atomic
 from ..output.manifest import Manifest
-from ..output.ownership import describe
 from ..source.hub import CARD_NAME
-from ..units import plural
+from ..units import listed, plural
 
 FLOAT_SLACK = 1e-5  # float32 arithmetic in dequant / division, far below any real error
 
@@ -163,7 +162,7 @@ class VerifyReport:
         for what, names in by_what.items():
             followed = sum(consequences.get(name, 0) for name in names)
             so = f"; so {plural(followed, 'tensor')} in it could not be checked" if followed else ""
-            lines.append(f"{describe(names)}: {what}{so}")
+            lines.append(f"{listed(names)}: {what}{so}")
         return lines
 
     def worst(self, n: int = 10) -> list[TensorCheck]:
