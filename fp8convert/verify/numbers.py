@@ -151,8 +151,7 @@ def tile_scale(scale, r0: int, r1: int, scheme: str):
 
 def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
     """The scale of rows [r0, r1), broadcastable to them (float32)."""
-    s = tile_scale(scale, r0, r1, scheme)
-    return expand_scale(s, (r1 - r0, cols), scheme) if scheme in ("block", "mxfp8") else s
+    return expand_scale(tile_scale(scale, r0, r1, scheme), (r1 - r0, cols), scheme)
 
 
 def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
@@ -189,11 +188,8 @@ OVERSIZE = 2.0
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
     """(channel or block scales oversized, the tensor scheme's largest |w|): a tensor scale may be a fused
     group's, so it waits for every member (Checks.check_tensor_scales)."""
-    if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
-        if not w.numel():
-            return 0, 0.0
-        lo, hi = torch.aminmax(w)
-        return 0, float(torch.maximum(hi, lo.neg()))
+    if scheme == "tensor":
+        return 0, float(amax(w, scheme)) if w.numel() else 0.0
     return int(oversized(s, amax(w, scheme)).sum()), 0.0
 
 

@@ -223,10 +223,9 @@ def views(pending, infos: list[TensorInfo], k: int) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def checkers(device):
-    """Where the checks of a batch run, results in order: on a CPU, one worker thread per core, each
-    with one torch thread; on a GPU, here. A CPU check is many small operations (tiles that stay in the
-    caches): run side by side they pay no thread-pool synchronisation each, and a core busy with
-    another program holds up one worker, not every operation."""
+    """Where a batch's checks run, results in order: on a GPU here; on a CPU one worker per core with one
+    torch thread each, since a check is many small operations on cached tiles: side by side they pay no
+    thread-pool synchronisation each, and a core busy with another program holds up one worker only."""
     workers = usable_cores()
     if device.type != "cpu" or workers < 2:
         yield lambda jobs: [job() for job in jobs]
