@@ -58,8 +58,7 @@ def count_wrong(codes, scale, stored, r0: int, source_scheme: str) -> int | None
 
 
 def exact_sums(w, q, s) -> ErrorSums:
-    """The figures of source rows `w` and their codes `q`, element by element (`s`: the float32 scale,
-    broadcastable to them)."""
+    """The figures of rows `w` and their codes `q` (`s`: the float32 scale, broadcastable to them)."""
     w = w.float()
     dq = q.float() * s  # float32(q) * scale, as run.numerics.dequantize
     e2 = float((w.double() - dq.double()).square().sum())
@@ -187,7 +186,7 @@ OVERSIZE = 2.0
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
     """(channel or block scales oversized, the tensor scheme's largest |w|): a tensor scale may be a fused
-    group's, so it waits for every member (Checks.check_tensor_scales)."""
+    group's, checked once every member is in (Checks.check_tensor_scales)."""
     if scheme == "tensor":
         return 0, float(amax(w, scheme)) if w.numel() else 0.0
     return int(oversized(s, amax(w, scheme)).sum()), 0.0
