@@ -1,10 +1,6 @@
 """Check an FP8 checkpoint against its source: first the structure, from headers and config alone
-(structure.py), then every pair's bytes, streamed through quantize's reader (stream.py) and held to the
-bound numbers.py gives. An FP8 source's weights are float32(q) * scale: a dequantized output must be
-that rounded once to its dtype, a requantized one is held to the e4m3 bound against it, and one whose
-codes and scale are the source's (passed through) is exact; a static activation scale must be the
-source's, byte for byte.
-"""
+(structure.py), then every pair's bytes (pairs.py), streamed (stream.py) and held to the bound numbers.py
+gives."""
 
 from __future__ import annotations
 

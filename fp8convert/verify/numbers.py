@@ -58,8 +58,7 @@ def count_wrong(codes, scale, stored, r0: int, source_scheme: str) -> int | None
 
 
 def exact_sums(w, q, s) -> ErrorSums:
-    """The figures of source rows `w` and their codes `q`, element by element (`s`: the float32 scale,
-    broadcastable to them)."""
+    """The figures of rows `w` and their codes `q` (`s`: the float32 scale, broadcastable to them)."""
     w = w.float()
     dq = q.float() * s  # float32(q) * scale, as run.numerics.dequantize
     e2 = float((w.double() - dq.double()).square().sum())
@@ -151,8 +150,7 @@ def tile_scale(scale, r0: int, r1: int, scheme: str):
 
 def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
     """The scale of rows [r0, r1), broadcastable to them (float32)."""
-    s = tile_scale(scale, r0, r1, scheme)
-    return expand_scale(s, (r1 - r0, cols), scheme) if scheme in ("block", "mxfp8") else s
+    return expand_scale(tile_scale(scale, r0, r1, scheme), (r1 - r0, cols), scheme)
 
 
 def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
@@ -188,12 +186,9 @@ OVERSIZE = 2.0
 
 def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
     """(channel or block scales oversized, the tensor scheme's largest |w|): a tensor scale may be a fused
-    group's, so it waits for every member (Checks.check_tensor_scales)."""
-    if scheme == "tensor":  # one pass, in the weight's own dtype (its largest magnitude is exact in float32)
-        if not w.numel():
-            return 0, 0.0
-        lo, hi = torch.aminmax(w)
-        return 0, float(torch.maximum(hi, lo.neg()))
+    group's, checked once every member is in (Checks.check_tensor_scales)."""
+    if scheme == "tensor":
+        return 0, float(amax(w, scheme)) if w.numel() else 0.0
     return int(oversized(s, amax(w, scheme)).sum()), 0.0
 
 

@@ -57,7 +57,6 @@ class KeptPair:
         return compare_kept(piece, outputs[0], self.origin)
 
     def record(self, r0: int, last: bool, problem: str | None, checks) -> None:
-        """A piece's problem, once a tensor."""
         if problem and not self.failed:
             self.failed = True
             checks.report.fail(self.name, problem)
@@ -157,8 +156,6 @@ class QuantizedPair:
         ]
 
     def check(self, sources, outputs, r0: int, checks) -> SlabResult:
-        """A slab's scale, its figures against its source (an FP8 source's dequantized values), and for an
-        FP8 source whether its codes (and, in the first slab, its scale) are the source's."""
         from .numbers import finite_positive, identical, measure_slab, powers_of_two, scale_values, source_values
 
         q, scale = outputs
@@ -181,8 +178,7 @@ class QuantizedPair:
         return result
 
     def record(self, r0: int, last: bool, result: SlabResult, checks) -> None:
-        """A slab; once all are in, the tensor's verdict: passed through from an FP8 source (its codes and
-        scale the source's: exact), or measured against its source."""
+        """A slab; after the last, the tensor's verdict: passed through (exact) or measured."""
         if r0 == 0:
             self.first = result
         self.same_codes &= result.same_codes

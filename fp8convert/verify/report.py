@@ -40,25 +40,18 @@ class TensorCheck:
 
     def problem(self, scheme: str) -> str:
         """What is wrong with these figures, one line."""
-
-        def counted(n: int, word: str, rest: str) -> list[str]:
-            return [f"{plural(n, word)} {'is' if n == 1 else 'are'} {rest}"] if n else []
-
-        what = [
-            *counted(
-                self.off_rule_scales,
-                "scale",
-                f"not the smallest power of two that fits their {'group' if scheme == 'mxfp8' else 'block'}",
-            ),
-            *counted(
+        unit = {"mxfp8": "group", "channel": "row"}.get(scheme, "block")  # what one scale covers
+        counts = [
+            (self.off_rule_scales, "scale", f"not the smallest power of two that fits their {unit}"),
+            (
                 self.oversized_scales,
                 "scale",
-                f"more than twice amax / 448 of their {'row' if scheme == 'channel' else 'block'} (codes lose "
-                "precision, or round to zero)",
+                f"more than twice amax / 448 of their {unit} (codes lose precision, or round to zero)",
             ),
-            *counted(self.inexact_codes, "code", "not the round-to-nearest-even e4m3 value of weight/scale"),
-            *counted(self.off_grid, "code", "not the nearest e4m3 value of weight/scale"),
+            (self.inexact_codes, "code", "not the round-to-nearest-even e4m3 value of weight/scale"),
+            (self.off_grid, "code", "not the nearest e4m3 value of weight/scale"),
         ]
+        what = [f"{plural(n, word)} {'is' if n == 1 else 'are'} {rest}" for n, word, rest in counts if n]
         if not self.rel_error <= self.bound * (1 + FLOAT_SLACK):
             what.append(f"relative error {self.rel_error:.4g} exceeds the e4m3 bound {self.bound:.4g}")
         return f"{'; '.join(what)} (SNR {self.snr_db:.1f} dB)"

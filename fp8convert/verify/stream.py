@@ -1,13 +1,15 @@
-"""The data checks: every pair's pieces streamed through quantize's reader (run/verify_stream.py), each
-batch's pieces checked by worker threads, and their results recorded into the report in order."""
+"""The data checks: every pair's pieces read through quantize's reader in batches of at most half the
+memory budget (the next batch read while this one is checked), checked by worker threads, and their
+results recorded into the report in order."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,14 +18,31 @@ from ..formats import QuantizationConfig
 from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.rules import fused_group_key
 from ..run.cores import usable_cores
-from ..run.device import budget_for, resolve_device
+from ..run.device import budget_for, io_threads, resolve_device
 from ..run.numerics import FP8_MAX
-from ..run.prefetch import window_for
+from ..run.prefetch import Prefetcher, default_threads, window_for
 from ..run.progress import Progress
-from ..run.verify_stream import Read, verify_stream
+from ..run.reader import BatchReader
+from ..safetensors_io import TensorInfo, torch_dtype
 from ..source.checkpoint import Source
 from .numbers import oversized
 from .report import VerifyReport
+
+
+@dataclass
+class Read:
+    """One piece of a pair: what it reads of the source and of the output (files relative to each
+    checkpoint's directory)."""
+
+    pair: object
+    r0: int
+    last: bool
+    source: list[TensorInfo]
+    output: list[TensorInfo]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.source) + sum(t.nbytes for t in self.output)
 
 
 @dataclass
@@ -100,9 +119,7 @@ def check_data(
     reads = []
     for pair in pairs:
         pieces = pair.pieces()
-        reads += [
-            Read((pair, r0, i == len(pieces) - 1), src, got, pair.name) for i, (r0, src, got) in enumerate(pieces)
-        ]
+        reads += [Read(pair, r0, i == len(pieces) - 1, src, got) for i, (r0, src, got) in enumerate(pieces)]
     report.bytes_read = sum(r.nbytes for r in reads)
     budget = budget_for(dev, settings.max_resident)
     bar = Progress(report.bytes_read, f"verify {out}", enabled=settings.progress)
@@ -110,17 +127,16 @@ def check_data(
     seconds.update(wait_read=0.0, check=0.0)
     try:
         with (
-            verify_stream(reads, source.root, out, dev, budget, bar, window_for(settings.prefetch)) as batches,
+            read_batches(reads, source.root, out, dev, budget, bar, window_for(settings.prefetch)) as batches,
             checkers(dev) as run_all,
             torch.no_grad(),
         ):
             waited = time.monotonic()
             for batch in batches:
                 checking = time.monotonic()
-                jobs = [functools.partial(read.key[0].check, s, o, read.key[1], checks) for read, s, o in batch]
+                jobs = [functools.partial(read.pair.check, s, o, read.r0, checks) for read, s, o in batch]
                 for (read, _, _), result in zip(batch, run_all(jobs)):
-                    pair, r0, last = read.key
-                    pair.record(r0, last, result, checks)
+                    read.pair.record(read.r0, read.last, result, checks)
                 del batch, jobs
                 seconds["wait_read"] += checking - waited
                 waited = time.monotonic()
@@ -133,12 +149,83 @@ def check_data(
     checks.check_tensor_scales()
 
 
+def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
+    """Consecutive reads, at most `budget` bytes a batch (a larger read is a batch of its own)."""
+    groups: list[list[Read]] = []
+    used = 0
+    for read in reads:
+        if not groups or used + read.nbytes > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(read)
+        used += read.nbytes
+    return groups
+
+
+@contextlib.contextmanager
+def read_batches(reads, source_root: Path, out_root: Path, device, budget: int, progress: Progress, prefetch: int):
+    """The batches of `reads` in order, each a list of (read, source tensors, output tensors): views of
+    buffers reused for a later batch, so done with a batch means done with them."""
+    groups = group_reads(reads, max(1, budget // 2))
+    roots = (source_root, out_root)
+    # each batch's source and output pieces, under names unique within it (read k's j-th is "k.j")
+    sides = [
+        [
+            [replace(t, name=f"{k}.{j}") for k, read in enumerate(group) for j, t in enumerate(getattr(read, side))]
+            for group in groups
+        ]
+        for side in ("source", "output")
+    ]
+    with contextlib.ExitStack() as stack:  # leaving it stops the prefetchers, then waits for the reads in flight
+        readers = [stack.enter_context(BatchReader(root, device, threads=io_threads(device.type)[0])) for root in roots]
+        window = max(1, prefetch // 2)
+        prefetchers = [
+            stack.enter_context(Prefetcher(root, [t for b in batches for t in b], window, threads=default_threads()))
+            for root, batches in zip(roots, sides)
+            if prefetch
+        ]
+        yield _batches(groups, sides, readers, prefetchers, device, progress)
+
+
+def _batches(groups, sides, readers, prefetchers, device, progress) -> Iterator[list]:
+    def start(i: int) -> list | None:
+        return None if i == len(groups) else [reader.start(batches[i]) for reader, batches in zip(readers, sides)]
+
+    ahead = start(0)
+    for i, group in enumerate(groups):
+        current, ahead = ahead, None
+        ahead = start(i + 1)  # read while this batch is checked
+        for pending in current:
+            pending.wait_all()
+        for p, batches in zip(prefetchers, sides):
+            p.advance(sum(t.nbytes for t in batches[i]))
+        source, output = current
+        yield [(read, views(source, read.source, k), views(output, read.output, k)) for k, read in enumerate(group)]
+        if device.type == "cuda":  # the next batch's reads (other streams) may reuse these buffers' memory
+            torch.cuda.current_stream(device).synchronize()
+        progress.advance(sum(read.nbytes for read in group), group[-1].pair.name)
+        for reader, pending in zip(readers, current):
+            reader.recycle(pending.buf)
+        del current, pending, source, output
+
+
+def views(pending, infos: list[TensorInfo], k: int) -> list[torch.Tensor]:
+    """Read `k`'s pieces (named "k.j") in the batch buffer, as the tensors they hold."""
+    tensors = []
+    for j, info in enumerate(infos):
+        offset, dtype = pending.offsets[f"{k}.{j}"], torch_dtype(info.dtype)
+        if not info.nbytes:
+            tensors.append(torch.empty(info.shape, dtype=dtype, device=pending.buf.device))
+        else:
+            tensors.append(pending.buf[offset : offset + info.nbytes].view(dtype).view(info.shape))
+    return tensors
+
+
 @contextlib.contextmanager
 def checkers(device):
-    """Where the checks of a batch run, results in order: on a CPU, one worker thread per core, each
-    with one torch thread; on a GPU, here. A CPU check is many small operations (tiles that stay in the
-    caches): run side by side they pay no thread-pool synchronisation each, and a core busy with
-    another program holds up one worker, not every operation."""
+    """Where a batch's checks run, results in order: on a GPU here; on a CPU one worker per core with one
+    torch thread each, since a check is many small operations on cached tiles: side by side they pay no
+    thread-pool synchronisation each, and a core busy with another program holds up one worker only."""
     workers = usable_cores()
     if device.type != "cpu" or workers < 2:
         yield lambda jobs: [job() for job in jobs]

@@ -96,14 +96,9 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
             raise FP8ConvertError(f"{config_path}: not a JSON object")
         dequantized = source.quant is not None and "quantization_config" not in config  # written by `dequantize`
         fmt = None if dequantized else read_quantization_config(config, str(config_path))
-    except FileNotFoundError:
-        report.fail(str(config_path), "missing: the output is incomplete")
-        return False, None
-    except ValueError as e:
-        report.fail(str(config_path), f"not valid JSON ({e})")
-        return False, None
-    except FP8ConvertError as e:
-        report.fail(str(config_path), str(e).removeprefix(f"{config_path}: "))
+    except (FileNotFoundError, ValueError, FP8ConvertError) as e:
+        what = str(e).removeprefix(f"{config_path}: ") if isinstance(e, FP8ConvertError) else f"not valid JSON ({e})"
+        report.fail(str(config_path), "missing: the output is incomplete" if isinstance(e, FileNotFoundError) else what)
         return False, None
     for promise in fmt.unkept if fmt else ():  # what loaders act on though no tensor backs it
         report.fail(str(config_path), promise)
