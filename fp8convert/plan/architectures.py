@@ -1,9 +1,5 @@
-"""The architecture registry: what fp8convert knows about each model family, in one table.
-
-One `Architecture` (family.py says what its fields mean) per family, picked by config.json's
-`model_type` (never by tensor shapes). Upstream files are cited by their path in vLLM 0.33
-(`vllm/model_executor/models/...`) and transformers 5.24 (`transformers/models/...`). A model_type not
-listed here gets the generic rules, and `inspect` says so.
+"""The architecture registry: one `Architecture` (family.py) per model family, picked by config.json's
+`model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and transformers 5.24.
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ _LLAVA_TRANSFORMERS = (
 
 
 def _legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
-    """vLLM's mapper from transformers' multimodal names back to the legacy ones: model.language_model.
-    to language_model.model., model.{tower}. to {tower}., lm_head to language_model.lm_head."""
+    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
     return (
         Rename(r"^model\.language_model\.", "language_model.model."),
         *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
@@ -74,8 +69,7 @@ def _gate_up_down(
     down: str = "experts.down_proj",
     interleaved: bool = False,
 ) -> tuple[ExpertTensor, ExpertTensor]:
-    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate and up in one
-    tensor, down in the other."""
+    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
     return (
         ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
         ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
@@ -88,8 +82,7 @@ def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architectu
 
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
-    """vllm/model_executor/models/falcon_h1.py: FalconH1ParallelHybrid builds the attention branch at the
-    layer's own prefix (no `self_attn`) and the Mamba branch at `model.{num_hidden_layers + N}.mixer`."""
+    """vLLM's falcon_h1.py builds attention at the layer's own prefix, Mamba at model.{L + N}.mixer."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(\w+)", module)
     if m:
         return f"model.layers.{m.group(1)}.{m.group(2)}"
@@ -185,12 +178,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         quantized=f"attention, shared experts, {_MOE_ROUTED}",
     ),
     Architecture(
-        # vllm/model_executor/models/llama4.py, Llama4Model.load_moe_expert_weights: per-expert 2-D
-        # feed_forward.experts.{e}.gate_proj/up_proj/down_proj load for every scheme; the fused form loads
-        # no per-tensor scales. permute_qk_weight_for_rotary permutes q/k weight_scale rows per head, which
-        # 128x128 compressed-tensors block scales cannot follow. transformers' compressed-tensors path
-        # replaces Llama4TextExperts by per-expert Linears (quantizers/base.py,
-        # SequentialLlama4TextExperts), so it reads that split layout too, FP8 or BF16.
+        # vllm/model_executor/models/llama4.py: per-expert 2-D experts load for every scheme (the fused
+        # form loads no per-tensor scales); q/k scale rows are permuted per head, which block scales cannot
+        # follow. transformers' compressed-tensors path reads per-expert Linears (SequentialLlama4TextExperts).
         "Llama-4",
         ("llama4", "llama4_text"),
         keep=(
@@ -286,11 +276,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="Mamba mixers stay BF16",
     ),
     Architecture(
-        # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H] (gate|up, chunk(2)),
-        # output_linear [E, H, I]; router.layer -> router. vllm/model_executor/models/granitemoe.py:
-        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted. transformers
-        # merges no per-expert weights of this family, and on CPU reads fused FP8 experts as their codes
-        # (the dequantize op matches only `.weight` names): no FP8 expert layout loads in both.
+        # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H], output_linear [E, H, I];
+        # vLLM's granitemoe.py loads per-expert 2-D. transformers merges no per-expert weights of this family
+        # and reads fused FP8 experts as their codes: no FP8 expert layout loads in both.
         "GraniteMoE",
         ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
