@@ -1,6 +1,5 @@
 """The architecture registry: one `Architecture` (family.py) per model family, picked by config.json's
-`model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and transformers 5.24.
-"""
+`model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and transformers 5.24."""
 
 from __future__ import annotations
 
@@ -23,17 +22,14 @@ from .family import (
     Limit,
     Rename,
     config_value,
+    gate_up_down,
+    legacy_vllm_names,
 )
 
 GENERIC = Architecture("generic", ())
 
-
-# ---------------------------------------------------------------- shared pieces of the tables
-
-# transformers 5.24 loads the legacy multimodal layout (language_model.model.*, vision_tower.*,
-# multi_modal_projector.*) under model.* (conversion_mapping.py, "llava" patterns); vLLM maps the new
-# names back to the legacy ones (vllm/model_executor/models/llava.py, gemma3_mm.py, mistral3.py:
-# hf_to_vllm_mapper).
+# transformers loads the legacy multimodal layout under model.* (conversion_mapping.py, "llava"); vLLM maps
+# the new names back to the legacy ones (llava.py, gemma3_mm.py, mistral3.py: hf_to_vllm_mapper).
 _LLAVA_TRANSFORMERS = (
     Rename(r"^language_model\.model\.", "model.language_model."),
     Rename(r"^language_model\.lm_head$", "lm_head"),
@@ -43,37 +39,14 @@ _LLAVA_TRANSFORMERS = (
 )
 
 
-def _legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
-    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
-    return (
-        Rename(r"^model\.language_model\.", "language_model.model."),
-        *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
-        Rename(r"^lm_head$", "language_model.lm_head"),
-    )
-
-
-_LLAVA_VLLM = _legacy_vllm_names("vision_tower", "multi_modal_projector")
+_LLAVA_VLLM = legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
-_QWEN_VL_VLLM = _legacy_vllm_names("visual")
+_QWEN_VL_VLLM = legacy_vllm_names("visual")
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
 _TOWER_NOTE = (
     "vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
     "in transformers' and vLLM's names too"
 )
-
-
-def _gate_up_down(
-    block: str,
-    stored: tuple[str, ...],
-    gate_up: str = "experts.gate_up_proj",
-    down: str = "experts.down_proj",
-    interleaved: bool = False,
-) -> tuple[ExpertTensor, ExpertTensor]:
-    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
-    return (
-        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
-        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
-    )
 
 
 def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architecture:
@@ -101,9 +74,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="q/k/v and gate/up share one scale per layer in the tensor scheme",
     ),
     Architecture(
-        # vllm/model_executor/models/falcon.py FalconModel.load_weights: every query_key_value parameter
-        # with an output dim, block scales included, is viewed as [kv_heads, q_per_kv + 2, -1] rows and
-        # regrouped per head; a 128-row block scale grid spans several 64-row heads and cannot be.
+        # vllm/model_executor/models/falcon.py FalconModel.load_weights: a 128-row block scale grid spans
+        # several 64-row heads, so it cannot be regrouped per head.
         "Falcon",
         ("falcon",),
         keep=(
@@ -192,7 +164,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             ),
         ),
         experts=Experts(
-            _gate_up_down(r".+\.feed_forward", (IN_OUT,)),
+            gate_up_down(r".+\.feed_forward", (IN_OUT,)),
             split_when_kept=(Format.COMPRESSED_TENSORS,),
             transformers_loads_split=(Format.COMPRESSED_TENSORS,),
         ),
@@ -208,7 +180,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "gpt-oss",
         ("gpt_oss",),
         experts=Experts(
-            _gate_up_down(r".+\.mlp", (IN_OUT,), interleaved=True),
+            gate_up_down(r".+\.mlp", (IN_OUT,), interleaved=True),
             kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
             "experts as BF16; transformers 5.24 has no converter for them)",
         ),
@@ -283,9 +255,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
         experts=Experts(
-            _gate_up_down(
-                r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight"
-            )
+            gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight")
         ),
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
@@ -294,9 +264,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "that with the experts randomly initialised",
     ),
     Architecture(
-        # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors with [E]
-        # per-tensor scales under odd names, and compressed-tensors never quantizes them (the class name
-        # matches no target); its RoutedExperts prefix is `...ffn` (no "experts").
+        # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors, which
+        # compressed-tensors never quantizes; its RoutedExperts prefix is `...ffn` (no "experts").
         "DBRX",
         ("dbrx",),
         keep=(Keep(r"\.ffn\.router\.layer$", ROUTER),),
@@ -315,13 +284,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts [E*inter, hidden] stay BF16",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True, whatever the
-        # shapes (released [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
-        # Where hidden == 2 * inter both fit: the released orientation, the one vLLM reads, is read.
+        # vllm/model_executor/models/qwen3_vl_moe.py reads the released [E, H, 2I] whatever the shapes;
+        # transformers saves [E, 2I, H] and transposes on load by shape.
         "Qwen3-VL-MoE",
         ("qwen3_vl_moe",),
         experts=Experts(
-            _gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)),
+            gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)),
             count=("num_experts", "num_local_experts"),
             width=("moe_intermediate_size",),
         ),
@@ -337,9 +305,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("gemma4",),
         keep=(Keep(r"\.router\.proj$", ROUTER), Keep(r"(^|\.)embed_(vision|audio)\.", TOWER)),
         experts=Experts(
-            _gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",), width=("moe_intermediate_size",)
+            gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",), width=("moe_intermediate_size",)
         ),
-        vllm_names=_legacy_vllm_names("vision_tower", "embed_vision"),
+        vllm_names=legacy_vllm_names("vision_tower", "embed_vision"),
         quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}",
     ),
     _multimodal(

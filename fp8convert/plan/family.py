@@ -173,3 +173,26 @@ def mtp_layers(arch: Architecture, config: dict) -> list[str]:
     count = config_value(config, "num_nextn_predict_layers") or 0
     first = config_value(config, "num_hidden_layers") or 0
     return [f"model.layers.{first + i}" for i in range(count)]
+
+
+def gate_up_down(
+    block: str,
+    stored: tuple[str, ...],
+    gate_up: str = "experts.gate_up_proj",
+    down: str = "experts.down_proj",
+    interleaved: bool = False,
+) -> tuple[ExpertTensor, ExpertTensor]:
+    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
+    return (
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
+    )
+
+
+def legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
+    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
+    return (
+        Rename(r"^model\.language_model\.", "language_model.model."),
+        *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
+        Rename(r"^lm_head$", "language_model.lm_head"),
+    )
