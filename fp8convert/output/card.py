@@ -1,9 +1,5 @@
-"""The model card (OUT/README.md) of a converted checkpoint.
-
-A YAML header the Hub understands (base_model + base_model_relation: quantized links the repo to its
-source; license and library_name carried over from the source card), then what was done, what stayed
-in high precision and why, the command that reproduces it, and how to load it.
-"""
+"""The model card (OUT/README.md): a YAML header linking the repo to its source on the Hub, what was done,
+what stayed in high precision and why, the command that reproduces it, and how to load it."""
 
 from __future__ import annotations
 
@@ -90,9 +86,8 @@ def card_info(plan) -> dict:
 
 
 def base_model_of(info: dict, given: str | None) -> str | None:
-    """The Hub repo the card names as base model: --base-model, else a Hub source's repo id, else the repo
-    of a huggingface_hub cache snapshot given as a directory. (The source card's own base_model names the
-    source's parent, not the source.)"""
+    """--base-model, else a Hub source's repo id, else the repo of a Hub cache snapshot given as a directory
+    (the source card's own base_model names the source's parent)."""
     source = str(info["source"])
     if given:
         return given
@@ -123,8 +118,7 @@ def reproduce_command(info: dict, target: str, base_model: str | None) -> str:
 
 
 def transformers_support(fmt: str, scheme: str, cannot_load: str | None) -> tuple[bool, str]:
-    """Whether transformers loads this combination (see the README's table), and why not.
-    `cannot_load`: the plan's own reason (summary.transformers_verdict), when it has one."""
+    """Whether transformers loads this combination, and why not; `cannot_load`: the plan's own reason."""
     if cannot_load:
         return False, cannot_load
     if fmt == "fp8" and scheme == "tensor":
@@ -149,9 +143,8 @@ def make_card(
     out_dir: str | Path | None = None,
     base_model: str | None = None,
 ) -> str:
-    """The README.md of a converted checkpoint, from its Plan or a card_info()-like dict. `command`: the
-    command line (default: generated); `verify`: figures for a table; the examples name `repo_id`, else
-    `out_dir` (`push` later puts the repo id there); `base_model`: --base-model."""
+    """The README.md of a converted checkpoint, from its Plan or a card_info()-like dict. The examples name
+    `repo_id`, else `out_dir` (`push` later puts the repo id there)."""
     info = plan_or_info if isinstance(plan_or_info, dict) else card_info(plan_or_info)
     source = str(info["source"])
     dequantized = bool(info.get("dequantize"))
@@ -172,7 +165,6 @@ def make_card(
 
 
 def front_matter(info: dict, base_model: str | None, source_card_text: str | None) -> str:
-    """The YAML header: the Hub links the repo to its base model and shows the source's license."""
     source_meta, _ = split_front_matter(source_card_text)
     meta: dict = {}
     dequantized = bool(info.get("dequantize"))
@@ -305,15 +297,12 @@ def use_section(info: dict, where: str) -> list[str]:
 
 
 def verification_section(figures: dict) -> list[str]:
-    lines = [
-        "## Verification",
-        "",
-        "Dequantized weights compared with the source (`fp8convert verify`):",
-        "",
-        "| measure | value |",
-        "|---|---|",
-    ]
-    return lines + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
+    lines = ["## Verification", "", "Dequantized weights compared with the source (`fp8convert verify`):", ""]
+    return (
+        lines
+        + ["| measure | value |", "|---|---|"]
+        + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
+    )
 
 
 def with_verification(text: str, figures: dict) -> str:
@@ -328,8 +317,8 @@ def with_verification(text: str, figures: dict) -> str:
 
 
 def retarget_card(text: str, repo_id: str) -> str:
-    """A generated card's examples name where it was written (a directory, or the repo of an earlier
-    push); on push they should name the repo. Cards without the mark are left alone."""
+    """A generated card with its examples naming `repo_id` instead of where it was written; cards without
+    the mark are left alone."""
     m = re.search(r"^" + re.escape(TARGET_MARK).replace(r"\{\}", "(.+?)") + r"\n?\Z", text, re.M)
     if not m:
         return text
@@ -345,7 +334,7 @@ def retarget_card(text: str, repo_id: str) -> str:
 
 
 def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
-    """A card for an output that has none (made before cards existed), from its manifest and config only."""
+    """A card for an output that has none, from its manifest and config only."""
     out = Path(out)
     try:
         manifest = Manifest(out).read() or {}
@@ -364,11 +353,8 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
         "source": source,
         "scheme": manifest.get("scheme") or declared.scheme,
         "format": manifest.get("format") or declared.format,
-        "kept": {},
         "scale_format": manifest.get("scale_format") or declared.scale_format,
         "ignore": list(declared.ignore),
-        "warnings": [],
-        "transformers_cannot_load": None,
         "revision": manifest.get("revision"),
         "root": manifest.get("source_path"),
     }

@@ -1,10 +1,5 @@
-"""The architecture registry: what fp8convert knows about each model family, in one table.
-
-One `Architecture` (family.py says what its fields mean) per family, picked by config.json's
-`model_type` (never by tensor shapes). Upstream files are cited by their path in vLLM 0.33
-(`vllm/model_executor/models/...`) and transformers 5.24 (`transformers/models/...`). A model_type not
-listed here gets the generic rules, and `inspect` says so.
-"""
+"""The architecture registry: one `Architecture` (family.py) per model family, picked by config.json's
+`model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and transformers 5.24."""
 
 from __future__ import annotations
 
@@ -27,17 +22,14 @@ from .family import (
     Limit,
     Rename,
     config_value,
+    gate_up_down,
+    legacy_vllm_names,
 )
 
 GENERIC = Architecture("generic", ())
 
-
-# ---------------------------------------------------------------- shared pieces of the tables
-
-# transformers 5.24 loads the legacy multimodal layout (language_model.model.*, vision_tower.*,
-# multi_modal_projector.*) under model.* (conversion_mapping.py, "llava" patterns); vLLM maps the new
-# names back to the legacy ones (vllm/model_executor/models/llava.py, gemma3_mm.py, mistral3.py:
-# hf_to_vllm_mapper).
+# transformers loads the legacy multimodal layout under model.* (conversion_mapping.py, "llava"); vLLM maps
+# the new names back to the legacy ones (llava.py, gemma3_mm.py, mistral3.py: hf_to_vllm_mapper).
 _LLAVA_TRANSFORMERS = (
     Rename(r"^language_model\.model\.", "model.language_model."),
     Rename(r"^language_model\.lm_head$", "lm_head"),
@@ -47,39 +39,14 @@ _LLAVA_TRANSFORMERS = (
 )
 
 
-def _legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
-    """vLLM's mapper from transformers' multimodal names back to the legacy ones: model.language_model.
-    to language_model.model., model.{tower}. to {tower}., lm_head to language_model.lm_head."""
-    return (
-        Rename(r"^model\.language_model\.", "language_model.model."),
-        *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
-        Rename(r"^lm_head$", "language_model.lm_head"),
-    )
-
-
-_LLAVA_VLLM = _legacy_vllm_names("vision_tower", "multi_modal_projector")
+_LLAVA_VLLM = legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
-_QWEN_VL_VLLM = _legacy_vllm_names("visual")
+_QWEN_VL_VLLM = legacy_vllm_names("visual")
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
 _TOWER_NOTE = (
     "vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
     "in transformers' and vLLM's names too"
 )
-
-
-def _gate_up_down(
-    block: str,
-    stored: tuple[str, ...],
-    gate_up: str = "experts.gate_up_proj",
-    down: str = "experts.down_proj",
-    interleaved: bool = False,
-) -> tuple[ExpertTensor, ExpertTensor]:
-    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate and up in one
-    tensor, down in the other."""
-    return (
-        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
-        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
-    )
 
 
 def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architecture:
@@ -88,8 +55,7 @@ def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architectu
 
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
-    """vllm/model_executor/models/falcon_h1.py: FalconH1ParallelHybrid builds the attention branch at the
-    layer's own prefix (no `self_attn`) and the Mamba branch at `model.{num_hidden_layers + N}.mixer`."""
+    """vLLM's falcon_h1.py builds attention at the layer's own prefix, Mamba at model.{L + N}.mixer."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(\w+)", module)
     if m:
         return f"model.layers.{m.group(1)}.{m.group(2)}"
@@ -108,9 +74,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="q/k/v and gate/up share one scale per layer in the tensor scheme",
     ),
     Architecture(
-        # vllm/model_executor/models/falcon.py FalconModel.load_weights: every query_key_value parameter
-        # with an output dim, block scales included, is viewed as [kv_heads, q_per_kv + 2, -1] rows and
-        # regrouped per head; a 128-row block scale grid spans several 64-row heads and cannot be.
+        # vllm/model_executor/models/falcon.py FalconModel.load_weights: a 128-row block scale grid spans
+        # several 64-row heads, so it cannot be regrouped per head.
         "Falcon",
         ("falcon",),
         keep=(
@@ -185,12 +150,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         quantized=f"attention, shared experts, {_MOE_ROUTED}",
     ),
     Architecture(
-        # vllm/model_executor/models/llama4.py, Llama4Model.load_moe_expert_weights: per-expert 2-D
-        # feed_forward.experts.{e}.gate_proj/up_proj/down_proj load for every scheme; the fused form loads
-        # no per-tensor scales. permute_qk_weight_for_rotary permutes q/k weight_scale rows per head, which
-        # 128x128 compressed-tensors block scales cannot follow. transformers' compressed-tensors path
-        # replaces Llama4TextExperts by per-expert Linears (quantizers/base.py,
-        # SequentialLlama4TextExperts), so it reads that split layout too, FP8 or BF16.
+        # vllm/model_executor/models/llama4.py: per-expert 2-D experts load for every scheme (the fused
+        # form loads no per-tensor scales); q/k scale rows are permuted per head, which block scales cannot
+        # follow. transformers' compressed-tensors path reads per-expert Linears (SequentialLlama4TextExperts).
         "Llama-4",
         ("llama4", "llama4_text"),
         keep=(
@@ -202,7 +164,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             ),
         ),
         experts=Experts(
-            _gate_up_down(r".+\.feed_forward", (IN_OUT,)),
+            gate_up_down(r".+\.feed_forward", (IN_OUT,)),
             split_when_kept=(Format.COMPRESSED_TENSORS,),
             transformers_loads_split=(Format.COMPRESSED_TENSORS,),
         ),
@@ -218,7 +180,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "gpt-oss",
         ("gpt_oss",),
         experts=Experts(
-            _gate_up_down(r".+\.mlp", (IN_OUT,), interleaved=True),
+            gate_up_down(r".+\.mlp", (IN_OUT,), interleaved=True),
             kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
             "experts as BF16; transformers 5.24 has no converter for them)",
         ),
@@ -286,18 +248,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="Mamba mixers stay BF16",
     ),
     Architecture(
-        # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H] (gate|up, chunk(2)),
-        # output_linear [E, H, I]; router.layer -> router. vllm/model_executor/models/granitemoe.py:
-        # router -> gate; experts through RoutedExperts.load_weights, per expert 2-D accepted. transformers
-        # merges no per-expert weights of this family, and on CPU reads fused FP8 experts as their codes
-        # (the dequantize op matches only `.weight` names): no FP8 expert layout loads in both.
+        # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H], output_linear [E, H, I];
+        # vLLM's granitemoe.py loads per-expert 2-D. transformers merges no per-expert weights of this family
+        # and reads fused FP8 experts as their codes: no FP8 expert layout loads in both.
         "GraniteMoE",
         ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
         experts=Experts(
-            _gate_up_down(
-                r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight"
-            )
+            gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight")
         ),
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
         vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
@@ -306,9 +264,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "that with the experts randomly initialised",
     ),
     Architecture(
-        # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors with [E]
-        # per-tensor scales under odd names, and compressed-tensors never quantizes them (the class name
-        # matches no target); its RoutedExperts prefix is `...ffn` (no "experts").
+        # vllm/model_executor/models/dbrx.py: DbrxExperts take only stacked [E*I, H] tensors, which
+        # compressed-tensors never quantizes; its RoutedExperts prefix is `...ffn` (no "experts").
         "DBRX",
         ("dbrx",),
         keep=(Keep(r"\.ffn\.router\.layer$", ROUTER),),
@@ -327,13 +284,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts [E*inter, hidden] stay BF16",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_vl_moe.py: is_fused_checkpoint_transposed=True, whatever the
-        # shapes (released [E, H, 2I]); transformers 5.24 saves [E, 2I, H] and transposes on load by shape.
-        # Where hidden == 2 * inter both fit: the released orientation, the one vLLM reads, is read.
+        # vllm/model_executor/models/qwen3_vl_moe.py reads the released [E, H, 2I] whatever the shapes;
+        # transformers saves [E, 2I, H] and transposes on load by shape.
         "Qwen3-VL-MoE",
         ("qwen3_vl_moe",),
         experts=Experts(
-            _gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)),
+            gate_up_down(r".+\.mlp", (IN_OUT, OUT_IN)),
             count=("num_experts", "num_local_experts"),
             width=("moe_intermediate_size",),
         ),
@@ -349,9 +305,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("gemma4",),
         keep=(Keep(r"\.router\.proj$", ROUTER), Keep(r"(^|\.)embed_(vision|audio)\.", TOWER)),
         experts=Experts(
-            _gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",), width=("moe_intermediate_size",)
+            gate_up_down(r".+\.layers\.\d+", (OUT_IN,)), count=("num_experts",), width=("moe_intermediate_size",)
         ),
-        vllm_names=_legacy_vllm_names("vision_tower", "embed_vision"),
+        vllm_names=legacy_vllm_names("vision_tower", "embed_vision"),
         quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}",
     ),
     _multimodal(

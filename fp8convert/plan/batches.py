@@ -38,9 +38,8 @@ def resident_bytes(tensors: list[TensorPlan]) -> int:
 
 
 def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
-    """Split units over the memory budget between atoms (a fused group is never split). A kept tensor
-    larger than a piece is copied piece by piece, and a fused expert tensor over the budget is read a
-    range of whole experts at a time, each piece a batch of its own."""
+    """Split units over the memory budget between atoms. A large kept tensor is copied piece by piece, and a
+    fused expert tensor over the budget read a range of whole experts at a time, each piece a batch."""
     piece_bytes = min(max_resident, KEPT_PIECE_BYTES)
     batches = []
     for unit in units:
@@ -74,9 +73,8 @@ def first_axis_slice(info: TensorInfo, first: int, count: int) -> TensorInfo:
 
 
 def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
-    """A kept tensor over `max_bytes` as ranges of whole rows of at most that size (at least one row).
-    Kept tensors are only checked for NaN/Inf and copied, so nothing needs one whole; in pieces, memory
-    does not grow with the vocabulary (an embedding can be several GB)."""
+    """A kept tensor over `max_bytes` as ranges of whole rows of at most that size (at least one row), so
+    memory does not grow with the vocabulary (kept tensors are only checked and copied)."""
     info = t.source
     if t.action is not Action.KEEP or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
         return [t]
@@ -89,9 +87,8 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
 
 
 def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:
-    """The outputs cut from one fused expert tensor, by ranges of whole experts whose slice of the source
-    (contiguous: experts are its first axis) is at most `max_bytes` (at least one expert). A layer's
-    fused experts can be tens of GB (Llama-4 Maverick: 21 GB per tensor); one expert's are not."""
+    """The outputs cut from one fused expert tensor, by ranges of whole experts whose (contiguous) slice of
+    the source is at most `max_bytes` (at least one expert)."""
     info = atom[0].source
     if info.nbytes <= max_bytes or any(t.cut.expert is None for t in atom):
         return [atom]

@@ -1,6 +1,5 @@
-"""Building the plan, a pure, deterministic function of (headers, config.json, options): check the
-source's layers, decide every tensor (rules.py), say how each output is made (its Action), lay the
-outputs out in shards, list the modules engines must leave unquantized."""
+"""build_plan, a pure function of (headers, config.json, options): decide every tensor (rules.py), say how
+each output is made, lay the outputs out in shards, list the modules engines must leave unquantized."""
 
 from __future__ import annotations
 
@@ -51,11 +50,9 @@ def build_plan(source: Source, options: Options) -> Plan:
 
 
 def check_layers(source: Source) -> None:
-    """Refuse a checkpoint whose weights lack decoder layers: a numbering gap in a stack of layers, or
-    fewer layers in every stack than config.json's num_hidden_layers (its text_config's for a
-    multimodal model). A shard left out of a download does this, and the output would load with those
-    layers missing or randomly initialised. More layers than the config says are fine (DeepSeek's MTP
-    layer follows the decoder's)."""
+    """Refuse weights with a gap in a stack of layers, or fewer layers than config.json's num_hidden_layers
+    (a shard left out of a download): the output would load with layers randomly initialised. More layers
+    are fine (DeepSeek's MTP layer follows the decoder's)."""
     stacks: dict[str, set[int]] = {}
     for t in source.tensors:
         if m := LAYER_PATTERN.match(t.name):
@@ -124,10 +121,8 @@ def high_precision_dtype(options: Options, config: dict) -> str:
 
 
 def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
-    """How decision `d` (kept or quantized, rules.py) is made. An FP8 source weight kept in high
-    precision is dequantized; one that stays FP8 passes through when its scales are already the
-    output's (passes_through), and is requantized from its dequantized values otherwise. Its static
-    activation scale goes with it when the output's activations are per tensor."""
+    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that stays
+    FP8 passes through or is requantized, its static activation scale going with it in the tensor scheme."""
     fp8_weight = quant.weights.get(d.source.name) if quant else None
     if fp8_weight is None and not d.quantize:
         return d
@@ -147,11 +142,8 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
 
 
 def passes_through(quant: SourceQuantization, options: Options) -> bool:
-    """Whether an FP8 source's codes and scales are already what the output asks for: same scheme (the
-    format only names the scale), and, for --scale-format ue8m0, block scales the source declares
-    powers of two (the pipeline checks each value). Re-deriving scales would change codes wherever the
-    source's are not amax / 448, so a source that fits passes as it is; power-of-two scales are
-    float scales too, so a ue8m0 source passes into a float output."""
+    """Whether an FP8 source's codes and scales are already the output's: same scheme and, for ue8m0, scales
+    the source declares powers of two (re-deriving them would change codes where they are not amax / 448)."""
     return quant.scheme == options.scheme and (
         options.scale_format == ScaleFormat.FLOAT or quant.config.scale_fmt == ScaleFormat.UE8M0
     )
@@ -184,12 +176,9 @@ def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], opti
 
 
 def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: str) -> list[str]:
-    """Every linear module left unquantized, by its full name as the checkpoint, transformers (in
-    memory) and vLLM (after its mapper) each name it: vLLM and transformers match exact names (and
-    `re:` regexes in compressed-tensors), and each renames differently. A MoE layer whose experts are
-    all kept is also named as a whole, the way each consumer's experts module is matched: vLLM's fp8
-    path by a substring of the experts prefix, compressed-tensors by per-expert names (only a regex
-    covers every naming, and one expert's module is not always a real module)."""
+    """Every linear module left unquantized, as the checkpoint, transformers and vLLM each name it (they
+    match exact names). A MoE layer with every expert kept is named whole too: vLLM's fp8 path matches a
+    substring of the experts prefix, compressed-tensors per-expert names (only a regex covers both)."""
     entries: set[str] = set()
     for t in plans:
         if not t.quantize and is_linear_weight(t.name, t.shape, t.dtype, t.reason):

@@ -1,11 +1,5 @@
-"""Cuts: where an output weight lies inside its source tensor.
-
-Fused MoE checkpoints keep all experts of a layer in one tensor per projection, some transposed
-against nn.Linear, some with gate and up interleaved. A Cut names one expert's one member in
-nn.Linear orientation [out, in]. Every step is a view (index, transpose, slice), so the outputs cut
-from one source tensor share one read of it, and `apply` works on a torch tensor or on a stack that
-keeps the expert axis (expert None). No torch import: the plan stays a pure description.
-"""
+"""Cuts: where one expert's one member lies, in nn.Linear orientation [out, in], inside a fused MoE tensor.
+Every step is a view, so the outputs cut from one source tensor share one read of it."""
 
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ class Cut:
     interleaved: bool = False  # members alternate row by row (gpt-oss) instead of being concatenated
 
     def apply(self, w):
-        """This cut of `w`, the whole source tensor, as a view. With `expert` None, a leading axis
-        of experts in `w` is kept (a stack of every expert's cut)."""
+        """This cut of `w`, the whole source tensor, as a view; with `expert` None the expert axis is kept."""
         if self.expert is not None:
             w = w[self.expert]
         if self.transpose:

@@ -1,8 +1,5 @@
-"""One model family as the architecture registry (architectures.py) describes it: what stays in high
-precision beyond the generic rules, which modules vLLM fuses, how fused MoE experts are stored, where
-MTP layers live, how each consumer names a module, and what it cannot load (a Caveat: code that acts on a
-warning reads its Caveat, never its wording).
-"""
+"""One model family as the registry (architectures.py) describes it, and the Caveats of its warnings (code
+that acts on a warning reads its Caveat, never its wording)."""
 
 from __future__ import annotations
 
@@ -66,24 +63,15 @@ class Keep(Scoped):
 
 @dataclass(frozen=True)
 class Rename:
-    """One renaming of a module name: re.sub(pattern, to, name, count=1)."""
-
     pattern: str
-    to: str
-
-    def apply(self, name: str) -> str:
-        return re.sub(self.pattern, self.to, name, count=1)
+    to: str  # re.sub(pattern, to, name, count=1)
 
 
 @dataclass(frozen=True)
 class ExpertTensor:
-    """One projection of all experts of a MoE layer in one source tensor.
-
-    `stored` lists the orientations checkpoints of this family come in (IN_OUT, OUT_IN), the family's
-    released one first. When both are listed, the config's hidden and expert sizes tell which one a
-    checkpoint has (never the shape alone); where both fit, it is the released one.
-    `members` share the output axis: gate and up of a fused gate_up tensor, concatenated
-    ([gate | up]) or `interleaved` (gate, up, gate, up, ... column by column)."""
+    """One projection of all experts of a MoE layer in one source tensor. `stored`: the orientations this
+    family's checkpoints come in, the released one first (the config's sizes tell them apart; where both
+    fit, the released one). `members` share the output axis, concatenated or `interleaved`."""
 
     pattern: str  # regex over the tensor name; group "block" is the MoE block module
     members: tuple[str, ...]  # per-expert module names, in order along the output axis
@@ -92,16 +80,14 @@ class ExpertTensor:
     experts: str = "{block}.experts"  # parent of the per-expert modules written: {experts}.{e}.{member}.weight
 
     def match(self, name: str) -> str | None:
-        """The per-expert modules' parent for a source tensor of this kind, or None."""
         m = re.fullmatch(self.pattern, name)
         return self.experts.format(block=m.group("block")) if m else None
 
 
 @dataclass(frozen=True)
 class Experts:
-    """A family's MoE experts stored as one tensor per projection for all experts of a layer. They are
-    written as one 2-D weight per expert in nn.Linear orientation, the layout the engines' loaders take
-    for FP8 checkpoints; or they stay as they are, with the reason."""
+    """Fused MoE experts: written one 2-D weight per expert in nn.Linear orientation (the layout engines load
+    for FP8), or kept as they are, with the reason."""
 
     tensors: tuple[ExpertTensor, ...]
     count: tuple[str, ...] = ("num_local_experts",)  # config keys (dotted paths) with the number of experts
@@ -140,13 +126,10 @@ class Architecture:
     notes: str = ""
 
     def transformers_name(self, module: str) -> str:
-        for rename in self.transformers_names:
-            module = rename.apply(module)
-        return module
+        return _renamed(module, self.transformers_names)
 
     def vllm_name(self, module: str, config: dict) -> str:
-        for rename in self.vllm_names:
-            module = rename.apply(module)
+        module = _renamed(module, self.vllm_names)
         return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
 
     def names(self, module: str, config: dict) -> list[str]:
@@ -163,6 +146,12 @@ class Architecture:
             if experts is not None:
                 return layout, experts
         return None
+
+
+def _renamed(module: str, renames: tuple[Rename, ...]) -> str:
+    for r in renames:
+        module = re.sub(r.pattern, r.to, module, count=1)
+    return module
 
 
 def config_value(config: dict, *keys: str):
@@ -184,3 +173,26 @@ def mtp_layers(arch: Architecture, config: dict) -> list[str]:
     count = config_value(config, "num_nextn_predict_layers") or 0
     first = config_value(config, "num_hidden_layers") or 0
     return [f"model.layers.{first + i}" for i in range(count)]
+
+
+def gate_up_down(
+    block: str,
+    stored: tuple[str, ...],
+    gate_up: str = "experts.gate_up_proj",
+    down: str = "experts.down_proj",
+    interleaved: bool = False,
+) -> tuple[ExpertTensor, ExpertTensor]:
+    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
+    return (
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
+    )
+
+
+def legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
+    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
+    return (
+        Rename(r"^model\.language_model\.", "language_model.model."),
+        *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
+        Rename(r"^lm_head$", "language_model.lm_head"),
+    )

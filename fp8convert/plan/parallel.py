@@ -1,17 +1,11 @@
-"""Tensor parallelism: which quantized dims vLLM splits at a TP size, and where its rules fail.
+"""Tensor parallelism: which quantized dims vLLM 0.33 splits at a TP size, and where its rules fail.
 
-vLLM 0.33 (vllm/model_executor/layers/linear.py, distributed/utils.py `divide`) splits a column-parallel
-linear's output dim and a row-parallel one's input dim by the TP size and asserts that it divides;
-k/v projections with fewer heads than ranks are replicated one head per rank. With 128x128 blocks,
-`validate_fp8_block_shape` (utils/fp8_utils.py) wants every per-rank split size to be a multiple of
-128 once TP > 1. MoE experts split their intermediate size (fused_moe/config.py asserts it divides):
-compressed-tensors' block MoE (`validate_fp8_block_shape_moe`) wants the per-rank size to be a
-multiple of 128 even at TP 1, while the fp8 format's MoE (fused_moe/oracle/fp8.py
-`refine_fp8_moe_block_shape`) falls back to gcd(128, per-rank size, hidden) blocks, if that is at
-least 32, on its Triton kernels, and fails only below that. MXFP8 (compressed-tensors) keeps one scale
-per 32 inputs of each row: a row-parallel layer's per-rank input size must be a multiple of 32
-(`CompressedTensorsW8A8Mxfp8.create_weights`: weight_scale [out, in_per_rank // 32]), and so must the
-experts' per-rank intermediate size (w2_weight_scale [E, H, I_per_rank // 32]).
+Column-parallel linears split their output dim, row-parallel ones their input dim, and the split must
+divide (distributed/utils.py `divide`); k/v with fewer heads than ranks are replicated per head. 128x128
+blocks want every per-rank size a multiple of 128 once TP > 1 (`validate_fp8_block_shape`). MoE experts
+split their intermediate size: compressed-tensors' block MoE wants multiples of 128 even at TP 1, the fp8
+format's falls back to gcd(128, per-rank size, hidden) blocks of at least 32 (`refine_fp8_moe_block_shape`).
+MXFP8 wants per-rank input sizes (row-parallel, experts' intermediate) in multiples of 32 (its scale groups).
 """
 
 from __future__ import annotations
@@ -93,9 +87,8 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
 
 
 def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tuple[int, ...]) -> list[PlanWarning]:
-    """One warning per kind of split dim that fails at some of `sizes` (or loads there only with
-    vLLM's smaller fallback blocks), with the sizes that work and what to choose instead.
-    `quantized`: the plan's quantized TensorPlans."""
+    """One warning per kind of split dim (of the quantized TensorPlans) that fails at some of `sizes`, or
+    loads there only with vLLM's smaller fallback blocks, with the sizes that work and what to choose instead."""
     hidden = config_value(config, "hidden_size", "d_model") or BLOCK
     splits = {s for t in quantized if len(t.shape) == 2 and (s := split_of(t.name, t.shape, config))}
     # splits of sibling modules with the same dim, as one: (parent, axis, size, heads) -> leaves

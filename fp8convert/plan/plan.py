@@ -1,9 +1,5 @@
-"""The plan's records and their layout: every output tensor's name, dtype, shape, shard and byte
-offset, and how it is made from the source, fixed before any data is read (build.py makes them).
-
-So the writer streams into shards whose headers are already known, workers can split the work, and a
-rerun can tell whether an existing partial output came from the same plan (its fingerprint).
-"""
+"""The plan's records: every output tensor's name, dtype, shape, shard and byte offset, and how it is made,
+fixed before any data is read, so shards stream into known headers and workers can split the work."""
 
 from __future__ import annotations
 
@@ -23,14 +19,12 @@ LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 
 
 class Action(enum.Enum):
-    """What is done to the source to make an output tensor. New kinds of source (an FP8 weight with
-    its scale, MXFP8 with uint8 scales) add actions here and inputs to TensorPlan, not a new plan."""
+    """What is done to the source to make an output tensor."""
 
     KEEP = "keep"  # the source bytes (or a cut of them) unchanged
     QUANTIZE = "quantize"  # FP8 codes and scales (float32, or MXFP8's E8M0 bytes) from a high-precision weight
     DEQUANTIZE = "dequantize"  # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
-    REQUANTIZE = "requantize"  # FP8 codes and scales in the output's scheme, as QUANTIZE makes them, from an FP8
-    # weight's dequantized (float32) values
+    REQUANTIZE = "requantize"  # FP8 codes and scales, as QUANTIZE makes them, from an FP8 weight's float32 values
     PASS = "pass"  # an FP8 weight's codes and scale as they are: the output's scheme is the source's
 
 
@@ -77,8 +71,7 @@ class TensorPlan:
 
     @property
     def copies(self) -> list[tuple[TensorInfo, str]]:
-        """(source tensor, output name) of a plain byte copy: a kept tensor, or a passed-through weight's
-        codes, scale and static activation scale."""
+        """(source tensor, output name) of each plain byte copy."""
         if self.action is Action.KEEP and self.cut is None:
             return [(self.source, self.name)]
         if self.action is Action.PASS:
@@ -204,10 +197,8 @@ class Plan:
         ).to_dict()
 
     def units_in(self, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
-        """The units cut down to the tensors whose outputs land in `shards`, but in a shard where `written`
-        says the unit is written already. All outputs of an atom (fused group or single tensor) share one
-        shard, so atoms are never split and, across workers that own disjoint shards, no tensor is read
-        twice."""
+        """The units cut down to the tensors whose outputs land in `shards`, less those `written` says are
+        written. An atom's outputs share one shard, so workers owning disjoint shards read no tensor twice."""
         units = []
         for ui, unit in enumerate(self.units):
             kept = [
@@ -228,8 +219,7 @@ def natural_key(text: str) -> list:
 
 
 def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
-    """One unit per decoder layer; each tensor outside the layers (embeddings, final norm, head) is a
-    unit of its own, so no unit is larger than a layer or a single tensor. Natural name order."""
+    """One unit per decoder layer, one per tensor outside the layers; natural name order."""
     by_label: dict[str, list[TensorPlan]] = {}
     for t in tensors:
         m = LAYER_PATTERN.match(t.name)
@@ -240,9 +230,8 @@ def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
 
 
 def lay_out_shards(units: list[Unit], max_shard_size: int) -> tuple[list[Shard], dict[str, int]]:
-    """The output shards, filled in unit order and named as transformers names them, with complete
-    headers; and the shard of every output tensor. Shards break between units, and a unit larger than a
-    shard between its atoms."""
+    """The output shards with complete headers, and each output's shard. Shards break between units, and
+    in a unit larger than a shard between its atoms."""
     layout: list[list[tuple[int, list[TensorPlan]]]] = [[]]
     used = 0
     for ui, unit in enumerate(units):

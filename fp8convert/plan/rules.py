@@ -1,10 +1,5 @@
-"""Which tensors become FP8, which stay in high precision (and why), and which share a scale.
-
-Pure functions of tensor names, shapes, config.json and the options: no I/O. Names are Hugging Face
-checkpoint names; a "module" is a tensor name without its trailing ".weight". The architecture
-registry (architectures.py) adds each family's own rules to the generic ones here; a family it does
-not know gets the generic rules alone.
-"""
+"""Which tensors become FP8, which stay in high precision (and why), and which share a scale: the generic
+rules, plus each registered family's own. A "module" is a tensor name without its trailing ".weight"."""
 
 from __future__ import annotations
 
@@ -57,8 +52,7 @@ class UnsupportedLayout(FP8ConvertError):
 
 
 def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str = "", scheme: str = "") -> str | None:
-    """Why a tensor stays in high precision by default, or None if it is a candidate for FP8 (an FP8
-    source's weights are judged alike). Raises UnsupportedLayout for a linear-looking weight of more than 2 dims."""
+    """Why a tensor stays in high precision by default, or None. UnsupportedLayout: a weight of more than 2 dims."""
     if info.dtype not in FLOAT_SOURCE_DTYPES and info.dtype != FP8:
         return f"{info.dtype}, not a dtype fp8convert quantizes (BF16, F16, F32)"
     if len(info.shape) < 2:
@@ -117,8 +111,7 @@ def experts_of(name: str) -> str | None:
 
 
 def decision(name: str, source: TensorInfo, reason: str | None, group: str | None = None, cut: Cut | None = None):
-    """An output tensor quantized (no reason to keep it) or kept, made from `source` (or a cut of it);
-    build.py says how an FP8 source makes it."""
+    """An output tensor quantized (no reason to keep it) or kept, made from `source` (or a cut of it)."""
     return TensorPlan(name, (source,), Action.KEEP if reason else Action.QUANTIZE, reason, group, cut=cut)
 
 
@@ -128,10 +121,8 @@ def decision(name: str, source: TensorInfo, reason: str | None, group: str | Non
 def expert_cuts(
     info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
 ) -> list[tuple[str, Cut]]:
-    """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear
-    orientation. The orientation comes from the registry and the config's sizes, never the shape
-    alone: where the sizes fit more than one, the family's own (listed first) is read; a tensor that
-    fits none is refused."""
+    """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear orientation,
+    which the registry and the config's sizes tell (never the shape alone); a tensor that fits none is refused."""
     count = config_value(config, *arch.experts.count)
     width = config_value(config, *arch.experts.width)
     hidden = config_value(config, "hidden_size", "d_model")
@@ -184,11 +175,8 @@ def decide(
     arch: Architecture = GENERIC,
     quant: SourceQuantization | None = None,
 ) -> tuple[list[TensorPlan], list[str], list[str]]:
-    """Decide every output tensor. Returns (decisions in source order, notes and warnings for the user).
-
-    An FP8 source (`quant`): its scales are inputs of their weights, never outputs of their own; its
-    FP8 weights are decided like high-precision ones (a weight the rules or --ignore keep is
-    dequantized); the tensors it kept in high precision stay as they are."""
+    """(decisions in source order, notes, warnings). An FP8 source's scales are inputs of their weights, its
+    FP8 weights are decided like high-precision ones, and what it kept in high precision stays as it is."""
     companions = quant.companions() if quant else set()
     if options.dequantize:  # every FP8 weight becomes high precision, every other tensor is kept
         return (
@@ -257,8 +245,7 @@ def decide(
 
 
 def _unsplit_kept(decisions: list[TensorPlan], arch: Architecture, options: Options) -> list[TensorPlan]:
-    """A fused expert tensor none of whose cuts is quantized (e.g. experts whose width does not divide
-    into MXFP8 groups) stays whole, as released, like experts kept with --ignore: split BF16 experts
+    """A fused expert tensor none of whose cuts is quantized stays whole, as released: split BF16 experts
     would only cost transformers the layout it reads."""
     if arch.experts is None or options.format in arch.experts.split_when_kept:
         return decisions
@@ -298,9 +285,8 @@ def _keep_together(decisions: list[TensorPlan], key_of, note: str, notes: list[s
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:
-    """Kept 2-D weights that engines build as linear layers, so the ignore list must name them. F64 too:
-    fp8convert does not quantize it, but engines load it into a linear layer all the same (unlisted, they
-    would build that layer for FP8 and cast the float64 values into it)."""
+    """Kept 2-D weights that engines build as linear layers, so the ignore list must name them; F64 too
+    (unlisted, engines would build that layer for FP8 and cast the float64 values into it)."""
     return (
         name.endswith(".weight")
         and len(shape) == 2

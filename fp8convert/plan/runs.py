@@ -1,9 +1,5 @@
-"""Output runs: the byte ranges of the output shards that a set of tensors fills.
-
-The plan fixes where every output byte goes, so the outputs of one batch fall into a few contiguous
-ranges of a shard (in a layer: its scales, its kept tensors, its FP8 codes). The run stage fills each
-range, cut into runs of at most RUN_BYTES, in one buffer and writes it with a few large writes.
-"""
+"""Output runs: the contiguous byte ranges of the output shards that a batch's outputs fill, each filled in
+one buffer and written with a few large writes."""
 
 from __future__ import annotations
 
@@ -38,8 +34,8 @@ RUN_BYTES = 64 << 20
 
 
 def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True, max_bytes: int = RUN_BYTES) -> list[Run]:
-    """The contiguous ranges of the output shards that `tensors`' outputs fill, in file order, each of
-    at most `max_bytes` unless one output alone is larger; with `merge` False, one run per output (piece)."""
+    """The ranges `tensors`' outputs fill, in file order, each of at most `max_bytes` unless one output alone
+    is larger; with `merge` False, one run per output (piece)."""
     spans = []  # (shard, file offset, name, at, nbytes)
     for t in tensors:
         for name, _, _ in t.outputs():

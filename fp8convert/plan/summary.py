@@ -53,8 +53,8 @@ LIMITS = (
 
 
 def memory_estimate(plan: Plan, budget: int, device_type: str) -> dict:
-    """Peak bytes: the device holds one batch's input and outputs plus float32 temporaries of the
-    largest tensor; the host holds pinned chunks (CUDA) or the same as the device (CPU)."""
+    """Peak bytes: the device holds a batch plus float32 temporaries of the largest tensor; the host pinned
+    chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
     largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
     largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.action in COMPUTED), default=0)
@@ -97,8 +97,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
 
 
 def plan_warnings(plan: Plan) -> list[str]:
-    """Every warning of a plan, as the user reads it: what did not happen as asked, then where the
-    output will not load."""
+    """What did not happen as asked, then where the output will not load."""
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
@@ -123,12 +122,9 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
 
 
 def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
-    """Why vLLM cannot load the block-FP8 fused layers of this plan at any TP size, or None.
-
-    vLLM loads each member of a fused layer at its row offset in one weight with one 128x128 scale grid,
-    so every member but the last must end on a block boundary (compressed-tensors checks it:
-    "output_partition_size ... is not divisible by weight quantization block_n"; the fp8 format fails
-    later copying scale rows). MoE experts follow vLLM's MoE rules instead (parallel.py)."""
+    """Why vLLM cannot load the block-FP8 fused layers of this plan at any TP size, or None: it loads each
+    member at its row offset in one weight with one 128x128 scale grid, so every member but the last must
+    end on a block boundary. MoE experts follow vLLM's MoE rules instead (parallel.py)."""
     fused: dict[str, list] = {}
     for t in quantized:
         if t.group and not EXPERT.search(t.name):
