@@ -15,10 +15,9 @@ import torch
 from ..formats import QuantizationConfig
 from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.rules import fused_group_key
-from ..run.cores import usable_cores
 from ..run.device import budget_for, resolve_device
 from ..run.numerics import FP8_MAX
-from ..run.prefetch import window_for
+from ..run.prefetch import usable_cores, window_for
 from ..run.progress import Progress
 from ..run.verify_stream import Read, verify_stream
 from ..source.checkpoint import Source
