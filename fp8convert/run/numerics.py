@@ -62,7 +62,7 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
         dims = (-1,)
     elif scheme == "mxfp8":  # [..., out, in/32, 32] -> [..., out, in/32]
         w = w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP))
-        return torch.maximum(w.amax(dim=-1), w.amin(dim=-1).neg()).float()
+        dims = (-1,)
     else:
         out, inp = w.shape[-2:]
         rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
@@ -70,9 +70,8 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
             w = torch.nn.functional.pad(w, (0, cols * BLOCK - inp, 0, rows * BLOCK - out))
         w = w.reshape(*w.shape[:-2], rows, BLOCK, cols, BLOCK)
         dims = (-3, -1)
-    return torch.maximum(
-        w.amax(dim=dims, keepdim=scheme != "block"), w.amin(dim=dims, keepdim=scheme != "block").neg()
-    ).float()
+    keep = scheme in ("tensor", "channel")
+    return torch.maximum(w.amax(dim=dims, keepdim=keep), w.amin(dim=dims, keepdim=keep).neg()).float()
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:

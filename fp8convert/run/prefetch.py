@@ -109,14 +109,15 @@ def reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
         return 0
 
 
-def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
+def merge_spans(tensors: list[TensorInfo]) -> list[list]:
+    """[file, start, end] byte spans in reading order, adjacent ranges of one file merged."""
     spans: list[list] = []
     for t in tensors:
         if spans and spans[-1][0] == t.file and spans[-1][2] == t.offset:
             spans[-1][2] += t.nbytes
         else:
             spans.append([t.file, t.offset, t.offset + t.nbytes])
-    return [tuple(s) for s in spans]
+    return spans
 
 
 class Prefetcher:

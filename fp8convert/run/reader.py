@@ -109,9 +109,6 @@ class BatchReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
         self.pool.shutdown(wait=True)
         for fd in self.fds.values():
             os.close(fd)
