@@ -1,9 +1,9 @@
 """Stage 3, run: read -> quantize -> write, overlapped, with bounded memory.
 
-pipeline.py  the reader thread, the quantizing main thread and the writer thread
+pipeline.py  the reader, quantizing and writer threads; a batch's outputs gathered into output runs
 reader.py    one batch's bytes into one device buffer; prefetch.py fills the page cache ahead of it
-quantizer.py one batch's outputs (numerics.py: the FP8 math); assembly.py gathers them into output runs
+quantizer.py one batch's outputs (numerics.py: the FP8 math)
 writer.py    runs streamed into preallocated shards (writeback.py: the Linux file calls)
-device.py    the device, its memory budget and the threads (cores.py); progress.py the bar or log lines
+device.py    the device, its memory budget and its threads; progress.py the bar or log lines
 warmup.py    torch imported (and CUDA started) in the background; startup_pages.py its recorded pages
 """

@@ -11,7 +11,7 @@ import torch
 from ..errors import FP8ConvertError
 from ..options import DEFAULT_MAX_RESIDENT
 from ..units import plural
-from .cores import io_share, usable_cores
+from .prefetch import io_share, usable_cores
 
 
 def resolve_device(device: str, option: str = "--device") -> torch.device:
@@ -36,14 +36,11 @@ def resolve_device(device: str, option: str = "--device") -> torch.device:
 
 
 def budget_for(dev: torch.device, max_resident: int | None) -> int:
-    """--max-resident (bytes), or the default for the device type."""
     return max_resident or DEFAULT_MAX_RESIDENT[dev.type]
 
 
 def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
-    """(reader, writer) threads. With a GPU quantizing, parallel I/O keeps the disk busy (8 writers fill a
-    shard through mappings faster than 4 or 16). On the CPU quantizing is the slowest stage and needs the
-    cores: 1 to 4 readers, a quarter of them, and 1 or 2 writers."""
+    """(reader, writer) threads: with a GPU, 8 and 8 keep the disk busy; on the CPU quantizing needs the cores."""
     if device_type != "cpu":
         return 8, 8
     cores = cores or usable_cores()
@@ -51,9 +48,8 @@ def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
 
 
 def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> int | None:
-    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the readers (every
-    torch thread must finish its share of a step before the next begins, so one waiting for a core an I/O
-    thread took holds up the rest). Never more than torch has; None where the user set OMP_NUM_THREADS."""
+    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the readers (a torch
+    thread waiting for a core holds up the rest). At most torch's; None where the user set OMP_NUM_THREADS."""
     if environ.get("OMP_NUM_THREADS"):
         return None
     spared = io_threads("cpu", cores)[0] if cores > 4 else 0

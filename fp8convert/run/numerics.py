@@ -1,19 +1,14 @@
 """FP8 e4m3 quantization math: pure tensor functions, the same bytes on CPU and CUDA because every step
 is exact (abs, max, integer bit arithmetic) or one IEEE float32 operation (divide, nearest-even cast).
-
-Weights are [..., out, in]: one 2-D weight, or a stack of same-shaped ones (a MoE layer's experts)
-quantized in one launch chain, each with its own scales.
+Weights are [..., out, in]: one 2-D weight, or a stack of same-shaped ones, each with its own scales.
 
 Scales
 - tensor, channel, block: amax / 448 in float32.
-- block with scale format "ue8m0": the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e. Rounded up, so no
-  code overflows, and DeepGEMM (which re-derives power-of-two block scales at load by this rule, clamp
-  included: vLLM `requant_weight_ue8m0_inplace` -> `per_block_cast_to_fp8`) finds nothing to change.
+- block with scale format "ue8m0": the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e, the rule DeepGEMM
+  re-derives at load (vLLM `per_block_cast_to_fp8`), so it finds nothing to change.
 - mxfp8: per row, one 2^e per 32 input elements, stored as the E8M0 byte e + 127, e the smallest integer
-  with amax <= 448 * 2^e: the rule of vLLM's MXFP8 quantizer, DeepGEMM and FlashInfer (compressed-tensors'
-  picks one exponent higher at amax = 1.75 * 2^k and loses a bit; the OCP spec's floor(log2(amax)) - 8
-  would clip codes above 448). amax = 0 gives byte 0. e comes from amax's float32 bits, not from log2,
-  which can round across the boundary for FP32 sources just above 448 * 2^k.
+  with amax <= 448 * 2^e (vLLM's MXFP8 quantizer, DeepGEMM, FlashInfer); amax = 0 gives byte 0. e comes
+  from amax's float32 bits: log2 can round across the boundary just above 448 * 2^k.
 """
 
 from __future__ import annotations
@@ -27,8 +22,6 @@ from ..options import BLOCK, MX_GROUP
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 UE8M0_MIN_AMAX = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamps block amax here (as float32)
-
-
 # With power-of-two scales, amax from 248 * 2^120 (within 3% of float32's maximum) gets code 256 under
 # scale 2^120, and 256 * 2^120 = 2^128 reads back as Inf.
 POW2_OVERFLOW_AMAX = 248.0 * 2.0**120
@@ -43,6 +36,15 @@ class NonFiniteWeight(ValueError):
         self.member, self.index, self.overflows = member, index, overflows
 
 
+def finite_positive(values: torch.Tensor) -> bool:
+    return bool((torch.isfinite(values) & (values > 0)).all())
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN or Inf: aminmax propagates NaN and shows an Inf, with no full-size temporary."""
+    return not values.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
+
+
 def use_cpu_path(w: torch.Tensor, cpu_path: bool | None) -> bool:
     """None: the path made for w's device. Tests force both on a CPU (they must give the same bytes)."""
     return w.device.type == "cpu" if cpu_path is None else cpu_path
@@ -51,8 +53,7 @@ def use_cpu_path(w: torch.Tensor, cpu_path: bool | None) -> bool:
 def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Tensor:
     """Largest magnitude in float32: per tensor [..., 1, 1], row [..., out, 1], 32-group, or 128x128 block
     [..., ceil(out/128), ceil(in/128)]. max(max w, -min w): no full-size |w|, and NaN propagates."""
-    if scheme == "tensor" and use_cpu_path(w, cpu_path):
-        # one aminmax pass per weight: on a CPU about twice as fast as amax and amin over two dims
+    if scheme == "tensor" and use_cpu_path(w, cpu_path):  # one aminmax pass per weight: 2x faster on a CPU
         pairs = [torch.aminmax(x) for x in w.reshape(-1, w.shape[-2] * w.shape[-1])]
         return torch.stack([torch.maximum(hi, lo.neg()) for lo, hi in pairs]).float().reshape(*w.shape[:-2], 1, 1)
     if scheme == "tensor":
@@ -61,7 +62,7 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
         dims = (-1,)
     elif scheme == "mxfp8":  # [..., out, in/32, 32] -> [..., out, in/32]
         w = w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP))
-        return torch.maximum(w.amax(dim=-1), w.amin(dim=-1).neg()).float()
+        dims = (-1,)
     else:
         out, inp = w.shape[-2:]
         rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
@@ -69,9 +70,8 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
             w = torch.nn.functional.pad(w, (0, cols * BLOCK - inp, 0, rows * BLOCK - out))
         w = w.reshape(*w.shape[:-2], rows, BLOCK, cols, BLOCK)
         dims = (-3, -1)
-    return torch.maximum(
-        w.amax(dim=dims, keepdim=scheme != "block"), w.amin(dim=dims, keepdim=scheme != "block").neg()
-    ).float()
+    keep = scheme in ("tensor", "channel")
+    return torch.maximum(w.amax(dim=dims, keepdim=keep), w.amin(dim=dims, keepdim=keep).neg()).float()
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -83,9 +83,8 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """The E8M0 byte e + 127 of each scale, e the smallest integer with amax <= 448 * 2^e, clamped to
-    [-127, 127], from amax's bits: (1 + m / 2^23) * 2^(E - 127) gives E - 135, plus one when the significand
-    exceeds 1.75 (448 = 1.75 * 2^8). Zero and subnormal amax land below -127."""
+    """The E8M0 byte e + 127, e the smallest integer with amax <= 448 * 2^e clamped to [-127, 127], from
+    amax's bits: E - 135, plus one when the significand exceeds 1.75 (448 = 1.75 * 2^8)."""
     bits = amax.float().contiguous().view(torch.int32)
     biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
     return ((biased - 135 + (mantissa > 0x600000).int()).clamp(-127, 127) + 127).to(torch.uint8)
@@ -117,12 +116,10 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
 def quantize_with_scale(
     w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_path: bool | None = None
 ) -> torch.Tensor:
-    """clamp(float32(w) / scale, -448, 448) cast to e4m3 (nearest even); `w` (maybe a view of the read
-    buffer) is left as it was."""
+    """clamp(float32(w) / scale, -448, 448) cast to e4m3 (nearest even); `w` is left as it was."""
     if use_cpu_path(w, cpu_path) and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
-    # One pass from w's dtype to the float32 quotient (torch divides in the result type, float32: the
-    # scale is a float32 tensor of w's rank), not a float32 copy and then a division over it.
+    # One pass from w's dtype to the float32 quotient (torch divides in the float32 result type).
     if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
         q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
     else:
@@ -136,13 +133,12 @@ CPU_TILE_BYTES = 2 << 20  # float32 working tile per two of torch's threads: eac
 
 
 def cpu_tile_bytes() -> int:
-    """Grown with the threads that split the tile, so each one's share stays in its L2."""
     return CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2)
 
 
 def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The same arithmetic a few rows at a time through one small float32 tile: on a CPU, three passes
-    over a tile in cache are about 3x faster than over main memory."""
+    """The same arithmetic a few rows at a time through one float32 tile: on a CPU, passes over a tile in
+    cache are about 3x faster than over main memory."""
     stack, out, inp = w.shape
     rows = max(1, cpu_tile_bytes() // (4 * inp))
     if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
@@ -174,8 +170,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tenso
 
 
 def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """An FP8 source's scale (float32, bfloat16 or float16) as float32 that broadcasts against its weight:
-    [1, 1] per tensor (stored [] or [1]), else as stored."""
+    """An FP8 source's scale as float32 that broadcasts against its weight: [1, 1] per tensor, else as stored."""
     s = scale.to(torch.float32)
     return s.reshape(1, 1) if scheme == "tensor" else s
 
@@ -185,16 +180,15 @@ def dequantize_to(
 ) -> torch.Tensor:
     """(float32(q) * scale).to(dtype) for FP8 weights [..., out, in] and scale_as_stored's scales (stacked
     alike): one float32 product rounded once, as DeepSeek's and transformers' dequantizers compute it."""
-    if not use_cpu_path(q, cpu_path):
-        return (q.to(torch.float32) * expand_scale(scale, tuple(q.shape), scheme)).to(dtype)
-    return _dequantize_by_table(q, scale, scheme, dtype)
+    if use_cpu_path(q, cpu_path):
+        return _dequantize_by_table(q, scale, scheme, dtype)
+    return dequantize(q, scale, scheme).to(dtype)
 
 
 def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
     """The same bytes by lookup: each scale's table holds the 256 products float32(code) * scale rounded
-    to `dtype`, so no code is converted to float32 (torch's float8 conversion is the slowest step on a CPU,
-    about 10x a plain cast). Per weight: codes into an int32 index, plus each element's table offset, one
-    gather."""
+    to `dtype` (torch's float8 conversion is about 10x a plain cast on a CPU). Per weight: codes into an
+    int32 index, plus each element's table offset, one gather."""
     out, inp = q.shape[-2:]
     codes = q.view(torch.uint8).reshape(-1, out, inp)
     count = codes.shape[0]
@@ -234,12 +228,10 @@ def quantize_group(
     members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None, scale_format: str = "float"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize a fused group's members, each a stack [N, out, in] (index n of every member is one group).
-    In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale,
-    which sharing makes a no-op). Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8),
-    one per member. `scale_format` "ue8m0": block scales rounded up to powers of two.
-
-    Raises NonFiniteWeight for NaN or Inf, found in the small amax tensor (amax propagates both), and with
-    power-of-two scales for an amax of POW2_OVERFLOW_AMAX or more."""
+    In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale).
+    Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8), one per member. Raises
+    NonFiniteWeight for NaN or Inf (amax propagates both), and with power-of-two scales for an amax of
+    POW2_OVERFLOW_AMAX or more."""
     amaxes = [amax(w, scheme, cpu_path) for w in members]
     pow2 = scheme == "mxfp8" or scale_format == "ue8m0"
     for j, a in enumerate(amaxes):

@@ -1,10 +1,7 @@
-"""The run: read, quantize and write each batch as a stream; read the next while this one is written.
-
-A reader thread starts a batch's reads and hands it over at once; the main thread quantizes each stack as
-its bytes land and hands each run of output bytes to the writer thread as soon as its last output is in.
-Hand-offs hold one batch each, so the device holds at most the batch being read plus the outputs of the
-batch being written (under about 1.5x the largest batch). On CUDA, host memory is only the readers' and
-the writer's pinned chunks; on the CPU the batches live there.
+"""The run: a reader thread starts each batch's reads, the main thread quantizes each stack as its bytes
+land, and a writer thread writes each run of output bytes (plan/runs.py) once its last output is in.
+Hand-offs hold one batch each: the device holds at most the batch being read plus the outputs of the batch
+being written. On CUDA, host memory is only the readers' and the writer's pinned chunks.
 """
 
 from __future__ import annotations
@@ -16,21 +13,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..plan.batches import Batch, make_batches
 from ..plan.plan import Plan, Unit
 from ..plan.runs import Run, output_runs
-from .assembly import BatchOutput, shares_storage
 from .device import budget_for, cpu_threads_for_quantizing, io_threads, resolve_device
 from .progress import Progress
 from .quantizer import quantize_steps, read_order
 from .reader import BatchReader, PendingRead
 from .writer import ShardWriter
 
-# Batches read and not yet quantized, and batches quantized ahead of the writer (scripts/profile_stages.py
-# measures others): 1 and 1 keep the device at one batch read plus one batch of outputs.
+# Batches read and not yet quantized, and batches quantized ahead of the writer: 1 and 1 keep the device at
+# one batch read plus one batch of outputs.
 READ_AHEAD = 1
 WRITE_AHEAD = 1
 END = object()  # the last item of a batch's feed of runs to the writer
@@ -40,32 +37,28 @@ POLL_S = 0.1
 STOPPED = object()  # what get_unless_stopped returns once the run stopped with nothing to take
 
 
-class Failed:
+class Failed(NamedTuple):
     """A thread's failure, handed to the thread that consumes its items, which raises it."""
 
-    def __init__(self, error: BaseException):
-        self.error = error
+    error: BaseException
 
 
 def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
     """Put `item` once there is room; False (not put) once `stop` is set."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(queue.Full):
             handoff.put(item, timeout=POLL_S)
             return True
-        except queue.Full:
-            continue
     return False
 
 
 def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
     """The next item; STOPPED once `stop` is set and the queue is empty."""
     while True:
-        try:
+        with contextlib.suppress(queue.Empty):
             return handoff.get(timeout=POLL_S)
-        except queue.Empty:
-            if stop.is_set():
-                return STOPPED
+        if stop.is_set():
+            return STOPPED
 
 
 def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> bool:
@@ -74,6 +67,58 @@ def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> 
         if stop.is_set():
             return False
     return True
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in memory order, as a flat uint8 tensor (a view when it is contiguous)."""
+    return tensor.contiguous().view(-1).view(torch.uint8) if tensor.numel() else tensor.reshape(0).view(torch.uint8)
+
+
+class BatchOutput:
+    """One batch's run buffers, each handed over once its last piece is in. A run of one piece is that
+    tensor's own bytes (no copy); a larger one gets a device buffer, each piece copied into its place, so a
+    run leaves the device in a few large copies, not one per tensor."""
+
+    def __init__(self, runs: list[Run], device: torch.device):
+        self.runs, self.device = runs, device
+        self.buffers: list[torch.Tensor | None] = [None] * len(runs)
+        self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
+        self.pieces_left = [len(run.pieces) for run in runs]
+
+    def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> list[tuple[Run, torch.Tensor]]:
+        """Take outputs (name, tensor, byte offset in that output); return the runs they completed, with
+        their bytes, once. The copies go in one multi-tensor launch (a MoE layer has hundreds of outputs)."""
+        targets, sources, completed = [], [], []
+        for name, tensor, at in outputs:
+            i, piece = self.where[(name, at)]
+            raw = raw_bytes(tensor)
+            if raw.numel() != piece.nbytes:
+                raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {piece.nbytes}")
+            if len(self.runs[i].pieces) == 1:
+                self.buffers[i] = raw
+            else:
+                if self.buffers[i] is None:
+                    self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
+                targets.append(self.buffers[i][piece.offset : piece.offset + piece.nbytes])
+                sources.append(raw)
+            self.pieces_left[i] -= 1
+            if not self.pieces_left[i]:
+                completed.append(i)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        done = [(self.runs[i], self.buffers[i]) for i in completed]
+        for i in completed:
+            self.buffers[i] = None
+        return done
+
+    def check_complete(self) -> None:
+        if missing := sum(self.pieces_left):
+            raise AssertionError(f"{missing} outputs of the batch were never produced")
+
+
+def shares_storage(data: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether `data` is a view of `buf`'s memory (which must then live until `data` is written)."""
+    return bool(data.numel()) and data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
 @dataclass
@@ -96,8 +141,8 @@ def convert(
     on_read: Callable[[int], None] = lambda nbytes: None,
     started: float | None = None,
 ) -> RunResult:
-    """Write the outputs of `units` through `writer`. `fetcher` brings streamed source shards (a do-nothing
-    one for files on disk); `on_read(nbytes)` is told after each batch is read (the prefetcher's pace)."""
+    """Write the outputs of `units` through `writer`. `fetcher` brings streamed source shards; `on_read(nbytes)`
+    is told after each batch is read (the prefetcher's pace)."""
     started = time.monotonic() if started is None else started
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
@@ -127,22 +172,18 @@ def convert(
 
 
 def last_use(uses_left: Counter, files: list[str]) -> list[str]:
-    """Count one more use of each file; the files no later batch uses."""
+    """Count one more use of each file; the files no later batch uses (a streamed source deletes them)."""
     uses_left.subtract(files)
     return [f for f in files if not uses_left[f]]
 
 
 class Pipeline:
-    """One run over `batches`. Files no later batch reads are released as soon as the batches reading
-    them are written (a streamed source deletes them)."""
-
     def __init__(
         self, plan: Plan, batches: list[Batch], reader: BatchReader, writer: ShardWriter, progress, fetcher, on_read
     ):
         self.plan, self.batches, self.reader, self.writer = plan, batches, reader, writer
         self.device = reader.device
         self.progress, self.fetcher, self.on_read = progress, fetcher, on_read
-        # where the main thread's time went
         self.seconds = {"wait_read": 0.0, "quantize": 0.0, "wait_write": 0.0}
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
         self.writes_left = self.reads_left.copy()  # the writer's count
@@ -155,8 +196,8 @@ class Pipeline:
 
     def run(self) -> dict[str, float]:
         threads = [
-            threading.Thread(target=self._read_loop, name="fp8convert-reader", daemon=True),
-            threading.Thread(target=self._write_loop, name="fp8convert-writer", daemon=True),
+            threading.Thread(target=loop, name=f"fp8convert-{name}", daemon=True)
+            for loop, name in ((self._read_loop, "reader"), (self._write_loop, "writer"))
         ]
         for th in threads:
             th.start()
@@ -178,8 +219,6 @@ class Pipeline:
             for th in threads:
                 th.join()
 
-    # -- main thread
-
     def _next_read(self):
         """(batch, PendingRead, output runs) of the next batch whose reads have started; None after the last."""
         t0 = time.monotonic()
@@ -195,8 +234,6 @@ class Pipeline:
         return item
 
     def _quantize(self, batch: Batch, pending: PendingRead, runs: list[Run]) -> None:
-        """Compute the batch's outputs, each step once its inputs are read, and hand each run of output
-        bytes to the writer once its last output is in."""
         self._wait_for_writer()
         feed: queue.Queue = queue.Queue()  # (run, bytes, CUDA event after which they are ready); END last
         self.to_writer.put((batch, feed))
@@ -246,8 +283,6 @@ class Pipeline:
         if self.writer_error:
             raise self.writer_error[0]
 
-    # -- reader thread
-
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
@@ -268,8 +303,6 @@ class Pipeline:
             put_unless_stopped(self.to_main, None, self.stop)
         except BaseException as e:  # handed to the main thread, which raises it
             put_unless_stopped(self.to_main, Failed(e), self.stop)
-
-    # -- writer thread
 
     def _write_loop(self) -> None:
         try:
@@ -304,8 +337,7 @@ class Pipeline:
         self.stop.set()
 
     def _write(self, feed: queue.Queue) -> bool:
-        """Write a batch's runs as they come, dropping each once written (device memory is freed early).
-        False if the run stopped first."""
+        """Write a batch's runs as they come, dropping each once written; False if the run stopped first."""
         while (item := get_unless_stopped(feed, self.stop)) is not END:
             if item is STOPPED:
                 return False

@@ -1,10 +1,8 @@
 """Pull the source's bytes into the page cache ahead of the reader, in the order it will read them.
 
-Cold reads are the bottleneck, so the disk should be busy from the first second: the prefetcher starts
-before torch is imported and keeps large reads in flight on several threads, at most `window` bytes ahead
-of what the reader consumed. It is only a hint: a reader that overtakes it reads from the disk itself. The
-window is large because the reader consumes nothing while torch loads, and a window filled before then
-leaves the disk idle.
+Cold reads are the bottleneck, so the prefetcher starts before torch is imported and keeps large reads in
+flight on several threads, at most `window` bytes ahead of what the reader consumed (large: the reader
+consumes nothing while torch loads). Only a hint: a reader that overtakes it reads from the disk itself.
 """
 
 from __future__ import annotations
@@ -16,7 +14,19 @@ from pathlib import Path
 
 from ..options import AUTO
 from ..safetensors_io import TensorInfo
-from .cores import io_share, usable_cores
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (a Slurm job's or a container's share, as `taskset` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on macOS or Windows
+        return os.cpu_count() or 1
+
+
+def io_share(cores: int) -> int:
+    """Threads for I/O that costs CPU time (a CPU run's readers, the prefetcher): a quarter, 1 to 4."""
+    return min(4, max(1, cores // 4))
 
 
 def default_threads() -> int:
@@ -28,8 +38,7 @@ FALLBACK_WINDOW = 8 << 30  # where the available memory cannot be read (off Linu
 
 
 def default_window(workers: int = 1, available: int | None = None) -> int:
-    """--prefetch auto: half the memory available at the start, shared by the `workers` of this run on
-    this machine, at most WINDOW_CAP."""
+    """--prefetch auto: half the memory available, shared by this machine's `workers`, at most WINDOW_CAP."""
     available = available_memory() if available is None else available
     if available is None:
         return FALLBACK_WINDOW
@@ -37,7 +46,6 @@ def default_window(workers: int = 1, available: int | None = None) -> int:
 
 
 def window_for(prefetch: int | str, workers: int = 1) -> int:
-    """The window a --prefetch setting (bytes, 0, or auto) gives a run of `workers` processes."""
     return default_window(workers) if prefetch == AUTO else prefetch
 
 
@@ -54,10 +62,9 @@ def available_memory(
     cgroups: Path = Path("/sys/fs/cgroup"),
     own_cgroup: Path = Path("/proc/self/cgroup"),
 ) -> int | None:
-    """Bytes this process may still fill: MemAvailable, or less where a cgroup (v2, or v1's memory
-    controller) above the process caps its memory, page cache included: the least of each one's limit
-    less its use plus the inactive file pages the kernel reclaims first (a job that just downloaded the
-    checkpoint holds gigabytes of it in its cache). None where /proc/meminfo cannot be read."""
+    """Bytes this process may still fill: MemAvailable, or less where a cgroup above it caps its memory:
+    the least of each one's limit less its use plus the inactive file pages the kernel reclaims first (a
+    job that just downloaded the checkpoint holds it in its cache). None where /proc/meminfo cannot be read."""
     try:
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
         available = int(fields["MemAvailable"].split()[0]) * 1024  # "123456 kB"
@@ -76,8 +83,7 @@ def available_memory(
 
 
 def cgroup_headroom(cgroups: Path, version: str, path: str) -> int:
-    """The least headroom of the cgroup at `path` and each one above it (where that path is not mounted,
-    as inside some containers, the mount's root still counts)."""
+    """The least headroom of the cgroup at `path` and each one above it (the mount's root at least)."""
     mount, limit_file, usage_file, inactive_keys = CGROUP_MEMORY[version]
     root = cgroups / mount
     group, headroom = root / path.strip().lstrip("/"), 1 << 62
@@ -103,15 +109,15 @@ def reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
         return 0
 
 
-def merge_spans(tensors: list[TensorInfo]) -> list[tuple[str, int, int]]:
-    """(file, start, end) byte spans in reading order, adjacent ranges of one file merged."""
+def merge_spans(tensors: list[TensorInfo]) -> list[list]:
+    """[file, start, end] byte spans in reading order, adjacent ranges of one file merged."""
     spans: list[list] = []
     for t in tensors:
         if spans and spans[-1][0] == t.file and spans[-1][2] == t.offset:
             spans[-1][2] += t.nbytes
         else:
             spans.append([t.file, t.offset, t.offset + t.nbytes])
-    return [tuple(s) for s in spans]
+    return spans
 
 
 class Prefetcher:
@@ -142,7 +148,6 @@ class Prefetcher:
         self.stop()
 
     def advance(self, nbytes: int) -> None:
-        """The reader consumed `nbytes` more, in the spans' order."""
         with self.cond:
             self.consumed += nbytes
             self.cond.notify_all()
@@ -188,8 +193,8 @@ class Prefetcher:
                 os.close(fd)
 
     def _read(self, fd: int, offset: int, length: int) -> None:
-        """Bring the bytes into the page cache: by sendfile into /dev/null, a fraction of the CPU time of a
-        pread into scratch (which a `--device cpu` run's quantizing needs), else by that pread."""
+        """Bring the bytes into the page cache: by sendfile into /dev/null (a fraction of a pread's CPU time,
+        which a CPU run's quantizing needs), else by a pread into scratch."""
         if self.stopped:
             return
         try:
@@ -205,17 +210,14 @@ class Prefetcher:
 
 def open_sink() -> int | None:
     """/dev/null opened for writing, for pull_into_cache; None where there is no sendfile or no device."""
-    if not hasattr(os, "sendfile"):
-        return None
     try:
-        return os.open(os.devnull, os.O_WRONLY)
+        return os.open(os.devnull, os.O_WRONLY) if hasattr(os, "sendfile") else None
     except OSError:
         return None
 
 
 def pull_into_cache(sink: int, fd: int, offset: int, length: int) -> bool:
-    """Read [offset, offset + length) of `fd` into the page cache by sending it to `sink`; False when this
-    system's sendfile cannot (it needs a socket on macOS)."""
+    """Read a range of `fd` into the page cache by sending it to `sink`; False where sendfile cannot (macOS)."""
     try:
         while length > 0:
             sent = os.sendfile(sink, fd, offset, length)

@@ -42,9 +42,8 @@ class Progress:
             self.task = self.bar.add_task(self.fit(""), total=total_bytes)
 
     def fit(self, what: str) -> str:
-        """The description (label, then what is being converted), fitted with the bar on one terminal line:
-        a long one is shortened in the middle (its start says which run, its end which layer), then the bar
-        narrows to what is left."""
+        """The description fitted with the bar on one line: shortened in the middle (its start says which run,
+        its end which layer), then the bar narrows to what is left."""
         text = f"{self.label} {what}".strip()
         room = self.bar.console.width - NUMBERS_WIDTH
         most = max(room - BAR_WIDTH[0], 10)

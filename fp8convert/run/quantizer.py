@@ -1,12 +1,9 @@
 """Quantize stage: one batch's outputs from its input buffer on the device.
 
 Same-shaped weights (a MoE layer's experts, above all) are quantized as stacks, a few launches for hundreds
-of tensors. The reader lays out each family of same-shaped groups member by member, so a stack is a plain
-view of the input buffer; the experts cut from one fused tensor are a strided view of it.
-
-An FP8 source's weights are dequantized (float32(q) * scale, then one rounding), requantized from those
-float32 values, or passed through as they are, after the checks every read FP8 weight passes (no NaN code,
-every scale finite and positive).
+of tensors; the reader lays them out member by member, so a stack is a view of the input buffer. An FP8
+source's weights are dequantized, requantized from those float32 values, or passed through, after the
+checks every read FP8 weight passes (no NaN code, every scale finite and positive).
 """
 
 from __future__ import annotations
@@ -23,7 +20,15 @@ from ..errors import POW2_OVERFLOW, FP8ConvertError
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
-from .numerics import NonFiniteWeight, dequantize_to, powers_of_two, quantize_group, scale_as_stored
+from .numerics import (
+    NonFiniteWeight,
+    all_finite,
+    dequantize_to,
+    finite_positive,
+    powers_of_two,
+    quantize_group,
+    scale_as_stored,
+)
 from .reader import ALIGN, PendingRead
 
 # Input bytes per launch chain: large enough to amortise launches, small enough that float32 temporaries
@@ -34,16 +39,14 @@ Output = tuple[str, torch.Tensor, int]  # name, tensor, byte offset in that outp
 
 
 def work_bytes(t: TensorPlan) -> int:
-    """An output's weight in a stack: its input, or an FP8 weight's codes as four-byte values (float32 to
-    requantize; bfloat16 outputs and int32 table indices to dequantize)."""
+    """An output's weight in a stack: its input, or an FP8 weight's codes as four-byte values."""
     return t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape)
 
 
 def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
-    """The batch's computed outputs as chunks of at most STACK_BYTES of scale groups (a fused group's
-    members share one; a dequantized weight is alone) with the same actions, dtypes and shapes, quantized
-    a stack at a time. Within each family of such groups they go in the order their first members lie in
-    the files, so a stack's inputs arrive together (experts are named 0, 1, 10, 100 in a file's order)."""
+    """The batch's computed outputs as chunks of at most STACK_BYTES of scale groups (a dequantized weight
+    is alone) with the same actions, dtypes and shapes, in the order their first members lie in the files,
+    so a stack's inputs arrive together (experts are named 0, 1, 10, 100 in a file's order)."""
     groups: dict[str, list[TensorPlan]] = {}
     for t in batch.tensors:
         if t.action in STACKED:
@@ -75,18 +78,6 @@ def read_order(batch: Batch) -> list[TensorInfo]:
     return list({info.name: info for info in order}.values())
 
 
-def finite_positive(values: torch.Tensor) -> bool:
-    return bool((torch.isfinite(values) & (values > 0)).all())
-
-
-def all_finite(values: torch.Tensor) -> bool:
-    """No NaN or Inf: min and max propagate NaN and show an Inf, in one reduction with no full-size
-    temporary (isfinite would make one, and is several times slower on a CPU)."""
-    if not values.numel():
-        return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
-
-
 @dataclass
 class Inputs:
     """A batch's read buffer (each source tensor at its offset) and the source directory errors name."""
@@ -102,13 +93,12 @@ class Inputs:
         return self.raw(info).view(torch_dtype(info.dtype)).view(info.shape)
 
     def output(self, t: TensorPlan) -> torch.Tensor:
-        """One output's values: its cut of the source, or all of it."""
         w = self.view(t.source)
         return t.cut.apply(w) if t.cut else w
 
     def stack(self, tensors: list[TensorPlan]) -> torch.Tensor:
-        """[N, out, in] of same-shaped outputs: a view when they lie back to back, or are consecutive
-        experts cut alike from one source; else a copy."""
+        """[N, out, in] of same-shaped outputs: a view when they lie back to back, or are consecutive experts
+        cut alike from one source; else a copy."""
         first = tensors[0]
         if first.cut is None:
             start, size = self.offsets[first.source.name], first.source.nbytes
@@ -161,7 +151,6 @@ def quantize_batch(
     scale_format: str = "float",
     root: Path = Path(),
 ) -> list[Output]:
-    """Every output of quantize_steps, in one list."""
     steps = quantize_steps(batch, buf, offsets, scheme, cpu_path, source_scheme, scale_format, root)
     return [out for outputs in steps for out in outputs]
 
@@ -177,15 +166,13 @@ def quantize_steps(
     root: Path = Path(),
     pending: PendingRead | None = None,
 ) -> Iterator[list[Output]]:
-    """The batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped weights).
-    Kept and passed-through tensors are views of `buf`. `cpu_path`: see numerics.use_cpu_path;
-    `source_scheme`: an FP8 source's; `root`: the source's directory, for errors. `pending`: the batch's
-    reads in flight: each step waits only for its own inputs, and steps go in the order those arrive."""
+    """The batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped weights); kept
+    and passed-through tensors are views of `buf`. `pending`: the batch's reads in flight: each step waits
+    only for its own inputs, and steps go in the order those arrive."""
     src = Inputs(buf, offsets, Path(root))
 
     def dequantized(tensors: list[TensorPlan], dtype: torch.dtype) -> torch.Tensor:
-        """FP8 weights' values [N, out, in], (float32(q) * scale).to(dtype), their scales checked first. A
-        NaN code, or a value `dtype` cannot hold (float16 tops out at 65504), is refused."""
+        """FP8 weights' values [N, out, in] in `dtype`, scales checked first; NaN or Inf refused."""
         scales = [src.checked_scale(t) for t in tensors]
         stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
         w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype, cpu_path)
@@ -198,8 +185,8 @@ def quantize_steps(
         return w
 
     def passed_through(t: TensorPlan) -> list[Output]:
-        """Codes, scale (and activation scale) as they are. Into a ue8m0 output every scale must be a power
-        of two: the output's config says so, and engines would not round them again."""
+        """Codes, scale (and activation scale) as they are; into a ue8m0 output every scale must be a power of
+        two (engines would not round them again)."""
         scale = src.checked_scale(t)
         if scale_format == "ue8m0" and not bool(powers_of_two(scale).all()):
             raise FP8ConvertError(

@@ -1,9 +1,7 @@
-"""Read stage: one batch's tensors into one buffer on the device, by parallel preads (several threads help
-a cold disk), returning while they are in flight so the first stacks are quantized before the last bytes land.
-
-For CUDA, tensors that lie back to back in a file are read together in preads of up to one chunk (a MoE
-layer is hundreds of tensors of a few MB), each thread through its own pinned staging chunk and stream: host
-memory stays threads x chunk. On the CPU each tensor is read straight into the batch buffer.
+"""Read stage: one batch's tensors into one device buffer by parallel preads, returning while they are in
+flight so the first stacks are quantized before the last bytes land. For CUDA, tensors back to back in a file
+are read together in preads of up to one chunk, each thread through its own pinned staging chunk and stream
+(host memory stays threads x chunk); on the CPU each tensor is read straight into the batch buffer.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ def plan_pieces(tensors: list[TensorInfo], offsets: dict[str, int], chunk: int, 
 
 @dataclass
 class PendingRead:
-    """A batch's reads in flight. `pieces_of`: each tensor's preads (indices in submission order);
-    `waited`: the seconds spent waiting for them."""
+    """A batch's reads in flight: `pieces_of` each tensor's preads (in submission order), `waited` seconds."""
 
     buf: torch.Tensor
     offsets: dict[str, int]
@@ -76,7 +73,7 @@ class PendingRead:
     waited: float = 0.0
 
     def arrival(self, tensors: list[TensorInfo]) -> int:
-        """The submission rank of the last pread `tensors` need (-1: none): preads finish roughly in order."""
+        """The submission rank of the last pread `tensors` need: preads finish roughly in order."""
         return max((i for t in tensors for i in self.pieces_of[t.name]), default=-1)
 
     def wait(self, tensors: list[TensorInfo]) -> None:
@@ -103,8 +100,8 @@ class BatchReader:
         self.spare: torch.Tensor | None = None  # CPU: a batch buffer handed back for reuse
 
     def recycle(self, buf: torch.Tensor) -> None:
-        """Nothing refers to `buf` any more: reuse it (on the CPU a fresh buffer costs a page fault per 4 KiB,
-        up to a third of the read time; CUDA's caching allocator reuses device memory itself)."""
+        """Nothing refers to `buf` any more: reuse it (on the CPU a fresh buffer costs a page fault per 4 KiB;
+        CUDA's caching allocator reuses device memory itself)."""
         if buf.device.type == "cpu" and (self.spare is None or buf.untyped_storage().nbytes() > self.spare.numel()):
             self.spare = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
 
@@ -112,9 +109,6 @@ class BatchReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
         self.pool.shutdown(wait=True)
         for fd in self.fds.values():
             os.close(fd)

@@ -1,11 +1,9 @@
 """torch's start-up reads, asked of the disk all at once.
 
-A cold `import torch` and CUDA's start read about 0.3 GB of shared libraries and a thousand small Python
-files, one page fault or file at a time, behind the checkpoint's reads. Which pages they are changes little
-from run to run, so a run that started torch records them in the user's cache (each mapped library's pages
-present in /proc/self/pagemap, and the Python files it imported), and the next run asks the kernel for all
-of them at once (POSIX_FADV_WILLNEED) before the checkpoint's reads (docs/performance.md). Only a hint: a
-missing, stale or unreadable record costs nothing but a cold import.
+A cold `import torch` and CUDA's start read about 0.3 GB of libraries and a thousand Python files, one page
+fault at a time. A run that started torch records them in the user's cache (each mapped library's present
+pages, and the files it imported); the next asks the kernel for all of them at once (POSIX_FADV_WILLNEED)
+before the checkpoint's reads. Only a hint: a missing or stale record costs nothing but a cold import.
 """
 
 from __future__ import annotations
@@ -24,15 +22,13 @@ from ..output.files import read_json_object
 PAGE = os.sysconf("SC_PAGE_SIZE")
 GAP_PAGES = 32  # pages touched closer than this are asked for as one range
 THREADS = 8  # opening a thousand cold files one after another would itself take a while
-# Linux reads at most max(read_ahead_kb, max_sectors_kb) of what one POSIX_FADV_WILLNEED asks for and drops
-# the rest (read_ahead_kb is 128 by default), so a longer range is asked for in pieces this long.
+# Linux reads at most max(read_ahead_kb, max_sectors_kb) of one POSIX_FADV_WILLNEED and drops the rest.
 ASK_BYTES = 128 << 10
 LIBRARY = re.compile(r"\.so(\.\d+)*$")  # libfoo.so, libfoo.so.13
 
 
 def record_path(device_type: str) -> Path | None:
-    """The record for this Python environment (each has its own torch) and device type ("cpu" or "cuda"),
-    in the user's cache ($XDG_CACHE_HOME, else ~/.cache); None when there is no home."""
+    """The record for this Python environment and device type in the user's cache; None without a home."""
     try:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     except (KeyError, RuntimeError):
@@ -42,8 +38,8 @@ def record_path(device_type: str) -> Path | None:
 
 
 def read_ahead(record: Path | None) -> threading.Event:
-    """Ask the kernel, from a background thread, to read what `record` lists of files unchanged since; the
-    event is set once every read is queued, or at once when there is none."""
+    """Ask the kernel, from a thread, to read what `record` lists of files unchanged since; the event is set
+    once every read is queued."""
     queued = threading.Event()
     entries = read_json_object(record).get("files") if record else None
     if not entries or not isinstance(entries, list) or not hasattr(os, "posix_fadvise"):  # (not on macOS)
@@ -63,7 +59,6 @@ def read_ahead(record: Path | None) -> threading.Event:
 
 
 def _ask_for(entry: list) -> None:
-    """Ask for one file's ranges; a malformed entry is skipped like a missing file."""
     try:
         path, size, mtime_ns, ranges = entry
         fd = os.open(path, os.O_RDONLY)
@@ -82,7 +77,7 @@ def _ask_for(entry: list) -> None:
 
 
 def record(path: Path | None) -> None:
-    """Write this process's record to `path` atomically (nothing on failure), once torch has done its work."""
+    """Write this process's record to `path` atomically (nothing on failure)."""
     if path is None:
         return
     try:
@@ -96,8 +91,7 @@ def record(path: Path | None) -> None:
 
 
 def mapped_library_pages() -> list[list]:
-    """[path, size, mtime_ns, [[start, end], ...]] for each shared library this process maps: the byte
-    ranges of its pages present in the page table, close ranges merged."""
+    """[path, size, mtime_ns, [[start, end], ...]]: each mapped library's present pages as byte ranges."""
     import torch  # scans the page table fast: torch's CUDA libraries map a million pages
 
     pages: dict[str, list[torch.Tensor]] = {}
@@ -123,7 +117,7 @@ def mapped_library_pages() -> list[list]:
 
 
 def page_ranges(pages) -> list[list[int]]:
-    """Sorted page numbers (a 1-D integer tensor) as byte ranges [start, end), joined below GAP_PAGES apart."""
+    """Sorted page numbers (a 1-D tensor) as byte ranges [start, end), joined below GAP_PAGES apart."""
     if not pages.numel():
         return []
     breaks = ((pages[1:] - pages[:-1]) >= GAP_PAGES).nonzero().flatten() + 1
@@ -133,8 +127,7 @@ def page_ranges(pages) -> list[list[int]]:
 
 
 def imported_files() -> list[list]:
-    """[path, size, mtime_ns, [[0, size]]] for each module file imported (its cached bytecode, if any:
-    what the import read)."""
+    """[path, size, mtime_ns, [[0, size]]] for each module imported (its bytecode, if any: what was read)."""
     files = []
     for module in list(sys.modules.values()):
         for path in (getattr(module, "__cached__", None), getattr(module, "__file__", None)):

@@ -1,8 +1,5 @@
-"""torch imported (and CUDA started) in the background.
-
-Both take seconds (more with cold files): a thread does them while the main thread goes on with what needs
-neither (preparing OUT, copying kept tensors, reading ahead), and the pipeline's `import torch` then finds
-them done, or waits for the rest.
+"""torch imported (and CUDA started) in a background thread: both take seconds, while the main thread goes
+on with what needs neither (preparing OUT, reading ahead); the pipeline's `import torch` then finds them done.
 """
 
 from __future__ import annotations
@@ -15,8 +12,8 @@ from pathlib import Path
 
 from . import startup_pages
 
-# Pinned host memory from malloc and cudaHostRegister, its pages touched by 8 threads, instead of one
-# cudaHostAlloc call at a time: the readers' and the writer's buffers are pinned in every run's critical path.
+# Pinned host memory from malloc and cudaHostRegister by 8 threads, not one cudaHostAlloc at a time: the
+# readers' and the writer's buffers are pinned in every run's critical path.
 PINNED_ALLOC_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 TORCH_THREAD = "fp8convert-torch"
 CUDA_DRIVER = "libcuda.so.1"  # the name torch's CUDA runtime loads the driver by
@@ -24,17 +21,15 @@ PAGES_WAIT_S = 3.0  # the longest torch's import and the checkpoint's reads wait
 
 
 def pin_by_registering() -> None:
-    """Ask torch's pinned allocator for PINNED_ALLOC_CONF, unless the user configured the allocator or
-    torch is loaded already (it has read its configuration)."""
+    """PINNED_ALLOC_CONF, unless the user configured the allocator or torch has read its configuration."""
     if "torch" in sys.modules or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = PINNED_ALLOC_CONF
 
 
 class TorchStart:
-    """torch's start on `device`, in `thread`. `pages_queued` is set once the reads of the pages an earlier
-    run recorded are queued; `record` is where this run records its own (None when torch was loaded before:
-    an API caller's process maps much else)."""
+    """torch's start on `device`, in `thread`. `pages_queued` is set once the recorded pages' reads are queued;
+    `record`: where this run records its own (None when torch was loaded before)."""
 
     def __init__(self, device: str, record: Path | None):
         self.device, self.record = device, record
@@ -50,8 +45,8 @@ class TorchStart:
         startup_pages.record(self.record)
 
     def _load(self) -> None:
-        # The recorded reads are all queued before the import: a thousand-odd posix_fadvise calls beside an
-        # import holding the GIL are slow, and the checkpoint's reads wait for them.
+        # The recorded reads are queued before the import: posix_fadvise calls beside an import holding the
+        # GIL are slow.
         self.pages_queued.wait(PAGES_WAIT_S)
         try:
             import torch
@@ -63,9 +58,8 @@ class TorchStart:
 
 
 def start_torch(device: str) -> TorchStart:
-    """Import torch and, unless `device` is the CPU, start CUDA on it, in a thread; failures are left for
-    the pipeline to report when it resolves the device. In a process without torch yet, the pages an
-    earlier run's start-up read are read ahead first (startup_pages)."""
+    """Import torch and, unless `device` is the CPU, start CUDA on it, in a thread (failures are left for the
+    pipeline to report), the pages an earlier run's start-up read asked for first (startup_pages)."""
     record = None if "torch" in sys.modules else record_path(device)
     if device != "cpu":
         pin_by_registering()
@@ -73,7 +67,6 @@ def start_torch(device: str) -> TorchStart:
 
 
 def torch_starting() -> bool:
-    """Whether start_torch's thread is still at it."""
     return any(t.name == TORCH_THREAD and t.is_alive() for t in threading.enumerate())
 
 
@@ -88,13 +81,11 @@ def torch_has_cuda() -> bool:
 
 
 def cuda_missing(device: str) -> bool:
-    """Whether `device` asks for CUDA that the installed torch lacks: the run is refused once torch is
-    loaded, so nothing is worth starting before that."""
+    """Whether `device` asks for CUDA that the installed torch lacks (the run will be refused)."""
     return device.startswith("cuda") and not torch_has_cuda()
 
 
 def cuda_device_count() -> int:
-    """The CUDA devices this process sees; 0 where the installed torch lacks CUDA."""
     if not torch_has_cuda():
         return 0
     import torch
@@ -103,8 +94,7 @@ def cuda_device_count() -> int:
 
 
 def cuda_driver_present() -> bool:
-    """Whether torch has CUDA and the driver library loads (what "auto" needs to choose CUDA), without
-    starting the driver."""
+    """Whether torch has CUDA and the driver library loads ("auto" then picks CUDA), without starting it."""
     if not torch_has_cuda():
         return False
     import ctypes
@@ -117,7 +107,6 @@ def cuda_driver_present() -> bool:
 
 
 def record_path(device: str) -> Path | None:
-    """The start-up record for a run on `device` ("cpu", "auto", "cuda:1"...), named after the device type
-    it uses ("auto" is the CPU where no CUDA driver loads)."""
+    """The start-up record for a run on `device`, named after the device type it uses."""
     cuda = device.startswith("cuda") or (device == "auto" and cuda_driver_present())
     return startup_pages.record_path("cuda" if cuda else "cpu")

@@ -1,12 +1,8 @@
 """Linux file calls that keep the output's disk busy and its writes cheap (elsewhere: plain fallbacks).
 
-start_writeback: queue dirty pages for the disk as soon as they are written (sync_file_range). Left alone,
-the kernel lets gigabytes pile up and flushes them at fsync: the disk idles during reads, then stalls the
-run at every shard's end.
-reserve: the file's final size with every block allocated (fallocate): a full disk shows before any data
-is written, and later writes need not allocate.
-write_mapped: copy bytes into a reserved file through a shared mapping of their range. The kernel serialises
-pwrites to one file; copies into a mapping are not, so threads add up (scripts/io_limits.py measures both).
+start_writeback: queue dirty pages for the disk as they are written (else they pile up until fsync).
+reserve: the file's final size with every block allocated: a full disk shows before any data is written.
+write_mapped: copy into a reserved file through a shared mapping; unlike pwrites, threads add up.
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def reserve(fd: int, size: int) -> bool:
-    """Make the file `size` bytes long with its blocks allocated (True), or where that cannot be done only
-    set the size (False). A full disk raises OSError(ENOSPC)."""
+    """Make the file `size` bytes long with its blocks allocated (True), or only set the size (False)."""
     if _fallocate is not None and size:
         if _fallocate(fd, 0, 0, size) == 0:
             return True
@@ -72,7 +67,6 @@ def reserve(fd: int, size: int) -> bool:
 
 
 def maps_writes(directory) -> bool:
-    """Whether `directory`'s file system is one of MAPPED_WRITE_FILE_SYSTEMS."""
     if _statfs is None:
         return False
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
@@ -82,9 +76,8 @@ def maps_writes(directory) -> bool:
 
 
 def write_mapped(fd: int, data: memoryview, offset: int) -> None:
-    """Copy `data` (a writable byte buffer) to `offset` in the file through a shared mapping of that range.
-    Only into reserved blocks: a write fault that needs a block the disk lacks kills the process (SIGBUS)
-    where pwrite would get ENOSPC."""
+    """Copy `data` to `offset` through a shared mapping. Only into reserved blocks: a write fault that needs
+    a block the disk lacks kills the process (SIGBUS) where pwrite would get ENOSPC."""
     if not data.nbytes:
         return
     start = offset - offset % mmap.ALLOCATIONGRANULARITY

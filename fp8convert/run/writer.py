@@ -1,13 +1,10 @@
 """Write stage: stream byte runs (plan/runs.py) into shards whose headers the plan already fixed.
 
-Each shard is a hidden partial file: header first, every block reserved at its final size by an allocator
-thread from the start of the run (a full disk shows at once). Runs land at their planned offsets in any
-order, through a pool of threads; a shard's last byte gets it fsynced and renamed into place. Each unit whose
-bytes are all written is recorded (output/partial.py), so a rerun keeps the partial file and those units.
-
-The kernel serialises pwrites to one file, so with enough threads a reserved shard on tmpfs or ext4 is
-filled through shared mappings, which many threads fill at once. From CUDA each chunk passes through a small
-ring of pinned buffers, so host memory stays fixed whatever the layer size.
+Each shard is a partial file, header first, every block reserved by an allocator thread from the start of
+the run (a full disk shows at once). Runs land at their planned offsets in any order through a pool of
+threads (through shared mappings where that pays: the kernel serialises pwrites to one file); a shard's last
+byte gets it fsynced and renamed into place. Each unit whose bytes are all written is recorded
+(output/partial.py) for a rerun. From CUDA each chunk passes through a small ring of pinned buffers.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ from ..plan.plan import Plan
 from ..plan.runs import Run
 from .writeback import fsync_dir, maps_writes, reserve, start_writeback, write_mapped
 
-# Switches for scripts/profile_stages.py: reserve every shard while torch loads, rather than at its first
-# bytes; write reserved shards through mappings once the pool has MAPPED_MIN_THREADS (one thread copies
-# through a mapping at about half pwrite's speed, four together beat pwrite's one file at a time).
+# Switches for scripts/profile_stages.py: reserve every shard while torch loads; write reserved shards
+# through mappings once the pool has MAPPED_MIN_THREADS (one thread maps at half pwrite's speed, four beat it).
 PREALLOCATE = True
 MAPPED_WRITES = True
 MAPPED_MIN_THREADS = 4
@@ -40,9 +36,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class ShardWriter:
-    """A context manager: leaving it waits for writes in flight and closes the files (an unfinished shard
-    stays a partial file). `written`: per partial shard, the units an earlier run wrote there
-    (partial.written_units): its file is kept and only its other units are written."""
+    """A context manager: leaving it waits for writes in flight and closes the files. `written`: per partial
+    shard, the units an earlier run wrote there: its file is kept and only its other units are written."""
 
     def __init__(
         self,
@@ -72,7 +67,7 @@ class ShardWriter:
             for a, b, ui in ranges:
                 left[ui] = left.get(ui, 0) + b - a
             self.unit_left[s.index] = left
-        self.unit_lock = threading.Lock()  # the two above; never held while waiting for anything
+        self.unit_lock = threading.Lock()  # the two above; never held while waiting
         self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}  # bytes to write
         self.fds: dict[int, int] = {}
         self.reserved: set[int] = set()  # shards whose blocks are all allocated
@@ -88,7 +83,6 @@ class ShardWriter:
         self.allocator = threading.Thread(target=self._create_all, name="fp8convert-allocate", daemon=True)
 
     def use_threads(self, threads: int) -> None:
-        """How many threads write (the device decides; before the first write)."""
         if self.pool is None:
             self.threads = threads
 
@@ -96,8 +90,8 @@ class ShardWriter:
         return partial_path(self.work_dir, self.plan.shards[index])
 
     def _fd(self, index: int) -> int:
-        """The shard's partial file, created on first use (lock held). A new one gets its header and every
-        block reserved; one with units to keep is reopened. Nothing stays open on failure."""
+        """The shard's partial file (lock held): a new one with its header and every block reserved, or one
+        with units to keep reopened."""
         if index in self.fds:
             return self.fds[index]
         shard, path, keep = self.plan.shards[index], self.partial_path(index), index in self.written
@@ -119,8 +113,8 @@ class ShardWriter:
         return fd
 
     def _create_all(self) -> None:
-        """The allocator thread: every shard still to write, in order, under the lock (no write opens that
-        file meanwhile). Its first failure (a full disk, above all) is raised by the next write."""
+        """The allocator thread: every shard still to write, in order; its first failure (a full disk, above
+        all) is raised by the next write."""
         for index in range(len(self.plan.shards)):
             with self.lock:
                 if self.closed:
@@ -134,8 +128,8 @@ class ShardWriter:
                     return
 
     def write(self, run: Run, data, ready=None) -> None:
-        """Write one run: its bytes in file order, a uint8 torch tensor on any device or a host buffer
-        (the pool holds it until written). `ready`: a CUDA event after which device bytes are complete."""
+        """Write one run: its bytes, a uint8 torch tensor on any device or a host buffer (held until written).
+        `ready`: a CUDA event after which device bytes are complete."""
         with self.lock:
             if self.allocate_error is not None:
                 raise self.allocate_error
@@ -163,7 +157,6 @@ class ShardWriter:
                 self._finish(run.shard)
 
     def _submit(self, index: int, fd: int, host: memoryview, offset: int) -> Future:
-        # The task holds `host` until it has run (the future's result is None): freed once written.
         with self.lock:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
@@ -173,8 +166,7 @@ class ShardWriter:
         return future
 
     def _write_host(self, index: int, copy, fd: int, host: memoryview, offset: int) -> None:
-        """`copy` (pwrite_all or write_mapped) host bytes into shard `index`, hand them to writeback, and
-        record every unit they complete."""
+        """`copy` host bytes into shard `index`, start their writeback, and record the units they complete."""
         copy(fd, host, offset)
         start_writeback(fd, offset, host.nbytes)
         end, done = offset + host.nbytes, []
@@ -193,7 +185,6 @@ class ShardWriter:
             self.recorder.unit_written(index, ui, fd)
 
     def _mapped(self, index: int) -> bool:
-        """Whether the pool writes this shard through mappings (lock held)."""
         if not (MAPPED_WRITES and self.threads >= MAPPED_MIN_THREADS and index in self.reserved):
             return False
         if self.file_system_maps is None:
@@ -201,8 +192,7 @@ class ShardWriter:
         return self.file_system_maps
 
     def pin_ring(self) -> None:
-        """Pin the ring now (pinning is slow), while the first batch is read: no more buffers than the
-        bytes left to write can fill."""
+        """Pin the ring while the first batch is read (pinning is slow), no larger than the bytes left fill."""
         with self.lock:  # the copier of kept tensors finishes shards meanwhile
             left = sum(self.remaining.values())
         self._grow_ring(min(self.threads + 1, -(-left // self.chunk)))
@@ -214,7 +204,7 @@ class ShardWriter:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
     def _write_from_device(self, index: int, fd: int, raw, offset: int, ready=None) -> None:
-        """Only the pipeline's writer thread writes device tensors, so the ring needs no lock."""
+        # only the pipeline's writer thread writes device tensors: the ring needs no lock
         import torch
 
         if self.stream is None:
@@ -235,8 +225,8 @@ class ShardWriter:
             self.ring[slot] = (staging, self._submit(index, fd, memoryview(staging[:n].numpy()), offset + start))
 
     def _write_error(self, path: Path, error: OSError, what: str) -> Exception:
-        """A full disk stays an OSError naming the file, with the bytes still to write, for the CLI's
-        disk-full line; anything else is a resumable failure."""
+        """A full disk stays an OSError naming the file, with the bytes still to write (the CLI's disk-full
+        line); anything else is a resumable failure."""
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             full = OSError(error.errno, error.strerror, str(path))
             full.bytes_needed = sum(self.remaining.values())
@@ -246,7 +236,7 @@ class ShardWriter:
         )
 
     def _finish(self, index: int) -> None:
-        """Called with the lock held, once the shard's last run was handed over."""
+        """With the lock held, once the shard's last run was handed over."""
         for future in self.pending.pop(index, []):
             try:
                 future.result()

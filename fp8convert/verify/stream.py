@@ -17,10 +17,9 @@ import torch
 from ..formats import QuantizationConfig
 from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.rules import fused_group_key
-from ..run.cores import usable_cores
 from ..run.device import budget_for, io_threads, resolve_device
 from ..run.numerics import FP8_MAX
-from ..run.prefetch import Prefetcher, default_threads, window_for
+from ..run.prefetch import Prefetcher, default_threads, usable_cores, window_for
 from ..run.progress import Progress
 from ..run.reader import BatchReader
 from ..safetensors_io import TensorInfo, torch_dtype

@@ -54,7 +54,7 @@ def test_a_cpu_run_quantizes_with_those_threads_and_gives_the_callers_back(tmp_p
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing to pin away")
 def test_a_run_counts_the_cores_it_may_run_on_not_the_machines():
     """A cluster job pinned to one core of a bigger node (as Slurm and taskset do) gets threads for one core."""
-    from fp8convert.run.cores import usable_cores
+    from fp8convert.run.prefetch import usable_cores
 
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(allowed)})  # this thread only, for the calls below
