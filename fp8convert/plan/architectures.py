@@ -258,7 +258,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight")
         ),
         transformers_names=(Rename(r"\.router\.layer$", ".router"),),
-        vllm_names=(Rename(r"\.router\.layer$", ".gate"),),
+        # granitemoehybrid.py builds its Mamba2 mixer as `self.mamba` with the prefix `.mixer`, the name
+        # its quant config matches against the ignore list
+        vllm_names=(Rename(r"\.router\.layer$", ".gate"), Rename(r"\.mamba\.", ".mixer.")),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
         notes="fused experts [E, 2*inter, hidden] split per expert, as vLLM loads them; transformers loads "
         "that with the experts randomly initialised",

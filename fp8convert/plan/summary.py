@@ -76,7 +76,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
             PlanWarning(x.caveat, x.text) for x in table if x.covers(fmt, scheme) and (has_experts or not x.experts)
         ]
 
-    warnings = limits(LIMITS) + (block_warnings(fmt, quantized) if scheme == Scheme.BLOCK else [])
+    warnings = limits(LIMITS) + (block_warnings(fmt, plan.tensors) if scheme == Scheme.BLOCK else [])
     if arch:
         warnings += limits(arch.limits)
     if arch and arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
@@ -101,8 +101,8 @@ def plan_warnings(plan: Plan) -> list[str]:
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
-def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
-    warnings = []
+def block_warnings(fmt: str, tensors: list) -> list[PlanWarning]:
+    warnings, quantized = [], [t for t in tensors if t.quantize]
     if odd := [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]:
         misreads = fmt == Format.FP8
         what = (
@@ -116,15 +116,16 @@ def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
                 f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}",
             )
         )
-    if why := unloadable_fused_groups(fmt, quantized):
+    if why := unloadable_fused_groups(fmt, tensors):
         warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
     return warnings
 
 
-def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
+def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
     """Why vLLM cannot load the block-FP8 fused layers of this plan at any TP size, or None: it loads each
     member at its row offset in one weight with one 128x128 scale grid, so every member but the last must
     end on a block boundary. MoE experts follow vLLM's MoE rules instead (parallel.py)."""
+    quantized = [t for t in tensors if t.quantize]
     fused: dict[str, list] = {}
     for t in quantized:
         if t.group and not EXPERT.search(t.name):
@@ -136,7 +137,7 @@ def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
         if offending := [t for t in members[:-1] if t.shape[0] % BLOCK]:
             broken.append((group, offending[0]))
     if not broken:
-        return None
+        return _unloadable_mamba2_in_proj(fmt, tensors, quantized)
     group, example = broken[0]
     leaves = group.rsplit(".", 1)[-1]
     others = f" and {plural(len(broken) - 1, 'more group')} like it" if len(broken) > 1 else ""
@@ -148,11 +149,38 @@ def unloadable_fused_groups(fmt: str, quantized: list) -> str | None:
     )
 
 
+def _unloadable_mamba2_in_proj(fmt: str, tensors: list, quantized: list) -> str | None:
+    """The same rule for a Mamba2 mixer's one in_proj tensor, which vLLM's MambaMixer2
+    (layers/mamba/mamba_mixer2.py; granitemoehybrid, nemotron_h, falcon_h1, bamba, zamba2) loads as a
+    merged layer of five members: gate and x (the mixer's width, out_proj's input, each), B and C
+    (n_groups * d_state each), dt (one row per head, dt_bias's length)."""
+    shapes = {t.name: t.shape for t in tensors}
+    broken = []
+    for t in quantized:
+        mixer = t.name.removesuffix(".in_proj.weight")
+        heads, out = shapes.get(f"{mixer}.dt_bias"), shapes.get(f"{mixer}.out_proj.weight")
+        if not (heads and out):  # not a Mamba2 mixer's in_proj
+            continue
+        width, groups = out[1], (t.shape[0] - 2 * out[1] - heads[0]) // 2
+        if width % BLOCK or groups % BLOCK:
+            broken.append((t, [width, width, groups, groups, heads[0]]))
+    if not broken:
+        return None
+    (example, members), parent = broken[0], broken[0][0].name.rsplit(".", 3)[-3]
+    others = f" and {plural(len(broken) - 1, 'more layer')} like it" if len(broken) > 1 else ""
+    return (
+        f"vLLM cannot load {example.name.removesuffix('.weight')}{others} in the {fmt} format's block scheme: "
+        f"it loads this Mamba2 in_proj as one fused block GEMM of gate, x, B, C and dt members "
+        f"{members}, which needs every member but the last to have an output size divisible by {BLOCK}; "
+        f"use --scheme channel or tensor, or keep it in high precision with --ignore 're:.*\\.{parent}\\.in_proj$'"
+    )
+
+
 def refuse_unloadable(plan: Plan) -> None:
     """Raise where vLLM cannot load this output even at TP 1 (fused block groups that break its rule)."""
     if plan.options.dequantize or plan.options.scheme != "block":
         return
-    why = unloadable_fused_groups(plan.options.format, [t for t in plan.tensors if t.quantize])
+    why = unloadable_fused_groups(plan.options.format, plan.tensors)
     if why:
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 

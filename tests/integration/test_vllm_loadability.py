@@ -100,3 +100,45 @@ def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys):
         == 0
     )
     assert (tmp_path / "b" / "config.json").exists()
+
+
+# Granite-4.0-H at 128-wide sizes: one Mamba2 layer (in_proj quantized: 560 or 784 rows), one attention
+_GRANITE_HYBRID = {
+    "hidden_size": 128,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "intermediate_size": 128,
+    "shared_intermediate_size": 128,
+    "mamba_n_heads": 16,
+    "mamba_d_head": 16,
+}
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_mamba2_in_proj_vllm_cannot_load_in_blocks_is_refused(fmt, tmp_path):
+    """vLLM's MambaMixer2 splits in_proj into gate, x, B, C, dt: B and C of 16 rows end mid-block."""
+    import zoo
+
+    src = zoo.make("granitemoehybrid", tmp_path / "src", config_overrides={**_GRANITE_HYBRID, "mamba_d_state": 16})
+    with pytest.raises(fp8convert_module().FP8ConvertError) as ei:
+        run_quantize(src, tmp_path / "out", format=fmt, scheme="block")
+    text = str(ei.value)
+    assert "vLLM cannot load model.layers.0.mamba.in_proj" in text and "[256, 256, 16, 16, 16]" in text
+    assert "channel or tensor" in text and r"'re:.*\.mamba\.in_proj$'" in text
+    run_quantize(src, tmp_path / "ignored", format=fmt, scheme="block", ignore=(r"re:.*\.mamba\.in_proj$",))
+
+
+def test_mamba2_in_proj_on_block_boundaries_is_written(tmp_path):
+    import zoo
+
+    src = zoo.make("granitemoehybrid", tmp_path / "src", config_overrides={**_GRANITE_HYBRID, "mamba_d_state": 128})
+    run_quantize(src, tmp_path / "out", scheme="block")
+    assert str(read_safetensors_dir(tmp_path / "out")["model.layers.0.mamba.in_proj.weight"].dtype) == FP8
+
+
+def test_granite_hybrid_kept_mamba_layer_is_ignored_under_vllm_name(zoo_source, tmp_path):
+    """vLLM's granitemoehybrid.py names its Mamba2 mixer `.mixer` (its quant config matches that name)."""
+    out = tmp_path / "out"
+    run_quantize(zoo_source("granitemoehybrid"), out, format="fp8", scheme="tensor", ignore=(r"re:.*\.in_proj$",))
+    ignored = read_json(out / "config.json")["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.mixer.in_proj" in ignored and "model.layers.0.mamba.in_proj" in ignored

@@ -251,8 +251,9 @@ CONTRACTS = {
     ),
     "granitemoehybrid": Contract(
         "granitemoehybrid.py GraniteMoeHybridModel.load_weights (_load_quant_expert maps "
-        "block_sparse_moe.experts.{e}.gate_proj/up_proj/down_proj; router.layer -> gate)",
-        names=lambda m, c: re.sub(r"\.router\.layer$", ".gate", m),
+        "block_sparse_moe.experts.{e}.gate_proj/up_proj/down_proj; router.layer -> gate); its MambaMixer2 "
+        "is the attribute `mamba` built with the prefix `.mixer`",
+        names=lambda m, c: re.sub(r"\.router\.layer$", ".gate", m.replace(".mamba.", ".mixer.")),
         packed={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "in_proj": ("in_proj",), "input_linear": ("input_linear",)},
         unquantized=EMBED_HEAD + r"|\.block_sparse_moe\.gate$",
     ),

@@ -46,6 +46,9 @@ TEXT_SIZES = {
 }
 # What the DeepSeek configs derive from the MLA sizes at construction (head_dim is the rope part)
 _MLA_DERIVED = {"head_dim": 64, "qk_head_dim": 192}
+# MLA has no grouped K/V: every query head gets its own K/V from kv_b_proj, and transformers' attention
+# repeats K/V num_attention_heads / num_key_value_heads times, so the two must be equal (as released)
+_MLA = {**_MLA_DERIVED, "num_key_value_heads": TEXT_SIZES["num_attention_heads"]}
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 24, 24]}
 # Qwen3.5 rotates half of each head: 64 dims, sections adding up to 32
 _MROPE_HALF_ROTARY = {**_MROPE, "mrope_section": [11, 11, 10], "mrope_interleaved": True, "partial_rotary_factor": 0.5}
@@ -83,8 +86,8 @@ EXTRA = {
     "llama4": {"vision_config.projector_output_dim": 256, "text_config.num_experts_per_tok": 1},
     # config fields the released checkpoints have and transformers 5 no longer writes; vLLM reads them
     "minimax_m2": {"rotary_dim": 64, "scoring_func": "sigmoid"},
-    "deepseek_v3": {"topk_method": "noaux_tc", **_MLA_DERIVED},
-    "deepseek_v2": _MLA_DERIVED,
+    "deepseek_v3": {"topk_method": "noaux_tc", **_MLA},
+    "deepseek_v2": _MLA,
     "granitemoehybrid": {"mamba_n_heads": 4},  # its config checks n_heads * d_head == 2 * hidden_size
 }
 

@@ -30,6 +30,7 @@ CT_CHANNEL, CT_BLOCK, FP8_BLOCK = M.FORMATS
 CI_FAMILIES = {
     "llama": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),  # dense
     "granitemoe": (CT_BLOCK, FP8_BLOCK),  # fused 3-D experts, split per expert
+    "granitemoehybrid": (CT_BLOCK, FP8_BLOCK),  # Mamba2 mixer, named .mixer in vLLM; in_proj kept (1060 rows)
     "gpt_oss": (CT_CHANNEL,),  # experts kept BF16 and fused, attention with sinks
     "qwen3_next": (CT_BLOCK, FP8_BLOCK),  # gated DeltaNet + attention; MoE with a shared expert
     "falcon": (CT_CHANNEL, CT_BLOCK, FP8_BLOCK),  # query_key_value regrouped per KV head by vLLM
