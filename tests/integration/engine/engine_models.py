@@ -85,7 +85,8 @@ EXTRA = {
     "llama4_text": {"num_experts_per_tok": 1},
     "llama4": {"vision_config.projector_output_dim": 256, "text_config.num_experts_per_tok": 1},
     # config fields the released checkpoints have and transformers 5 no longer writes; vLLM reads them
-    "minimax_m2": {"rotary_dim": 64, "scoring_func": "sigmoid"},
+    # (use_routing_bias: without it vLLM builds no parameter for the checkpoint's e_score_correction_bias)
+    "minimax_m2": {"rotary_dim": 64, "scoring_func": "sigmoid", "use_routing_bias": True},
     "deepseek_v3": {"topk_method": "noaux_tc", **_MLA},
     "deepseek_v2": _MLA,
     "granitemoehybrid": {"mamba_n_heads": 4},  # its config checks n_heads * d_head == 2 * hidden_size
