@@ -27,6 +27,8 @@ class Scheme(enum.StrEnum):
     CHANNEL = "channel"  # one scale per output row
     BLOCK = "block"  # one scale per 128x128 block
     MXFP8 = "mxfp8"  # one power-of-two scale per 32 inputs of a row
+    NVFP4A16 = "nvfp4a16"  # 4-bit float weights: an FP8 scale per 16 inputs of a row, a float32 one per weight
+    MXFP4A16 = "mxfp4a16"  # 4-bit float weights: a power-of-two scale per 32 inputs of a row
 
 
 class Format(enum.StrEnum):
@@ -51,6 +53,8 @@ FORMATS = tuple(f.value for f in Format)
 SCALE_FORMATS = tuple(f.value for f in ScaleFormat)
 BLOCK = 128  # block scheme: 128x128 weight blocks, one scale each
 MX_GROUP = 32  # mxfp8: one power-of-two scale per 32 consecutive input elements of a row (OCP MX)
+FP4_SCHEMES = (Scheme.NVFP4A16, Scheme.MXFP4A16)  # weights as 4-bit floats (E2M1), activations in 16 bits
+GROUP_SIZE = {Scheme.MXFP8: MX_GROUP, Scheme.NVFP4A16: 16, Scheme.MXFP4A16: MX_GROUP}  # inputs of a row per scale
 TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitting rules by default
 # --dtype of dequantized weights: its spellings -> the safetensors dtype written
 DTYPE_NAMES = dict.fromkeys(("bf16", "bfloat16"), "BF16") | dict.fromkeys(("fp16", "float16", "half"), "F16")
@@ -128,10 +132,15 @@ class Options:
                 "--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
                 "checkpoints); use --format compressed-tensors --scheme mxfp8"
             )
+        if self.format == "fp8" and self.scheme in FP4_SCHEMES:
+            raise UsageError(
+                f"--format fp8 has no FP4 layout (vLLM reads FP4 weights from compressed-tensors checkpoints); "
+                f"use --format compressed-tensors --scheme {self.scheme}"
+            )
         if self.scale_format == "ue8m0" and self.scheme != "block":
             raise UsageError(
                 f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
-                + (" (MXFP8 scales are powers of two already)" if self.scheme == "mxfp8" else "")
+                + (f" ({self.scheme[:5].upper()} scales are powers of two already)" if self.scheme[:2] == "mx" else "")
             )
         _set(
             self,

@@ -23,6 +23,14 @@ from .config import QuantizationConfig, declared_scale_fmt
 
 FLOAT_ARGS = {"num_bits": 8, "type": "float", "symmetric": True}
 MX_ARGS = FLOAT_ARGS | {"group_size": MX_GROUP, "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}
+# Weight-only FP4, as compressed-tensors' NVFP4A16 and MXFP4A16 presets serialise (scale_dtype, which
+# compressed-tensors reads from 0.13 on, picks MXFP4's E8M0 path); no input activations.
+FP4_ARGS = {
+    "nvfp4a16": MX_ARGS
+    | {"num_bits": 4, "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
+    "mxfp4a16": MX_ARGS | {"num_bits": 4},
+}
+WRITTEN_FORMAT = {"mxfp8": "mxfp8-quantized", "nvfp4a16": "nvfp4-pack-quantized", "mxfp4a16": "mxfp4-pack-quantized"}
 # Engines quantize activations on the fly per token with per-channel weights, per 128-wide group with block
 # weights, per tensor with per-tensor weights (what vLLM's MoE accepts); static ones (an FP8 source's
 # calibrated input_scale, carried in the tensor scheme) are per tensor.
@@ -61,6 +69,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         block = self.scheme == "block"
         if self.scheme == "mxfp8":
             weights, activations = dict(MX_ARGS), MX_ARGS | {"dynamic": True}
+        elif self.scheme in FP4_ARGS:
+            weights, activations = dict(FP4_ARGS[self.scheme]), None
         else:
             weights = {"num_bits": 8, "type": "float", "strategy": self.scheme, "symmetric": True, "dynamic": False}
             weights |= {"group_size": None, "block_structure": [BLOCK, BLOCK] if block else None}
@@ -68,7 +78,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             activations |= {"strategy": ACTIVATION_STRATEGY[self.scheme], "group_size": BLOCK if block else None}
         config = {
             "quant_method": self.format,
-            "format": "mxfp8-quantized" if self.scheme == "mxfp8" else "float-quantized",
+            "format": WRITTEN_FORMAT.get(self.scheme, "float-quantized"),
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
             "ignore": list(self.ignore),
@@ -83,7 +93,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         per-tensor input activations. Anything else is refused with what it is. A source must also hold
         what fp8convert reads: no MXFP8, KV-cache scheme, zero points or uncompressed weights; an output
         lists these in `unkept` instead, for verify to report each."""
-        readable = (*FP8_FORMATS, "mixed-precision", None) + (() if source else ("mxfp8-quantized",))
+        readable = (*FP8_FORMATS, "mixed-precision", None) + (() if source else tuple(WRITTEN_FORMAT.values()))
         groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
         for fmt in [qc.get("format")] + [g["format"] for g in groups.values() if g.get("format")]:
             if fmt not in readable:
@@ -110,10 +120,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         strategies, static = set(), set()
         for name, group in groups.items():
             w = group.get("weights") or {}
-            if w.get("type") != "float" or w.get("num_bits") != 8:
+            if not source and (w.get("type"), w.get("num_bits")) == ("float", 4):
+                strategies.add(_written_scheme(w, where, FP4_ARGS))
+            elif w.get("type") != "float" or w.get("num_bits") != 8:
                 raise _not_fp8(where, f"config group {name}: {w.get('type')} {w.get('num_bits')}-bit weights")
-            if not source and (w.get("strategy") == "group" or qc.get("format") == "mxfp8-quantized"):
-                strategies.add(_mxfp8_scheme(w, where))
+            elif not source and (w.get("strategy") == "group" or qc.get("format") == "mxfp8-quantized"):
+                strategies.add(_written_scheme(w, where, {"mxfp8": MX_ARGS}))
             else:
                 strategies.add(_weight_strategy(name, w, where, source, unkept))
             if group.get("output_activations"):
@@ -155,16 +167,18 @@ def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[
     return w["strategy"]
 
 
-def _mxfp8_scheme(w: dict, where: str) -> str:
-    """An output's MXFP8 weights, checked for what vLLM's MXFP8 path keys on."""
-    if (
-        w.get("strategy") != "group"
-        or w.get("group_size") != MX_GROUP
-        or w.get("symmetric") is not True
-        or str(w.get("scale_dtype")).removeprefix("torch.") != "uint8"
-    ):
-        raise FP8ConvertError(
-            f"{where}: an MXFP8 config needs weights with strategy group, group_size {MX_GROUP}, "
-            "symmetric and scale_dtype uint8 (what vLLM's MXFP8 path keys on)"
-        )
-    return "mxfp8"
+def _written_scheme(w: dict, where: str, schemes: dict[str, dict]) -> str:
+    """An output's MXFP8 or FP4 weights: the scheme whose args they hold where vLLM keys on them."""
+    keys = ("num_bits", "strategy", "group_size", "symmetric")
+    for scheme, args in schemes.items():
+        dtype = str(w.get("scale_dtype")).removeprefix("torch.")
+        if all(w.get(k) == args[k] for k in keys) and dtype == args["scale_dtype"].removeprefix("torch."):
+            return scheme
+    wanted = " or ".join(
+        f"strategy {a['strategy']}, group_size {a['group_size']}, scale_dtype {a['scale_dtype'].removeprefix('torch.')}"
+        for a in schemes.values()
+    )
+    raise FP8ConvertError(
+        f"{where}: {'/'.join(s.upper() for s in schemes)} weights need {w.get('num_bits')}-bit symmetric weights "
+        f"with {wanted} (what vLLM keys on)"
+    )

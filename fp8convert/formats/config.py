@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK, MX_GROUP
+from ..options import BLOCK, GROUP_SIZE
 
 
 @dataclass(frozen=True)
 class ScaleLayout:
     """A format's scale tensors: fp8 names block scales `weight_scale_inv` (it multiplies all the same),
-    every other scale is `weight_scale`; MXFP8's are E8M0 bytes, every other one float32."""
+    every other scale is `weight_scale`; MX scales are E8M0 bytes, NVFP4's FP8 e4m3, every other one float32."""
 
     format: str
 
@@ -23,7 +23,7 @@ class ScaleLayout:
         return weight_name + ("_scale_inv" if self.format == "fp8" and scheme == "block" else "_scale")
 
     def scale_dtype(self, scheme: str) -> str:
-        return "U8" if scheme == "mxfp8" else "F32"
+        return {"mxfp8": "U8", "mxfp4a16": "U8", "nvfp4a16": "F8_E4M3"}.get(scheme, "F32")
 
     def scale_shapes(self, shape: tuple[int, int], scheme: str, source: bool = False) -> list[tuple[int, ...]]:
         """The scale shapes a reader accepts for a weight of `shape`, the written one first. A per-tensor
@@ -31,8 +31,9 @@ class ScaleLayout:
         out, inp = shape
         if scheme == "tensor":
             return [(1,)] if self.format == "compressed-tensors" and not source else [(), (1,)]
-        written = {"channel": (out, 1), "block": (-(-out // BLOCK), -(-inp // BLOCK)), "mxfp8": (out, inp // MX_GROUP)}
-        return [written[scheme]]
+        if scheme in GROUP_SIZE:
+            return [(out, inp // GROUP_SIZE[scheme])]
+        return [{"channel": (out, 1), "block": (-(-out // BLOCK), -(-inp // BLOCK))}[scheme]]
 
     def scale_shape(self, shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
         return self.scale_shapes(shape, scheme)[0]
@@ -44,7 +45,7 @@ class QuantizationConfig:
 
     format: ClassVar[str]  # fp8 | compressed-tensors (also its quant_method)
     source_input_scale_names: ClassVar[tuple[str, ...]]  # a source's static activation scale suffixes
-    scheme: str  # tensor | channel | block | mxfp8
+    scheme: str  # tensor | channel | block | mxfp8 | nvfp4a16 | mxfp4a16
     ignore: tuple[str, ...] = ()  # modules left unquantized, as engines match them
     scale_fmt: str | None = None  # `scale_fmt` as declared: "ue8m0" (block scales are powers of two)
     static_activations: bool = False  # calibrated per-tensor input scales, one per FP8 linear

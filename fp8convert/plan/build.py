@@ -12,7 +12,7 @@ from .._version import __version__
 from ..errors import FP8ConvertError
 from ..formats import get_format
 from ..formats.sources import SourceQuantization
-from ..options import Format, Options, ScaleFormat, Scheme
+from ..options import FP4_SCHEMES, Format, Options, ScaleFormat, Scheme
 from ..source.checkpoint import Source
 from ..units import plural
 from .architectures import GENERIC, architecture_of
@@ -131,6 +131,9 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
         return replace(d, inputs=inputs, action=Action.DEQUANTIZE, out_dtype=high_precision)
     fmt, scheme = get_format(options.format), options.scheme
     d = replace(d, scale_name=fmt.scale_name(d.name, scheme), scale_shape=fmt.scale_shape(d.shape, scheme))
+    if scheme in FP4_SCHEMES:  # compressed-tensors' names: X.weight_packed, X.weight_scale, X.weight_global_scale
+        global_scale = d.name + "_global_scale" if scheme == Scheme.NVFP4A16 else None
+        d = replace(d, name=d.name + "_packed", packed=True, global_scale_name=global_scale)
     if fp8_weight is None:
         return replace(d, scale_dtype=fmt.scale_dtype(scheme))
     d = replace(d, inputs=(fp8_weight.weight, fp8_weight.scale))

@@ -22,7 +22,7 @@ class Action(enum.Enum):
     """What is done to the source to make an output tensor."""
 
     KEEP = "keep"  # the source bytes (or a cut of them) unchanged
-    QUANTIZE = "quantize"  # FP8 codes and scales (float32, or MXFP8's E8M0 bytes) from a high-precision weight
+    QUANTIZE = "quantize"  # FP8 or FP4 codes and their scales from a high-precision weight
     DEQUANTIZE = "dequantize"  # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
     REQUANTIZE = "requantize"  # FP8 codes and scales, as QUANTIZE makes them, from an FP8 weight's float32 values
     PASS = "pass"  # an FP8 weight's codes and scale as they are: the output's scheme is the source's
@@ -41,14 +41,16 @@ class TensorPlan:
     # scale, then the static activation scale carried to the output
     action: Action
     reason: str | None  # why it stays in high precision (None when quantized)
-    group: str | None  # fused group: members share one scale in the tensor scheme
+    group: str | None  # fused group: members share one scale in the tensor scheme, one global scale in NVFP4
     scale_name: str | None = None
     scale_shape: tuple[int, ...] | None = None
     cut: Cut | None = None  # the part of the source it is (fused experts); None: all of it
     at: int = 0  # for a piece of a kept tensor (kept_pieces): where it starts in it
     out_dtype: str | None = None  # DEQUANTIZE: the high-precision dtype written
     input_scale_name: str | None = None  # a static activation scale (the last input) copied to this name
-    scale_dtype: str = "F32"  # U8 for MXFP8's E8M0 bytes; PASS: the source scale's own dtype
+    scale_dtype: str = "F32"  # U8 for MX E8M0 bytes, F8_E4M3 for NVFP4's; PASS: the source scale's own dtype
+    packed: bool = False  # FP4: `name` is X.weight_packed, two 4-bit values a byte
+    global_scale_name: str | None = None  # NVFP4: the float32 scale shared by the fused set
 
     @property
     def source(self) -> TensorInfo:
@@ -96,12 +98,23 @@ class TensorPlan:
         """The dtype of the main output."""
         if self.action is Action.KEEP:
             return self.source.dtype
-        return self.out_dtype if self.action is Action.DEQUANTIZE else FP8
+        if self.action is Action.DEQUANTIZE:
+            return self.out_dtype
+        return "U8" if self.packed else FP8
+
+    @property
+    def written_names(self) -> list[str]:
+        """The names of a quantized weight's outputs in the order the quantizer makes them."""
+        return [self.name, self.scale_name] + ([self.global_scale_name] if self.global_scale_name else [])
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every output tensor this plan produces."""
         if not self.quantize:
             return [(self.name, self.dtype, self.shape)]
+        if self.packed:
+            out, inp = self.shape
+            outputs = [(self.name, "U8", (out, inp // 2)), (self.scale_name, self.scale_dtype, self.scale_shape)]
+            return outputs + ([(self.global_scale_name, "F32", (1,))] if self.global_scale_name else [])
         outputs = [(self.name, FP8, self.shape), (self.scale_name, self.scale_dtype, self.scale_shape)]
         if self.input_scale_name:  # per tensor, shaped as the format shapes a per-tensor scale ([] or [1])
             outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.scale_shape))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..errors import FP8ConvertError
 from ..formats.sources import SourceQuantization
-from ..options import MX_GROUP, Options, Scheme
+from ..options import FP4_SCHEMES, GROUP_SIZE, MX_GROUP, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
 from .architectures import GENERIC
 from .cuts import Cut
@@ -28,13 +28,17 @@ TOWER_PARTS = set(
 )
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
 MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
+FP4_INPUT_DIM = "FP4: input dim"  # the same for FP4's groups of 16 (NVFP4) or 32 (MXFP4)
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
 SOURCE_KEPT = "high precision in the FP8 source"
 DEQUANTIZED = "dequantized"
 
 
 def module_of(name: str) -> str:
-    return name[: -len(".weight")] if name.endswith(".weight") else name
+    for suffix in (".weight", ".weight_packed"):  # FP4 outputs' weights are X.weight_packed
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def matches_pattern(module: str, pattern: str) -> bool:
@@ -93,6 +97,8 @@ def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
         return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
     if scheme == Scheme.MXFP8 and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
         return f"{MX_INPUT_DIM} ({shape[1]}) not divisible by {MX_GROUP}"
+    if scheme in FP4_SCHEMES and shape[1] % GROUP_SIZE[scheme]:  # scales of whole groups only, never a pad
+        return f"{FP4_INPUT_DIM} ({shape[1]}) not divisible by {GROUP_SIZE[scheme]}"
     return None
 
 

@@ -224,16 +224,9 @@ def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float
     return scale, scale
 
 
-def quantize_group(
-    members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None, scale_format: str = "float"
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Quantize a fused group's members, each a stack [N, out, in] (index n of every member is one group).
-    In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale).
-    Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8), one per member. Raises
-    NonFiniteWeight for NaN or Inf (amax propagates both), and with power-of-two scales for an amax of
-    POW2_OVERFLOW_AMAX or more."""
-    amaxes = [amax(w, scheme, cpu_path) for w in members]
-    pow2 = scheme == "mxfp8" or scale_format == "ue8m0"
+def refuse_unwritable(amaxes: list[torch.Tensor], pow2: bool = False) -> None:
+    """NonFiniteWeight for the first weight of the members' stacked amaxes [N, ...] holding NaN or Inf
+    (amax propagates both), or with `pow2` (power-of-two scales) an amax of POW2_OVERFLOW_AMAX or more."""
     for j, a in enumerate(amaxes):
         unwritable = ~torch.isfinite(a)
         if pow2:  # in the same test: one wait for the device per member, as without it
@@ -242,6 +235,17 @@ def quantize_group(
         if bool(per_weight.any()):
             index = int(per_weight.nonzero()[0, 0])
             raise NonFiniteWeight(j, index, overflows=bool(torch.isfinite(a[index]).all()))
+
+
+def quantize_group(
+    members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None, scale_format: str = "float"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Quantize a fused group's members, each a stack [N, out, in] (index n of every member is one group).
+    In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale).
+    Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8), one per member; refuse_unwritable
+    raises for weights it cannot write."""
+    amaxes = [amax(w, scheme, cpu_path) for w in members]
+    refuse_unwritable(amaxes, pow2=scheme == "mxfp8" or scale_format == "ue8m0")
     if scheme == "tensor" and len(members) > 1:
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)

@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from ..errors import POW2_OVERFLOW, FP8ConvertError
+from ..options import FP4_SCHEMES
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
+from .fp4 import quantize_fp4_group
 from .numerics import (
     NonFiniteWeight,
     all_finite,
@@ -227,17 +229,21 @@ def quantize_steps(
         else:
             stacks = [src.stack(ts) for ts in members]
         try:
-            codes, scales = quantize_group(stacks, scheme, cpu_path, scale_format)
+            if scheme in FP4_SCHEMES:
+                made = quantize_fp4_group(stacks, scheme)
+            else:
+                made = list(map(list, zip(*quantize_group(stacks, scheme, cpu_path, scale_format))))
         except NonFiniteWeight as e:
             raise FP8ConvertError(
                 f"{src.where(members[e.member][e.index])} "
                 + (POW2_OVERFLOW if e.overflows else "contains NaN or Inf; refusing to quantize it")
             ) from None
-        return [
+        return [  # per member: codes (FP8, or packed FP4), scales and (NVFP4) global scales, stacked
             out
-            for tensors, q, s in zip(members, codes, scales)
+            for tensors, stacks_made in zip(members, made)
             for n, t in enumerate(tensors)
-            for out in [(t.name, q[n], 0), (t.scale_name, s[n], 0)] + src.carried_scale(t)
+            for out in [(name, made_n[n], 0) for name, made_n in zip(t.written_names, stacks_made)]
+            + src.carried_scale(t)
         ]
 
     steps = [(list(t.inputs), functools.partial(single, t)) for t in batch.tensors if t.action not in STACKED]
