@@ -27,7 +27,14 @@ SCHEME_TEXT = {
     "block": "block: one float32 scale per 128x128 weight block",
     "mxfp8": "MXFP8: one power-of-two scale per 32 consecutive inputs of each row, stored as its E8M0 exponent "
     "byte (uint8)",
+    "nvfp4a16": "NVFP4: 4-bit E2M1 values packed two a byte, one FP8 (e4m3) scale per 16 consecutive inputs of each "
+    "row and one float32 global scale per weight, shared by the members of a fused q/k/v or gate/up set (vLLM "
+    "runs each set as one GEMM with one global scale)",
+    "mxfp4a16": "MXFP4: 4-bit E2M1 values packed two a byte, one power-of-two scale per 32 consecutive inputs of "
+    "each row, stored as its E8M0 exponent byte (uint8)",
 }
+# What the card calls the weights, by scheme (FP8 for every other one)
+WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
     ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
@@ -35,6 +42,8 @@ ACTIVATIONS_TEXT = {
     ("compressed-tensors", "block"): "dynamic per-group (128) FP8",
     ("compressed-tensors", "mxfp8"): "dynamic MXFP8 (groups of 32) on GPUs with MXFP8 GEMMs (Blackwell); BF16 "
     "with weight-only kernels on earlier GPUs",
+    ("compressed-tensors", "nvfp4a16"): "not quantized: 16-bit (weight-only quantization)",
+    ("compressed-tensors", "mxfp4a16"): "not quantized: 16-bit (weight-only quantization)",
     ("fp8", "tensor"): "dynamic FP8",
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
@@ -150,7 +159,8 @@ def make_card(
     dequantized = bool(info.get("dequantize"))
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
-        name = f"{name}-{info.get('dequantized_dtype') if dequantized else 'FP8'}"
+        weights = info["scheme"].upper() if info.get("scheme") in WEIGHTS_NAME else "FP8"
+        name = f"{name}-{info.get('dequantized_dtype') if dequantized else weights}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(info, where, base_model)
     base_model = base_model_of(info, base_model)
@@ -178,7 +188,7 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
     tags = (
         [DTYPE_TEXT.get(info.get("dequantized_dtype"), "bf16"), "dequantized"]
         if dequantized
-        else ["fp8", info["format"]]
+        else [WEIGHTS_NAME.get(info["scheme"], "fp8").lower(), info["format"]]
     )
     meta["tags"] = list(dict.fromkeys(tags + ["fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
@@ -198,7 +208,10 @@ def introduction(info: dict, base_model: str | None) -> str:
         if info.get("static_activations")
         else "Activations are quantized dynamically at run time, so no calibration data was used."
     )
-    return f"FP8 (e4m3) weights of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
+    weights = "FP8 (e4m3)"
+    if fp4 := WEIGHTS_NAME.get(info["scheme"]):
+        weights, activations = f"{fp4} (4-bit E2M1)", "Activations stay in 16 bits, so no calibration data was used."
+    return f"{weights} weights of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
 
 
 def quantization_section(info: dict) -> list[str]:
@@ -274,15 +287,18 @@ def kept_section(info: dict) -> list[str]:
 
 
 def use_section(info: dict, where: str) -> list[str]:
-    """How to serve or load it: vLLM, SGLang, and transformers where it can."""
+    """How to serve or load it: vLLM, SGLang (FP8), and transformers where it can."""
     vllm = ["```bash", f"vllm serve {shlex.quote(where)}", "```"]
     load = ["```python", "from transformers import AutoModelForCausalLM", ""]
     load += [f"model = AutoModelForCausalLM.from_pretrained({json.dumps(where)})", "```"]
     if info.get("dequantize"):
         intro = ["## Use", "", "A plain high-precision checkpoint:", "", *vllm, "", "transformers:", ""]
         return intro + ["```bash", "pip install transformers", "```", "", *load]
-    lines = ["## Use", "", "vLLM (reads the FP8 weights directly; no `--quantization` flag needed):", "", *vllm]
-    lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}", "```"]
+    weights = WEIGHTS_NAME.get(info["scheme"], "FP8")
+    lines = ["## Use", "", f"vLLM (reads the {weights} weights directly; no `--quantization` flag needed):", "", *vllm]
+    if weights == "FP8":  # SGLang's compressed-tensors path has no weight-only FP4 scheme
+        lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}"]
+        lines += ["```"]
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:

@@ -5,7 +5,8 @@ divide (distributed/utils.py `divide`); k/v with fewer heads than ranks are repl
 blocks want every per-rank size a multiple of 128 once TP > 1 (`validate_fp8_block_shape`). MoE experts
 split their intermediate size: compressed-tensors' block MoE wants multiples of 128 even at TP 1, the fp8
 format's falls back to gcd(128, per-rank size, hidden) blocks of at least 32 (`refine_fp8_moe_block_shape`).
-MXFP8 wants per-rank input sizes (row-parallel, experts' intermediate) in multiples of 32 (its scale groups).
+MXFP8 wants per-rank input sizes (row-parallel, experts' intermediate) in multiples of 32 (its scale groups),
+FP4 in multiples of its groups (16 for NVFP4, 32 for MXFP4).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..options import BLOCK, MX_GROUP, Format, Scheme
+from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE, MX_GROUP, Format, Scheme
 from .family import Caveat, PlanWarning, config_value
 from .rules import experts_of, module_of
 
@@ -68,6 +69,7 @@ DOES_NOT_DIVIDE = "does not divide evenly"
 NOT_BLOCKS = f"per-rank size not a multiple of {BLOCK}"
 NOT_REFINED = f"per-rank size has no common block of {MIN_REFINED_BLOCK} or more with 128 and the hidden size"
 NOT_MX_GROUPS = f"per-rank size not a multiple of {MX_GROUP} (MXFP8 groups)"
+NOT_FP4_GROUPS = "per-rank size not a multiple of {} (FP4 groups)"
 
 
 def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | None:
@@ -77,6 +79,9 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
         return DOES_NOT_DIVIDE
     if scheme == Scheme.MXFP8:  # the split input dim of row-parallel layers and of the experts' down_proj
         return NOT_MX_GROUPS if split.axis != "output" and size % MX_GROUP else None
+    if scheme in FP4_SCHEMES:  # the same for FP4's groups of 16 or 32
+        group = GROUP_SIZE[scheme]
+        return NOT_FP4_GROUPS.format(group) if split.axis != "output" and size % group else None
     if scheme != Scheme.BLOCK or size % BLOCK == 0:
         return None
     if split.axis == "expert intermediate":
@@ -120,7 +125,7 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
             text += f" (at TP {', '.join(map(str, refined))} only with smaller blocks on vLLM's Triton MoE kernels)"
         if experts and DOES_NOT_DIVIDE in failing.values():
             text += "; or use expert parallelism (vLLM's --enable-expert-parallel does not split experts)"
-        elif scheme in (Scheme.BLOCK, Scheme.MXFP8) and failing:
+        elif scheme in (Scheme.BLOCK, Scheme.MXFP8, *FP4_SCHEMES) and failing:
             other = Scheme.CHANNEL if fmt == Format.COMPRESSED_TENSORS else Scheme.TENSOR
             text += f"; or use --scheme {other}, which vLLM splits at any size that divides"
         warnings.append(PlanWarning(Caveat.VLLM_TP_LIMITS if ok else Caveat.VLLM_CANNOT_LOAD, text))

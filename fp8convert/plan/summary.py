@@ -7,13 +7,13 @@ import re
 from collections import Counter
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK, Format, ScaleFormat, Scheme
+from ..options import BLOCK, GROUP_SIZE, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
 from .batches import make_batches
 from .family import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
-from .rules import MX_INPUT_DIM
+from .rules import FP4_INPUT_DIM, MX_INPUT_DIM
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30  # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20  # interpreter + torch on CPU, roughly
@@ -47,6 +47,15 @@ LIMITS = (
         "E8M0 scales; dense MXFP8 layers load); vLLM can; use --scheme channel, or keep the experts with --ignore, "
         "to load it in transformers",
         schemes=(Scheme.MXFP8,),
+        experts=True,
+    ),
+    # transformers 5.25 (integrations/compressed_tensors.py) merges NVFP4 experts through a module holding
+    # weight_packed and weight_scale only: their weight_global_scale never divides (transformers #48371).
+    Limit(
+        Caveat.TRANSFORMERS_MISREADS,
+        "transformers dequantizes NVFP4 MoE experts without their global scale (transformers issue #48371): the "
+        "model loads, but its experts' weights come out wrong (dense layers are right); vLLM reads them right",
+        schemes=(Scheme.NVFP4A16,),
         experts=True,
     ),
 )
@@ -193,12 +202,17 @@ def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
 # Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
 # format's GEMMs need SM89, with weight-only Marlin kernels from SM75; MXFP8 GEMMs (FlashInfer) need SM100,
 # Marlin serves MXFP8 weight-only from SM75; DeepGEMM runs on SM90, SM100 and SM120).
-VLLM_GPUS = {  # by --scale-format, or the MXFP8 scheme
+VLLM_GPUS = {  # by --scale-format, or the MXFP8 and FP4 schemes
     ScaleFormat.FLOAT: "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
     Scheme.MXFP8: "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
     "to SM90, Hopper included",
     ScaleFormat.UE8M0: "FP8 GEMMs on SM89 and later, weight-only Marlin kernels from SM75; DeepGEMM (SM90, SM100, "
     "SM120) takes the power-of-two block scales as written (its load-time rounding to powers of two changes no value)",
+    Scheme.NVFP4A16: "weight-only FP4 GEMMs (BF16 activations): native kernels on Blackwell (SM100, SM103), Marlin "
+    "kernels on SM75 to SM90 and SM120; not on vLLM's CPU build",
+    Scheme.MXFP4A16: "weight-only Marlin kernels (BF16 activations) from SM75; on Blackwell (SM100 and later) vLLM's "
+    "FlashInfer kernel quantizes activations to MXFP4 as well unless served with --linear-backend marlin; not on "
+    "vLLM's CPU build",
 }
 
 
@@ -208,7 +222,7 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
     caveats = {w.caveat for w in warnings}
-    layout = Scheme.MXFP8 if options.scheme == Scheme.MXFP8 else options.scale_format
+    layout = options.scheme if options.scheme in VLLM_GPUS else options.scale_format
     vllm = "no (see the warnings)"
     if Caveat.VLLM_CANNOT_LOAD not in caveats:
         tp = "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else ""
@@ -232,6 +246,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = t.reason.split(" [")[0] if t.reason else "?"
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
             reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
+            if reason.startswith(FP4_INPUT_DIM):
+                reason = f"{FP4_INPUT_DIM} not divisible by {GROUP_SIZE[plan.options.scheme]}"
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
     fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set
@@ -259,7 +275,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         },
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
-        "scale_sharing": plan.options.scheme == Scheme.TENSOR,
+        "scale_sharing": plan.options.scheme in (Scheme.TENSOR, Scheme.NVFP4A16),
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
@@ -341,6 +357,8 @@ def render(info: dict) -> str:
         )
     if info["fused_groups"]:
         share = "share one scale" if info["scale_sharing"] else "scales per row, block or group, no sharing needed"
+        if info["scheme"] == Scheme.NVFP4A16:
+            share = "share one global scale, each member its own group scales"
         groups = ", ".join(f"{n} x {kind}" for kind, n in sorted(info["fused_groups"].items()))
         lines.append(f"fused       {groups} ({share})")
     if info["split_experts"]:
