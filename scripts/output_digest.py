@@ -28,6 +28,8 @@ COMBOS = [
     ("tensor", "fp8"),
     ("block", "fp8"),
     ("mxfp8", "compressed-tensors"),
+    ("nvfp4a16", "compressed-tensors"),
+    ("mxfp4a16", "compressed-tensors"),
 ]
 
 

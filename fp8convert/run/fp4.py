@@ -68,7 +68,7 @@ def mxfp4_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
 def encode(v: torch.Tensor) -> torch.Tensor:
     """float32 values already divided by their scale -> packed nibbles, uint8 [..., in / 2]."""
     edges = torch.tensor(INDEX_EDGES, dtype=torch.float32, device=v.device)
-    index = torch.bucketize(v.abs(), edges, out_int32=True)  # how many edges lie below |v|
+    index = torch.bucketize(v.abs().contiguous(), edges, out_int32=True)  # how many edges lie below |v|
     nibbles = (index | ((v < 0).int() << 3)).to(torch.uint8)  # -0.0 stays +0, as compressed-tensors packs it
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 

@@ -7,6 +7,10 @@ each code must also lie within half an e4m3 step of w / scale (in float32, as th
 Power-of-two scales (MXFP8, UE8M0 blocks) must be the smallest 2^e that fits their amax, and every code
 RNE(w / 2^e) exactly; float scales at most OVERSIZE x amax / 448.
 
+FP4 (`fp4_sums`): each code must be the E2M1 value nearest x = w / d (d a group's scale, clamped to
++-6), so each element is off by at most half the gap between E2M1 values around |x| (0.25, 0.5 or 1
+times d) plus what the clamp cut off; the bound is the root of the sum of their squares.
+
 `exact_sums` computes the figures element by element; `fast_sums` answers only where every code is
 byte for byte the quantizer's RNE(w / scale), and then sums the same values from the codes' bits.
 """
@@ -216,6 +220,31 @@ def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, 
     x = (w / expand_scale(s, tuple(w.shape), scheme)).clamp(-FP8_MAX, FP8_MAX)
     inexact = int((x.to(FP8_DTYPE).float() != q.float()).sum())  # compared as values: -0 == +0
     return off_rule, inexact
+
+
+def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
+    """The figures of an FP4 slab against its source values `w` [rows, in]; None when a scale (or the
+    global scale) is not finite and positive."""
+    from ..options import GROUP_SIZE
+    from ..run import fp4
+
+    gs = None if global_scale is None else global_scale.float().reshape(1, 1)
+    d = fp4.divisors(scheme, scale, gs)
+    if not finite_positive(d) or (gs is not None and not finite_positive(gs)):
+        return None
+    size = GROUP_SIZE[scheme]
+    d = d.unsqueeze(-1)
+    wf = w.float().unflatten(-1, (-1, size))
+    q = fp4.decode(packed).unflatten(-1, (-1, size))
+    x = (wf / d).clamp(-fp4.FP4_MAX, fp4.FP4_MAX)
+    nearest = torch.stack([(x.abs() - v).abs() for v in fp4.E2M1_VALUES]).amin(dim=0)
+    half_gap = torch.where(x.abs() < 2, 0.25, torch.where(x.abs() < 4, 0.5, 1.0))
+    bound = half_gap * d + (wf.abs() - fp4.FP4_MAX * d).clamp(min=0)
+    e = wf - q * d
+    sums = ErrorSums(w2=float(wf.double().square().sum()), e2=float(e.double().square().sum()))
+    sums.bound2 = float(bound.double().square().sum())
+    sums.off_grid = int(((q - x).abs() > nearest).sum())
+    return sums
 
 
 def scale_values(scale):

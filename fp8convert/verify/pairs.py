@@ -233,6 +233,68 @@ class QuantizedPair:
         return None if first.scale_ok else (name, not_finite)
 
 
+@dataclass(eq=False)
+class FP4Pair:
+    """An FP4 output (X.weight_packed, X.weight_scale and, for NVFP4, X.weight_global_scale) and the source
+    weight it was made from: a high-precision weight, one expert's cut of a fused one, or an FP8 weight."""
+
+    name: str  # X.weight, the source's name
+    source: TensorInfo
+    packed: TensorInfo
+    scale: TensorInfo
+    global_scale: TensorInfo | None
+    cut: Cut | None = None
+    fp8: FP8Weight | None = None
+    sums: ErrorSums = field(default_factory=ErrorSums)
+    global_value: float | None = None
+    failed: bool = False
+
+    def pieces(self) -> list[Piece]:
+        outputs = [self.packed, self.scale] + ([self.global_scale] if self.global_scale else [])
+        if self.cut is not None:
+            return cut_read(self.source, self.cut, outputs)
+        extra = [self.fp8.scale] if self.fp8 else []
+        return [
+            (
+                r0,
+                [rows_of(self.source, r0, n), *extra],
+                [rows_of(outputs[0], r0, n), rows_of(outputs[1], r0, n), *outputs[2:]],
+            )
+            for r0, n in slabs(self.source.shape[0], self.source.shape[1], self.fp8 is not None)
+        ]
+
+    def check(self, sources, outputs, r0: int, checks) -> tuple[ErrorSums, float | None] | None:
+        """The slab's figures and the global scale (NVFP4); None when a scale is not finite and positive."""
+        from .numbers import fp4_sums, source_values
+
+        packed, scale, *global_scale = outputs
+        if self.fp8 is None:
+            w = sources[0] if self.cut is None else cut_of(self.cut, sources[0])
+        elif (w := source_values(*sources, r0, checks.source_scheme)) is None:
+            return None
+        g = global_scale[0] if global_scale else None
+        sums = fp4_sums(w, packed, scale, g, checks.fmt.scheme)
+        return None if sums is None else (sums, None if g is None else g.float().reshape(-1)[0].item())
+
+    def record(self, r0: int, last: bool, result: tuple[ErrorSums, float | None] | None, checks) -> None:
+        if self.failed:
+            return
+        if result is None:
+            self.failed = True
+            checks.report.fail(self.name, f"scale {self.scale.name} or its global scale is not finite and positive")
+            return
+        self.sums.add(result[0])
+        self.global_value = result[1]
+        if not last:
+            return
+        check = self.sums.check(self.name, self.packed.shape, self.scale.shape)
+        checks.report.tensors.append(check)
+        if not check.ok:
+            checks.report.fail(self.name, check.problem(checks.fmt.scheme))
+        if self.global_value is not None:
+            checks.add_global_scale(self.name, self.global_value)
+
+
 def cut_of(cut: Cut, piece):
     """A cut's 2-D weight from what was read of its source: the one expert's rows, or the whole tensor."""
     return cut.apply(piece) if cut.expert is None else cut.across_experts().apply(piece)[0]

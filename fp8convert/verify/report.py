@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..options import FP4_SCHEMES
 from ..output.card import with_verification
 from ..output.files import write_atomic
 from ..output.manifest import Manifest
@@ -40,7 +41,8 @@ class TensorCheck:
 
     def problem(self, scheme: str) -> str:
         """What is wrong with these figures, one line."""
-        unit = {"mxfp8": "group", "channel": "row"}.get(scheme, "block")  # what one scale covers
+        unit = {"mxfp8": "group", "channel": "row", "nvfp4a16": "group", "mxfp4a16": "group"}.get(scheme, "block")
+        values = "E2M1" if scheme in FP4_SCHEMES else "e4m3"  # what a code is
         counts = [
             (self.off_rule_scales, "scale", f"not the smallest power of two that fits their {unit}"),
             (
@@ -49,11 +51,11 @@ class TensorCheck:
                 f"more than twice amax / 448 of their {unit} (codes lose precision, or round to zero)",
             ),
             (self.inexact_codes, "code", "not the round-to-nearest-even e4m3 value of weight/scale"),
-            (self.off_grid, "code", "not the nearest e4m3 value of weight/scale"),
+            (self.off_grid, "code", f"not the nearest {values} value of weight/scale"),
         ]
         what = [f"{plural(n, word)} {'is' if n == 1 else 'are'} {rest}" for n, word, rest in counts if n]
         if not self.rel_error <= self.bound * (1 + FLOAT_SLACK):
-            what.append(f"relative error {self.rel_error:.4g} exceeds the e4m3 bound {self.bound:.4g}")
+            what.append(f"relative error {self.rel_error:.4g} exceeds the {values} bound {self.bound:.4g}")
         return f"{'; '.join(what)} (SNR {self.snr_db:.1f} dB)"
 
 

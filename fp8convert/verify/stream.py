@@ -64,6 +64,7 @@ class Checks:
     report: VerifyReport
     arch: Architecture
     groups: dict[str, SharedScale] = field(default_factory=dict)
+    global_scales: dict[str, set[float]] = field(default_factory=dict)  # NVFP4's, by fused group
 
     @property
     def powers_of_two(self) -> bool:
@@ -82,6 +83,20 @@ class Checks:
         if measured:
             shared.measured_scale = max(shared.measured_scale or 0.0, value)
             shared.amax = max(shared.amax, pair.sums.amax)
+
+    def add_global_scale(self, name: str, value: float) -> None:
+        self.global_scales.setdefault(fused_group_key(name, self.arch.fused) or name, set()).add(value)
+
+    def check_global_scales(self) -> None:
+        """vLLM runs a fused group as one GEMM with one NVFP4 global scale: members with different ones
+        would be scaled wrongly (it takes the largest, or the gate's in MoE)."""
+        for key, values in self.global_scales.items():
+            if len(values) > 1:
+                self.report.fail(
+                    key,
+                    f"fused members have {len(values)} different global scales; vLLM runs them as one GEMM "
+                    "with one global scale, so all but one member would be scaled wrongly",
+                )
 
     def check_tensor_scales(self) -> None:
         """The tensor scheme's one scale must be at most OVERSIZE x amax / 448 of what it scales (a fused
@@ -146,6 +161,7 @@ def check_data(
     finally:
         bar.close()
     checks.check_tensor_scales()
+    checks.check_global_scales()
 
 
 def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:

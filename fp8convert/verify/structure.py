@@ -13,13 +13,14 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats import QuantizationConfig, read_quantization_config
 from ..formats.sources import FP8Weight
+from ..options import FP4_SCHEMES, Scheme
 from ..output.manifest import Manifest
 from ..plan.architectures import GENERIC, Architecture, architecture_of
 from ..plan.cuts import Cut
 from ..plan.rules import UnsupportedLayout, default_keep_reason, expert_cuts, is_linear_weight, module_of
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
 from ..source.checkpoint import Source, index_files, parse_index
-from .pairs import DequantizedPair, KeptPair, QuantizedPair, SameBytesPair, not_requantized, shapes_text
+from .pairs import DequantizedPair, FP4Pair, KeptPair, QuantizedPair, SameBytesPair, not_requantized, shapes_text
 from .report import VerifyReport
 
 
@@ -178,6 +179,11 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
     pairs: list = []
     for want in expected_outputs(source, pairing.arch, outputs, report):
         name, got = want.name, outputs.get(want.name)
+        fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
+        if got is None and fmt and fmt.scheme in FP4_SCHEMES and (packed := outputs.get(name + "_packed")):
+            pairing.accounted.add(packed.name)
+            pairs += pairing.fp4(want, packed, fp8_weight)
+            continue
         if got is None:
             file = layout.placed_in.get(name)
             if file in layout.unreadable:
@@ -189,7 +195,6 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
                 )
             continue
         pairing.accounted.add(name)
-        fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
         if got.dtype == FP8 and fmt is None:
             report.fail(name, "still FP8, but the output has no quantization_config")
         elif fp8_weight is not None:
@@ -247,17 +252,49 @@ class Pairing:
             return []
         return [QuantizedPair(want.name, want.info, got, scale, scale_name, self.fmt.scheme == "block", want.cut)]
 
+    def fp4(self, want: Expected, packed: TensorInfo, fp8_weight: FP8Weight | None) -> list:
+        """An FP4 weight: its packed codes, group scales and (NVFP4) global scale, shaped for its source."""
+        self.report.tensors_quantized += 1
+        scale_name, scale = self.scale_of(want.name)
+        problems = self.structure_problems(
+            want, packed, scale, scale_name, fp8_source=fp8_weight is not None, packed=True
+        )
+        global_scale = None
+        if self.fmt.scheme == Scheme.NVFP4A16:
+            global_name = want.name + "_global_scale"
+            self.accounted.add(global_name)
+            global_scale = self.outputs.get(global_name)
+            if global_scale is None or (global_scale.dtype, global_scale.shape) != ("F32", (1,)):
+                got = f"is {global_scale.dtype} {list(global_scale.shape)}" if global_scale else "is missing"
+                problems.append(f"its global scale {global_name} {got}, expected F32 [1]")
+        if problems:
+            self.report.fail(want.name, "; ".join(problems))
+            return []
+        return [FP4Pair(want.name, want.info, packed, scale, global_scale, want.cut, fp8_weight)]
+
     def structure_problems(
-        self, want: Expected, got: TensorInfo, scale: TensorInfo | None, scale_name: str, fp8_source: bool = False
+        self,
+        want: Expected,
+        got: TensorInfo,
+        scale: TensorInfo | None,
+        scale_name: str,
+        fp8_source: bool = False,
+        packed: bool = False,
     ) -> list[str]:
-        """What is wrong with a quantized tensor's structure: its source, shape, ignore list and scale."""
+        """What is wrong with a quantized tensor's structure: its source, shape, ignore list and scale
+        (`packed`: FP4 codes, two a byte)."""
         info, shape, fmt = want.info, want.shape, self.fmt
         problems = []
         if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
             problems.append(
                 f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D float weight)"
             )
-        elif got.shape != shape:
+        elif packed and (got.dtype, got.shape) != ("U8", (shape[0], shape[1] // 2)):
+            problems.append(
+                f"packed as {got.dtype} {list(got.shape)}, but FP4 codes of the source ({want.where}) "
+                f"{list(shape)} are U8 {[shape[0], shape[1] // 2]}"
+            )
+        elif not packed and got.shape != shape:
             problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
         if fmt.ignores(module_of(want.name)):
             problems.append(f"quantized, but the ignore list names {module_of(want.name)}")
