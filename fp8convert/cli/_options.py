@@ -57,8 +57,9 @@ Scheme = option(
     str,
     "--scheme " + "|".join(SCHEMES),
     "Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
-    "block) or mxfp8 (a power-of-two scale per 32 inputs of each row; compressed-tensors only). "
-    "llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK name tensor, channel and block.",
+    "block) or mxfp8 (a power-of-two scale per 32 inputs of each row); nvfp4a16 and mxfp4a16 write 4-bit "
+    "float weights with BF16 activations (mxfp8 and FP4: compressed-tensors only). llm-compressor's FP8, "
+    "FP8_DYNAMIC, FP8_BLOCK, MXFP8, NVFP4A16 and MXFP4A16 name them too.",
 )
 ScaleFormat = option(
     str,

@@ -11,6 +11,11 @@ without scale_dtype it is no FP8 scheme it knows; the args models forbid unknown
 written. Its dense layer needs in % 32 == 0 (per TP rank for row-parallel layers); transformers' MoE expert
 path fails on it (summary.compatibility_warnings says so). As a source, MXFP8 is refused.
 
+"nvfp4-pack-quantized" and "mxfp4-pack-quantized" (weight-only FP4, compressed-tensors' NVFP4A16 and
+MXFP4A16 presets): X.weight_packed U8 [out, in / 2], X.weight_scale F8_E4M3 [out, in / 16] or U8
+[out, in / 32], and for NVFP4 X.weight_global_scale F32 [1]; no X.weight (run/fp4.py has the numerics).
+As sources they are refused.
+
 Power-of-two block scales (--scale-format ue8m0) add a top-level `scale_fmt`, as in the fp8 format:
 vLLM reads it whatever the quant_method, the other readers ignore unknown top-level keys.
 """
