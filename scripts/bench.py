@@ -399,10 +399,15 @@ def safetensors_header(path: Path) -> dict:
         return json.loads(f.read(n))
 
 
-def describe_checkpoint(path: Path) -> dict:
-    """Files, bytes and tensors, and the output size a per-tensor FP8 conversion will write (estimate:
-    2D *_proj.weight tensors become 1 byte a value plus a float32 scale; everything else is copied), or
-    for an FP8 checkpoint the size of its BF16 dequantization (2 bytes a code, no scales)."""
+# Output bytes per quantized value, and per weight, by scheme (estimate: FP8 one byte a value and a
+# float32 scale; FP4 half a byte, an e4m3 scale per 16 or an E8M0 byte per 32, NVFP4's float32 global).
+BYTES_PER_VALUE = {"nvfp4a16": 0.5 + 1 / 16, "mxfp4a16": 0.5 + 1 / 32}
+
+
+def describe_checkpoint(path: Path, scheme: str = "tensor") -> dict:
+    """Files, bytes and tensors, and the output size a conversion to `scheme` will write (estimate:
+    2D *_proj.weight tensors become BYTES_PER_VALUE a value plus a float32 scale; everything else is
+    copied), or for an FP8 checkpoint the size of its BF16 dequantization (2 bytes a code, no scales)."""
     files = sorted(path.glob("*.safetensors"))
     tensors, out_bytes = 0, 0
     for f in files:
@@ -420,7 +425,7 @@ def describe_checkpoint(path: Path) -> dict:
                 continue
             else:
                 quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
-                out_bytes += numel + 4 if quantized else nbytes
+                out_bytes += int(numel * BYTES_PER_VALUE.get(scheme, 1)) + 4 if quantized else nbytes
     return {
         "files": [f.name for f in files],
         "bytes_in": sum(f.stat().st_size for f in files),
@@ -663,7 +668,7 @@ def contenders(args) -> list[dict]:
                 "{src}",
                 "{out}",
                 "--scheme",
-                "tensor",
+                args.scheme,
                 "--format",
                 "compressed-tensors",
                 "--device",
@@ -703,7 +708,7 @@ def contenders(args) -> list[dict]:
                 "label": "naive",
                 "kind": "script",
                 "durable": False,
-                "cmd": [PY, str(BENCH / "naive_convert.py"), "{src}", "{out}"],
+                "cmd": [PY, str(BENCH / "naive_convert.py"), "{src}", "{out}", args.scheme],
                 "env": child_env(),
             }
         )
@@ -1364,6 +1369,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--device", choices=["cuda", "cpu", "both"], default="cuda", help="fp8convert's --device (default cuda)"
     )
+    p.add_argument(
+        "--scheme",
+        default="tensor",
+        choices=["tensor", "nvfp4a16", "mxfp4a16"],
+        help="what fp8convert and the naive script write (default tensor; llm-compressor always TENSOR)",
+    )
     p.add_argument("--max-shard-size", default="5GB", help="fp8convert's output shard size")
     p.add_argument("--max-resident", help="fp8convert's --max-resident (default: its own)")
     p.add_argument("--skip-llmc", action="store_true", help="do not run llm-compressor")
@@ -1506,7 +1517,7 @@ def main(argv=None) -> int:
         bf16_src = src
         if args.dequantize:
             src = build_fp8_copy(src, args.device, log, gpu, args.work)
-        info = describe_checkpoint(src)
+        info = describe_checkpoint(src, "tensor" if args.dequantize else args.scheme)
         entry = results["checkpoints"][src.name] = {
             "name": name,
             "shard_gb": shard,

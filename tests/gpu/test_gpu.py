@@ -20,6 +20,7 @@ COMBOS = [
     ("tensor", "fp8"),
     ("block", "fp8"),
 ]
+FP4_COMBOS = [("nvfp4a16", "compressed-tensors"), ("mxfp4a16", "compressed-tensors")]
 
 
 def output_bytes(out: Path) -> dict[str, bytes]:
@@ -27,7 +28,7 @@ def output_bytes(out: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral", "deepseek_v3"])
-@pytest.mark.parametrize("scheme,fmt", COMBOS)
+@pytest.mark.parametrize("scheme,fmt", COMBOS + FP4_COMBOS)
 def test_cuda_writes_the_same_bytes_as_cpu(source_model, tmp_path, kind, scheme, fmt):
     src = source_model(kind)
     cpu = fp8convert.quantize(src, tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu", max_shard_size="150KB")
@@ -77,7 +78,7 @@ def test_cuda_refuses_nan_naming_the_tensor(tmp_path):
         fp8convert.quantize(src, tmp_path / "out", device="cuda")
 
 
-@pytest.mark.parametrize("scheme,fmt", COMBOS)
+@pytest.mark.parametrize("scheme,fmt", COMBOS + FP4_COMBOS)
 def test_cuda_verify_gives_the_figures_of_cpu(source_model, tmp_path, scheme, fmt, monkeypatch):
     """verify --device cuda reads through the CUDA reader and measures on the GPU: the same verdicts
     and figures as on the CPU, every honest code on the fast path."""
@@ -122,7 +123,7 @@ def test_cuda_verify_finds_one_corrupted_code(source_model, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama4", "granitemoe", "qwen3_vl_moe", "gemma4"])
-@pytest.mark.parametrize("scheme,fmt", COMBOS)
+@pytest.mark.parametrize("scheme,fmt", COMBOS + FP4_COMBOS)
 def test_cuda_cuts_fused_experts_like_cpu(zoo_source, tmp_path, arch, scheme, fmt):
     """Experts cut from fused 3-D tensors (strided views: transposed, halves) give the CPU's bytes."""
     src = zoo_source(arch)
