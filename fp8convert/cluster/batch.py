@@ -175,16 +175,6 @@ def task_index_from_env(env=None) -> int | None:
     return env_int(os.environ if env is None else env, "SLURM_ARRAY_TASK_ID")
 
 
-def select_jobs(jobs: list[Job], task_index: int | None, where: str) -> list[Job]:
-    if task_index is None:
-        return jobs
-    if not 0 <= task_index < len(jobs):
-        raise FP8ConvertError(
-            f"task index {task_index}: {where} has {plural(len(jobs), 'job')}, numbered 0 to {len(jobs) - 1}"
-        )
-    return [jobs[task_index]]
-
-
 def run_job(
     job: Job,
     progress: bool = True,
@@ -247,11 +237,16 @@ def run_batch(
     jobs = read_jobs(path)
     if task_index is None:
         task_index = task_index_from_env()
-    return [run_job(job, progress, token, cache_dir, on_plan) for job in select_jobs(jobs, task_index, str(path))]
+    if task_index is not None:
+        if not 0 <= task_index < len(jobs):
+            raise FP8ConvertError(
+                f"task index {task_index}: {path} has {plural(len(jobs), 'job')}, numbered 0 to {len(jobs) - 1}"
+            )
+        jobs = [jobs[task_index]]
+    return [run_job(job, progress, token, cache_dir, on_plan) for job in jobs]
 
 
 def render(results: list[JobResult]) -> str:
-    """The summary table, then one line per failure."""
     rows = [("job", "source", "out", "status", "seconds", "GB")]
     for r in results:
         job = f"{r.index} {r.job}" if r.job != str(r.index) else r.job

@@ -58,9 +58,8 @@ def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
 def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> list[Settings]:
     """Each device's settings: its device, its part of worker `spec`'s shards, no finalize, and no
     --overwrite (the parent has already replaced OUT; a worker of several may not)."""
-    parts = len(devices)
     return [
-        replace(settings, device=d, devices=None, worker=spec.split(parts, i), finalize=False, overwrite=False)
+        replace(settings, device=d, devices=None, worker=spec.split(len(devices), i), finalize=False, overwrite=False)
         for i, d in enumerate(devices)
     ]
 
@@ -80,17 +79,13 @@ def run_on_devices(target: Callable, src: str, out: str, children: list[Settings
                 except Exception as e:  # a crashed child (BrokenProcessPool) or an unexpected error
                     errors.append(f"worker on {device}: {type(e).__name__}: {e}")
         except BaseException:  # Ctrl-C or SIGTERM: leaving the pool would wait for the workers to finish
-            stop_workers(pool)
+            # SIGTERM the workers now (what they wrote stays resumable): a SIGTERM sent to this process
+            # alone (Kubernetes signals only PID 1) would not reach them. The pool has no public way to.
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
     if errors:
         more = f" (and {plural(len(errors) - 1, 'more worker')} failed)" if len(errors) > 1 else ""
         raise FP8ConvertError(errors[0] + more)
     return reports
-
-
-def stop_workers(pool: ProcessPoolExecutor) -> None:
-    """SIGTERM the pool's worker processes now (what they wrote stays resumable): a SIGTERM sent to this
-    process alone (Kubernetes signals only PID 1) would not reach them. The pool has no public way to."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        process.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)

@@ -60,11 +60,7 @@ class WorkerSpec:
         return WorkerSpec(self.index + self.count * part, self.count * parts, "explicit", on_this_machine=here)
 
 
-SINGLE = WorkerSpec()
-
-
 def env_int(env, name: str, default: int | None = None) -> int | None:
-    """$name as an integer; `default` where it is unset or empty."""
     value = env.get(name, "")
     if not value:
         return default
@@ -92,19 +88,6 @@ def tasks_per_node(env) -> int | None:
         if counts and all(counts):
             return max(int(match.group(1)) for match in counts)
     return None
-
-
-def parse_worker(text: str) -> WorkerSpec:
-    """'K/N' (0-based K)."""
-    parts = str(text).strip().split("/")
-    try:
-        index, count = (int(p) for p in parts)
-    except ValueError:
-        raise UsageError(f"--worker {text!r}: expected K/N (worker K of N, counting from 0), or auto") from None
-    try:
-        return _checked(index, count, "explicit", f"--worker {text}")
-    except FP8ConvertError as e:  # the split itself is what the command line says
-        raise UsageError(str(e)) from None
 
 
 def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
@@ -152,12 +135,19 @@ def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) 
     if isinstance(worker, WorkerSpec):
         return worker
     if worker is None:
-        return detect_worker(env) or SINGLE
+        return detect_worker(env) or WorkerSpec()
     if isinstance(worker, tuple):
         return _checked(worker[0], worker[1], "explicit", f"--worker {worker[0]}/{worker[1]}")
     if str(worker).strip().lower() == "auto":
         return detect_worker(env, opt_in=True)
-    return parse_worker(worker)
+    try:
+        index, count = (int(p) for p in str(worker).strip().split("/"))
+    except ValueError:
+        raise UsageError(f"--worker {worker!r}: expected K/N (worker K of N, counting from 0), or auto") from None
+    try:
+        return _checked(index, count, "explicit", f"--worker {worker}")
+    except FP8ConvertError as e:  # the split itself is what the command line says
+        raise UsageError(str(e)) from None
 
 
 def device_for(spec: WorkerSpec, device: str) -> str:

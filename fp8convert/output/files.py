@@ -14,7 +14,13 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write under a temporary name, fsync, rename; a failure (disk full) is one resumable error. A file
     holding these bytes already is left alone, so finishing a complete output again works read-only."""
     tmp = path.with_name(f".{path.name}.tmp")
-    if holds(path, data):
+    try:  # the size first: a file of another size is not read
+        same = (
+            path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) and path.read_bytes() == data
+        )
+    except OSError:
+        same = False
+    if same:
         with contextlib.suppress(OSError):  # what a run killed mid-write left
             tmp.unlink()
         return
@@ -30,16 +36,6 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise FP8ConvertError(
             f"{path}: cannot write ({e.strerror}); rerun the same command to resume once the problem is fixed"
         ) from e
-
-
-def holds(path: Path, data: bytes) -> bool:
-    """Whether `path` is a file (not a link) of exactly `data`."""
-    try:
-        return (
-            path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) and path.read_bytes() == data
-        )
-    except OSError:
-        return False
 
 
 def json_bytes(obj) -> bytes:

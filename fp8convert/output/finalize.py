@@ -27,36 +27,54 @@ from .card import make_card, read_source_card
 from .files import json_bytes, write_atomic
 from .lock import OutputLock, is_lock_file
 from .manifest import MANIFEST, WORK_DIR, Manifest, plan_change, source_change
-from .partial import RECORD_SUFFIX, remove_records
+from .partial import RECORD_SUFFIX
 
 YOURSELF = "delete the folder yourself or choose another output directory"
 RECORDED = ("fingerprint", "source", "scheme", "format", "ignore", "max_shard_size")  # what a rebuild needs
 
 
 def prepare_output(
-    plan: Plan, out_dir: Path, overwrite: bool, streamed: bool = False, lock: OutputLock | None = None
+    plan: Plan, out_dir: Path, overwrite: bool, streamed: bool, lock: OutputLock
 ) -> tuple[set[int], bool]:
     """Make OUT ready, claiming nothing yet (Manifest.claim does, once the run can start): (shards finished
     by an earlier run of this plan, complete?). `lock` is taken once OUT is known to be fp8convert's,
     before anything in it is read or changed. `streamed`: OUT's work folder holds the source's shards."""
-    out_dir = Path(out_dir)
-    check_placement(plan, out_dir, streamed)
+    src = plan.source.root
+    if not streamed and is_inside(out_dir, src):
+        raise FP8ConvertError(f"{out_dir}: the output must not be the source directory or inside it")
+    if not streamed and is_inside(src, out_dir):
+        raise FP8ConvertError(f"{out_dir}: the output must not contain the source directory {src}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
+    # Only the work folder, without a manifest, is empty in every way that matters: left by a run killed
+    # before its manifest existed, or made by a worker started a moment earlier.
+    entries = [p.name for p in out_dir.iterdir()] if out_dir.is_dir() else []
+    work = out_dir / WORK_DIR
+    fresh = entries == [WORK_DIR] and work.is_dir() and not work.is_symlink() and not (work / MANIFEST).exists()
+    occupied = bool(entries) and not fresh
     # A folder with fp8convert's manifest is resumed, files the user added to it left alone; only
     # replacing it (--overwrite) needs every file in it to be fp8convert's.
-    occupied = out_dir.is_dir() and any(out_dir.iterdir()) and not killed_before_manifest(out_dir)
-    if occupied and (overwrite or read_for_resume(out_dir) is None) and (foreign := foreign_entries(out_dir)):
-        refuse_foreign(out_dir, foreign, overwrite)
-    if lock is not None:
-        lock.acquire()
+    if occupied and (overwrite or read_for_resume(out_dir) is None):
+        refuse_foreign(out_dir, overwrite)
+    lock.acquire()
     if occupied and overwrite:
-        replace_output(out_dir)
+        refuse_foreign(out_dir, overwrite)  # again, under the lock
+        remove([e for e in out_dir.iterdir() if e.name != WORK_DIR])
+        empty_work_folder(out_dir)
     elif occupied and (state := read_for_resume(out_dir)) is not None:
         try:
             check_same_conversion(state, plan, out_dir)
         except PlanMismatchError:
-            # Another conversion's, but its run wrote nothing to keep and no other run writes here (the
-            # lock is this run's alone): start afresh (files the user added stay).
-            if not (lock is not None and lock.count == 1 and wrote_nothing(state, out_dir)):
+            # Another conversion's, but its run wrote nothing to keep (no output, no unit of a partial
+            # shard) and no other run writes here (the lock is this run's alone): start afresh (files the
+            # user added stay).
+            outputs = state.get("outputs")
+            if not (
+                lock.count == 1
+                and isinstance(outputs, list)
+                and not any((out_dir / name).exists() for name in outputs)
+                and not any(work.glob("*" + RECORD_SUFFIX))
+            ):
                 raise
             empty_work_folder(out_dir)
         else:
@@ -64,7 +82,7 @@ def prepare_output(
             ends = all((out_dir / name).is_file() for name in ("config.json", INDEX_NAME))
             return done, bool(state.get("complete")) and len(done) == len(plan.shards) and ends
     try:
-        (out_dir / WORK_DIR).mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FP8ConvertError(f"{out_dir}: cannot create ({e.strerror})") from e
     if not os.access(out_dir, os.W_OK):
@@ -77,16 +95,6 @@ def is_inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
-def check_placement(plan: Plan, out_dir: Path, streamed: bool) -> None:
-    src = plan.source.root
-    if not streamed and is_inside(out_dir, src):
-        raise FP8ConvertError(f"{out_dir}: the output must not be the source directory or inside it")
-    if not streamed and is_inside(src, out_dir):
-        raise FP8ConvertError(f"{out_dir}: the output must not contain the source directory {src}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FP8ConvertError(f"{out_dir}: exists and is not a directory")
-
-
 def read_for_resume(out_dir: Path) -> dict | None:
     try:
         return Manifest(out_dir).read()
@@ -95,16 +103,6 @@ def read_for_resume(out_dir: Path) -> dict | None:
             f"{e}: {out_dir} cannot be resumed, and fp8convert cannot tell its files there from others' to "
             f"replace them; {YOURSELF}"
         ) from e
-
-
-def wrote_nothing(state: dict, out_dir: Path) -> bool:
-    """Whether the run that wrote this manifest left nothing to keep (no output, no unit of a partial shard)."""
-    outputs = state.get("outputs")
-    return (
-        isinstance(outputs, list)
-        and not any((out_dir / name).exists() for name in outputs)
-        and not any((out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX))
-    )
 
 
 def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
@@ -155,25 +153,10 @@ def recorded_plan(out_dir: Path, hub: HubAccess) -> Plan:
 # ------------------------------------------------------------------ whose files OUT holds
 
 
-def killed_before_manifest(out_dir: Path) -> bool:
-    """OUT holds only the work folder, without a manifest: left by a run killed before its manifest
-    existed, or made by a worker started a moment earlier. Ours, and empty in every way that matters."""
-    work = Path(out_dir) / WORK_DIR
-    return (
-        [p.name for p in Path(out_dir).iterdir()] == [WORK_DIR]
-        and work.is_dir()
-        and not work.is_symlink()
-        and not (work / MANIFEST).exists()
-    )
-
-
 def foreign_entries(out_dir: Path) -> list[str]:
     """OUT's top-level entries that fp8convert did not write, sorted (directories end in '/'). A manifest
     that cannot be read, or that lists no outputs, cannot tell fp8convert's files from others': refused."""
-    out_dir = Path(out_dir)
     entries = {p.name: p for p in out_dir.iterdir()} if out_dir.is_dir() else {}
-    if not entries or killed_before_manifest(out_dir):
-        return []
     manifest = Manifest(out_dir)
     ours = {WORK_DIR}
     if manifest.path.is_file():
@@ -193,13 +176,14 @@ def foreign_entries(out_dir: Path) -> list[str]:
     return sorted(n + ("/" if p.is_dir() and not p.is_symlink() else "") for n, p in entries.items() if n not in ours)
 
 
-def refuse_foreign(out_dir: Path, foreign: list[str], overwrite: bool) -> None:
+def refuse_foreign(out_dir: Path, overwrite: bool) -> None:
     """The one refusal for an OUT holding someone else's files (never suggesting --overwrite: it cannot help)."""
-    why = " (--overwrite replaces only an earlier fp8convert output)" if overwrite else ""
-    raise FP8ConvertError(
-        f"{out_dir}: holds files fp8convert did not write ({listed(foreign)}); choose an "
-        f"empty or new output directory{why}"
-    )
+    if foreign := foreign_entries(out_dir):
+        why = " (--overwrite replaces only an earlier fp8convert output)" if overwrite else ""
+        raise FP8ConvertError(
+            f"{out_dir}: holds files fp8convert did not write ({listed(foreign)}); choose an "
+            f"empty or new output directory{why}"
+        )
 
 
 def replace_advice(out_dir: Path, what: str) -> str:
@@ -209,17 +193,9 @@ def replace_advice(out_dir: Path, what: str) -> str:
     return what
 
 
-def replace_output(out_dir: Path) -> None:
-    """Delete an earlier fp8convert output; refused, deleting nothing, when OUT holds anything else."""
-    if foreign := foreign_entries(out_dir):
-        refuse_foreign(out_dir, foreign, overwrite=True)
-    remove([e for e in out_dir.iterdir() if e.name != WORK_DIR])
-    empty_work_folder(out_dir)
-
-
 def empty_work_folder(out_dir: Path) -> None:
     """Delete what OUT's work folder holds but the lock files, which hold this run's lock."""
-    work = Path(out_dir) / WORK_DIR
+    work = out_dir / WORK_DIR
     if work.is_dir() and not work.is_symlink():
         remove([e for e in work.iterdir() if not is_lock_file(e.name)])
     elif work.exists() or work.is_symlink():
@@ -238,12 +214,11 @@ def remove(entries: list[Path]) -> None:
 
 
 def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
-    return {s.index for s in plan.shards if (p := Path(out_dir) / s.name).is_file() and p.stat().st_size == s.size}
+    return {s.index for s in plan.shards if (p := out_dir / s.name).is_file() and p.stat().st_size == s.size}
 
 
 def finalize(plan: Plan, out_dir: Path) -> None:
     """Copy side files, then write the card, the index and config.json last: their presence means complete."""
-    out_dir = Path(out_dir)
     if missing := [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]:
         raise FP8ConvertError(
             f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
@@ -254,32 +229,27 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     manifest = Manifest(out_dir)
     card = make_card(plan, read_source_card(plan.source.root), base_model=(manifest.read() or {}).get("base_model"))
     write_atomic(out_dir / "README.md", card.encode())
-    write_atomic(out_dir / INDEX_NAME, json_bytes(index_of(plan)))
+    weight_map = {name: shard.name for shard in plan.shards for name in shard.tensors}
+    total_size = sum(t.nbytes for s in plan.shards for t in s.tensors.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(out_dir / INDEX_NAME, json_bytes(index))
     write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
     manifest.mark_complete(plan)
-    remove_records(out_dir / WORK_DIR)  # of a shard renamed by a run that stopped before removing its record
+    # every shard is final: records of units are left only by a run that stopped before removing one
+    for record in (out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX):
+        record.unlink(missing_ok=True)
     fsync_dir(out_dir)
 
 
 def output_config(plan: Plan) -> dict:
     """The source's config.json (key order kept) with the output's quantization_config (none when
     dequantized) in place of the source's own, and without the old name compression_config."""
-    config = dict(plan.source.config)
-    config.pop("compression_config", None)
-    quantization = plan.quantization_config()
-    if quantization is None:
+    config = {k: v for k, v in plan.source.config.items() if k != "compression_config"}
+    if (quantization := plan.quantization_config()) is None:
         config.pop("quantization_config", None)
     else:
         config["quantization_config"] = quantization
     return config
-
-
-def index_of(plan: Plan) -> dict:
-    weight_map = {name: shard.name for shard in plan.shards for name in shard.tensors}
-    return {
-        "metadata": {"total_size": sum(t.nbytes for s in plan.shards for t in s.tensors.values())},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
 
 
 def check_shards(the_plan: Plan, out_dir: Path) -> None:

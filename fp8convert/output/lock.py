@@ -44,10 +44,9 @@ class OutputLock:
             work.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise FP8ConvertError(f"{self.out_dir}: cannot create ({e.strerror})") from e
-        if self.count == 1:
-            locks = [(LOCK, fcntl.LOCK_EX)]
-        else:
-            locks = [(LOCK, fcntl.LOCK_SH), (f"{LOCK}-{self.index}-of-{self.count}", fcntl.LOCK_EX)]
+        locks = [(LOCK, fcntl.LOCK_EX if self.count == 1 else fcntl.LOCK_SH)]
+        if self.count > 1:
+            locks.append((f"{LOCK}-{self.index}-of-{self.count}", fcntl.LOCK_EX))
         for name, mode in locks:
             try:
                 fd = os.open(work / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

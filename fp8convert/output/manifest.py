@@ -33,7 +33,6 @@ class Manifest:
         self.path = Path(out_dir) / WORK_DIR / MANIFEST
 
     def read(self) -> dict | None:
-        """The recorded state; None when there is no manifest."""
         try:
             state = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -106,11 +105,6 @@ def source_files(source: Source) -> dict | None:
     return files
 
 
-def output_names(plan: Plan) -> list[str]:
-    """Every name a conversion of `plan` writes at OUT's top level (besides the work folder)."""
-    return sorted({*(s.name for s in plan.shards), INDEX_NAME, "config.json", "README.md", *plan.source.copy_files})
-
-
 def tensor_layout(source: Source) -> dict[str, str]:
     """Per shard file, a digest of its tensors' names, dtypes, shapes and offsets (what the plan reads)."""
     by_file: dict[str, list] = {}
@@ -134,7 +128,8 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
         "shards": len(plan.shards),
         "config": source.config,
         "tensor_layout": tensor_layout(source),
-        "outputs": output_names(plan),
+        # every name a conversion of `plan` writes at OUT's top level (besides the work folder)
+        "outputs": sorted({*(s.name for s in plan.shards), INDEX_NAME, "config.json", "README.md", *source.copy_files}),
         "base_model": base_model,
         "complete": False,
     }
@@ -148,9 +143,7 @@ OPTION_NAMES |= {"dequantize": "dequantize", "dtype": "--dtype", "version": "fp8
 
 def option_value(key: str, value) -> str:
     """A recorded option's value as the user would type it: a shard size as '50MB', not its bytes."""
-    if key == "max_shard_size" and isinstance(value, int):
-        return size_text(value)
-    return repr(value)
+    return size_text(value) if key == "max_shard_size" and isinstance(value, int) else repr(value)
 
 
 def plan_change(state: dict, plan: Plan) -> str:
@@ -161,31 +154,26 @@ def plan_change(state: dict, plan: Plan) -> str:
         for key in OPTION_NAMES
         if key in state and state.get(key) != now[key]
     ]
-    if not diffs:
-        diffs = source_layout_change(state, now)
+    if not diffs:  # the config.json keys and the shards whose tensor lists differ from the recorded ones
+        # (manifests written before these were recorded have neither: then nothing is said)
+        was = state.get("config")
+        if isinstance(was, dict) and (keys := differing(was, now["config"])):
+            shown = ", ".join(
+                f"{k} was {json.dumps(was.get(k))}, now {json.dumps(now['config'].get(k))}" for k in keys[:3]
+            )
+            more = f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
+            diffs.append(f"the source's config.json changed ({shown}{more})")
+        was = state.get("tensor_layout")
+        if isinstance(was, dict) and (files := differing(was, now["tensor_layout"])):
+            changed = [
+                f + (" (new)" if f not in was else " (gone)" if f not in now["tensor_layout"] else "") for f in files
+            ]
+            diffs.append(f"the source's tensors (names, dtypes, shapes or offsets) changed in {', '.join(changed)}")
     return "; ".join(diffs) or "same source and options: the source's tensors or config.json changed"
 
 
 def differing(was: dict, now: dict) -> list[str]:
     return sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
-
-
-def source_layout_change(state: dict, now: dict) -> list[str]:
-    """The config.json keys and the shards whose tensor lists differ from the recorded ones (manifests
-    written before these were recorded have neither: then nothing is said)."""
-    diffs = []
-    was = state.get("config")
-    if isinstance(was, dict) and (keys := differing(was, now["config"])):
-        shown = ", ".join(f"{k} was {json.dumps(was.get(k))}, now {json.dumps(now['config'].get(k))}" for k in keys[:3])
-        more = f" and {len(keys) - 3} more keys" if len(keys) > 3 else ""
-        diffs.append(f"the source's config.json changed ({shown}{more})")
-    was = state.get("tensor_layout")
-    if isinstance(was, dict) and (files := differing(was, now["tensor_layout"])):
-        changed = [
-            f + (" (new)" if f not in was else " (gone)" if f not in now["tensor_layout"] else "") for f in files
-        ]
-        diffs.append(f"the source's tensors (names, dtypes, shapes or offsets) changed in {', '.join(changed)}")
-    return diffs
 
 
 def source_change(state: dict, source: Source) -> str | None:

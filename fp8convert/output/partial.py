@@ -101,12 +101,6 @@ def written_units(plan: Plan, work_dir: Path, shard: Shard) -> set[int]:
     return set(kept)
 
 
-def remove_records(work_dir: Path) -> None:
-    """Every shard is final: their records say nothing any more."""
-    for record in Path(work_dir).glob("*" + RECORD_SUFFIX):
-        record.unlink(missing_ok=True)
-
-
 class UnitRecorder:
     """Adds a unit's line to its shard's record once the writer has every byte of it in the file, in a
     thread of its own (reading back and fsyncing take time). Failures only lose lines: the rerun writes
@@ -131,7 +125,7 @@ class UnitRecorder:
             record_path(self.work_dir, self.plan.shards[shard]).unlink(missing_ok=True)
 
     def start(self) -> None:
-        if not self.thread.is_alive() and self.thread.ident is None:
+        if self.thread.ident is None:  # not started yet
             self.thread.start()
 
     def close(self) -> None:
