@@ -73,10 +73,9 @@ def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
         done += n
 
 
-def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def read_header(path: str, file_name: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """(tensors by name, metadata) of one file's validated header. The tensors' `file` is `file_name` (the
     shard's name in its checkpoint); errors name the whole `path`."""
-    label = file_name or os.path.basename(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb", buffering=0) as f:  # unbuffered: read the header, not the data after it
@@ -84,7 +83,7 @@ def read_header(path: str, file_name: str | None = None) -> tuple[dict[str, Tens
             raw = f.read(header_len)
     except OSError as e:
         raise FP8ConvertError(f"{path}: cannot read ({e.strerror})") from e
-    return parse_header(raw, label, data_start=8 + header_len, file_size=size, where=path)
+    return parse_header(raw, file_name, data_start=8 + header_len, file_size=size, where=path)
 
 
 def header_length(first8: bytes, file_size: int | None, label: str) -> int:
@@ -135,11 +134,7 @@ def parse_header(
             raise FP8ConvertError(f"{where}: corrupt header entry for tensor {name}") from e
         if dtype not in DTYPE_SIZES:
             raise FP8ConvertError(f"{where}: tensor {name} has unsupported dtype {dtype}")
-        if (
-            not all(_is_int(d) and d >= 0 for d in shape)
-            or not (_is_int(begin) and _is_int(end))
-            or not 0 <= begin <= end
-        ):
+        if not (all(_is_int(d) and d >= 0 for d in shape) and _is_int(begin) and _is_int(end) and 0 <= begin <= end):
             raise FP8ConvertError(
                 f"{where}: tensor {name} has invalid shape {entry['shape']} or offsets {entry['data_offsets']}"
             )

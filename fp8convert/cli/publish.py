@@ -34,15 +34,7 @@ def push(
 
       fp8convert push ./llama-fp8 their-org/llama-fp8 --create-pr       # a repo you may not write to directly
     """
-    url = publish.push(
-        out,
-        repo_id,
-        private=private,
-        revision=revision,
-        commit_message=commit_message,
-        token=token(hub_token),
-        create_pr=create_pr,
-    )
+    url = publish.push(out, repo_id, private, revision, commit_message, token(hub_token), create_pr)
     if json_out:
         print_json({"out": str(out), "repo_id": repo_id, "revision": revision, "pull_request": create_pr, "url": url})
     else:

@@ -55,7 +55,7 @@ def is_copied_file(name: str) -> bool:
     )
 
 
-def safe_relative_name(name: str, where: str) -> str:
+def safe_relative_name(name: str, where: str) -> None:
     """A shard name from an index must stay inside the checkpoint directory."""
     if (
         not isinstance(name, str)
@@ -66,7 +66,6 @@ def safe_relative_name(name: str, where: str) -> str:
         or posixpath.normpath(name) != name
     ):
         raise FP8ConvertError(f"{where}: refusing shard file name {name!r} (absolute or outside the checkpoint)")
-    return name
 
 
 def parse_index(text: str | bytes, where: str) -> dict[str, str]:
@@ -83,7 +82,6 @@ def parse_index(text: str | bytes, where: str) -> dict[str, str]:
 
 
 def index_files(weight_map: dict[str, str]) -> list[str]:
-    """The shard files an index names, sorted."""
     return sorted(set(weight_map.values()))
 
 
@@ -111,8 +109,7 @@ def refuse_missing_numbered(names: list[str], where: str) -> None:
 
 
 def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) -> list[str]:
-    """The shards among a checkpoint's files `names`: those its index names, else its top-level
-    safetensors files; refused when there are none."""
+    """Those the index names, else the top-level safetensors files; refused when there are none."""
     if index_map is not None:
         shards = index_files(index_map)
     else:
@@ -141,9 +138,7 @@ def load_config(root: Path) -> dict:
     return config
 
 
-def collect_tensors(
-    headers: dict[str, dict[str, TensorInfo]], index_map: dict[str, str] | None, where: str = "the checkpoint"
-) -> list[TensorInfo]:
+def collect_tensors(headers: dict[str, dict], index_map: dict[str, str] | None, where: str) -> list[TensorInfo]:
     """Merge per-file headers; a tensor named twice, or where the index says it is not, is an error."""
     seen: dict[str, TensorInfo] = {}
     for file in sorted(headers):
@@ -175,11 +170,10 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
     if not root.is_dir():
         raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
     listing = sorted(os.listdir(root))
-    index, index_map = root / INDEX_NAME, None
+    index = root / INDEX_NAME
     if (index.exists() or index.is_symlink()) and not index.is_file():  # not silently a folder without one
         raise FP8ConvertError(f"{index}: {NOT_A_FILE}")
-    if index.is_file():
-        index_map = parse_index(index.read_bytes(), str(index))
+    index_map = parse_index(index.read_bytes(), str(index)) if index.is_file() else None
     shards = shard_files(listing, index_map, str(root))
     config = load_config(root)
     headers = {}

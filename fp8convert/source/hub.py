@@ -169,12 +169,6 @@ def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
     return Source(Path(root), list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant)
 
 
-def hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
 def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
     """A Source from the Hub. `download`: config, index, the shards, side files and README.md into the
     huggingface_hub cache, nothing else (no .bin, no original/ folder); else the layout alone, from the
@@ -183,7 +177,7 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    if not hub_offline():
+    if not constants.HF_HUB_OFFLINE:
         repo = resolve_repo(repo_id, hub)
         if download:
             return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
@@ -205,7 +199,9 @@ def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
     """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
     and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
     there is nothing to fetch."""
-    if source.revision is not None and not hub_offline():
+    from huggingface_hub import constants
+
+    if source.revision is not None and not constants.HF_HUB_OFFLINE:
         _fetch(resolve_repo(source.label, replace(hub, revision=source.revision)), shards)
 
 
@@ -230,7 +226,7 @@ def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
     return snapshot
 
 
-def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
+def parallel(fn, items: list) -> list:
     """fn over items on daemon threads, results in order; the first failure stops handing out items and
     is raised. Ctrl-C returns at once (a thread pool would wait for every download in flight, whose
     partial files a rerun resumes anyway)."""
@@ -251,9 +247,7 @@ def parallel(fn, items: list, workers: int = PARALLEL_REQUESTS) -> list:
             except BaseException as e:
                 failed.append(e)
 
-    threads = [
-        threading.Thread(target=work, name="fp8convert-hub", daemon=True) for _ in range(min(workers, len(items)))
-    ]
+    threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True) for _ in items[:PARALLEL_REQUESTS]]
     for th in threads:
         th.start()
     for th in threads:

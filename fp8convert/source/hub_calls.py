@@ -15,7 +15,7 @@ import errno
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+import traceback
 
 from ..errors import FP8ConvertError
 from ..options import env_number
@@ -31,25 +31,6 @@ NETWORK_ERRNOS = {
     getattr(errno, name)
     for name in "ECONNREFUSED ECONNRESET ECONNABORTED ETIMEDOUT EHOSTUNREACH ENETUNREACH ENETDOWN EPIPE".split()
 }
-
-
-@dataclass(frozen=True)
-class HubLimits:
-    connect_s: float
-    read_s: float
-    retries: int
-    retry_wait_s: float
-
-    @classmethod
-    def current(cls) -> HubLimits:
-        from huggingface_hub import constants
-
-        return cls(
-            float(constants.HF_HUB_ETAG_TIMEOUT),
-            float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
-            max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int)),
-            max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float)),
-        )
 
 
 _install_lock = threading.Lock()
@@ -78,12 +59,14 @@ def install_timeouts() -> None:
 
 def _bound_timeouts(request) -> None:
     """A request hook: connect and read timeouts, none longer than the limits."""
-    limits = HubLimits.current()
+    from huggingface_hub import constants
+
+    connect, read = float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    if request.method not in ("GET", "HEAD"):
+        read = max(read, UPLOAD_READ_TIMEOUT_S)
     timeout = dict(request.extensions.get("timeout") or {})
-    read = limits.read_s if request.method in ("GET", "HEAD") else max(limits.read_s, UPLOAD_READ_TIMEOUT_S)
-    timeout["connect"] = min(timeout.get("connect") or limits.connect_s, limits.connect_s)
-    timeout["pool"] = min(timeout.get("pool") or limits.connect_s, limits.connect_s)
-    timeout["read"] = min(timeout.get("read") or read, read)
+    for key, limit in (("connect", connect), ("pool", connect), ("read", read)):
+        timeout[key] = min(timeout.get(key) or limit, limit)
     timeout["write"] = timeout.get("write") or read
     request.extensions = {**request.extensions, "timeout": timeout}
 
@@ -104,11 +87,6 @@ def http_module():
     except ImportError:  # huggingface_hub 1.x before 1.30
         import httpx
     return httpx
-
-
-def is_timeout(error: BaseException) -> bool:
-    http = http_module()
-    return any(isinstance(e, (http.TimeoutException, TimeoutError)) for e in causes(error))
 
 
 def is_network_error(error: BaseException) -> bool:
@@ -142,29 +120,23 @@ def is_transient(error: BaseException) -> bool:
 def download_is_retryable(error: BaseException) -> bool:
     """A transient failure, unless it came out of huggingface_hub's content download (`http_get`), which
     has already retried a stalled or broken transfer five times, resuming it."""
-    if not is_transient(error):
-        return False
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "http_get":
-            return False
-        tb = tb.tb_next
-    return True
+    frames = traceback.walk_tb(error.__traceback__)
+    return is_transient(error) and all(frame.f_code.co_name != "http_get" for frame, _ in frames)
 
 
 def with_retries(fn, *args, retryable=is_transient, **kwargs):
     """fn(*args, **kwargs), tried again after failures `retryable` accepts, up to FP8CONVERT_HUB_RETRIES
     times with a doubling wait; anything else is raised at once."""
     install_timeouts()
-    limits = HubLimits.current()
-    wait = limits.retry_wait_s
+    retries = max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int))
+    wait = max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float))
     for attempt in itertools.count(1):
         try:
             return fn(*args, **kwargs)
         except FP8ConvertError:
             raise
         except Exception as e:
-            if attempt > limits.retries or not retryable(e):
+            if attempt > retries or not retryable(e):
                 e.attempts = attempt  # hub_error says how often it was tried
                 raise
         time.sleep(wait)
@@ -201,9 +173,10 @@ def hub_error(
     }
     if kind := next((k for k in known if isinstance(error, k)), None):
         return FP8ConvertError(f"{repo_id}: {known[kind]}")
-    if is_timeout(error):
+    http = http_module()
+    if any(isinstance(e, (http.TimeoutException, TimeoutError)) for e in causes(error)):
         return FP8ConvertError(
-            f"{repo_id}: the Hub did not answer within {HubLimits.current().read_s:g} s{_tries(error)} "
+            f"{repo_id}: the Hub did not answer within {float(constants.HF_HUB_DOWNLOAD_TIMEOUT):g} s{_tries(error)} "
             f"({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets the wait)"
         )
     if is_network_error(error) or isinstance(error, hf.LocalEntryNotFoundError):

@@ -16,25 +16,21 @@ def looks_like_repo_id(src: str) -> bool:
     return bool(REPO_ID.match(src)) and not Path(src).exists()
 
 
-def open_source(src: str | Path, hub: HubAccess) -> Source:
-    """The checkpoint with its data on this machine: a local directory, or a Hub repo downloaded into
-    the huggingface_hub cache (only the files a conversion reads)."""
+def open_source(src: str | Path, hub: HubAccess, download: bool = True) -> Source:
+    """The checkpoint: a local directory, or a Hub repo downloaded into the huggingface_hub cache (only
+    the files a conversion reads), or without `download` its layout alone, from remote headers."""
     text = str(src)
-    if Path(text).exists():
-        if hub.revision:
-            raise FP8ConvertError(f"--revision applies to Hub repo ids, but {text} is a local directory")
-        return open_local(Path(text))
     if looks_like_repo_id(text):
-        return hub_source(text, hub, download=True)
-    raise FP8ConvertError(f"{text}: no such directory, and not a Hub repo id (owner/name)")
+        return hub_source(text, hub, download)
+    if not Path(text).exists():
+        raise FP8ConvertError(f"{text}: no such directory, and not a Hub repo id (owner/name)")
+    if hub.revision:
+        raise FP8ConvertError(f"--revision applies to Hub repo ids, but {text} is a local directory")
+    return open_local(Path(text))
 
 
 def plan_source(src: str | Path, hub: HubAccess) -> Source:
-    """The checkpoint's layout without its data: a Hub repo from remote headers (no weight download),
-    a local directory as it is."""
-    if looks_like_repo_id(str(src)):
-        return hub_source(str(src), hub, download=False)
-    return open_source(src, hub)
+    return open_source(src, hub, download=False)
 
 
 def run_source(
@@ -46,7 +42,7 @@ def run_source(
     (a Hub repo downloaded first) and the fetcher does nothing."""
     if stream_to is not None:
         return streaming_source(str(src), stream_to, hub)
-    return (plan_source if shared else open_source)(src, hub), NoFetcher()
+    return open_source(src, hub, download=not shared), NoFetcher()
 
 
 def recorded_source(state: dict, hub: HubAccess) -> Source:

@@ -3,6 +3,7 @@ A source whose files are on disk already gets `NoFetcher`, so the pipeline has o
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 from collections import Counter
@@ -15,7 +16,7 @@ from .hub import RemoteRepo, resolve_repo, source_from_repo
 from .hub_calls import hub_error
 
 
-class NoFetcher:
+class NoFetcher(contextlib.nullcontext):
     """The fetcher of a source already on disk: every file is there, nothing is ever deleted."""
 
     def start(self, order: list[str] | None = None) -> None: ...
@@ -25,11 +26,6 @@ class NoFetcher:
 
     def disk_bytes_needed(self) -> int:
         return 0
-
-    def __enter__(self) -> NoFetcher:
-        return self
-
-    def __exit__(self, *exc) -> None: ...
 
 
 class StreamingFetcher:
@@ -90,8 +86,7 @@ class StreamingFetcher:
 
     def need(self, files: list[str]) -> None:
         files = list(dict.fromkeys(files))
-        if not self._started:
-            self.start()
+        self.start()
         with self._cond:
             for f in files:
                 if f not in self.state:
@@ -193,13 +188,11 @@ class StreamingFetcher:
         (self.dir / ".cache" / "huggingface" / "download" / f"{name}.metadata").unlink(missing_ok=True)
 
 
-def streaming_source(
-    repo_id: str, download_dir: Path, hub: HubAccess, keep: int = 2
-) -> tuple[Source, StreamingFetcher]:
+def streaming_source(repo_id: str, download_dir: Path, hub: HubAccess) -> tuple[Source, StreamingFetcher]:
     """The remote Source rooted at `download_dir` (in OUT's work folder), and the fetcher that fills it.
     Nothing is written there until `fetcher.start(order)`."""
     repo = resolve_repo(repo_id, hub)  # the small files go to the cache
-    return source_from_repo(repo, download_dir), StreamingFetcher(repo, download_dir, keep)
+    return source_from_repo(repo, download_dir), StreamingFetcher(repo, download_dir)
 
 
 def need_order(batches) -> list[str]:
