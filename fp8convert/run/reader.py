@@ -122,12 +122,6 @@ class BatchReader:
                 if fd is not None:
                     os.close(fd)
 
-    def _fd(self, file: str) -> int:
-        with self.fds_lock:
-            if file not in self.fds:
-                self.fds[file] = open_read(self.root / file)
-            return self.fds[file]
-
     @staticmethod
     def layout(tensors: list[TensorInfo]) -> tuple[dict[str, int], int]:
         offsets, cursor = {}, 0
@@ -158,7 +152,10 @@ class BatchReader:
         return PendingRead(buf, offsets, jobs, pieces_of)
 
     def _read_piece(self, piece: Piece, buf: torch.Tensor) -> None:
-        fd, label = self._fd(piece.file), str(self.root / piece.file)
+        with self.fds_lock:
+            if piece.file not in self.fds:
+                self.fds[piece.file] = open_read(self.root / piece.file)
+            fd, label = self.fds[piece.file], str(self.root / piece.file)
         if self.device.type == "cpu":  # one part, read into its place
             ((_, dest, length),) = piece.parts
             pread_into(fd, memoryview(buf[dest : dest + length].numpy()), piece.offset, label)
