@@ -201,11 +201,10 @@ class Pipeline:
         """(batch, PendingRead, output runs) of the next batch whose reads have started; None after the last."""
         t0 = time.monotonic()
         while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
-            try:
+            with contextlib.suppress(queue.Empty):
                 item = self.to_main.get(timeout=POLL_S)
                 break
-            except queue.Empty:
-                self._raise_writer_error()
+            self._raise_writer_error()
         self.seconds["wait_read"] += time.monotonic() - t0
         if isinstance(item, Failed):
             raise item.error

@@ -111,8 +111,6 @@ def reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
 
 
 class Prefetcher:
-    """A context manager: entering starts the reads, leaving stops them."""
-
     def __init__(
         self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8, chunk_bytes: int = 16 << 20
     ):

@@ -89,8 +89,6 @@ class PendingRead:
 
 
 class BatchReader:
-    """A context manager: leaving it waits for reads in flight and closes the files."""
-
     def __init__(self, root: Path, device: torch.device, threads: int = 8, chunk_bytes: int = 32 << 20):
         self.root, self.device, self.chunk = Path(root), device, chunk_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-read")
@@ -110,9 +108,7 @@ class BatchReader:
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True)
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.forget(list(self.fds))
 
     def forget(self, files: list[str]) -> None:
         """Close files no batch reads again (a deleted streamed shard then frees its space)."""

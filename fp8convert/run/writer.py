@@ -263,9 +263,6 @@ class ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
         with self.lock:
             self.closed = True
         if self.allocator.is_alive():
