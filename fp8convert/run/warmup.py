@@ -28,13 +28,12 @@ def pin_by_registering() -> None:
 
 
 class TorchStart:
-    """Import torch and, unless `device` is the CPU, start CUDA on it, in a thread (failures are left for the
-    pipeline to report), once the pages an earlier run's start-up read are queued (`pages_queued` is set).
-    `record`: where this run records its own (None when torch was loaded before)."""
+    """Import torch, and start CUDA unless `device` is the CPU, in a thread (failures are left for the pipeline)
+    once an earlier run's start-up pages are queued (`pages_queued`); `record`: where this run records its own."""
 
     def __init__(self, device: str):
         self.device = device
-        self.record = None if "torch" in sys.modules else record_path(device)
+        self.record = None if "torch" in sys.modules else record_path(device)  # torch loaded before: no record
         if device != "cpu":
             pin_by_registering()
         self.pages_queued = startup_pages.read_ahead(self.record)
@@ -90,8 +89,7 @@ def cuda_device_count() -> int:
 
 
 def record_path(device: str) -> Path | None:
-    """The start-up record for a run on `device`, named after the device type it uses: "auto" picks CUDA
-    where torch has it and the driver library loads (loading it does not start CUDA)."""
+    """The start-up record for a run on `device`: "auto" is CUDA where torch has it and the driver loads."""
     cuda = device.startswith("cuda")
     if device == "auto" and torch_has_cuda():
         import ctypes

@@ -36,8 +36,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class ShardWriter:
-    """A context manager: leaving it waits for writes in flight and closes the files. `written`: per partial
-    shard, the units an earlier run wrote there: its file is kept and only its other units are written."""
+    """`written`: per partial shard, the units an earlier run wrote there (its file is kept, the rest written)."""
 
     def __init__(
         self,
