@@ -37,14 +37,11 @@ POLL_S = 0.1
 STOPPED = object()  # what get_unless_stopped returns once the run stopped with nothing to take
 
 
-class Failed(NamedTuple):
-    """A thread's failure, handed to the thread that consumes its items, which raises it."""
-
+class Failed(NamedTuple):  # a thread's failure, raised by the thread that consumes its items
     error: BaseException
 
 
 def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
-    """Put `item` once there is room; False (not put) once `stop` is set."""
     while not stop.is_set():
         with contextlib.suppress(queue.Full):
             handoff.put(item, timeout=POLL_S)
@@ -53,25 +50,11 @@ def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> boo
 
 
 def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
-    """The next item; STOPPED once `stop` is set and the queue is empty."""
     while True:
         with contextlib.suppress(queue.Empty):
             return handoff.get(timeout=POLL_S)
         if stop.is_set():
             return STOPPED
-
-
-def acquire_unless_stopped(slot: threading.Semaphore, stop: threading.Event) -> bool:
-    """Take a slot once one is free; False (none taken) once `stop` is set."""
-    while not slot.acquire(timeout=POLL_S):
-        if stop.is_set():
-            return False
-    return True
-
-
-def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes in memory order, as a flat uint8 tensor (a view when it is contiguous)."""
-    return tensor.contiguous().view(-1).view(torch.uint8) if tensor.numel() else tensor.reshape(0).view(torch.uint8)
 
 
 class BatchOutput:
@@ -91,7 +74,7 @@ class BatchOutput:
         targets, sources, completed = [], [], []
         for name, tensor, at in outputs:
             i, piece = self.where[(name, at)]
-            raw = raw_bytes(tensor)
+            raw = (tensor.contiguous().view(-1) if tensor.numel() else tensor.reshape(0)).view(torch.uint8)
             if raw.numel() != piece.nbytes:
                 raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {piece.nbytes}")
             if len(self.runs[i].pieces) == 1:
@@ -114,11 +97,6 @@ class BatchOutput:
     def check_complete(self) -> None:
         if missing := sum(self.pieces_left):
             raise AssertionError(f"{missing} outputs of the batch were never produced")
-
-
-def shares_storage(data: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether `data` is a view of `buf`'s memory (which must then live until `data` is written)."""
-    return bool(data.numel()) and data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
 @dataclass
@@ -223,11 +201,10 @@ class Pipeline:
         """(batch, PendingRead, output runs) of the next batch whose reads have started; None after the last."""
         t0 = time.monotonic()
         while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
-            try:
+            with contextlib.suppress(queue.Empty):
                 item = self.to_main.get(timeout=POLL_S)
                 break
-            except queue.Empty:
-                self._raise_writer_error()
+            self._raise_writer_error()
         self.seconds["wait_read"] += time.monotonic() - t0
         if isinstance(item, Failed):
             raise item.error
@@ -240,7 +217,8 @@ class Pipeline:
         t0 = time.monotonic()
         assembled = BatchOutput(runs, self.device)
         options = self.plan.options
-        keep_buf = False  # whether a run's bytes are a view of the read buffer
+        keep_buf = False  # whether a run's bytes are a view of the read buffer (which then lives until written)
+        buf_ptr = pending.buf.untyped_storage().data_ptr()
         for outputs in quantize_steps(
             batch,
             pending.buf,
@@ -259,7 +237,7 @@ class Pipeline:
                     ready = torch.cuda.Event()
                     ready.record(torch.cuda.current_stream(self.device))
                 for run, data in completed:
-                    keep_buf = keep_buf or shares_storage(data, pending.buf)
+                    keep_buf = keep_buf or (bool(data.numel()) and data.untyped_storage().data_ptr() == buf_ptr)
                     feed.put((run, data, ready))
             del completed, outputs  # the writer drops each run once written: nothing else may hold it
         assembled.check_complete()
@@ -290,8 +268,9 @@ class Pipeline:
                 # large copies beat many small ones; on the CPU outputs are written as they are.
                 order = read_order(batch)
                 runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
-                if not acquire_unless_stopped(self.read_slot, self.stop):
-                    return
+                while not self.read_slot.acquire(timeout=POLL_S):
+                    if self.stop.is_set():
+                        return
                 self.fetcher.need(batch.files)
                 pending = self.reader.start(order)
                 if not put_unless_stopped(self.to_main, (batch, pending, runs), self.stop):
@@ -308,8 +287,9 @@ class Pipeline:
         try:
             if self.device.type == "cuda":
                 self.writer.pin_ring()
-        except BaseException as e:
-            self._writer_failed(e)
+        except BaseException as e:  # the run stops; the main thread raises it at its next wait
+            self.writer_error.append(e)
+            self.stop.set()
             return
         while True:
             item = get_unless_stopped(self.to_writer, self.stop)
@@ -319,30 +299,21 @@ class Pipeline:
             try:
                 batch, feed = item
                 del item
-                if not self._write(feed):
-                    return
+                # a batch's runs as they come, each dropped once written
+                while (item := get_unless_stopped(feed, self.stop)) is not END:
+                    if item is STOPPED:
+                        return
+                    run, data, ready = item
+                    del item
+                    self.writer.write(run, data, ready=ready)
+                    del data
                 self.progress.advance(batch.in_bytes, batch.label)
                 finished = last_use(self.writes_left, batch.files)  # source files no later batch reads
                 if finished:
                     self.reader.forget(finished)
                     self.fetcher.release(finished)
             except BaseException as e:
-                self._writer_failed(e)
+                self.writer_error.append(e)
+                self.stop.set()
             finally:
                 self.write_slot.release()
-
-    def _writer_failed(self, error: BaseException) -> None:
-        """Stop the run; the main thread raises `error` at its next wait."""
-        self.writer_error.append(error)
-        self.stop.set()
-
-    def _write(self, feed: queue.Queue) -> bool:
-        """Write a batch's runs as they come, dropping each once written; False if the run stopped first."""
-        while (item := get_unless_stopped(feed, self.stop)) is not END:
-            if item is STOPPED:
-                return False
-            run, data, ready = item
-            del item
-            self.writer.write(run, data, ready=ready)
-            del data
-        return True

@@ -7,6 +7,7 @@ consumes nothing while torch loads). Only a hint: a reader that overtakes it rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -109,28 +110,18 @@ def reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
         return 0
 
 
-def merge_spans(tensors: list[TensorInfo]) -> list[list]:
-    """[file, start, end] byte spans in reading order, adjacent ranges of one file merged."""
-    spans: list[list] = []
-    for t in tensors:
-        if spans and spans[-1][0] == t.file and spans[-1][2] == t.offset:
-            spans[-1][2] += t.nbytes
-        else:
-            spans.append([t.file, t.offset, t.offset + t.nbytes])
-    return spans
-
-
 class Prefetcher:
-    """A context manager: entering starts the reads, leaving stops them."""
-
     def __init__(
         self, root: Path, tensors: list[TensorInfo], window_bytes: int, threads: int = 8, chunk_bytes: int = 16 << 20
     ):
-        self.root, self.window, self.chunk = Path(root), window_bytes, chunk_bytes
-        self.spans = merge_spans(tensors)
-        self.threads = threads
-        self.consumed = 0
-        self.landed = 0  # bytes whose reads have returned: in the page cache
+        self.root, self.window, self.chunk, self.threads = Path(root), window_bytes, chunk_bytes, threads
+        self.spans: list[list] = []  # [file, start, end] in reading order, adjacent ranges of one file merged
+        for t in tensors:
+            if self.spans and self.spans[-1][0] == t.file and self.spans[-1][2] == t.offset:
+                self.spans[-1][2] += t.nbytes
+            else:
+                self.spans.append([t.file, t.offset, t.offset + t.nbytes])
+        self.consumed, self.landed = 0, 0  # landed: bytes whose reads have returned, in the page cache
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._dispatch, name="fp8convert-prefetch", daemon=True)
@@ -167,7 +158,8 @@ class Prefetcher:
 
     def _dispatch(self) -> None:
         fds: dict[str, int] = {}
-        self.sink = open_sink()  # one /dev/null for every chunk's sendfile
+        with contextlib.suppress(OSError):  # one /dev/null for every chunk's sendfile
+            self.sink = os.open(os.devnull, os.O_WRONLY) if hasattr(os, "sendfile") else None
         in_flight = threading.BoundedSemaphore(self.threads * 2)
         dispatched = 0
         try:
@@ -206,14 +198,6 @@ class Prefetcher:
             return
         with self.cond:
             self.landed += length
-
-
-def open_sink() -> int | None:
-    """/dev/null opened for writing, for pull_into_cache; None where there is no sendfile or no device."""
-    try:
-        return os.open(os.devnull, os.O_WRONLY) if hasattr(os, "sendfile") else None
-    except OSError:
-        return None
 
 
 def pull_into_cache(sink: int, fd: int, offset: int, length: int) -> bool:

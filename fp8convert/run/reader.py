@@ -89,8 +89,6 @@ class PendingRead:
 
 
 class BatchReader:
-    """A context manager: leaving it waits for reads in flight and closes the files."""
-
     def __init__(self, root: Path, device: torch.device, threads: int = 8, chunk_bytes: int = 32 << 20):
         self.root, self.device, self.chunk = Path(root), device, chunk_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-read")
@@ -110,9 +108,7 @@ class BatchReader:
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True)
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.forget(list(self.fds))
 
     def forget(self, files: list[str]) -> None:
         """Close files no batch reads again (a deleted streamed shard then frees its space)."""
@@ -121,12 +117,6 @@ class BatchReader:
                 fd = self.fds.pop(file, None)
                 if fd is not None:
                     os.close(fd)
-
-    def _fd(self, file: str) -> int:
-        with self.fds_lock:
-            if file not in self.fds:
-                self.fds[file] = open_read(self.root / file)
-            return self.fds[file]
 
     @staticmethod
     def layout(tensors: list[TensorInfo]) -> tuple[dict[str, int], int]:
@@ -158,7 +148,10 @@ class BatchReader:
         return PendingRead(buf, offsets, jobs, pieces_of)
 
     def _read_piece(self, piece: Piece, buf: torch.Tensor) -> None:
-        fd, label = self._fd(piece.file), str(self.root / piece.file)
+        with self.fds_lock:
+            if piece.file not in self.fds:
+                self.fds[piece.file] = open_read(self.root / piece.file)
+            fd, label = self.fds[piece.file], str(self.root / piece.file)
         if self.device.type == "cpu":  # one part, read into its place
             ((_, dest, length),) = piece.parts
             pread_into(fd, memoryview(buf[dest : dest + length].numpy()), piece.offset, label)

@@ -49,8 +49,7 @@ def read_ahead(record: Path | None) -> threading.Event:
     def run() -> None:
         try:
             with ThreadPoolExecutor(THREADS, thread_name_prefix="fp8convert-pages") as pool:
-                for entry in entries:
-                    pool.submit(_ask_for, entry)
+                pool.map(_ask_for, entries)
         finally:
             queued.set()
 

@@ -28,17 +28,18 @@ def pin_by_registering() -> None:
 
 
 class TorchStart:
-    """torch's start on `device`, in `thread`. `pages_queued` is set once the recorded pages' reads are queued;
-    `record`: where this run records its own (None when torch was loaded before)."""
+    """Import torch, and start CUDA unless `device` is the CPU, in a thread (failures are left for the pipeline)
+    once an earlier run's start-up pages are queued (`pages_queued`); `record`: where this run records its own."""
 
-    def __init__(self, device: str, record: Path | None):
-        self.device, self.record = device, record
-        self.pages_queued = startup_pages.read_ahead(record)
+    def __init__(self, device: str):
+        self.device = device
+        self.record = None if "torch" in sys.modules else record_path(device)  # torch loaded before: no record
+        if device != "cpu":
+            pin_by_registering()
+        self.pages_queued = startup_pages.read_ahead(self.record)
         self.thread = threading.Thread(target=self._load, name=TORCH_THREAD, daemon=True)
         self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
+        self.join = self.thread.join
 
     def record_pages(self) -> None:
         """Call after the run's quantizing: CUDA reads a kernel's code only when it first runs."""
@@ -57,13 +58,7 @@ class TorchStart:
             pass
 
 
-def start_torch(device: str) -> TorchStart:
-    """Import torch and, unless `device` is the CPU, start CUDA on it, in a thread (failures are left for the
-    pipeline to report), the pages an earlier run's start-up read asked for first (startup_pages)."""
-    record = None if "torch" in sys.modules else record_path(device)
-    if device != "cpu":
-        pin_by_registering()
-    return TorchStart(device, record)
+start_torch = TorchStart
 
 
 def torch_starting() -> bool:
@@ -93,20 +88,15 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def cuda_driver_present() -> bool:
-    """Whether torch has CUDA and the driver library loads ("auto" then picks CUDA), without starting it."""
-    if not torch_has_cuda():
-        return False
-    import ctypes
-
-    try:
-        ctypes.CDLL(CUDA_DRIVER)
-    except OSError:
-        return False
-    return True
-
-
 def record_path(device: str) -> Path | None:
-    """The start-up record for a run on `device`, named after the device type it uses."""
-    cuda = device.startswith("cuda") or (device == "auto" and cuda_driver_present())
+    """The start-up record for a run on `device`: "auto" is CUDA where torch has it and the driver loads."""
+    cuda = device.startswith("cuda")
+    if device == "auto" and torch_has_cuda():
+        import ctypes
+
+        try:
+            ctypes.CDLL(CUDA_DRIVER)
+            cuda = True
+        except OSError:
+            pass
     return startup_pages.record_path("cuda" if cuda else "cpu")

@@ -36,8 +36,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class ShardWriter:
-    """A context manager: leaving it waits for writes in flight and closes the files. `written`: per partial
-    shard, the units an earlier run wrote there: its file is kept and only its other units are written."""
+    """`written`: per partial shard, the units an earlier run wrote there (its file is kept, the rest written)."""
 
     def __init__(
         self,
@@ -160,7 +159,10 @@ class ShardWriter:
         with self.lock:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
-            copy = write_mapped if self._mapped(index) and not host.readonly else pwrite_all
+            mapped = MAPPED_WRITES and self.threads >= MAPPED_MIN_THREADS and index in self.reserved
+            if mapped and self.file_system_maps is None:
+                self.file_system_maps = maps_writes(self.work_dir)
+            copy = write_mapped if mapped and self.file_system_maps and not host.readonly else pwrite_all
             future = self.pool.submit(self._write_host, index, copy, fd, host, offset)
             self.pending.setdefault(index, []).append(future)
         return future
@@ -184,13 +186,6 @@ class ShardWriter:
         for ui in done:
             self.recorder.unit_written(index, ui, fd)
 
-    def _mapped(self, index: int) -> bool:
-        if not (MAPPED_WRITES and self.threads >= MAPPED_MIN_THREADS and index in self.reserved):
-            return False
-        if self.file_system_maps is None:
-            self.file_system_maps = maps_writes(self.work_dir)
-        return self.file_system_maps
-
     def pin_ring(self) -> None:
         """Pin the ring while the first batch is read (pinning is slow), no larger than the bytes left fill."""
         with self.lock:  # the copier of kept tensors finishes shards meanwhile
@@ -203,7 +198,7 @@ class ShardWriter:
         while len(self.ring) < size:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
-    def _write_from_device(self, index: int, fd: int, raw, offset: int, ready=None) -> None:
+    def _write_from_device(self, index: int, fd: int, raw, offset: int, ready) -> None:
         # only the pipeline's writer thread writes device tensors: the ring needs no lock
         import torch
 
@@ -267,9 +262,6 @@ class ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
         with self.lock:
             self.closed = True
         if self.allocator.is_alive():
