@@ -277,3 +277,27 @@ def test_an_fp8_source_converts_to_fp4_in_one_pass_and_verifies(source_model, tm
     assert read_json(out / "config.json")["quantization_config"]["format"] == "nvfp4-pack-quantized"
     report = verify(fp8, out, device="cpu")
     assert report.ok and report.tensors_quantized >= 14, report.problems[:3]
+
+
+@pytest.mark.parametrize("scheme", FP4)
+def test_worker_splits_and_a_resumed_run_give_the_bytes_of_one_process(source_model, tmp_path, scheme):
+    """Two workers then finalize, and one worker's half finished by a plain rerun (resume), write what one
+    process writes: fused sets and their global scales never depend on how the work is split."""
+    from tiny_ckpt import tree_bytes
+
+    from fp8convert import api
+
+    src = source_model("qwen3_moe")
+    one = tmp_path / "one"
+    api.quantize(src, one, scheme=scheme, device="cpu", max_shard_size="150KB")
+    reference = tree_bytes(one)
+    split = tmp_path / "split"
+    for k in range(2):
+        api.quantize(src, split, scheme=scheme, device="cpu", max_shard_size="150KB", worker=f"{k}/2", finalize=False)
+    api.finalize_output(split)
+    assert tree_bytes(split) == reference
+    resumed = tmp_path / "resumed"
+    api.quantize(src, resumed, scheme=scheme, device="cpu", max_shard_size="150KB", worker="1/2", finalize=False)
+    report = api.quantize(src, resumed, scheme=scheme, device="cpu", max_shard_size="150KB")
+    assert report.complete and 0 < report.shards_written < len(list(one.glob("*.safetensors")))
+    assert tree_bytes(resumed) == reference
