@@ -199,7 +199,8 @@ def summary_line(report: api.Report) -> str:
 def done_text(report: api.Report) -> str:
     """What happened to the tensors, e.g. '120 FP8 weights dequantized, 35 kept'."""
     if report.dequantize:
-        return f"{plural(report.tensors_dequantized, 'FP8 weight')} dequantized, {report.tensors_kept} kept"
+        kind = "FP4" if " FP4 weights" in (report.source_quantization or "") else "FP8"
+        return f"{plural(report.tensors_dequantized, kind + ' weight')} dequantized, {report.tensors_kept} kept"
     parts = [f"{plural(report.tensors_quantized, 'tensor')} quantized"]
     if report.source_quantization:
         quantized_here = report.tensors_quantized - report.tensors_requantized - report.tensors_passed_through

@@ -14,7 +14,7 @@ path fails on it (summary.compatibility_warnings says so). As a source, MXFP8 is
 "nvfp4-pack-quantized" and "mxfp4-pack-quantized" (weight-only FP4, compressed-tensors' NVFP4A16 and
 MXFP4A16 presets): X.weight_packed U8 [out, in / 2], X.weight_scale F8_E4M3 [out, in / 16] or U8
 [out, in / 32], and for NVFP4 X.weight_global_scale F32 [1]; no X.weight (run/fp4.py has the numerics).
-As sources they are refused.
+As sources they are read by `dequantize` only.
 
 Power-of-two block scales (--scale-format ue8m0) add a top-level `scale_fmt`, as in the fp8 format:
 vLLM reads it whatever the quant_method, the other readers ignore unknown top-level keys.
@@ -98,7 +98,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         per-tensor input activations. Anything else is refused with what it is. A source must also hold
         what fp8convert reads: no MXFP8, KV-cache scheme, zero points or uncompressed weights; an output
         lists these in `unkept` instead, for verify to report each."""
-        readable = (*FP8_FORMATS, "mixed-precision", None) + (() if source else tuple(WRITTEN_FORMAT.values()))
+        fp4_formats = tuple(WRITTEN_FORMAT[s] for s in FP4_ARGS)
+        readable = (*FP8_FORMATS, *fp4_formats, "mixed-precision", None) + (
+            () if source else (WRITTEN_FORMAT["mxfp8"],)
+        )
         groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
         for fmt in [qc.get("format")] + [g["format"] for g in groups.values() if g.get("format")]:
             if fmt not in readable:
@@ -125,8 +128,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         strategies, static = set(), set()
         for name, group in groups.items():
             w = group.get("weights") or {}
-            if not source and (w.get("type"), w.get("num_bits")) == ("float", 4):
-                strategies.add(_written_scheme(w, where, FP4_ARGS))
+            if (w.get("type"), w.get("num_bits")) == ("float", 4):  # a source: read by `dequantize` only
+                strategies.add(_written_scheme(w, where, FP4_ARGS, scale_dtype_optional=source))
             elif w.get("type") != "float" or w.get("num_bits") != 8:
                 raise _not_fp8(where, f"config group {name}: {w.get('type')} {w.get('num_bits')}-bit weights")
             elif not source and (w.get("strategy") == "group" or qc.get("format") == "mxfp8-quantized"):
@@ -172,12 +175,14 @@ def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[
     return w["strategy"]
 
 
-def _written_scheme(w: dict, where: str, schemes: dict[str, dict]) -> str:
-    """An output's MXFP8 or FP4 weights: the scheme whose args they hold where vLLM keys on them."""
+def _written_scheme(w: dict, where: str, schemes: dict[str, dict], scale_dtype_optional: bool = False) -> str:
+    """An output's MXFP8 or FP4 weights: the scheme whose args they hold where vLLM keys on them. A source
+    may leave scale_dtype out (compressed-tensors wrote none before 0.13: strategy and group size decide)."""
     keys = ("num_bits", "strategy", "group_size", "symmetric")
     for scheme, args in schemes.items():
         dtype = str(w.get("scale_dtype")).removeprefix("torch.")
-        if all(w.get(k) == args[k] for k in keys) and dtype == args["scale_dtype"].removeprefix("torch."):
+        dtype_ok = dtype == args["scale_dtype"].removeprefix("torch.") or (scale_dtype_optional and dtype == "None")
+        if all(w.get(k) == args[k] for k in keys) and dtype_ok:
             return scheme
     wanted = " or ".join(
         f"strategy {a['strategy']}, group_size {a['group_size']}, scale_dtype {a['scale_dtype'].removeprefix('torch.')}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import FP8ConvertError
+from ..options import FP4_SCHEMES, Scheme
 from ..safetensors_io import FP8, TensorInfo
 from . import config_type
 from .config import QuantizationConfig
@@ -44,11 +45,27 @@ OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", *SCALE_SUFFIXES, ".scale_inv"
 
 @dataclass(frozen=True)
 class FP8Weight:
-    """One FP8 weight of a source with the tensors that give its values."""
+    """One FP8 (or FP4) weight of a source with the tensors that give its values."""
 
-    weight: TensorInfo
+    weight: TensorInfo  # FP4: X.weight_packed, two values a byte
     scale: TensorInfo
     input_scale: TensorInfo | None = None  # static activations: carried or dropped, never used to dequantize
+    global_scale: TensorInfo | None = None  # NVFP4
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.dtype == "U8"
+
+    @property
+    def name(self) -> str:
+        """The weight's name in high precision: X.weight."""
+        return self.weight.name.removesuffix("_packed")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape in high precision."""
+        out, inp = self.weight.shape
+        return (out, inp * 2) if self.packed else (out, inp)
 
 
 @dataclass(frozen=True)
@@ -64,7 +81,9 @@ class SourceQuantization:
 
     def companions(self) -> set[str]:
         """The scale tensors: inputs of their weights' outputs, never outputs of their own."""
-        return {t.name for w in self.weights.values() for t in (w.scale, w.input_scale) if t is not None}
+        return {
+            t.name for w in self.weights.values() for t in (w.scale, w.input_scale, w.global_scale) if t is not None
+        }
 
     def describe(self) -> str:
         """One line for inspect and the model card, e.g. `fp8 block (weight_scale_inv F32), 120 FP8 weights`."""
@@ -72,7 +91,8 @@ class SourceQuantization:
         names = sorted({w.scale.name.rsplit(".", 1)[-1] for w in self.weights.values()})
         dtypes = sorted({w.scale.dtype for w in self.weights.values()})
         text = (
-            f"{c.format} {c.scheme} ({', '.join(names)} {'/'.join(dtypes)}), {len(self.weights)} FP8 weights, "
+            f"{c.format} {c.scheme} ({', '.join(names)} {'/'.join(dtypes)}), {len(self.weights)} "
+            f"{'FP4' if c.scheme in FP4_SCHEMES else 'FP8'} weights, "
             f"{'static' if c.static_activations else 'dynamic'} activations"
         )
         return text + (f", scale_fmt {c.scale_fmt}" if c.scale_fmt else "")
@@ -93,7 +113,7 @@ def read_source_quantization(
     if declared is None:
         _refuse_quantized_tensors(tensors)
         return None
-    weights = match_scales(declared, tensors)
+    weights = match_fp4(declared, tensors) if declared.scheme in FP4_SCHEMES else match_scales(declared, tensors)
     if not weights:
         raise FP8ConvertError(
             f"{where}/config.json: declares {declared.format} quantization, but no tensor is "
@@ -200,6 +220,44 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
                 f"{t.file}: tensor {t.name} is a scale, but its weight {weight} {has}: not an FP8 "
                 f"weight with this scale (the config says {declared.format} {declared.scheme})"
             )
+    return weights
+
+
+def match_fp4(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
+    """Every FP4 weight (X.weight_packed) with its group scales and (NVFP4) global scale, each checked from
+    its header; keyed by the packed tensor's name."""
+    by_name = {t.name: t for t in tensors}
+    nvfp4 = declared.scheme == Scheme.NVFP4A16
+    weights: dict[str, FP8Weight] = {}
+    for t in tensors:
+        if not t.name.endswith(".weight_packed"):
+            continue
+        module = t.name.removesuffix(".weight_packed")
+        if t.dtype != "U8" or len(t.shape) != 2:
+            raise FP8ConvertError(f"{t.file}: tensor {t.name} is {t.dtype} {list(t.shape)}; FP4 codes are 2-D U8")
+        shape = (t.shape[0], t.shape[1] * 2)
+        wanted = [("weight_scale", declared.scale_dtype(), declared.scale_shapes(shape, source=True))]
+        wanted += [("weight_global_scale", "F32", [(1,), ()])] if nvfp4 else []
+        found = []
+        for suffix, dtype, shapes in wanted:
+            info = by_name.get(f"{module}.{suffix}")
+            if info is None or info.dtype != dtype or info.shape not in shapes:
+                got = f"is {info.dtype} {list(info.shape)}" if info else "is missing"
+                raise FP8ConvertError(
+                    f"{t.file}: FP4 weight {t.name}'s {module}.{suffix} {got}; a {declared.scheme} weight of "
+                    f"{list(shape)} has a {dtype} {list(shapes[0])} one"
+                )
+            found.append(info)
+        weights[t.name] = FP8Weight(t, found[0], None, found[1] if nvfp4 else None)
+    for t in tensors:
+        companion = t.name.endswith((".weight_scale", ".weight_global_scale"))
+        if (t.dtype == FP8 and not companion) or companion or t.name.endswith(".input_scale"):
+            module = t.name.rsplit(".", 1)[0]
+            if not companion or module + ".weight_packed" not in weights:
+                raise FP8ConvertError(
+                    f"{t.file}: tensor {t.name} ({t.dtype}) is not part of an FP4 weight, but the config says "
+                    f"{declared.format} {declared.scheme} (fp8convert reads one scheme per checkpoint)"
+                )
     return weights
 
 

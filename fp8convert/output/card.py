@@ -200,7 +200,8 @@ def introduction(info: dict, base_model: str | None) -> str:
     at = f" at commit `{info['revision'][:12]}`" if info.get("revision") else ""
     if info.get("dequantize"):
         return (
-            f"{info.get('dequantized_dtype')} weights dequantized from the FP8 checkpoint {from_text}{at} "
+            f"{info.get('dequantized_dtype')} weights dequantized from the "
+            f"{'FP4' if ' FP4 weights' in str(info.get('source_quantization')) else 'FP8'} checkpoint {from_text}{at} "
             f"({info.get('source_quantization')}), converted offline with fp8convert {__version__}."
         )
     activations = (

@@ -28,6 +28,11 @@ def build_plan(source: Source, options: Options) -> Plan:
         raise FP8ConvertError(
             f"{source.label}: holds no FP8 weights (config.json has no FP8 quantization_config); nothing to dequantize"
         )
+    if quant and quant.scheme in FP4_SCHEMES and not options.dequantize:
+        raise FP8ConvertError(
+            f"{source.label}: holds FP4 ({quant.scheme}) weights; fp8convert dequantizes them (fp8convert "
+            "dequantize), but quantizes only BF16/FP16/FP32 and FP8 sources"
+        )
     arch = architecture_of(source.config)
     decisions, notes, warnings = decide(source.tensors, source.config, options, arch or GENERIC, quant)
     high_precision = high_precision_dtype(options, source.config)
@@ -127,8 +132,8 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
     if fp8_weight is None and not d.quantize:
         return d
     if not d.quantize:
-        inputs = (fp8_weight.weight, fp8_weight.scale)
-        return replace(d, inputs=inputs, action=Action.DEQUANTIZE, out_dtype=high_precision)
+        inputs = (fp8_weight.weight, fp8_weight.scale) + ((fp8_weight.global_scale,) if fp8_weight.global_scale else ())
+        return replace(d, name=fp8_weight.name, inputs=inputs, action=Action.DEQUANTIZE, out_dtype=high_precision)
     fmt, scheme = get_format(options.format), options.scheme
     d = replace(d, scale_name=fmt.scale_name(d.name, scheme), scale_shape=fmt.scale_shape(d.shape, scheme))
     if scheme in FP4_SCHEMES:  # compressed-tensors' names: X.weight_packed, X.weight_scale, X.weight_global_scale

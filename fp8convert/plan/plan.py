@@ -57,9 +57,14 @@ class TensorPlan:
         return self.inputs[0]
 
     @property
+    def source_packed(self) -> bool:
+        """The source weight is FP4: X.weight_packed, two values a byte."""
+        return self.source.dtype == "U8" and self.source.name.endswith(".weight_packed")
+
+    @property
     def source_scale(self) -> TensorInfo | None:
-        """An FP8 source weight's scale."""
-        return self.inputs[1] if self.source.dtype == FP8 else None
+        """An FP8 or FP4 source weight's scale."""
+        return self.inputs[1] if self.source.dtype == FP8 or self.source_packed else None
 
     @property
     def quantize(self) -> bool:
@@ -84,6 +89,8 @@ class TensorPlan:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.source_packed:
+            return (self.source.shape[0], self.source.shape[1] * 2)
         return self.cut.shape(self.source.shape) if self.cut else self.source.shape
 
     @property

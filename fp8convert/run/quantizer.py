@@ -21,6 +21,7 @@ from ..options import FP4_SCHEMES
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
+from . import fp4
 from .fp4 import quantize_fp4_group
 from .numerics import (
     NonFiniteWeight,
@@ -175,9 +176,12 @@ def quantize_steps(
 
     def dequantized(tensors: list[TensorPlan], dtype: torch.dtype) -> torch.Tensor:
         """FP8 weights' values [N, out, in] in `dtype`, scales checked first; NaN or Inf refused."""
-        scales = [src.checked_scale(t) for t in tensors]
-        stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
-        w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype, cpu_path)
+        if source_scheme in FP4_SCHEMES:
+            w = dequantized_fp4(tensors).to(dtype)
+        else:
+            scales = [src.checked_scale(t) for t in tensors]
+            stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
+            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype, cpu_path)
         if not all_finite(w):
             t = next(t for t, values in zip(tensors, w) if not all_finite(values))
             raise FP8ConvertError(
@@ -185,6 +189,21 @@ def quantize_steps(
                 f"(a NaN code, or values beyond the dtype's range); refusing it"
             )
         return w
+
+    def dequantized_fp4(tensors: list[TensorPlan]) -> torch.Tensor:
+        """FP4 weights' values [N, out, in] in float32, each scale (and NVFP4's global scale) checked."""
+        for t in tensors:
+            global_scale = src.view(t.inputs[2]).float().reshape(1, 1) if len(t.inputs) > 2 else None
+            if not finite_positive(fp4.divisors(source_scheme, src.view(t.source_scale), global_scale)):
+                raise FP8ConvertError(
+                    f"{src.root / t.source_scale.file}: scale {t.source_scale.name} (or its global scale) of FP4 "
+                    f"weight {t.source.name} is not finite and positive everywhere; refusing it"
+                )
+        scales = torch.stack([src.view(t.source_scale) for t in tensors])
+        globals_ = (
+            torch.stack([src.view(t.inputs[2]).reshape(1) for t in tensors]) if len(tensors[0].inputs) > 2 else None
+        )
+        return fp4.dequantize(src.stack(tensors), scales, globals_, source_scheme)
 
     def passed_through(t: TensorPlan) -> list[Output]:
         """Codes, scale (and activation scale) as they are; into a ue8m0 output every scale must be a power of

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..options import BLOCK
+from ..options import BLOCK, FP4_SCHEMES
 from ..run.numerics import (
     FP8_DTYPE,
     FP8_MAX,
@@ -49,10 +49,15 @@ def compare_kept(source, output, origin: str = "the source") -> str | None:
     return None
 
 
-def count_wrong(codes, scale, stored, r0: int, source_scheme: str) -> int | None:
+def count_wrong(codes, scale, *rest, source_scheme: str) -> int | None:
     """How many elements of a dequantized slab are not (float32(q) * scale) rounded once to their dtype;
-    None when the source's scale is not finite and positive."""
-    values = source_values(codes, scale, r0, source_scheme)
+    None when the source's scale is not finite and positive. `rest`: (NVFP4's global scale,) the
+    output slab, its first row."""
+    *global_scale, stored, r0 = rest
+    if source_scheme in FP4_SCHEMES:
+        values = fp4_source_values(codes, scale, global_scale[0] if global_scale else None, source_scheme)
+    else:
+        values = source_values(codes, scale, r0, source_scheme)
     if values is None:
         return None
     size = stored.element_size()
@@ -250,6 +255,16 @@ def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
 def scale_values(scale):
     """A stored output scale as float32 values: MXFP8's E8M0 bytes decoded (255, E8M0's NaN, to NaN)."""
     return e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
+
+
+def fp4_source_values(packed, scale, global_scale, scheme: str):
+    """An FP4 source slab's values in float32, or None when a scale is not finite and positive."""
+    from ..run import fp4
+
+    g = None if global_scale is None else global_scale.float().reshape(1, 1)
+    if not finite_positive(fp4.divisors(scheme, scale, g)):
+        return None
+    return fp4.dequantize(packed, scale, None if g is None else g.reshape(1), scheme)
 
 
 def source_values(codes, scale, r0: int, source_scheme: str):

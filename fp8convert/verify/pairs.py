@@ -86,6 +86,12 @@ class DequantizedPair:
 
     def pieces(self) -> list[Piece]:
         weight, out = self.fp8, self.output
+        if weight.packed:  # FP4: each row's group scales, and NVFP4's global scale
+            extra = [weight.global_scale] if weight.global_scale else []
+            return [
+                (r0, [rows_of(weight.weight, r0, n), rows_of(weight.scale, r0, n), *extra], [rows_of(out, r0, n)])
+                for r0, n in slabs(*out.shape, whole_blocks=False)
+            ]
         return [
             (r0, [rows_of(weight.weight, r0, n), weight.scale], [rows_of(out, r0, n)])
             for r0, n in slabs(*out.shape, whole_blocks=True)
@@ -94,7 +100,7 @@ class DequantizedPair:
     def check(self, sources, outputs, r0: int, checks) -> int | None:
         from .numbers import count_wrong
 
-        return count_wrong(*sources, outputs[0], r0, checks.source_scheme)
+        return count_wrong(*sources, outputs[0], r0, source_scheme=checks.source_scheme)
 
     def record(self, r0: int, last: bool, wrong: int | None, checks) -> None:
         if self.failed:

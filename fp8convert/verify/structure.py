@@ -178,8 +178,9 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
     pairing = Pairing(outputs, fmt, report, architecture_of(source.config) or GENERIC)
     pairs: list = []
     for want in expected_outputs(source, pairing.arch, outputs, report):
-        name, got = want.name, outputs.get(want.name)
         fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
+        name = fp8_weight.name if fp8_weight else want.name  # an FP4 source's X.weight_packed: X.weight
+        got = outputs.get(name)
         if got is None and fmt and fmt.scheme in FP4_SCHEMES and (packed := outputs.get(name + "_packed")):
             pairing.accounted.add(packed.name)
             pairs += pairing.fp4(want, packed, fp8_weight)
@@ -310,15 +311,16 @@ class Pairing:
     def fp8_weight(self, weight: FP8Weight, got: TensorInfo) -> list:
         """An FP8 source weight's output: dequantized, passed through or requantized, with its static
         activation scale if the output has one."""
-        name, fmt, report = weight.weight.name, self.fmt, self.report
+        name, fmt, report = weight.name, self.fmt, self.report
         if got.dtype != FP8:
             report.tensors_dequantized += 1
             pairs = []
-            if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.weight.shape:
+            if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.shape:
                 report.fail(
                     name,
-                    f"dequantized as {got.dtype} {list(got.shape)}, but the source is an FP8 weight "
-                    f"{list(weight.weight.shape)} (expected BF16, F16 or F32 of that shape)",
+                    f"dequantized as {got.dtype} {list(got.shape)}, but the source is an "
+                    f"{'FP4' if weight.packed else 'FP8'} weight {list(weight.shape)} (expected BF16, F16 or F32 "
+                    "of that shape)",
                 )
             else:
                 pairs.append(DequantizedPair(name, weight, got))

@@ -17,6 +17,7 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from harness import model_logits, read_json, read_safetensors_dir, run_quantize
 from safetensors.torch import load_file, save_file
 
+import fp8convert
 from fp8convert.cli import main
 from fp8convert.run import fp4
 from fp8convert.verify import verify
@@ -301,3 +302,45 @@ def test_worker_splits_and_a_resumed_run_give_the_bytes_of_one_process(source_mo
     report = api.quantize(src, resumed, scheme=scheme, device="cpu", max_shard_size="150KB")
     assert report.complete and 0 < report.shards_written < len(list(one.glob("*.safetensors")))
     assert tree_bytes(resumed) == reference
+
+
+@pytest.mark.parametrize("scheme", FP4)
+@pytest.mark.parametrize(("where", "kind"), SUBJECTS[1:3], ids=SUBJECT_IDS[1:3])
+def test_an_fp4_checkpoint_dequantizes_to_compressed_tensors_decode_and_verifies(
+    fp4_output, tmp_path, capsys, where, kind, scheme
+):
+    """`dequantize` reads an FP4 checkpoint (fp8convert's, laid out as llm-compressor's): every weight
+    is compressed-tensors' decode rounded once to BF16, the rest copied; verify holds each element to it;
+    quantize refuses the source in one line."""
+    src, out = fp4_output(where, kind, scheme)
+    deq = tmp_path / "bf16"
+    fp8convert.dequantize(out, deq, device="cpu")
+    fp4_tensors, bf16 = read_safetensors_dir(out), read_safetensors_dir(deq)
+    modules = fp4_modules(fp4_tensors)
+    assert not any(k.endswith(("_packed", "_scale")) for k in bf16)
+    for m in modules:
+        assert torch.equal(bf16[f"{m}.weight"], ct_decode(fp4_tensors, m, scheme)), m
+    for name, t in read_safetensors_dir(src).items():
+        if name.removesuffix(".weight") not in modules:
+            assert torch.equal(bf16[name], t), name
+    assert "quantization_config" not in read_json(deq / "config.json")
+    assert verify(out, deq, device="cpu").ok
+    tamper(deq, f"{modules[0]}.weight", lambda w: w.index_put_((torch.tensor([0]),), w[0] * 2 + 1))
+    report = verify(out, deq, device="cpu")
+    assert not report.ok and any(str(p).startswith(f"{modules[0]}.weight:") for p in report.problems)
+    rc = main(["quantize", str(out), str(tmp_path / "again"), "--device", "cpu", "-q"])
+    err = capsys.readouterr().err
+    assert rc != 0 and f"holds FP4 ({scheme}) weights" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_fp4_source_with_a_nan_scale_is_refused_naming_it(fp4_output, tmp_path):
+    import shutil
+
+    _, good = fp4_output("tiny", "llama", "nvfp4a16")
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+    name = "model.layers.1.mlp.up_proj.weight_global_scale"
+    tamper(src, name, lambda g: g * float("nan"))
+    with pytest.raises(fp8convert.FP8ConvertError, match=r"model.layers.1.mlp.up_proj.weight_scale \(or its global"):
+        fp8convert.dequantize(src, tmp_path / "out", device="cpu")
+    assert not (tmp_path / "out" / "config.json").exists()
