@@ -79,10 +79,6 @@ class ExpertTensor:
     interleaved: bool = False
     experts: str = "{block}.experts"  # parent of the per-expert modules written: {experts}.{e}.{member}.weight
 
-    def match(self, name: str) -> str | None:
-        m = re.fullmatch(self.pattern, name)
-        return self.experts.format(block=m.group("block")) if m else None
-
 
 @dataclass(frozen=True)
 class Experts:
@@ -125,16 +121,13 @@ class Architecture:
     quantized: str = "attention and MLP linears"  # for the README table
     notes: str = ""
 
-    def transformers_name(self, module: str) -> str:
-        return _renamed(module, self.transformers_names)
-
     def vllm_name(self, module: str, config: dict) -> str:
         module = _renamed(module, self.vllm_names)
         return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
 
     def names(self, module: str, config: dict) -> list[str]:
         """The module as the checkpoint, transformers and vLLM name it (each once)."""
-        return list(dict.fromkeys([module, self.transformers_name(module), self.vllm_name(module, config)]))
+        return list(dict.fromkeys([module, _renamed(module, self.transformers_names), self.vllm_name(module, config)]))
 
     def keep_reason(self, module: str, fmt: str, scheme: str) -> str | None:
         return next((k.reason for k in self.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
@@ -142,9 +135,8 @@ class Architecture:
     def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
         """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
         for layout in self.experts.tensors if self.experts else ():
-            experts = layout.match(name)
-            if experts is not None:
-                return layout, experts
+            if m := re.fullmatch(layout.pattern, name):
+                return layout, layout.experts.format(block=m["block"])
         return None
 
 
