@@ -276,22 +276,20 @@ class Pairing:
         name, fmt, report = weight.weight.name, self.fmt, self.report
         if got.dtype != FP8:
             report.tensors_dequantized += 1
-            pairs = []
-            if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.weight.shape:
+            readable = got.dtype in FLOAT_SOURCE_DTYPES and got.shape == weight.weight.shape
+            if not readable:
                 report.fail(
                     name,
                     f"dequantized as {got.dtype} {list(got.shape)}, but the source is an FP8 weight "
                     f"{list(weight.weight.shape)} (expected BF16, F16 or F32 of that shape)",
                 )
-            else:
-                pairs.append(DequantizedPair(name, weight, got))
             if fmt is not None and not fmt.ignores(module_of(name)):
                 report.fail(
                     name,
                     f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
                     "(engines would expect FP8 weights for it)",
                 )
-            return pairs
+            return [DequantizedPair(name, weight, got)] if readable else []
         report.tensors_quantized += 1
         scale_name, scale = self.scale_of(name)
         pairs = self.activation_scale(weight)
