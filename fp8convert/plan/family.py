@@ -129,9 +129,6 @@ class Architecture:
         """The module as the checkpoint, transformers and vLLM name it (each once)."""
         return list(dict.fromkeys([module, _renamed(module, self.transformers_names), self.vllm_name(module, config)]))
 
-    def keep_reason(self, module: str, fmt: str, scheme: str) -> str | None:
-        return next((k.reason for k in self.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
-
     def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
         """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
         for layout in self.experts.tensors if self.experts else ():

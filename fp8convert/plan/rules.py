@@ -68,7 +68,7 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
     # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
     if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):
         return "not a weight (bias or buffer)"
-    reason = arch.keep_reason(module, fmt, scheme)
+    reason = next((k.reason for k in arch.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
     if reason:
         return reason
     leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")

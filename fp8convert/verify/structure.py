@@ -1,8 +1,7 @@
 """The output's structure, from headers and files alone: the index against the shards' headers,
-config.json against the source's, the manifest and side files, and each output tensor paired with the
-source tensor (or, for a fused expert tensor held one weight per expert, the cut of it, as
-plan/rules.py expert_cuts lays it out) it must come from (pairs.py), its dtype, shape and scale checked.
-"""
+config.json against the source's, the manifest and side files, and each output tensor paired (pairs.py)
+with the source tensor or fused-expert cut (plan/rules.py expert_cuts) it must come from, its dtype,
+shape and scale checked."""
 
 from __future__ import annotations
 
@@ -33,23 +32,20 @@ class OutputLayout:
 def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     """Every output tensor and where it is, checking the index against the shards' headers."""
     index_path = out / INDEX_NAME
-    layout = OutputLayout({}, {}, set())
+    layout, index = OutputLayout({}, {}, set()), None  # index: the index file's JSON, None without one
     if index_path.is_file():
         try:
-            weight_map = parse_index(index_path.read_bytes(), INDEX_NAME)
-            index = json.loads(index_path.read_text())
-            files = index_files(weight_map)
+            layout.placed_in = parse_index(index_path.read_bytes(), INDEX_NAME)
         except FP8ConvertError as e:
             report.fail(INDEX_NAME, str(e).removeprefix(f"{INDEX_NAME}: "))
             return layout
-        layout.placed_in = dict(weight_map)
+        index, files = json.loads(index_path.read_text()), index_files(layout.placed_in)
     elif (out / "model.safetensors").is_file():
-        index, weight_map, files = None, None, ["model.safetensors"]
+        files = ["model.safetensors"]
     else:
         report.fail(str(out), f"no {INDEX_NAME} (or model.safetensors): the output is incomplete")
         return layout
-    total = 0
-    tensors = layout.tensors
+    total, tensors, weight_map = 0, layout.tensors, layout.placed_in
     for file in files:
         path = out / file
         if not path.is_file():
@@ -66,18 +62,18 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
             total += info.nbytes
             if name in tensors:
                 report.fail(f"tensor {name}", f"appears twice: in {tensors[name].file} and {file}")
-            elif weight_map is not None and weight_map.get(name) != file:
+            elif index is not None and weight_map.get(name) != file:
                 report.fail(
                     file,
                     f"holds tensor {name}, which {INDEX_NAME} "
                     + (f"places in {weight_map[name]}" if name in weight_map else "does not list"),
                 )
             tensors[name] = info
-    if weight_map is not None:
+    if index is not None:
         for name, file in weight_map.items():
             if name not in tensors and file not in layout.unreadable:
                 report.fail(INDEX_NAME, f"names tensor {name} in {file}, but {file} does not hold it")
-        declared = (index.get("metadata") or {}).get("total_size") if isinstance(index, dict) else None
+        declared = (index.get("metadata") or {}).get("total_size")
         if declared is not None and declared != total and not layout.unreadable:
             report.fail(INDEX_NAME, f"metadata.total_size is {declared}, the shards hold {total} bytes")
         stray = sorted(p.name for p in out.glob("*.safetensors") if p.name not in files)
