@@ -270,9 +270,5 @@ def _keep_together(decisions: list[TensorPlan], key_of, note: str, notes: list[s
 def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:
     """Kept 2-D weights that engines build as linear layers, so the ignore list must name them; F64 too
     (unlisted, engines would build that layer for FP8 and cast the float64 values into it)."""
-    return (
-        name.endswith(".weight")
-        and len(shape) == 2
-        and reason != "embedding"
-        and (dtype in FLOAT_SOURCE_DTYPES or dtype == "F64")
-    )
+    floating = dtype in FLOAT_SOURCE_DTYPES or dtype == "F64"
+    return name.endswith(".weight") and len(shape) == 2 and reason != "embedding" and floating
