@@ -178,11 +178,10 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
             file = layout.placed_in.get(name)
             if file in layout.unreadable:
                 report.fail(name, f"not checked: {file} cannot be read", follows_from=file)
+            elif want.cut:
+                report.fail(name, f"missing from the output ({want.where})")
             else:
-                report.fail(
-                    name,
-                    f"missing from the output ({want.where})" if want.cut else "source tensor missing from the output",
-                )
+                report.fail(name, "source tensor missing from the output")
             continue
         pairing.accounted.add(name)
         fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
