@@ -74,10 +74,9 @@ class ExpertTensor:
     fit, the released one). `members` share the output axis, concatenated or `interleaved`."""
 
     pattern: str  # regex over the tensor name; group "block" is the MoE block module
-    members: tuple[str, ...]  # per-expert module names, in order along the output axis
+    members: tuple[str, ...]  # per-expert module names ({block}.experts.{e}.{member}), in order along the output axis
     stored: tuple[str, ...]  # IN_OUT and/or OUT_IN
     interleaved: bool = False
-    experts: str = "{block}.experts"  # parent of the per-expert modules written: {experts}.{e}.{member}.weight
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ class Architecture:
         """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
         for layout in self.experts.tensors if self.experts else ():
             if m := re.fullmatch(layout.pattern, name):
-                return layout, layout.experts.format(block=m["block"])
+                return layout, f"{m['block']}.experts"
         return None
 
 

@@ -211,11 +211,8 @@ def decide(
             f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
             "precision with --ignore"
         )
-    warnings = [
-        f"--ignore {pattern!r} matched no weight that would otherwise be quantized"
-        for pattern in options.ignore
-        if pattern not in used_patterns
-    ]
+    unused = [pattern for pattern in options.ignore if pattern not in used_patterns]
+    warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized" for pattern in unused]
     notes: list[str] = []
     decisions = _keep_together(
         decisions, lambda d: d.group, "kept all of {key} because {kept} is kept ({reason})", notes
