@@ -37,12 +37,12 @@ _LLAVA_TRANSFORMERS = (
     Rename(r"^vision_tower\.", "model.vision_tower."),
     Rename(r"^multi_modal_projector\.", "model.multi_modal_projector."),
 )
-
-
 _LLAVA_VLLM = legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
 _QWEN_VL_VLLM = legacy_vllm_names("visual")
 _MOE_ROUTED = "routed experts, one FP8 weight per expert"
+_DELTANET_BA = "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"
+_MTP_FC = Keep(r"^mtp\.fc$", "MTP input projection")
 _TOWER_NOTE = (
     "vision tower and projector kept; vLLM builds them quantizable, so each of their linears is listed, "
     "in transformers' and vLLM's names too"
@@ -56,12 +56,10 @@ def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architectu
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
     """vLLM's falcon_h1.py builds attention at the layer's own prefix, Mamba at model.{L + N}.mixer."""
-    m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(\w+)", module)
-    if m:
-        return f"model.layers.{m.group(1)}.{m.group(2)}"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(\w+)", module)
-    if m:
-        return f"model.{int(m.group(1)) + int(config_value(config, 'num_hidden_layers') or 0)}.mixer.{m.group(2)}"
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(\w+)", module):
+        return f"model.layers.{m[1]}.{m[2]}"
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(\w+)", module):
+        return f"model.{int(m[1]) + int(config_value(config, 'num_hidden_layers') or 0)}.mixer.{m[2]}"
     return module
 
 
@@ -194,10 +192,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # built without it. qwen3_next_mtp.py: mtp.fc is quantizable; kept like DeepSeek's eh_proj.
         "Qwen3-Next",
         ("qwen3_next",),
-        keep=(
-            Keep(r"\.linear_attn\.in_proj_ba$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
-            Keep(r"^mtp\.fc$", "MTP input projection"),
-        ),
+        keep=(Keep(r"\.linear_attn\.in_proj_ba$", _DELTANET_BA), _MTP_FC),
         mtp=MTP_MODULE,
         quantized=f"attention, DeltaNet in_proj_qkvz/out_proj, shared expert, {_MOE_ROUTED}, MTP layers",
         notes="`mtp.*` layers converted like decoder layers",
@@ -208,10 +203,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Qwen3.5",
         ("qwen3_5", "qwen3_5_moe"),
         fused=FUSED_SIBLINGS + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")),
-        keep=(
-            Keep(r"\.linear_attn\.in_proj_[ab]$", "gated DeltaNet b/a projection (FP8 in vLLM corrupts output)"),
-            Keep(r"^mtp\.fc$", "MTP input projection"),
-        ),
+        keep=(Keep(r"\.linear_attn\.in_proj_[ab]$", _DELTANET_BA), _MTP_FC),
         mtp=MTP_MODULE,
         vllm_names=_QWEN_VL_VLLM,
         quantized=f"language model attention, DeltaNet, MLPs / {_MOE_ROUTED}, MTP layers",
@@ -331,11 +323,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # vLLM removed MllamaForConditionalGeneration in 0.10.2 (model_executor/models/registry.py).
         "Mllama",
         ("mllama",),
-        transformers_names=(
-            Rename(r"^language_model\.model\.", "model.language_model."),
-            Rename(r"^language_model\.lm_head$", "lm_head"),
-            Rename(r"^(vision_model|multi_modal_projector)\b", r"model.\1"),
-        ),
+        transformers_names=_LLAVA_TRANSFORMERS[:2] + (Rename(r"^(vision_model|multi_modal_projector)\b", r"model.\1"),),
         limits=(
             Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM does not serve Mllama (removed in vLLM 0.10.2); transformers can"),
         ),
@@ -354,9 +342,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         limits=(
             Limit(
                 Caveat.VLLM_CANNOT_LOAD,
-                "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, "
-                "which fp8-format block layers do not have; use --format "
-                "compressed-tensors",
+                "vLLM's Mistral-3 loader renames weight_scale_inv to weight_scale, which fp8-format block layers "
+                "do not have; use --format compressed-tensors",
                 formats=(Format.FP8,),
                 schemes=(Scheme.BLOCK,),
             ),
@@ -373,18 +360,6 @@ def architecture_of(config: dict) -> Architecture | None:
     return _BY_MODEL_TYPE.get(config.get("model_type"))
 
 
-# ---------------------------------------------------------------- the README table
-
-
-def _kept_text(arch: Architecture) -> str:
-    kept = [
-        f"{k.reason}" + (f" ({', '.join(k.formats + k.schemes)})" if k.formats or k.schemes else "") for k in arch.keep
-    ]
-    if arch.experts and arch.experts.kept:
-        kept.append("fused experts: " + arch.experts.kept)
-    return "; ".join(dict.fromkeys(kept)) or "generic only"
-
-
 def architectures_table() -> str:
     """The README's "Supported architectures" table, rendered from the registry."""
     rows = [
@@ -392,8 +367,10 @@ def architectures_table() -> str:
         "|---|---|---|---|---|",
     ]
     for arch in ARCHITECTURES:
-        rows.append(
-            f"| {arch.name} | {', '.join(f'`{t}`' for t in arch.model_types)} | {arch.quantized} | "
-            f"{_kept_text(arch)} | {arch.notes} |"
-        )
+        kept = [
+            k.reason + (f" ({', '.join(k.formats + k.schemes)})" if k.formats or k.schemes else "") for k in arch.keep
+        ]
+        kept += ["fused experts: " + arch.experts.kept] if arch.experts and arch.experts.kept else []
+        types, kept_text = ", ".join(f"`{t}`" for t in arch.model_types), "; ".join(dict.fromkeys(kept))
+        rows.append(f"| {arch.name} | {types} | {arch.quantized} | {kept_text or 'generic only'} | {arch.notes} |")
     return "\n".join(rows)

@@ -67,8 +67,8 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
 
 
 def first_axis_slice(info: TensorInfo, first: int, count: int) -> TensorInfo:
-    """Rows [first, first + count) of a source tensor along its first axis (contiguous bytes)."""
-    row = info.nbytes // info.shape[0]
+    """Rows [first, first + count) of a tensor with at least one dimension, as a piece of its file."""
+    row = info.nbytes // max(info.shape[0], 1)
     return replace(info, offset=info.offset + first * row, nbytes=count * row, shape=(count, *info.shape[1:]))
 
 

@@ -40,7 +40,7 @@ class Cut:
         return replace(self, expert=None)
 
     def describe(self, source: str) -> str:
-        """Where the output comes from, in Python slicing terms, e.g. `x.gate_up_proj[3].T[48:96]`."""
+        """Where the output comes from, in Python slicing terms, e.g. `x.gate_up_proj[3].T (part 2 of 2)`."""
         text = source + (f"[{self.expert}]" if self.expert is not None else "")
         text += ".T" if self.transpose else ""
         if self.parts > 1:

@@ -74,14 +74,9 @@ class ExpertTensor:
     fit, the released one). `members` share the output axis, concatenated or `interleaved`."""
 
     pattern: str  # regex over the tensor name; group "block" is the MoE block module
-    members: tuple[str, ...]  # per-expert module names, in order along the output axis
+    members: tuple[str, ...]  # per-expert module names ({block}.experts.{e}.{member}), in order along the output axis
     stored: tuple[str, ...]  # IN_OUT and/or OUT_IN
     interleaved: bool = False
-    experts: str = "{block}.experts"  # parent of the per-expert modules written: {experts}.{e}.{member}.weight
-
-    def match(self, name: str) -> str | None:
-        m = re.fullmatch(self.pattern, name)
-        return self.experts.format(block=m.group("block")) if m else None
 
 
 @dataclass(frozen=True)
@@ -125,26 +120,19 @@ class Architecture:
     quantized: str = "attention and MLP linears"  # for the README table
     notes: str = ""
 
-    def transformers_name(self, module: str) -> str:
-        return _renamed(module, self.transformers_names)
-
     def vllm_name(self, module: str, config: dict) -> str:
         module = _renamed(module, self.vllm_names)
         return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
 
     def names(self, module: str, config: dict) -> list[str]:
         """The module as the checkpoint, transformers and vLLM name it (each once)."""
-        return list(dict.fromkeys([module, self.transformers_name(module), self.vllm_name(module, config)]))
-
-    def keep_reason(self, module: str, fmt: str, scheme: str) -> str | None:
-        return next((k.reason for k in self.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
+        return list(dict.fromkeys([module, _renamed(module, self.transformers_names), self.vllm_name(module, config)]))
 
     def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
         """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
         for layout in self.experts.tensors if self.experts else ():
-            experts = layout.match(name)
-            if experts is not None:
-                return layout, experts
+            if m := re.fullmatch(layout.pattern, name):
+                return layout, f"{m['block']}.experts"
         return None
 
 

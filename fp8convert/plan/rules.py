@@ -68,7 +68,7 @@ def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str
     # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
     if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):
         return "not a weight (bias or buffer)"
-    reason = arch.keep_reason(module, fmt, scheme)
+    reason = next((k.reason for k in arch.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
     if reason:
         return reason
     leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
@@ -146,29 +146,9 @@ def expert_cuts(
             f"tensor {info.name} {list(info.shape)}: fused experts whose layout cannot be told "
             f"from config.json: expected {want}; keep them with --ignore {module_of(info.name)}"
         )
-    transpose = fits[0] == IN_OUT
-    parts = len(layout.members)
-    return [
-        (
-            f"{experts}.{e}.{member}.weight",
-            Cut(expert=e, transpose=transpose, part=j, parts=parts, interleaved=layout.interleaved),
-        )
-        for e in range(count)
-        for j, member in enumerate(layout.members)
-    ]
-
-
-def _expert_decisions(
-    info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict, options: Options, hit
-) -> list[TensorPlan]:
-    reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
-    if reason and options.format not in arch.experts.split_when_kept:
-        return [decision(info.name, info, reason)]
-    return [
-        decision(name, info, reason or shape_keep_reason(cut.shape(info.shape), options.scheme), group, cut)
-        for name, cut in expert_cuts(info, layout, experts, arch, config)
-        for group in [fused_group_key(name, arch.fused)]
-    ]
+    cut = Cut(transpose=fits[0] == IN_OUT, parts=len(layout.members), interleaved=layout.interleaved)
+    members = list(enumerate(layout.members))
+    return [(f"{experts}.{e}.{m}.weight", replace(cut, expert=e, part=j)) for e in range(count) for j, m in members]
 
 
 # ---------------------------------------------------------------- all tensors
@@ -185,15 +165,8 @@ def decide(
     FP8 weights are decided like high-precision ones, and what it kept in high precision stays as it is."""
     companions = quant.companions() if quant else set()
     if options.dequantize:  # every FP8 weight becomes high precision, every other tensor is kept
-        return (
-            [
-                decision(t.name, t, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT)
-                for t in tensors
-                if t.name not in companions
-            ],
-            [],
-            [],
-        )
+        kept = [t for t in tensors if t.name not in companions]
+        return [decision(t.name, t, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT) for t in kept], [], []
     decisions: list[TensorPlan] = []
     used_patterns: set[str] = set()
     unsupported: list[str] = []
@@ -202,26 +175,30 @@ def decide(
             continue
         module = module_of(info.name)
         group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
+        try:
+            reason, no_layout = default_keep_reason(info, arch, options.format, options.scheme), None
+        except UnsupportedLayout as e:
+            reason, no_layout = None, e
         if quant and info.name not in quant.weights:
-            try:
-                reason = default_keep_reason(info, arch, options.format, options.scheme)
-            except UnsupportedLayout:
-                reason = None
             decisions.append(decision(info.name, info, reason or SOURCE_KEPT, group))
             continue
         if fused_experts := arch.expert_tensor(info.name):
             layout, experts = fused_experts
             hit = next((p for p in options.ignore if matches_pattern(module, p) or matches_pattern(experts, p)), None)
             used_patterns.add(hit)
-            decisions += _expert_decisions(info, layout, experts, arch, config, options, hit)
+            reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
+            if reason and options.format not in arch.experts.split_when_kept:
+                decisions.append(decision(info.name, info, reason))
+                continue
+            decisions += [
+                decision(name, info, reason or shape_keep_reason(cut.shape(info.shape), options.scheme), group, cut)
+                for name, cut in expert_cuts(info, layout, experts, arch, config)
+                for group in [fused_group_key(name, arch.fused)]
+            ]
             continue
         hit = next((p for p in options.ignore if matches_pattern(module, p)), None)
-        try:
-            reason = default_keep_reason(info, arch, options.format, options.scheme)
-        except UnsupportedLayout as e:
-            if hit is None:
-                unsupported.append(str(e))
-            reason = None  # the user chose to keep it
+        if no_layout and hit is None:
+            unsupported.append(str(no_layout))
         if reason is None and hit is not None:
             used_patterns.add(hit)
             reason = f"--ignore {hit}"
@@ -234,11 +211,8 @@ def decide(
             f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
             "precision with --ignore"
         )
-    warnings = [
-        f"--ignore {pattern!r} matched no weight that would otherwise be quantized"
-        for pattern in options.ignore
-        if pattern not in used_patterns
-    ]
+    unused = [pattern for pattern in options.ignore if pattern not in used_patterns]
+    warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized" for pattern in unused]
     notes: list[str] = []
     decisions = _keep_together(
         decisions, lambda d: d.group, "kept all of {key} because {kept} is kept ({reason})", notes
@@ -293,9 +267,5 @@ def _keep_together(decisions: list[TensorPlan], key_of, note: str, notes: list[s
 def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:
     """Kept 2-D weights that engines build as linear layers, so the ignore list must name them; F64 too
     (unlisted, engines would build that layer for FP8 and cast the float64 values into it)."""
-    return (
-        name.endswith(".weight")
-        and len(shape) == 2
-        and reason != "embedding"
-        and (dtype in FLOAT_SOURCE_DTYPES or dtype == "F64")
-    )
+    floating = dtype in FLOAT_SOURCE_DTYPES or dtype == "F64"
+    return name.endswith(".weight") and len(shape) == 2 and reason != "embedding" and floating

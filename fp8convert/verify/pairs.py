@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from ..formats import QuantizationConfig
 from ..formats.sources import FP8Weight
 from ..options import BLOCK
+from ..plan.batches import first_axis_slice
 from ..plan.cuts import Cut
 from ..plan.rules import module_of
 from ..safetensors_io import TensorInfo
@@ -89,11 +90,15 @@ class DequantizedPair:
         if weight.packed:  # FP4: each row's group scales, and NVFP4's global scale
             extra = [weight.global_scale] if weight.global_scale else []
             return [
-                (r0, [rows_of(weight.weight, r0, n), rows_of(weight.scale, r0, n), *extra], [rows_of(out, r0, n)])
+                (
+                    r0,
+                    [first_axis_slice(weight.weight, r0, n), first_axis_slice(weight.scale, r0, n), *extra],
+                    [first_axis_slice(out, r0, n)],
+                )
                 for r0, n in slabs(*out.shape, whole_blocks=False)
             ]
         return [
-            (r0, [rows_of(weight.weight, r0, n), weight.scale], [rows_of(out, r0, n)])
+            (r0, [first_axis_slice(weight.weight, r0, n), weight.scale], [first_axis_slice(out, r0, n)])
             for r0, n in slabs(*out.shape, whole_blocks=True)
         ]
 
@@ -157,7 +162,7 @@ class QuantizedPair:
             return cut_read(self.source, self.cut, [self.codes, self.scale])
         extra = [self.fp8.scale] if self.fp8 else []
         return [
-            (r0, [rows_of(self.source, r0, n), *extra], [rows_of(self.codes, r0, n), self.scale])
+            (r0, [first_axis_slice(self.source, r0, n), *extra], [first_axis_slice(self.codes, r0, n), self.scale])
             for r0, n in slabs(*self.codes.shape, self.whole_blocks)
         ]
 
@@ -263,8 +268,8 @@ class FP4Pair:
         return [
             (
                 r0,
-                [rows_of(self.source, r0, n), *extra],
-                [rows_of(outputs[0], r0, n), rows_of(outputs[1], r0, n), *outputs[2:]],
+                [first_axis_slice(self.source, r0, n), *extra],
+                [first_axis_slice(outputs[0], r0, n), first_axis_slice(outputs[1], r0, n), *outputs[2:]],
             )
             for r0, n in slabs(self.source.shape[0], self.source.shape[1], self.fp8 is not None)
         ]
@@ -306,12 +311,6 @@ def cut_of(cut: Cut, piece):
     return cut.apply(piece) if cut.expert is None else cut.across_experts().apply(piece)[0]
 
 
-def rows_of(info: TensorInfo, r0: int, n: int) -> TensorInfo:
-    """Rows [r0, r0 + n) of a tensor with at least one dimension, as a piece of its file."""
-    per_row = info.nbytes // max(info.shape[0], 1)
-    return replace(info, offset=info.offset + r0 * per_row, nbytes=n * per_row, shape=(n, *info.shape[1:]))
-
-
 def bytes_of(info: TensorInfo, start: int, n: int, item: int) -> TensorInfo:
     """Bytes [start, start + n) of a tensor of `item`-byte elements (n cut at its end), as a flat piece."""
     n = min(n, info.nbytes - start)
@@ -329,7 +328,7 @@ def slabs(rows: int, cols: int, whole_blocks: bool) -> list[tuple[int, int]]:
 def cut_read(info: TensorInfo, cut: Cut, output: list[TensorInfo]) -> list[Piece]:
     """A cut of a fused expert tensor in one read: the expert's rows of the source (all of it for a cut
     that picks no expert), and the whole output."""
-    return [(0, [info if cut.expert is None else rows_of(info, cut.expert, 1)], output)]
+    return [(0, [info if cut.expert is None else first_axis_slice(info, cut.expert, 1)], output)]
 
 
 def shapes_text(shapes: list[tuple[int, ...]]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -40,16 +41,12 @@ class TensorCheck:
     oversized_scales: int = 0  # channel and block float scales above twice amax / 448 of theirs
 
     def problem(self, scheme: str) -> str:
-        """What is wrong with these figures, one line."""
         unit = {"mxfp8": "group", "channel": "row", "nvfp4a16": "group", "mxfp4a16": "group"}.get(scheme, "block")
         values = "E2M1" if scheme in FP4_SCHEMES else "e4m3"  # what a code is
+        oversized = f"more than twice amax / 448 of their {unit} (codes lose precision, or round to zero)"
         counts = [
             (self.off_rule_scales, "scale", f"not the smallest power of two that fits their {unit}"),
-            (
-                self.oversized_scales,
-                "scale",
-                f"more than twice amax / 448 of their {unit} (codes lose precision, or round to zero)",
-            ),
+            (self.oversized_scales, "scale", oversized),
             (self.inexact_codes, "code", "not the round-to-nearest-even e4m3 value of weight/scale"),
             (self.off_grid, "code", f"not the nearest {values} value of weight/scale"),
         ]
@@ -78,7 +75,6 @@ class ErrorSums:
             setattr(self, f.name, combine(getattr(self, f.name), getattr(other, f.name)))
 
     def check(self, name: str, shape, scale_shape) -> TensorCheck:
-        """The figures of a quantized tensor once every slab is summed."""
         err, norm = math.sqrt(self.e2), math.sqrt(self.w2)
         rel = err / norm if norm else (0.0 if err == 0 else math.inf)
         # An infinite error (a code and scale that read back as Inf) leaves no signal at all
@@ -140,22 +136,19 @@ class VerifyReport:
 
     @property
     def failures(self) -> list[str]:
-        """Every problem, one line each, naming the tensor or file."""
         return [str(p) for p in self.problems]
 
     def causes(self) -> list[str]:
         """The problems by root cause, one line each (an unreadable file's tensors counted on its line)."""
-        root_subjects = {p.subject for p in self.problems if p.follows_from is None}
-        consequences: dict[str, int] = {}
+        roots = {p.subject for p in self.problems if p.follows_from is None}
+        consequences = Counter(p.follows_from for p in self.problems if p.follows_from in roots)
         by_what: dict[str, list[str]] = {}
         for p in self.problems:
-            if p.follows_from is not None and p.follows_from in root_subjects:
-                consequences[p.follows_from] = consequences.get(p.follows_from, 0) + 1
-            else:
+            if p.follows_from not in roots:
                 by_what.setdefault(p.what, []).append(p.subject)
         lines = []
         for what, names in by_what.items():
-            followed = sum(consequences.get(name, 0) for name in names)
+            followed = sum(consequences[name] for name in names)
             so = f"; so {plural(followed, 'tensor')} in it could not be checked" if followed else ""
             lines.append(f"{listed(names)}: {what}{so}")
         return lines

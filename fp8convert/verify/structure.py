@@ -1,8 +1,7 @@
 """The output's structure, from headers and files alone: the index against the shards' headers,
-config.json against the source's, the manifest and side files, and each output tensor paired with the
-source tensor (or, for a fused expert tensor held one weight per expert, the cut of it, as
-plan/rules.py expert_cuts lays it out) it must come from (pairs.py), its dtype, shape and scale checked.
-"""
+config.json against the source's, the manifest and side files, and each output tensor paired (pairs.py)
+with the source tensor or fused-expert cut (plan/rules.py expert_cuts) it must come from, its dtype,
+shape and scale checked."""
 
 from __future__ import annotations
 
@@ -34,23 +33,20 @@ class OutputLayout:
 def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     """Every output tensor and where it is, checking the index against the shards' headers."""
     index_path = out / INDEX_NAME
-    layout = OutputLayout({}, {}, set())
+    layout, index = OutputLayout({}, {}, set()), None  # index: the index file's JSON, None without one
     if index_path.is_file():
         try:
-            weight_map = parse_index(index_path.read_bytes(), INDEX_NAME)
-            index = json.loads(index_path.read_text())
-            files = index_files(weight_map)
+            layout.placed_in = parse_index(index_path.read_bytes(), INDEX_NAME)
         except FP8ConvertError as e:
             report.fail(INDEX_NAME, str(e).removeprefix(f"{INDEX_NAME}: "))
             return layout
-        layout.placed_in = dict(weight_map)
+        index, files = json.loads(index_path.read_text()), index_files(layout.placed_in)
     elif (out / "model.safetensors").is_file():
-        index, weight_map, files = None, None, ["model.safetensors"]
+        files = ["model.safetensors"]
     else:
         report.fail(str(out), f"no {INDEX_NAME} (or model.safetensors): the output is incomplete")
         return layout
-    total = 0
-    tensors = layout.tensors
+    total, tensors, weight_map = 0, layout.tensors, layout.placed_in
     for file in files:
         path = out / file
         if not path.is_file():
@@ -67,18 +63,18 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
             total += info.nbytes
             if name in tensors:
                 report.fail(f"tensor {name}", f"appears twice: in {tensors[name].file} and {file}")
-            elif weight_map is not None and weight_map.get(name) != file:
+            elif index is not None and weight_map.get(name) != file:
                 report.fail(
                     file,
                     f"holds tensor {name}, which {INDEX_NAME} "
                     + (f"places in {weight_map[name]}" if name in weight_map else "does not list"),
                 )
             tensors[name] = info
-    if weight_map is not None:
+    if index is not None:
         for name, file in weight_map.items():
             if name not in tensors and file not in layout.unreadable:
                 report.fail(INDEX_NAME, f"names tensor {name} in {file}, but {file} does not hold it")
-        declared = (index.get("metadata") or {}).get("total_size") if isinstance(index, dict) else None
+        declared = (index.get("metadata") or {}).get("total_size")
         if declared is not None and declared != total and not layout.unreadable:
             report.fail(INDEX_NAME, f"metadata.total_size is {declared}, the shards hold {total} bytes")
         stray = sorted(p.name for p in out.glob("*.safetensors") if p.name not in files)
@@ -189,11 +185,10 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
             file = layout.placed_in.get(name)
             if file in layout.unreadable:
                 report.fail(name, f"not checked: {file} cannot be read", follows_from=file)
+            elif want.cut:
+                report.fail(name, f"missing from the output ({want.where})")
             else:
-                report.fail(
-                    name,
-                    f"missing from the output ({want.where})" if want.cut else "source tensor missing from the output",
-                )
+                report.fail(name, "source tensor missing from the output")
             continue
         pairing.accounted.add(name)
         if got.dtype == FP8 and fmt is None:
@@ -314,23 +309,21 @@ class Pairing:
         name, fmt, report = weight.name, self.fmt, self.report
         if got.dtype != FP8:
             report.tensors_dequantized += 1
-            pairs = []
-            if got.dtype not in FLOAT_SOURCE_DTYPES or got.shape != weight.shape:
+            readable = got.dtype in FLOAT_SOURCE_DTYPES and got.shape == weight.shape
+            if not readable:
                 report.fail(
                     name,
                     f"dequantized as {got.dtype} {list(got.shape)}, but the source is an "
                     f"{'FP4' if weight.packed else 'FP8'} weight {list(weight.shape)} (expected BF16, F16 or F32 "
                     "of that shape)",
                 )
-            else:
-                pairs.append(DequantizedPair(name, weight, got))
             if fmt is not None and not fmt.ignores(module_of(name)):
                 report.fail(
                     name,
                     f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
                     "(engines would expect FP8 weights for it)",
                 )
-            return pairs
+            return [DequantizedPair(name, weight, got)] if readable else []
         report.tensors_quantized += 1
         scale_name, scale = self.scale_of(name)
         pairs = self.activation_scale(weight)
