@@ -112,11 +112,14 @@ class Options:
     scale_format: str = "float"  # block scales: "ue8m0" rounds each up to a power of two
     dequantize: bool = False  # FP8 source to high precision (scheme and format do not apply)
     dtype: str | None = None  # dequantized weights' dtype (bf16, fp16, fp32); None: the model's own
+    # a mixed recipe: (module pattern, scheme) rules over `scheme`, which takes the modules no rule matches
+    recipe: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         _set(
             self,
             scheme=parse_scheme(self.scheme),
+            recipe=parse_recipe(self.recipe),
             format=one_of(self.format, "--format", FORMATS),
             scale_format=one_of(self.scale_format, "--scale-format", SCALE_FORMATS),
         )
@@ -137,10 +140,16 @@ class Options:
                 f"--format fp8 has no FP4 layout (vLLM reads FP4 weights from compressed-tensors checkpoints); "
                 f"use --format compressed-tensors --scheme {self.scheme}"
             )
-        if self.scale_format == "ue8m0" and self.scheme != "block":
+        if self.recipe and (self.format == "fp8" or self.dequantize):
             raise UsageError(
-                f"--scale-format ue8m0 applies to --scheme block only, got --scheme {self.scheme}"
-                + (f" ({self.scheme[:5].upper()} scales are powers of two already)" if self.scheme[:2] == "mx" else "")
+                "a recipe of several schemes needs --format compressed-tensors (one config group per scheme)"
+                if self.format == "fp8"
+                else "a recipe does not apply to dequantize: it writes no FP8 or FP4 weights"
+            )
+        if self.scale_format == "ue8m0" and (other := next((s for s in self.schemes if s != "block"), None)):
+            raise UsageError(
+                f"--scale-format ue8m0 applies to --scheme block only, got --scheme {other}"
+                + (f" ({other[:5].upper()} scales are powers of two already)" if other[:2] == "mx" else "")
             )
         _set(
             self,
@@ -160,9 +169,16 @@ class Options:
             if problem := regex_error(pattern):
                 raise UsageError(f"--ignore {pattern!r}: bad regular expression ({problem})")
 
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        """Every scheme the output may hold: the default, then the recipe's in order."""
+        return tuple(dict.fromkeys([self.scheme, *(scheme for _, scheme in self.recipe)]))
+
     def record(self) -> dict:
         """The options as the manifest stores them: by field name, tuples as JSON lists."""
         values = {f.name: getattr(self, f.name) for f in fields(Options)}
+        values.pop("recipe")  # only when set, so outputs without one record what they did before
+        values |= {"recipe": [list(rule) for rule in self.recipe]} if self.recipe else {}
         return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
 
     @classmethod
@@ -196,6 +212,69 @@ def one_of(value: str, option: str, choices: tuple[str, ...], aliases: dict[str,
 def parse_scheme(value: str) -> str:
     """A --scheme as fp8convert names it: 'channel' for 'channel', 'Channel' or 'FP8_DYNAMIC'."""
     return one_of(value, "--scheme", SCHEMES, SCHEME_ALIASES)
+
+
+def parse_recipe(rules) -> tuple[tuple[str, str], ...]:
+    """A recipe's rules as (pattern, scheme) pairs, from a mapping, pairs or 'PATTERN=SCHEME' texts. A
+    pattern is what --ignore takes: an exact module name or prefix, a glob, or an `re:` regex."""
+    items = rules.items() if isinstance(rules, dict) else rules
+    parsed = []
+    for rule in items:
+        pattern, scheme = split_rule(rule) if isinstance(rule, str) else rule
+        if not str(pattern).strip():
+            raise UsageError(f"--scheme {rule!r}: a rule needs a module pattern before '='")
+        if problem := regex_error(pattern):
+            raise UsageError(f"--scheme {pattern}={scheme}: bad regular expression ({problem})")
+        try:
+            parsed.append((str(pattern), parse_scheme(scheme)))
+        except UsageError as e:
+            raise UsageError(f"--scheme {pattern}={scheme}: {str(e).split(': ', 1)[1]}") from None
+    return tuple(parsed)
+
+
+def split_rule(text: str) -> tuple[str, str]:
+    """'re:.*experts.*=nvfp4a16' -> ('re:.*experts.*', 'nvfp4a16'): the scheme follows the last '='."""
+    pattern, equals, scheme = text.rpartition("=")
+    if not equals:
+        raise UsageError(f"--scheme {text!r}: a recipe rule is PATTERN=SCHEME")
+    return pattern, scheme
+
+
+def split_scheme_args(values: list[str] | str | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """The command line's --scheme values: (the default scheme, or None when none is given; the rules)."""
+    values = [values] if isinstance(values, str) else list(values or ())
+    plain = [v for v in values if "=" not in v]
+    if len(plain) > 1:
+        raise UsageError(f"--scheme given twice ({', '.join(plain)}); rules are PATTERN=SCHEME")
+    return (plain[0] if plain else None), parse_recipe([v for v in values if "=" in v])
+
+
+def read_recipe(path: str | os.PathLike) -> dict:
+    """A recipe file (TOML, or YAML for .yaml/.yml) as the keywords it sets: `scheme` (optional, the default
+    scheme), `schemes` (module pattern -> scheme) and `ignore` (optional, as --ignore)."""
+    import tomllib
+
+    import yaml
+
+    try:
+        with open(path, "rb") as f:
+            doc = yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"--recipe {path}: cannot read it ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise UsageError(
+            f"--recipe {path}: not valid {'YAML' if str(path).endswith(('.yaml', '.yml')) else 'TOML'} "
+            f"({str(e).splitlines()[0]})"
+        ) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("schemes"), dict) or not doc["schemes"]:
+        raise UsageError(f"--recipe {path}: expected a `schemes` table of module pattern = scheme")
+    if unknown := sorted(set(doc) - {"scheme", "schemes", "ignore"}):
+        raise UsageError(f"--recipe {path}: unknown key {unknown[0]!r} (known: scheme, schemes, ignore)")
+    ignore = doc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
+    keywords = {"recipe": parse_recipe(doc["schemes"]), "ignore": tuple(ignore)}
+    return keywords | ({"scheme": parse_scheme(doc["scheme"])} if doc.get("scheme") else {})
 
 
 def regex_error(pattern: str) -> str | None:

@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from ..errors import FP8ConvertError
-from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings
+from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings, read_recipe, split_scheme_args
 
 
 class _NoHelpPlaceholder:
@@ -54,12 +54,20 @@ def argument(kind, metavar: str, help: str, show_default: bool = False):
 
 
 Scheme = option(
-    str,
+    list[str] | None,
     "--scheme " + "|".join(SCHEMES),
     "Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
     "block) or mxfp8 (a power-of-two scale per 32 inputs of each row); nvfp4a16 and mxfp4a16 write 4-bit "
     "float weights with BF16 activations (mxfp8 and FP4: compressed-tensors only). llm-compressor's FP8, "
-    "FP8_DYNAMIC, FP8_BLOCK, MXFP8, NVFP4A16 and MXFP4A16 name them too.",
+    "FP8_DYNAMIC, FP8_BLOCK, MXFP8, NVFP4A16 and MXFP4A16 name them too. Repeat it as PATTERN=SCHEME "
+    "(a module pattern as --ignore takes) to give the modules it matches another scheme: a mixed recipe. "
+    "Default: tensor.",
+)
+Recipe = option(
+    Path | None,
+    "--recipe FILE",
+    "A mixed recipe (TOML, or YAML for .yaml/.yml): `scheme` (the default), `schemes` (module pattern = "
+    "scheme) and `ignore`; --scheme and --ignore add to it.",
 )
 ScaleFormat = option(
     str,
@@ -167,6 +175,17 @@ Out = argument(Path, "OUT", "Output directory (created; must be empty, or a part
 def token(given: str | None = None) -> str | None:
     """The Hub token: --token, else HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
     return given or os.environ.get("HF_TOKEN") or None
+
+
+def scheme_choice(scheme: list[str] | None, recipe: Path | None, ignore: list[str] | None) -> dict:
+    """The Settings keywords --scheme (a default and PATTERN=SCHEME rules) and --recipe give: the file's
+    rules, then the command line's; a plain --scheme overrides the file's default."""
+    default, rules = split_scheme_args(scheme)
+    from_file = read_recipe(recipe) if recipe else {}
+    keywords = {"recipe": (*from_file.get("recipe", ()), *rules)}
+    keywords["ignore"] = (*from_file.get("ignore", ()), *(ignore or ()))
+    keywords["scheme"] = default or from_file.get("scheme") or "tensor"
+    return keywords
 
 
 def settings_from(params: dict, **values) -> Settings:

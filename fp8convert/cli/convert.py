@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import api, publish
 from ..errors import UsageError
-from ..options import REPO_ID, Settings
+from ..options import REPO_ID, SCHEMES, Settings
 from ..plan.summary import describe, plan_warnings, render
 from ..units import format_size, plural
 from ._options import (
@@ -28,6 +28,7 @@ from ._options import (
     Private,
     PushToHub,
     Quiet,
+    Recipe,
     Revision,
     ScaleFormat,
     Scheme,
@@ -40,6 +41,7 @@ from ._options import (
     argument,
     option,
     print_json,
+    scheme_choice,
     settings_from,
 )
 
@@ -47,7 +49,8 @@ from ._options import (
 def quantize(
     src: Src,
     out: Out,
-    scheme: Scheme = "tensor",
+    scheme: Scheme = None,
+    recipe: Recipe = None,
     format: Format = "compressed-tensors",
     ignore: Ignore = None,
     device: Device = "auto",
@@ -88,6 +91,8 @@ def quantize(
 
       fp8convert quantize ./Qwen3-8B ./Qwen3-8B-MXFP8 --scheme mxfp8                # Blackwell MXFP8
 
+      fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --scheme 're:.*mlp.experts.*=nvfp4a16'
+
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --scale-format ue8m0
 
       fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --target-tp 4     # say what fails at TP 4
@@ -100,7 +105,7 @@ def quantize(
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --worker 3/8                 # then: fp8convert finalize ./dsv3-fp8
     """
-    settings = settings_from(locals(), progress=not quiet)
+    settings = settings_from(locals(), **scheme_choice(scheme, recipe, ignore), progress=not quiet)
     _convert(src, out, settings, json_out, push_to_hub, private)
 
 
@@ -224,7 +229,8 @@ ACTION_TEXT = {
 
 def inspect(
     src: Src,
-    scheme: Scheme = "tensor",
+    scheme: Scheme = None,
+    recipe: Recipe = None,
     format: Format = "compressed-tensors",
     ignore: Ignore = None,
     device: Device = "auto",
@@ -258,15 +264,16 @@ def inspect(
 
       fp8convert inspect ./DeepSeek-V3 --dequantize --dtype bf16
     """
-    settings = settings_from(locals())
+    settings = settings_from(locals(), **scheme_choice(scheme, recipe, ignore))
     the_plan = api.make_plan(src, settings)
     from ..run.device import budget_for, resolve_device
 
     dev = resolve_device(device)
     budget = budget_for(dev, settings.max_resident)
     info = describe(the_plan, budget, dev.type)
-    if scheme != settings.scheme and not dequantize:  # an alias or another case: say which scheme it means
-        info["scheme_given"] = scheme
+    given = next((s for s in scheme or () if "=" not in s), None)
+    if given and given != settings.scheme and not dequantize:  # an alias or another case: say which it means
+        info["scheme_given"] = given
     if tensors:
         info["tensor_plan"] = [
             {
@@ -277,6 +284,7 @@ def inspect(
                 "action": t.action.value,
                 "reason": t.reason,
                 "group": t.group,
+                "scheme": t.scheme if t.quantize else None,
                 "from": t.cut.describe(t.source.name) if t.cut else None,
             }
             for t in the_plan.tensors
@@ -295,7 +303,7 @@ def demo(
     directory: argument(Path, "DIR", "Where to put the demo model and its FP8 conversion.", show_default=True) = Path(
         "fp8convert-demo"
     ),
-    scheme: Scheme = "tensor",
+    scheme: option(str, "--scheme " + "|".join(SCHEMES), "The scheme of the conversion (see quantize).") = "tensor",
     format: Format = "compressed-tensors",
     device: Device = "auto",
     json_out: Json = False,

@@ -71,21 +71,19 @@ class CompressedTensorsConfig(QuantizationConfig):
     source_input_scale_names = ("input_scale",)
 
     def to_dict(self) -> dict:
-        block = self.scheme == "block"
-        if self.scheme == "mxfp8":
-            weights, activations = dict(MX_ARGS), MX_ARGS | {"dynamic": True}
-        elif self.scheme in FP4_ARGS:
-            weights, activations = dict(FP4_ARGS[self.scheme]), None
-        else:
-            weights = {"num_bits": 8, "type": "float", "strategy": self.scheme, "symmetric": True, "dynamic": False}
-            weights |= {"group_size": None, "block_structure": [BLOCK, BLOCK] if block else None}
-            activations = FLOAT_ARGS | {"dynamic": not self.static_activations}
-            activations |= {"strategy": ACTIVATION_STRATEGY[self.scheme], "group_size": BLOCK if block else None}
+        """One config group per scheme: the default targets "Linear", a recipe's others name their modules
+        (an exact name outranks a class in every reader); a mixed config says each group's format."""
+        mixed = bool(self.groups)
+        groups = {}
+        for i, (scheme, targets) in enumerate([(self.scheme, ("Linear",)), *self.groups]):
+            weights, activations = _group_args(scheme, self.static_activations and scheme == "tensor")
+            group = {"targets": list(targets), "weights": weights, "input_activations": activations}
+            groups[f"group_{i}"] = group | ({"format": WRITTEN_FORMAT.get(scheme, "float-quantized")} if mixed else {})
         config = {
             "quant_method": self.format,
-            "format": WRITTEN_FORMAT.get(self.scheme, "float-quantized"),
+            "format": "mixed-precision" if mixed else WRITTEN_FORMAT.get(self.scheme, "float-quantized"),
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+            "config_groups": groups,
             "ignore": list(self.ignore),
             "kv_cache_scheme": None,
         }
@@ -125,17 +123,21 @@ class CompressedTensorsConfig(QuantizationConfig):
             unkept.append(f"quantization_status is {status!r}, not 'compressed'")
         if not groups:
             raise FP8ConvertError(f"{where}: compressed-tensors quantization_config has no config_groups")
-        strategies, static = set(), set()
+        strategies, static, targets = set(), set(), []
         for name, group in groups.items():
             w = group.get("weights") or {}
             if (w.get("type"), w.get("num_bits")) == ("float", 4):  # a source: read by `dequantize` only
-                strategies.add(_written_scheme(w, where, FP4_ARGS, scale_dtype_optional=source))
+                scheme = _written_scheme(w, where, FP4_ARGS, scale_dtype_optional=source)
             elif w.get("type") != "float" or w.get("num_bits") != 8:
                 raise _not_fp8(where, f"config group {name}: {w.get('type')} {w.get('num_bits')}-bit weights")
-            elif not source and (w.get("strategy") == "group" or qc.get("format") == "mxfp8-quantized"):
-                strategies.add(_written_scheme(w, where, {"mxfp8": MX_ARGS}))
+            elif not source and (
+                w.get("strategy") == "group" or group.get("format", qc.get("format")) == "mxfp8-quantized"
+            ):
+                scheme = _written_scheme(w, where, {"mxfp8": MX_ARGS})
             else:
-                strategies.add(_weight_strategy(name, w, where, source, unkept))
+                scheme = _weight_strategy(name, w, where, source, unkept)
+            strategies.add(scheme)
+            targets.append((scheme, tuple(group.get("targets") or ())))
             if group.get("output_activations"):
                 raise _not_fp8(where, f"config group {name}: quantized output activations")
             a = group.get("input_activations") or {}
@@ -148,13 +150,32 @@ class CompressedTensorsConfig(QuantizationConfig):
                     "per-tensor FP8 ones are read)",
                 )
             static.add(is_static)
-        if len(strategies) > 1 or len(static) > 1:
+        if source and (len(strategies) > 1 or len(static) > 1) or len(strategies) == 1 and len(static) > 1:
             raise FP8ConvertError(
                 f"{where}: config groups mix weight strategies or activation schemes "
                 f"({', '.join(sorted(strategies))}); fp8convert reads one FP8 scheme per checkpoint"
             )
+        default, others = next(iter(strategies)), ()
+        if len(strategies) > 1:  # an output of a mixed recipe: the group targeting "Linear" takes what no other names
+            default = next((scheme for scheme, names in targets if "Linear" in names), targets[0][0])
+            others = tuple((scheme, names) for scheme, names in targets if "Linear" not in names)
         scale_fmt = declared_scale_fmt(qc, where)
-        return cls(strategies.pop(), tuple(qc.get("ignore") or ()), scale_fmt, static.pop(), tuple(unkept))
+        ignore = tuple(qc.get("ignore") or ())
+        return cls(default, ignore, scale_fmt, any(static), tuple(unkept), groups=others)
+
+
+def _group_args(scheme: str, static: bool) -> tuple[dict, dict | None]:
+    """(weights, input_activations) of a config group in `scheme`."""
+    if scheme == "mxfp8":
+        return dict(MX_ARGS), MX_ARGS | {"dynamic": True}
+    if scheme in FP4_ARGS:
+        return dict(FP4_ARGS[scheme]), None
+    block = scheme == "block"
+    weights = {"num_bits": 8, "type": "float", "strategy": scheme, "symmetric": True, "dynamic": False}
+    weights |= {"group_size": None, "block_structure": [BLOCK, BLOCK] if block else None}
+    activations = FLOAT_ARGS | {"dynamic": not static}
+    activations |= {"strategy": ACTIVATION_STRATEGY[scheme], "group_size": BLOCK if block else None}
+    return weights, activations
 
 
 def _weight_strategy(name: str, w: dict, where: str, source: bool, unkept: list[str]) -> str:

@@ -5,7 +5,7 @@ source and for fp8convert's own output alike) and writes it back (`to_dict`)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from ..errors import FP8ConvertError
@@ -50,6 +50,25 @@ class QuantizationConfig:
     scale_fmt: str | None = None  # `scale_fmt` as declared: "ue8m0" (block scales are powers of two)
     static_activations: bool = False  # calibrated per-tensor input scales, one per FP8 linear
     unkept: tuple[str, ...] = ()  # what it declares that loaders act on but fp8convert writes no tensor for
+    # a mixed recipe's other config groups: (scheme, targets); `scheme` is the group targeting "Linear"
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([self.scheme, *(scheme for scheme, _ in self.groups)]))
+
+    def scheme_of(self, module: str) -> str:
+        """The scheme engines give `module`: a group naming it exactly, else one whose `re:` target matches
+        it, else the default (vLLM and compressed-tensors rank matches so)."""
+        for exact in (True, False):
+            for scheme, targets in self.groups:
+                if any(module == t if exact else t.startswith("re:") and re.match(t[3:], module) for t in targets):
+                    return scheme
+        return self.scheme
+
+    def for_module(self, module: str) -> QuantizationConfig:
+        """This config as it applies to `module`: one scheme."""
+        return replace(self, scheme=self.scheme_of(module), groups=()) if self.groups else self
 
     @property
     def scale_format(self) -> str:

@@ -51,7 +51,9 @@ def build_plan(source: Source, options: Options) -> Plan:
                 "activations; consider serving with --dtype bfloat16"
             )
         ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
-    return Plan(source, options, units, shards, shard_of, ignore, notes, fingerprint(source, options), arch, warnings)
+    groups = scheme_groups(plans, arch or GENERIC, source.config, options)
+    key = fingerprint(source, options)
+    return Plan(source, options, units, shards, shard_of, ignore, notes, key, arch, warnings, groups)
 
 
 def check_layers(source: Source) -> None:
@@ -104,6 +106,8 @@ def fingerprint(source: Source, options: Options) -> str:
         listed.append(options.scale_format)
     if options.dequantize or options.dtype:
         listed += [options.dequantize, options.dtype]
+    if options.recipe:
+        listed.append([list(rule) for rule in options.recipe])
     blob = json.dumps(
         {
             "tool": __version__,
@@ -134,7 +138,7 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
     if not d.quantize:
         inputs = (fp8_weight.weight, fp8_weight.scale) + ((fp8_weight.global_scale,) if fp8_weight.global_scale else ())
         return replace(d, name=fp8_weight.name, inputs=inputs, action=Action.DEQUANTIZE, out_dtype=high_precision)
-    fmt, scheme = get_format(options.format), options.scheme
+    fmt, scheme = get_format(options.format), d.scheme
     d = replace(d, scale_name=fmt.scale_name(d.name, scheme), scale_shape=fmt.scale_shape(d.shape, scheme))
     if scheme in FP4_SCHEMES:  # compressed-tensors' names: X.weight_packed, X.weight_scale, X.weight_global_scale
         global_scale = d.name + "_global_scale" if scheme == Scheme.NVFP4A16 else None
@@ -144,15 +148,15 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
     d = replace(d, inputs=(fp8_weight.weight, fp8_weight.scale))
     if fp8_weight.input_scale is not None and scheme == Scheme.TENSOR:
         d = replace(d, inputs=(*d.inputs, fp8_weight.input_scale), input_scale_name=module_of(d.name) + ".input_scale")
-    if passes_through(quant, options):  # the scale keeps its dtype
+    if passes_through(quant, scheme, options):  # the scale keeps its dtype
         return replace(d, action=Action.PASS, scale_dtype=fp8_weight.scale.dtype)
     return replace(d, action=Action.REQUANTIZE, scale_dtype=fmt.scale_dtype(scheme))
 
 
-def passes_through(quant: SourceQuantization, options: Options) -> bool:
+def passes_through(quant: SourceQuantization, scheme: str, options: Options) -> bool:
     """Whether an FP8 source's codes and scales are already the output's: same scheme and, for ue8m0, scales
     the source declares powers of two (re-deriving them would change codes where they are not amax / 448)."""
-    return quant.scheme == options.scheme and (
+    return quant.scheme == scheme and (
         options.scale_format == ScaleFormat.FLOAT or quant.config.scale_fmt == ScaleFormat.UE8M0
     )
 
@@ -206,6 +210,60 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
     if "lm_head" not in ignore:  # tied heads have no tensor; transformers only skips what the list names
         ignore.insert(0, "lm_head")
     return ignore
+
+
+def scheme_groups(
+    plans: list[TensorPlan], arch: Architecture, config: dict, options: Options
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """A recipe's schemes besides the default (whose config group targets "Linear"), each with the modules
+    quantized in it as the checkpoint, transformers and vLLM name them."""
+    if not options.recipe:
+        return ()
+    every, by_scheme = set(), {}
+    for t in plans:
+        module = module_of(t.name)
+        names = {module, arch.vllm_name(module, config)} if experts_of(t.name) else set(arch.names(module, config))
+        every |= names
+        if t.quantize and t.scheme != options.scheme:
+            by_scheme.setdefault(t.scheme, set()).update(names)
+    return tuple((s, tuple(compact_targets(by_scheme[s], every))) for s in options.schemes if s in by_scheme)
+
+
+def compact_targets(names: set[str], every: set[str]) -> list[str]:
+    """`names` as config targets (a MoE has thousands of experts): names alike but for their numbers and
+    last part (`layers.(0|1).mlp.experts.(0|1).(gate_proj|up_proj)`) as one `re:` pattern where it matches
+    exactly them among `every` module, else by last part, else each name."""
+    targets = []
+    for members in _alike(names, last_too=True):
+        if pattern := _exact_pattern(members, every):
+            targets.append(pattern)
+            continue
+        for same_leaf in _alike(members, last_too=False):
+            targets += [p] if (p := _exact_pattern(same_leaf, every)) else sorted(same_leaf, key=natural_key)
+    return targets
+
+
+def _alike(names, last_too: bool) -> list[list[str]]:
+    """`names` in families that differ only in their numbered parts (and, `last_too`, their last part)."""
+    families: dict[str, list[str]] = {}
+    for name in names:
+        key = re.sub(r"(?<=\.)\d+(?=\.|$)", "#", name)
+        families.setdefault(key.rpartition(".")[0] + ".*" if last_too else key, []).append(name)
+    return [sorted(m, key=natural_key) for _, m in sorted(families.items(), key=lambda item: natural_key(item[0]))]
+
+
+def _exact_pattern(members: list[str], every: set[str]) -> str | None:
+    """An `re:` target matching just `members` among `every`, or None; part by part, each varying part as
+    the alternatives members hold (so it matches their product)."""
+    split = [m.split(".") for m in members]
+    if len(members) < 2 or len({len(parts) for parts in split}) > 1:
+        return None
+    pieces = []
+    for column in zip(*split):
+        values = sorted(set(column), key=natural_key)
+        pieces.append(re.escape(values[0]) if len(values) == 1 else "(?:" + "|".join(map(re.escape, values)) + ")")
+    pattern = r"\.".join(pieces)
+    return f"re:^{pattern}$" if {m for m in every if re.fullmatch(pattern, m)} == set(members) else None
 
 
 def kept_expert_blocks(plans: list[TensorPlan], arch: Architecture) -> list[str]:

@@ -51,6 +51,7 @@ class TensorPlan:
     scale_dtype: str = "F32"  # U8 for MX E8M0 bytes, F8_E4M3 for NVFP4's; PASS: the source scale's own dtype
     packed: bool = False  # FP4: `name` is X.weight_packed, two 4-bit values a byte
     global_scale_name: str | None = None  # NVFP4: the float32 scale shared by the fused set
+    scheme: str | None = None  # the scheme it is quantized in (a recipe's, else --scheme)
 
     @property
     def source(self) -> TensorInfo:
@@ -189,6 +190,7 @@ class Plan:
     architecture: Architecture | None  # the registry's family; None: generic rules only
     # what the user asked for that did not happen as asked (summary.plan_warnings adds where it will not load)
     warnings: list[str]
+    scheme_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a recipe's other schemes and their modules
 
     @property
     def tensors(self) -> list[TensorPlan]:
@@ -212,8 +214,13 @@ class Plan:
         """The output's quantization_config; None for a dequantized output (it has none)."""
         if self.options.dequantize:
             return None
-        return CONFIGS[self.options.format](
-            self.options.scheme, tuple(self.ignore_list), self.options.scale_format, self.static_activations
+        options = self.options
+        return CONFIGS[options.format](
+            options.scheme,
+            tuple(self.ignore_list),
+            options.scale_format,
+            self.static_activations,
+            groups=self.scheme_groups,
         ).to_dict()
 
     def units_in(self, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:

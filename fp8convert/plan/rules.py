@@ -7,7 +7,7 @@ import fnmatch
 import re
 from dataclasses import replace
 
-from ..errors import FP8ConvertError
+from ..errors import FP8ConvertError, UsageError
 from ..formats.sources import SourceQuantization
 from ..options import FP4_SCHEMES, GROUP_SIZE, MX_GROUP, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
@@ -116,9 +116,38 @@ def experts_of(name: str) -> str | None:
     return m.group("experts") if m else None
 
 
-def decision(name: str, source: TensorInfo, reason: str | None, group: str | None = None, cut: Cut | None = None):
-    """An output tensor quantized (no reason to keep it) or kept, made from `source` (or a cut of it)."""
-    return TensorPlan(name, (source,), Action.KEEP if reason else Action.QUANTIZE, reason, group, cut=cut)
+def decision(
+    name: str, source: TensorInfo, reason: str | None, group: str | None = None, cut: Cut | None = None, scheme=None
+):
+    """An output tensor quantized in `scheme` (no reason to keep it) or kept, made from `source` (or a cut)."""
+    action = Action.KEEP if reason else Action.QUANTIZE
+    return TensorPlan(name, (source,), action, reason, group, cut=cut, scheme=scheme)
+
+
+def scheme_of(module: str, options: Options, used: set[str] | None = None) -> str:
+    """The scheme a recipe gives `module`: its rules' (which must agree), else --scheme. `used` collects the
+    rules' patterns that matched."""
+    hits = {pattern: scheme for pattern, scheme in options.recipe if matches_pattern(module, pattern)}
+    if len(set(hits.values())) > 1:
+        rules = ", ".join(f"{p}={s}" for p, s in hits.items())
+        raise UsageError(f"module {module}: recipe rules {rules} give it different schemes; make them exclusive")
+    if used is not None:
+        used.update(hits)
+    return next(iter(hits.values()), options.scheme)
+
+
+def check_recipe_sets(decisions: list[TensorPlan], arch: Architecture) -> None:
+    """vLLM runs a fused set (q/k/v, gate/up) as one GEMM and a MoE layer's experts as one layer, each in one
+    scheme: a recipe that gives their members different schemes is refused, naming them."""
+    for key_of, what in ((lambda d: d.group, "fused set"), (lambda d: experts_of(d.name), "experts of")):
+        first: dict[str, TensorPlan] = {}
+        for d in (d for d in decisions if d.name.endswith(".weight")):  # biases follow their weights
+            if (key := key_of(d)) and first.setdefault(key, d).scheme != d.scheme:
+                other = first[key]
+                raise UsageError(
+                    f"the recipe splits the {what} {key}: {module_of(other.name)} is {other.scheme}, "
+                    f"{module_of(d.name)} is {d.scheme}; vLLM loads them as one layer, in one scheme"
+                )
 
 
 # ---------------------------------------------------------------- fused expert tensors
@@ -169,18 +198,20 @@ def decide(
         return [decision(t.name, t, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT) for t in kept], [], []
     decisions: list[TensorPlan] = []
     used_patterns: set[str] = set()
+    used_rules: set[str] = set()
     unsupported: list[str] = []
     for info in tensors:
         if info.name in companions:
             continue
         module = module_of(info.name)
         group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
+        scheme = scheme_of(module, options, used_rules)
         try:
-            reason, no_layout = default_keep_reason(info, arch, options.format, options.scheme), None
+            reason, no_layout = default_keep_reason(info, arch, options.format, scheme), None
         except UnsupportedLayout as e:
             reason, no_layout = None, e
         if quant and info.name not in quant.weights:
-            decisions.append(decision(info.name, info, reason or SOURCE_KEPT, group))
+            decisions.append(decision(info.name, info, reason or SOURCE_KEPT, group, scheme=scheme))
             continue
         if fused_experts := arch.expert_tensor(info.name):
             layout, experts = fused_experts
@@ -191,9 +222,10 @@ def decide(
                 decisions.append(decision(info.name, info, reason))
                 continue
             decisions += [
-                decision(name, info, reason or shape_keep_reason(cut.shape(info.shape), options.scheme), group, cut)
+                decision(name, info, reason or shape_keep_reason(cut.shape(info.shape), scheme), group, cut, scheme)
                 for name, cut in expert_cuts(info, layout, experts, arch, config)
                 for group in [fused_group_key(name, arch.fused)]
+                for scheme in [scheme_of(module_of(name), options, used_rules)]
             ]
             continue
         hit = next((p for p in options.ignore if matches_pattern(module, p)), None)
@@ -202,7 +234,7 @@ def decide(
         if reason is None and hit is not None:
             used_patterns.add(hit)
             reason = f"--ignore {hit}"
-        decisions.append(decision(info.name, info, reason, group))
+        decisions.append(decision(info.name, info, reason, group, scheme=scheme))
     if unsupported:
         more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
         family = f"model_type {config.get('model_type')!r}" + ("" if arch is not GENERIC else ", not in the registry")
@@ -213,6 +245,8 @@ def decide(
         )
     unused = [pattern for pattern in options.ignore if pattern not in used_patterns]
     warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized" for pattern in unused]
+    warnings += [f"--scheme {p}={s} matched no module" for p, s in options.recipe if p not in used_rules]
+    check_recipe_sets(decisions, arch)
     notes: list[str] = []
     decisions = _keep_together(
         decisions, lambda d: d.group, "kept all of {key} because {kept} is kept ({reason})", notes

@@ -73,19 +73,22 @@ def memory_estimate(plan: Plan, budget: int, device_type: str) -> dict:
 
 
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
-    """Combinations that some consumer will refuse or read wrongly (see the README's table)."""
+    """Combinations that some consumer will refuse or read wrongly (see the README's table); a mixed
+    recipe's schemes each over their own tensors."""
     if plan.options.dequantize:  # no FP8 left
         return []
-    scheme, fmt, arch = plan.options.scheme, plan.options.format, plan.architecture
-    quantized = [t for t in plan.tensors if t.quantize]
-    has_experts = any(EXPERT.search(t.name) for t in quantized)
+    fmt, arch = plan.options.format, plan.architecture
+    by_scheme = {s: [t for t in plan.tensors if t.quantize and (t.scheme or s) == s] for s in plan.options.schemes}
 
     def limits(table: tuple[Limit, ...]) -> list[PlanWarning]:
         return [
-            PlanWarning(x.caveat, x.text) for x in table if x.covers(fmt, scheme) and (has_experts or not x.experts)
+            PlanWarning(x.caveat, x.text)
+            for scheme, quantized in by_scheme.items()
+            for x in table
+            if x.covers(fmt, scheme) and (x.experts is False or any(EXPERT.search(t.name) for t in quantized))
         ]
 
-    warnings = limits(LIMITS) + (block_warnings(fmt, plan.tensors) if scheme == Scheme.BLOCK else [])
+    warnings = limits(LIMITS) + block_warnings(fmt, by_scheme.get(Scheme.BLOCK, []))
     if arch:
         warnings += limits(arch.limits)
     if arch and arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
@@ -102,7 +105,9 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
                 "serves this layout",
             )
         )
-    return warnings + tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
+    for scheme, quantized in by_scheme.items():
+        warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
+    return list(dict.fromkeys(warnings))
 
 
 def plan_warnings(plan: Plan) -> list[str]:
@@ -187,9 +192,10 @@ def _unloadable_mamba2_in_proj(fmt: str, tensors: list, quantized: list) -> str 
 
 def refuse_unloadable(plan: Plan) -> None:
     """Raise where vLLM cannot load this output even at TP 1 (fused block groups that break its rule)."""
-    if plan.options.dequantize or plan.options.scheme != "block":
+    if plan.options.dequantize or Scheme.BLOCK not in plan.options.schemes:
         return
-    why = unloadable_fused_groups(plan.options.format, plan.tensors)
+    block = [t for t in plan.tensors if (t.scheme or plan.options.scheme) == Scheme.BLOCK]
+    why = unloadable_fused_groups(plan.options.format, block)
     if why:
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 
@@ -222,11 +228,14 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
     caveats = {w.caveat for w in warnings}
-    layout = options.scheme if options.scheme in VLLM_GPUS else options.scale_format
+    layouts: dict[str, str] = {}  # vLLM's kernel family -> the first scheme using it
+    for scheme in options.schemes:
+        layouts.setdefault(scheme if scheme in VLLM_GPUS else options.scale_format, scheme)
     vllm = "no (see the warnings)"
     if Caveat.VLLM_CANNOT_LOAD not in caveats:
         tp = "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else ""
-        vllm = f"yes: {VLLM_GPUS[layout]}{tp}"
+        gpus = [f"{s}: {VLLM_GPUS[layout]}" if len(layouts) > 1 else VLLM_GPUS[layout] for layout, s in layouts.items()]
+        vllm = f"yes: {'; '.join(gpus)}{tp}"
     if cannot := transformers_verdict(warnings):
         transformers = "no: " + cannot
     elif Caveat.TRANSFORMERS_MISREADS in caveats:
@@ -247,7 +256,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
             reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
             if reason.startswith(FP4_INPUT_DIM):
-                reason = f"{FP4_INPUT_DIM} not divisible by {GROUP_SIZE[plan.options.scheme]}"
+                reason = f"{FP4_INPUT_DIM} not divisible by {GROUP_SIZE[t.scheme or plan.options.scheme]}"
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
     fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set
@@ -263,6 +272,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "static_activations": plan.static_activations,
         "architecture": f"{arch.name} ({model_type})" if arch else f"not in the registry ({model_type}): generic rules",
         "scheme": plan.options.scheme,
+        "recipe": [list(rule) for rule in plan.options.recipe],
+        "quantized_by_scheme": dict(Counter(t.scheme for t in tensors if t.quantize)) if plan.options.recipe else {},
         "format": plan.options.format,
         "scale_format": plan.options.scale_format,
         "fingerprint": plan.fingerprint,
@@ -275,7 +286,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         },
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
         "fused_groups": dict(groups),
-        "scale_sharing": plan.options.scheme in (Scheme.TENSOR, Scheme.NVFP4A16),
+        "scale_sharing": bool({Scheme.TENSOR, Scheme.NVFP4A16} & set(plan.options.schemes)),
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
         "shards": len(plan.shards),
@@ -340,9 +351,11 @@ def render(info: dict) -> str:
         scales = f"   scales {scales}" if scales != ScaleFormat.FLOAT else ""
         lines += [
             f"scheme      {info['scheme']}{given}   format {info['format']}{scales}   plan {info['fingerprint']}",
+            *[f"recipe      {pattern} = {scheme}" for pattern, scheme in info.get("recipe") or ()],
             tensors,
             f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
-            f"{format_size(q['bytes_out'])} with scales",
+            f"{format_size(q['bytes_out'])} with scales"
+            + (f" ({', '.join(f'{n} {s}' for s, n in by.items())})" if (by := info.get("quantized_by_scheme")) else ""),
         ]
         if info["source_quantization"]:
             lines.append(

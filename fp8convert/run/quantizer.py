@@ -57,7 +57,7 @@ def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
             groups.setdefault(t.group if shares else f"tensor:{t.name}", []).append(t)
     families: dict[tuple, list[list[TensorPlan]]] = {}
     for group in sorted(groups.values(), key=file_position):
-        families.setdefault(tuple((t.action, t.source.dtype, t.shape) for t in group), []).append(group)
+        families.setdefault(tuple((t.action, t.scheme, t.source.dtype, t.shape) for t in group), []).append(group)
     chunks = []
     for family in families.values():
         step = max(1, STACK_BYTES // sum(work_bytes(t) for t in family[0]))
@@ -172,7 +172,7 @@ def quantize_steps(
     """The batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped weights); kept
     and passed-through tensors are views of `buf`. `pending`: the batch's reads in flight: each step waits
     only for its own inputs, and steps go in the order those arrive."""
-    src = Inputs(buf, offsets, Path(root))
+    src, default_scheme = Inputs(buf, offsets, Path(root)), scheme
 
     def dequantized(tensors: list[TensorPlan], dtype: torch.dtype) -> torch.Tensor:
         """FP8 weights' values [N, out, in] in `dtype`, scales checked first; NaN or Inf refused."""
@@ -247,6 +247,7 @@ def quantize_steps(
             stacks = [dequantized(ts, torch.float32) for ts in members]
         else:
             stacks = [src.stack(ts) for ts in members]
+        scheme = chunk[0][0].scheme or default_scheme  # a recipe's, else the run's
         try:
             if scheme in FP4_SCHEMES:
                 made = quantize_fp4_group(stacks, scheme)

@@ -41,7 +41,7 @@ def verify(
     check_manifest_and_side_files(source, out, report)
     readable, fmt = check_config(source, out, report)
     if readable:
-        report.format, report.scheme = (fmt.format, fmt.scheme) if fmt else ("dequantized", None)
+        report.format, report.scheme = (fmt.format, ", ".join(fmt.schemes)) if fmt else ("dequantized", None)
         pairs = pair_tensors(source, out, fmt, report)
         from .stream import check_data  # torch and the reader: only once the structure could be read
 

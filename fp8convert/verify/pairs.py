@@ -156,6 +156,12 @@ class QuantizedPair:
     first: SlabResult | None = None
     same_codes: bool = True  # every slab's codes are the source's
     source_scale_ok: bool = True
+    fmt: QuantizationConfig | None = None  # the output's config as it applies to this tensor
+
+    @property
+    def powers_of_two(self) -> bool:
+        """Its scales are powers of two by rule: MXFP8 exponents, UE8M0 blocks."""
+        return self.fmt.scheme == "mxfp8" or self.fmt.scale_format == "ue8m0"
 
     def pieces(self) -> list[Piece]:
         if self.cut is not None:
@@ -182,10 +188,10 @@ class QuantizedPair:
                 result.scale_pow2 = not result.scale_ok or bool(powers_of_two(values).all())
             w = source_values(codes, source_scale, r0, checks.source_scheme)
             result.source_scale_ok = w is not None
-        if result.scale_ok and checks.fmt.scheme == "tensor":
+        if result.scale_ok and self.fmt.scheme == "tensor":
             result.scale_value = values.reshape(-1)[0].item()
         if w is not None and result.scale_ok and not self.requantized_problems:
-            result.sums = measure_slab(w, q, values, r0, checks.fmt.scheme, checks.powers_of_two)
+            result.sums = measure_slab(w, q, values, r0, self.fmt.scheme, self.powers_of_two)
         return result
 
     def record(self, r0: int, last: bool, result: SlabResult, checks) -> None:
@@ -199,7 +205,7 @@ class QuantizedPair:
         if not last:
             return
         report = checks.report
-        if problem := self.problem(checks.fmt):
+        if problem := self.problem(self.fmt):
             report.fail(*problem)
         elif self.passed_through:
             shape, scale_shape = list(self.codes.shape), list(self.scale.shape)
@@ -210,7 +216,7 @@ class QuantizedPair:
             check = self.sums.check(self.name, self.codes.shape, self.scale.shape)
             report.tensors.append(check)
             if not check.ok:
-                report.fail(self.name, check.problem(checks.fmt.scheme))
+                report.fail(self.name, check.problem(self.fmt.scheme))
 
     @property
     def passed_through(self) -> bool:
@@ -259,6 +265,7 @@ class FP4Pair:
     sums: ErrorSums = field(default_factory=ErrorSums)
     global_value: float | None = None
     failed: bool = False
+    fmt: QuantizationConfig | None = None  # the output's config as it applies to this tensor
 
     def pieces(self) -> list[Piece]:
         outputs = [self.packed, self.scale] + ([self.global_scale] if self.global_scale else [])
@@ -284,7 +291,7 @@ class FP4Pair:
         elif (w := source_values(*sources, r0, checks.source_scheme)) is None:
             return None
         g = global_scale[0] if global_scale else None
-        sums = fp4_sums(w, packed, scale, g, checks.fmt.scheme)
+        sums = fp4_sums(w, packed, scale, g, self.fmt.scheme)
         return None if sums is None else (sums, None if g is None else g.float().reshape(-1)[0].item())
 
     def record(self, r0: int, last: bool, result: tuple[ErrorSums, float | None] | None, checks) -> None:
@@ -301,7 +308,7 @@ class FP4Pair:
         check = self.sums.check(self.name, self.packed.shape, self.scale.shape)
         checks.report.tensors.append(check)
         if not check.ok:
-            checks.report.fail(self.name, check.problem(checks.fmt.scheme))
+            checks.report.fail(self.name, check.problem(self.fmt.scheme))
         if self.global_value is not None:
             checks.add_global_scale(self.name, self.global_value)
 

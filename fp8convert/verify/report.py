@@ -182,7 +182,9 @@ def _json_safe(obj):
 def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
     what = "dequantized"
     if report.format != "dequantized":
-        what = f"{report.format or '?'} format, {report.scheme or '?'} scheme"
+        what = (
+            f"{report.format or '?'} format, {report.scheme or '?'} scheme{'s' if ',' in (report.scheme or '') else ''}"
+        )
     dequantized = report.tensors_dequantized
     lines = [
         f"verify {report.src} -> {report.out}: {what}",

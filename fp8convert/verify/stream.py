@@ -66,11 +66,6 @@ class Checks:
     groups: dict[str, SharedScale] = field(default_factory=dict)
     global_scales: dict[str, set[float]] = field(default_factory=dict)  # NVFP4's, by fused group
 
-    @property
-    def powers_of_two(self) -> bool:
-        """The output's scales are powers of two by rule: MXFP8 exponents, UE8M0 blocks."""
-        return bool(self.fmt) and (self.fmt.scheme == "mxfp8" or self.fmt.scale_format == "ue8m0")
-
     def add_tensor_scale(self, pair, measured: bool) -> None:
         """A finished tensor-scheme weight's scale, under its fused group (or its own name); `measured`: its
         codes were quantized here, and its largest |w| counts toward what the scale must fit."""

@@ -177,7 +177,13 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
         fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
         name = fp8_weight.name if fp8_weight else want.name  # an FP4 source's X.weight_packed: X.weight
         got = outputs.get(name)
-        if got is None and fmt and fmt.scheme in FP4_SCHEMES and (packed := outputs.get(name + "_packed")):
+        pairing.fmt = fmt.for_module(module_of(name)) if fmt else None  # a mixed recipe's scheme for it
+        if (
+            got is None
+            and pairing.fmt
+            and pairing.fmt.scheme in FP4_SCHEMES
+            and (packed := outputs.get(name + "_packed"))
+        ):
             pairing.accounted.add(packed.name)
             pairs += pairing.fp4(want, packed, fp8_weight)
             continue
@@ -246,7 +252,8 @@ class Pairing:
         if problems := self.structure_problems(want, got, scale, scale_name):
             self.report.fail(want.name, "; ".join(problems))
             return []
-        return [QuantizedPair(want.name, want.info, got, scale, scale_name, self.fmt.scheme == "block", want.cut)]
+        block = self.fmt.scheme == "block"
+        return [QuantizedPair(want.name, want.info, got, scale, scale_name, block, want.cut, fmt=self.fmt)]
 
     def fp4(self, want: Expected, packed: TensorInfo, fp8_weight: FP8Weight | None) -> list:
         """An FP4 weight: its packed codes, group scales and (NVFP4) global scale, shaped for its source."""
@@ -266,7 +273,7 @@ class Pairing:
         if problems:
             self.report.fail(want.name, "; ".join(problems))
             return []
-        return [FP4Pair(want.name, want.info, packed, scale, global_scale, want.cut, fp8_weight)]
+        return [FP4Pair(want.name, want.info, packed, scale, global_scale, want.cut, fp8_weight, fmt=self.fmt)]
 
     def structure_problems(
         self,
@@ -339,7 +346,9 @@ class Pairing:
         if not may_pass and problems:
             report.fail(name, "; ".join(problems))
             return pairs
-        pair = QuantizedPair(name, weight.weight, got, scale, scale_name, True, None, weight, may_pass, problems)
+        pair = QuantizedPair(
+            name, weight.weight, got, scale, scale_name, True, None, weight, may_pass, problems, fmt=fmt
+        )
         return [*pairs, pair]
 
     def activation_scale(self, weight: FP8Weight) -> list:
