@@ -206,9 +206,9 @@ def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
 def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
     """The small files, then `shards`, biggest first, into the cache snapshot; returns it. Files the
     cache already holds for this commit cost no request, and a partial one resumes."""
-    small = [n for n in ["config.json", INDEX_NAME, repo.card, *repo.side_files] if n and n in repo.sizes]
-    for name in dict.fromkeys(small):
-        repo.download(name)
+    for name in ["config.json", INDEX_NAME, repo.card, *repo.side_files]:
+        if name in repo.sizes:
+            repo.download(name)
     shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
     parallel(lambda name: repo.download(name, weights=True), shards)
     snapshot = _snapshot_dir(repo)
