@@ -1,8 +1,6 @@
-"""Batch conversion: many models from one jobs file, one after another or one per Slurm array task.
-
-A jobs file is TOML (`[[job]]` tables, optional `[defaults]` for every job) or JSON lines (`#` comments
-and blank lines skipped); each job names `source` and `out` and may set the options below. The whole file
-is validated before any job starts; a finished output is skipped, a failed job does not stop the others.
+"""Batch conversion: many models from one jobs file (TOML `[[job]]` tables with an optional `[defaults]`,
+or JSON lines: docs/cluster.md), one after another or one per Slurm array task. The whole file is validated
+before any job starts; a finished output is skipped, a failed job does not stop the others.
 """
 
 from __future__ import annotations
@@ -95,8 +93,7 @@ def read_jobs(path: str | Path) -> list[Job]:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise FP8ConvertError(f"{path}: not valid TOML ({e})") from e
-        extra = sorted(set(data) - {"job", "defaults"})
-        if extra:
+        if extra := sorted(set(data) - {"job", "defaults"}):
             raise FP8ConvertError(
                 f"{path}: unknown top-level key {extra[0]!r} (expected [[job]] tables and an optional [defaults] table)"
             )
@@ -235,8 +232,7 @@ def run_batch(
     """Validate the jobs file, then run its jobs in order (or only job `task_index`, by default the Slurm
     array task's)."""
     jobs = read_jobs(path)
-    if task_index is None:
-        task_index = task_index_from_env()
+    task_index = task_index_from_env() if task_index is None else task_index
     if task_index is not None:
         if not 0 <= task_index < len(jobs):
             raise FP8ConvertError(

@@ -34,9 +34,8 @@ class WorkerSpec:
     count: int = 1
     launcher: str = "single"  # single, explicit, torchrun, slurm, slurm-array, k8s
     local_rank: int | None = None  # picks the GPU when the launcher starts one process per GPU
-    # How many of the `count` workers share this machine's memory and cores, where the launcher says
-    # (torchrun's processes per node, srun's tasks per node; 1 for an array task or a pod, each its own
-    # allocation). None: assume all of them do.
+    # The workers sharing this machine's memory and cores, where the launcher says (torchrun's processes
+    # per node, srun's tasks per node; 1 for an array task or a pod). None: all of them.
     on_this_machine: int | None = None
 
     @property

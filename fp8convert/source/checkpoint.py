@@ -24,19 +24,16 @@ NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.j
 
 @dataclass
 class Source:
-    """A checkpoint's layout. `root` is where its files are (or will be, for a Hub source not yet
-    downloaded); `label` is what the user named (a directory or a repo id); `revision` is the Hub commit
-    the layout was read at (None for a local directory); `quant` is how an FP8 source is quantized (None
-    for a high-precision one)."""
+    """A checkpoint's layout."""
 
-    root: Path
+    root: Path  # where its files are (or will be, for a Hub source not yet downloaded)
     files: list[str]  # safetensors shard names, sorted
     tensors: list[TensorInfo]  # every tensor, in (file, offset) order
     config: dict  # config.json, key order kept
     copy_files: list[str]  # files copied verbatim into the output
-    label: str
-    revision: str | None = None
-    quant: SourceQuantization | None = None
+    label: str  # what the user named: a directory or a repo id
+    revision: str | None = None  # the Hub commit the layout was read at (None: a local directory)
+    quant: SourceQuantization | None = None  # how a quantized source is quantized (None: high precision)
 
     @property
     def total_bytes(self) -> int:
@@ -55,29 +52,25 @@ def is_copied_file(name: str) -> bool:
     )
 
 
-def safe_relative_name(name: str, where: str) -> None:
-    """A shard name from an index must stay inside the checkpoint directory."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name.startswith(("/", "\\"))
-        or ":" in name[:3]
-        or ".." in posixpath.normpath(name).split("/")
-        or posixpath.normpath(name) != name
-    ):
-        raise FP8ConvertError(f"{where}: refusing shard file name {name!r} (absolute or outside the checkpoint)")
-
-
 def parse_index(text: str | bytes, where: str) -> dict[str, str]:
-    """The `weight_map` of a safetensors index (tensor name -> shard file), every file name checked."""
+    """The `weight_map` of a safetensors index (tensor name -> shard file); every file name must stay
+    inside the checkpoint directory."""
     try:
         weight_map = json.loads(text)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
             raise TypeError("weight_map is not an object of tensor names")
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise FP8ConvertError(f"{where}: not a valid safetensors index ({e})") from e
-    for file in set(weight_map.values()):
-        safe_relative_name(file, where)
+    for name in set(weight_map.values()):
+        if (
+            not isinstance(name, str)
+            or not name
+            or name.startswith(("/", "\\"))
+            or ":" in name[:3]
+            or posixpath.normpath(name) != name
+            or ".." in name.split("/")
+        ):
+            raise FP8ConvertError(f"{where}: refusing shard file name {name!r} (absolute or outside the checkpoint)")
     return weight_map
 
 

@@ -170,10 +170,9 @@ def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
 
 
 def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
-    """A Source from the Hub. `download`: config, index, the shards, side files and README.md into the
-    huggingface_hub cache, nothing else (no .bin, no original/ folder); else the layout alone, from the
-    shards' headers (Range requests), rooted at the cache snapshot a download fills. With HF_HUB_OFFLINE
-    set, the cached snapshot of an earlier download, whose directory name is its commit."""
+    """A Source from the Hub. `download`: only the files a conversion reads (no .bin, no original/
+    folder) into the cache; else the layout alone, from the shards' headers, rooted at the cache snapshot
+    a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -197,8 +196,7 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
 
 def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
     """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
-    and the small files (what finalize reads). Offline (the source is the cached snapshot itself)
-    there is nothing to fetch."""
+    and the small files finalize reads; offline, the source is the cached snapshot itself."""
     from huggingface_hub import constants
 
     if source.revision is not None and not constants.HF_HUB_OFFLINE:
@@ -206,12 +204,11 @@ def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
 
 
 def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
-    """The small files (config, index, card, side files), then `shards`, biggest first, into the cache
-    snapshot; returns it. Files the cache already holds for this commit cost no request, and a partial
-    one resumes (the cache keeps `.incomplete` blobs)."""
-    small = [n for n in ["config.json", INDEX_NAME, repo.card, *repo.side_files] if n and n in repo.sizes]
-    for name in dict.fromkeys(small):
-        repo.download(name)
+    """The small files, then `shards`, biggest first, into the cache snapshot; returns it. Files the
+    cache already holds for this commit cost no request, and a partial one resumes."""
+    for name in ["config.json", INDEX_NAME, repo.card, *repo.side_files]:
+        if name in repo.sizes:
+            repo.download(name)
     shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
     parallel(lambda name: repo.download(name, weights=True), shards)
     snapshot = _snapshot_dir(repo)
@@ -230,9 +227,7 @@ def parallel(fn, items: list) -> list:
     """fn over items on daemon threads, results in order; the first failure stops handing out items and
     is raised. Ctrl-C returns at once (a thread pool would wait for every download in flight, whose
     partial files a rerun resumes anyway)."""
-    items, failed = list(items), []
-    results: list = [None] * len(items)
-    todo = queue.SimpleQueue()
+    results, failed, todo = [None] * len(items), [], queue.SimpleQueue()
     for i in range(len(items)):
         todo.put(i)
 

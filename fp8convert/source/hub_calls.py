@@ -1,12 +1,7 @@
 """Every request fp8convert makes to the Hugging Face Hub: timeouts, bounded retries, and the one line a
 failure becomes. huggingface_hub's client has no timeout of its own (`model_info` waits forever on a server
-that never answers), so every request of its shared client gets these, or keeps its own where shorter:
-
-  HF_HUB_ETAG_TIMEOUT        seconds to open a connection (default 10)
-  HF_HUB_DOWNLOAD_TIMEOUT    seconds to wait for the next bytes of an answer (default 10; an upload's
-                             answer, a commit the Hub may take minutes to make, UPLOAD_READ_TIMEOUT_S)
-  FP8CONVERT_HUB_RETRIES     retries of a request that timed out, failed on the network or got 429/5xx (2)
-  FP8CONVERT_HUB_RETRY_WAIT  seconds before the first retry, doubled for each further one (default 1)
+that never answers), so every request of its shared client gets one, or keeps its own where shorter. The
+environment variables that set them: docs/usage.md.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from ..errors import FP8ConvertError
 from ..options import env_number
 from ..units import format_size
 
-UPLOAD_READ_TIMEOUT_S = 300.0
+UPLOAD_READ_TIMEOUT_S = 300.0  # an upload's answer: a commit the Hub may take minutes to make
 MAX_RETRY_WAIT_S = 8.0
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 CHECK_AND_RERUN = "check the connection and rerun"

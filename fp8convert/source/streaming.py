@@ -34,10 +34,9 @@ class StreamingFetcher:
 
     `need(files)` blocks until they are on disk and raises a download's failure (a failed or released file
     asked for again is tried again); `done_reading(files)`: no later batch reads them, so their slots free
-    once the batches in flight are written; `release(files)`: those are written, delete the files. A
-    blocked `need` goes over `keep` only when no slot is about to free, since waiting would never end.
-    Leaving the context after a finished run deletes the folder; after a failure the finished files stay
-    for the rerun, which also resumes a partial one.
+    once the batches in flight are written; `release(files)`: those are written, delete the files. Leaving
+    the context after a finished run deletes the folder; after a failure the finished files stay for the
+    rerun, which also resumes a partial one.
     """
 
     def __init__(self, repo: RemoteRepo, download_dir: str | Path, keep: int = 2):
@@ -66,9 +65,7 @@ class StreamingFetcher:
         if self._started:
             return
         if order is not None:
-            if unknown := [f for f in order if f not in self.state]:
-                raise FP8ConvertError(f"{self.repo.repo_id}: {unknown[0]} is not a shard of this checkpoint")
-            self.order = list(dict.fromkeys(order))
+            self.order = self._shards(order)
         self.dir.mkdir(parents=True, exist_ok=True)
         for name in self.repo.side_files + ([self.repo.card] if self.repo.card else []):
             self.repo.download(name, local_dir=self.dir, weights=True)
@@ -85,12 +82,10 @@ class StreamingFetcher:
         self._thread.start()
 
     def need(self, files: list[str]) -> None:
-        files = list(dict.fromkeys(files))
         self.start()
+        files = self._shards(files)
         with self._cond:
             for f in files:
-                if f not in self.state:
-                    raise FP8ConvertError(f"{self.repo.repo_id}: {f} is not a shard of this checkpoint")
                 if self.state[f] in ("failed", "released"):
                     self.state[f] = "pending"
             self._waiting.update(files)
@@ -134,6 +129,11 @@ class StreamingFetcher:
     def disk_bytes_needed(self) -> int:
         """Disk the streamed shards may need at once (the `keep` largest)."""
         return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.state), reverse=True)[: self.keep])
+
+    def _shards(self, files: list[str]) -> list[str]:
+        if unknown := [f for f in files if f not in self.state]:
+            raise FP8ConvertError(f"{self.repo.repo_id}: {unknown[0]} is not a shard of this checkpoint")
+        return list(dict.fromkeys(files))
 
     # -- background thread
 
