@@ -200,12 +200,11 @@ class Pipeline:
     def _next_read(self):
         """(batch, PendingRead, output runs) of the next batch whose reads have started; None after the last."""
         t0 = time.monotonic()
-        while True:  # a writer failure must not leave us waiting for a reader that is waiting for us
-            with contextlib.suppress(queue.Empty):
-                item = self.to_main.get(timeout=POLL_S)
-                break
-            self._raise_writer_error()
+        # a writer failure (which sets `stop`) must not leave us waiting for a reader that is waiting for us
+        item = get_unless_stopped(self.to_main, self.stop)
         self.seconds["wait_read"] += time.monotonic() - t0
+        if item is STOPPED:
+            self._raise_writer_error()
         if isinstance(item, Failed):
             raise item.error
         return item

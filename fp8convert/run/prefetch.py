@@ -143,11 +143,6 @@ class Prefetcher:
             self.consumed += nbytes
             self.cond.notify_all()
 
-    def ahead(self) -> int:
-        """Bytes in the page cache and not consumed yet: how far the disk is ahead of the run."""
-        with self.cond:
-            return self.landed - self.consumed
-
     def stop(self, wait: bool = True) -> None:
         """Dispatch no more reads; with `wait`, also wait for those in flight (at most two per thread)."""
         with self.cond:
