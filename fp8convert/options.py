@@ -214,21 +214,23 @@ def parse_scheme(value: str) -> str:
     return one_of(value, "--scheme", SCHEMES, SCHEME_ALIASES)
 
 
-def parse_recipe(rules) -> tuple[tuple[str, str], ...]:
+def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
     """A recipe's rules as (pattern, scheme) pairs, from a mapping, pairs or 'PATTERN=SCHEME' texts. A
-    pattern is what --ignore takes: an exact module name or prefix, a glob, or an `re:` regex."""
+    pattern is what --ignore takes: an exact module name or prefix, a glob, or an `re:` regex. `where`:
+    the recipe file they come from, for the errors (else they name --scheme)."""
     items = rules.items() if isinstance(rules, dict) else rules
     parsed = []
     for rule in items:
         pattern, scheme = split_rule(rule) if isinstance(rule, str) else rule
+        said = f"{where}: rule {pattern!r} = {scheme!r}" if where else f"--scheme {pattern}={scheme}"
         if not str(pattern).strip():
-            raise UsageError(f"--scheme {rule!r}: a rule needs a module pattern before '='")
+            raise UsageError(f"{said}: a rule needs a module pattern before '='")
         if problem := regex_error(pattern):
-            raise UsageError(f"--scheme {pattern}={scheme}: bad regular expression ({problem})")
+            raise UsageError(f"{said}: bad regular expression ({problem})")
         try:
             parsed.append((str(pattern), parse_scheme(scheme)))
         except UsageError as e:
-            raise UsageError(f"--scheme {pattern}={scheme}: {str(e).split(': ', 1)[1]}") from None
+            raise UsageError(f"{said}: {str(e).split(': ', 1)[1]}") from None
     return tuple(parsed)
 
 
@@ -273,8 +275,13 @@ def read_recipe(path: str | os.PathLike) -> dict:
     ignore = doc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
-    keywords = {"recipe": parse_recipe(doc["schemes"]), "ignore": tuple(ignore)}
-    return keywords | ({"scheme": parse_scheme(doc["scheme"])} if doc.get("scheme") else {})
+    keywords = {"recipe": parse_recipe(doc["schemes"], f"--recipe {path}"), "ignore": tuple(ignore)}
+    if not doc.get("scheme"):
+        return keywords
+    try:
+        return keywords | {"scheme": parse_scheme(doc["scheme"])}
+    except UsageError as e:
+        raise UsageError(f"--recipe {path}: scheme {doc['scheme']!r}: {str(e).split(': ', 1)[1]}") from None
 
 
 def regex_error(pattern: str) -> str | None:

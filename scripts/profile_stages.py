@@ -55,7 +55,6 @@ def time_reads(plan, batches, reader, sync, line) -> None:
                 b,
                 buf,
                 offsets,
-                plan.options.scheme,
                 scale_format=plan.options.scale_format,
                 source_scheme=plan.source_scheme,
             )

@@ -138,11 +138,20 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
 # The recorded options a plan change names, in the order it lists them, as the user spells them
 FLAG_OPTIONS = ("scheme", "format", "ignore", "max_shard_size", "target_tp", "scale_format")
 OPTION_NAMES = {"source": "source"} | {k: "--" + k.replace("_", "-") for k in FLAG_OPTIONS}
-OPTION_NAMES |= {"dequantize": "dequantize", "dtype": "--dtype", "version": "fp8convert version"}
+OPTION_NAMES |= {
+    "dequantize": "dequantize",
+    "dtype": "--dtype",
+    "version": "fp8convert version",
+    "recipe": "the recipe",
+}
+OPTIONAL = {"recipe": []}  # recorded only when set: absent means none
 
 
 def option_value(key: str, value) -> str:
-    """A recorded option's value as the user would type it: a shard size as '50MB', not its bytes."""
+    """A recorded option's value as the user would type it: a shard size as '50MB', not its bytes, a
+    recipe as its PATTERN=SCHEME rules."""
+    if key == "recipe":
+        return repr(" ".join(f"{pattern}={scheme}" for pattern, scheme in value) or "none")
     return size_text(value) if key == "max_shard_size" and isinstance(value, int) else repr(value)
 
 
@@ -150,9 +159,10 @@ def plan_change(state: dict, plan: Plan) -> str:
     """What differs between the recorded run and this one: the options, else the source's layout."""
     now = new_manifest(plan)
     diffs = [
-        f"{OPTION_NAMES[key]} was {option_value(key, state.get(key))}, now {option_value(key, now[key])}"
+        f"{OPTION_NAMES[key]} was {option_value(key, was)}, now {option_value(key, is_)}"
         for key in OPTION_NAMES
-        if key in state and state.get(key) != now[key]
+        if (key in state or key in OPTIONAL)
+        and (was := state.get(key, OPTIONAL.get(key))) != (is_ := now.get(key, OPTIONAL.get(key)))
     ]
     if not diffs:  # the config.json keys and the shards whose tensor lists differ from the recorded ones
         # (manifests written before these were recorded have neither: then nothing is said)

@@ -219,7 +219,7 @@ def decide(
             used_patterns.add(hit)
             reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
             if reason and options.format not in arch.experts.split_when_kept:
-                decisions.append(decision(info.name, info, reason))
+                decisions.append(decision(info.name, info, reason, scheme=scheme))
                 continue
             decisions += [
                 decision(name, info, reason or shape_keep_reason(cut.shape(info.shape), scheme), group, cut, scheme)
@@ -275,7 +275,7 @@ def _unsplit_kept(decisions: list[TensorPlan], arch: Architecture, options: Opti
             out.append(d)
         elif d.source.name not in done:
             done.add(d.source.name)
-            out.append(decision(d.source.name, d.source, root.get(experts_of(d.name), d.reason)))
+            out.append(decision(d.source.name, d.source, root.get(experts_of(d.name), d.reason), scheme=d.scheme))
     return out
 
 

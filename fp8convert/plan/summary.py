@@ -78,7 +78,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     if plan.options.dequantize:  # no FP8 left
         return []
     fmt, arch = plan.options.format, plan.architecture
-    by_scheme = {s: [t for t in plan.tensors if t.quantize and (t.scheme or s) == s] for s in plan.options.schemes}
+    by_scheme = {s: [t for t in plan.tensors if t.quantize and t.scheme == s] for s in plan.options.schemes}
 
     def limits(table: tuple[Limit, ...]) -> list[PlanWarning]:
         return [
@@ -194,7 +194,7 @@ def refuse_unloadable(plan: Plan) -> None:
     """Raise where vLLM cannot load this output even at TP 1 (fused block groups that break its rule)."""
     if plan.options.dequantize or Scheme.BLOCK not in plan.options.schemes:
         return
-    block = [t for t in plan.tensors if (t.scheme or plan.options.scheme) == Scheme.BLOCK]
+    block = [t for t in plan.tensors if t.scheme == Scheme.BLOCK]
     why = unloadable_fused_groups(plan.options.format, block)
     if why:
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
@@ -256,7 +256,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
             reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
             if reason.startswith(FP4_INPUT_DIM):
-                reason = f"{FP4_INPUT_DIM} not divisible by {GROUP_SIZE[t.scheme or plan.options.scheme]}"
+                reason = f"{FP4_INPUT_DIM} not divisible by {GROUP_SIZE[t.scheme]}"
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
     fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set

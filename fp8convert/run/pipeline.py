@@ -222,7 +222,6 @@ class Pipeline:
             batch,
             pending.buf,
             pending.offsets,
-            options.scheme,
             scale_format=options.scale_format,
             source_scheme=self.plan.source_scheme,
             root=self.reader.root,

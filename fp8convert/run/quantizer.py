@@ -148,13 +148,12 @@ def quantize_batch(
     batch: Batch,
     buf: torch.Tensor,
     offsets: dict[str, int],
-    scheme: str,
     cpu_path: bool | None = None,
     source_scheme: str = "",
     scale_format: str = "float",
     root: Path = Path(),
 ) -> list[Output]:
-    steps = quantize_steps(batch, buf, offsets, scheme, cpu_path, source_scheme, scale_format, root)
+    steps = quantize_steps(batch, buf, offsets, cpu_path, source_scheme, scale_format, root)
     return [out for outputs in steps for out in outputs]
 
 
@@ -162,7 +161,6 @@ def quantize_steps(
     batch: Batch,
     buf: torch.Tensor,
     offsets: dict[str, int],
-    scheme: str,
     cpu_path: bool | None = None,
     source_scheme: str = "",
     scale_format: str = "float",
@@ -172,7 +170,7 @@ def quantize_steps(
     """The batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped weights); kept
     and passed-through tensors are views of `buf`. `pending`: the batch's reads in flight: each step waits
     only for its own inputs, and steps go in the order those arrive."""
-    src, default_scheme = Inputs(buf, offsets, Path(root)), scheme
+    src = Inputs(buf, offsets, Path(root))
 
     def dequantized(tensors: list[TensorPlan], dtype: torch.dtype) -> torch.Tensor:
         """FP8 weights' values [N, out, in] in `dtype`, scales checked first; NaN or Inf refused."""
@@ -247,7 +245,7 @@ def quantize_steps(
             stacks = [dequantized(ts, torch.float32) for ts in members]
         else:
             stacks = [src.stack(ts) for ts in members]
-        scheme = chunk[0][0].scheme or default_scheme  # a recipe's, else the run's
+        scheme = chunk[0][0].scheme  # a recipe's, else --scheme
         try:
             if scheme in FP4_SCHEMES:
                 made = quantize_fp4_group(stacks, scheme)

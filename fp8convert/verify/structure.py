@@ -215,7 +215,7 @@ class Pairing:
     """What pairing each tensor needs, and the output tensors accounted for so far."""
 
     outputs: dict[str, TensorInfo]
-    fmt: QuantizationConfig | None
+    fmt: QuantizationConfig | None  # as it applies to the tensor being paired (a mixed recipe: its scheme)
     report: VerifyReport
     arch: Architecture
     accounted: set[str] = field(default_factory=set)

@@ -639,8 +639,8 @@ def test_both_quantize_paths_cut_experts_alike(arch, scheme, zoo_source):
     with BatchReader(the_plan.source.root, t_.device("cpu"), threads=2) as reader:
         for batch in make_batches(the_plan.units, 1 << 30):
             buf, offsets = reader.read(read_order(batch))
-            cpu = quantize_batch(batch, buf, offsets, scheme, cpu_path=True)
-            other = quantize_batch(batch, buf, offsets, scheme, cpu_path=False)
+            cpu = quantize_batch(batch, buf, offsets, cpu_path=True)
+            other = quantize_batch(batch, buf, offsets, cpu_path=False)
             assert [n for n, _, _ in cpu] == [n for n, _, _ in other]
             for (name, a, _), (_, b, _) in zip(cpu, other):
                 assert same_bytes(a, b), name

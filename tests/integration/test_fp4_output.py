@@ -14,8 +14,7 @@ import torch
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
-from harness import model_logits, read_json, read_safetensors_dir, run_quantize
-from safetensors.torch import load_file, save_file
+from harness import model_logits, read_json, read_safetensors_dir, run_quantize, tamper
 
 import fp8convert
 from fp8convert.cli import main
@@ -133,17 +132,6 @@ def test_verify_passes_an_fp4_output(fp4_output, where, kind, scheme):
     assert report.ok, report.problems[:3]
     assert report.scheme == scheme and report.tensors_quantized == len(fp4_modules(read_safetensors_dir(out)))
     assert all(t.rel_error <= t.bound for t in report.tensors) and report.tensors
-
-
-def tamper(out: Path, name: str, change) -> None:
-    """Rewrite the shard holding tensor `name` with `change` applied to it."""
-    for shard in out.glob("*.safetensors"):
-        tensors = load_file(shard)
-        if name in tensors:
-            tensors[name] = change(tensors[name].clone())
-            save_file(tensors, shard, metadata={"format": "pt"})
-            return
-    raise AssertionError(name)
 
 
 def test_verify_finds_a_member_with_its_own_global_scale_and_a_wrong_code(fp4_output, tmp_path):

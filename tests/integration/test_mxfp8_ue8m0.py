@@ -178,9 +178,7 @@ def batch_outputs(src, scheme: str, scale_format: str, cpu_path: bool) -> dict[s
     with BatchReader(plan.source.root, torch.device("cpu"), threads=2) as reader:
         for batch in make_batches(plan.units, 1 << 30):
             buf, offsets = reader.read(read_order(batch))
-            for name, tensor, _ in quantize_batch(
-                batch, buf, offsets, scheme, cpu_path=cpu_path, scale_format=scale_format
-            ):
+            for name, tensor, _ in quantize_batch(batch, buf, offsets, cpu_path=cpu_path, scale_format=scale_format):
                 if name in names:
                     out[name] = tensor.clone()
     return out

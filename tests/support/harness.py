@@ -86,6 +86,19 @@ def read_safetensors_dir(path) -> dict[str, torch.Tensor]:
     return out
 
 
+def tamper(out: Path, name: str, change) -> None:
+    """Rewrite the shard holding tensor `name` with `change` applied to it."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in Path(out).glob("*.safetensors"):
+        tensors = load_file(shard)
+        if name in tensors:
+            tensors[name] = change(tensors[name].clone())
+            save_file(tensors, shard, metadata={"format": "pt"})
+            return
+    raise AssertionError(name)
+
+
 def read_json(path):
     return json.loads(Path(path).read_text())
 

@@ -37,7 +37,7 @@ def test_merged_runs_hold_the_bytes_the_shards_get(source_model, tmp_path, kind,
             runs = output_runs(plan, batch.tensors, merge=True, max_bytes=16 << 10)
             assert all(run.nbytes <= 16 << 10 or len(run.pieces) == 1 for run in runs)
             assembled = BatchOutput(runs, CPU)
-            steps = list(quantize_steps(batch, buf, offsets, scheme, scale_format=plan.options.scale_format))
+            steps = list(quantize_steps(batch, buf, offsets, scale_format=plan.options.scale_format))
             for n, outputs in enumerate(steps):
                 for run, data in assembled.put_all(outputs):
                     assert data.numpy().tobytes() == shards[run.shard][run.start : run.start + run.nbytes]
@@ -72,7 +72,7 @@ def test_put_all_refuses_bytes_the_plan_does_not_expect(source_model):
     batch = make_batches(plan.units, 1 << 30)[0]
     with BatchReader(plan.source.root, CPU) as reader:
         buf, offsets = reader.read(read_order(batch))
-    outputs = quantize_batch(batch, buf, offsets, plan.options.scheme)
+    outputs = quantize_batch(batch, buf, offsets)
     name, tensor, at = outputs[0]
     assembled = BatchOutput(output_runs(plan, batch.tensors, merge=True), CPU)
     with pytest.raises(AssertionError, match=name):
