@@ -35,6 +35,18 @@ SCHEME_TEXT = {
 }
 # What the card calls the weights, by scheme (FP8 for every other one)
 WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}
+
+
+def schemes_of(info: dict) -> list[str]:
+    """The default scheme, then a mixed recipe's."""
+    return list(dict.fromkeys([info["scheme"], *(scheme for _, scheme in info.get("recipe") or ())]))
+
+
+def weights_names(info: dict) -> list[str]:
+    """What the card calls the weights: 'FP8', 'NVFP4', or both for a recipe that mixes them."""
+    return list(dict.fromkeys(WEIGHTS_NAME.get(s, "FP8") for s in schemes_of(info)))
+
+
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
     ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
@@ -113,6 +125,8 @@ def reproduce_command(info: dict, target: str, base_model: str | None) -> str:
         args = ["fp8convert", "dequantize", source, target] + (["--dtype", DTYPE_TEXT[dtype]] if dtype else [])
     else:
         args = ["fp8convert", "quantize", source, target, "--scheme", info["scheme"], "--format", info["format"]]
+        for pattern, scheme in info.get("recipe") or ():
+            args += ["--scheme", f"{pattern}={scheme}"]
         if info.get("scale_format", "float") != "float":
             args += ["--scale-format", info["scale_format"]]
     for pattern in info.get("ignore_patterns") or ():
@@ -160,6 +174,7 @@ def make_card(
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
         weights = info["scheme"].upper() if info.get("scheme") in WEIGHTS_NAME else "FP8"
+        weights = "-".join(weights_names(info)) if info.get("recipe") else weights
         name = f"{name}-{info.get('dequantized_dtype') if dequantized else weights}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(info, where, base_model)
@@ -188,7 +203,7 @@ def front_matter(info: dict, base_model: str | None, source_card_text: str | Non
     tags = (
         [DTYPE_TEXT.get(info.get("dequantized_dtype"), "bf16"), "dequantized"]
         if dequantized
-        else [WEIGHTS_NAME.get(info["scheme"], "fp8").lower(), info["format"]]
+        else [*(w.lower() for w in weights_names(info)), info["format"]]
     )
     meta["tags"] = list(dict.fromkeys(tags + ["fp8convert"]))
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
@@ -209,19 +224,28 @@ def introduction(info: dict, base_model: str | None) -> str:
         if info.get("static_activations")
         else "Activations are quantized dynamically at run time, so no calibration data was used."
     )
-    weights = "FP8 (e4m3)"
-    if fp4 := WEIGHTS_NAME.get(info["scheme"]):
-        weights, activations = f"{fp4} (4-bit E2M1)", "Activations stay in 16 bits, so no calibration data was used."
-    return f"{weights} weights of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
+    names = weights_names(info)
+    weights = " and ".join("FP8 (e4m3)" if w == "FP8" else f"{w} (4-bit E2M1)" for w in names)
+    if "FP8" not in names:
+        activations = "Activations stay in 16 bits, so no calibration data was used."
+    elif len(names) > 1:
+        weights += " weights, chosen by module (a mixed recipe),"
+        activations = (
+            "The FP8 layers' activations are quantized dynamically at run time and the FP4 layers' stay in "
+            "16 bits, so no calibration data was used."
+        )
+    weights += "" if len(names) > 1 else " weights"
+    return f"{weights} of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
 
 
 def quantization_section(info: dict) -> list[str]:
     scheme, fmt = info["scheme"], info["format"]
+    weights = UE8M0_TEXT if info.get("scale_format") == "ue8m0" else SCHEME_TEXT.get(scheme, scheme)
     lines = [
         "## Quantization",
         "",
         f"- Format: `{fmt}` (`quantization_config` in config.json)",
-        f"- Weights: {UE8M0_TEXT if info.get('scale_format') == 'ue8m0' else SCHEME_TEXT.get(scheme, scheme)}",
+        f"- Weights{' (the modules no recipe rule matches)' if info.get('recipe') else ''}: {weights}",
         "- Activations: "
         + (
             "static per-tensor FP8 (the source's calibrated input_scale)"
@@ -229,6 +253,11 @@ def quantization_section(info: dict) -> list[str]:
             else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
         ),
     ]
+    by_scheme = info.get("quantized_by_scheme") or {}
+    for pattern, rule_scheme in info.get("recipe") or ():
+        lines.append(f"- Recipe: modules matching `{pattern}`: {SCHEME_TEXT.get(rule_scheme, rule_scheme)}")
+    if by_scheme:
+        lines.append("- Per scheme: " + ", ".join(f"{n} weights {s}" for s, n in by_scheme.items()))
     q = info.get("quantized")
     if q:
         lines.append(
@@ -295,9 +324,10 @@ def use_section(info: dict, where: str) -> list[str]:
     if info.get("dequantize"):
         intro = ["## Use", "", "A plain high-precision checkpoint:", "", *vllm, "", "transformers:", ""]
         return intro + ["```bash", "pip install transformers", "```", "", *load]
-    weights = WEIGHTS_NAME.get(info["scheme"], "FP8")
+    names = weights_names(info)
+    weights = " and ".join(names)
     lines = ["## Use", "", f"vLLM (reads the {weights} weights directly; no `--quantization` flag needed):", "", *vllm]
-    if weights == "FP8":  # SGLang's compressed-tensors path has no weight-only FP4 scheme
+    if names == ["FP8"]:  # SGLang's compressed-tensors path has no weight-only FP4 scheme
         lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}"]
         lines += ["```"]
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
@@ -371,6 +401,7 @@ def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
         "scheme": manifest.get("scheme") or declared.scheme,
         "format": manifest.get("format") or declared.format,
         "scale_format": manifest.get("scale_format") or declared.scale_format,
+        "recipe": manifest.get("recipe") or [],
         "ignore": list(declared.ignore),
         "revision": manifest.get("revision"),
         "root": manifest.get("source_path"),

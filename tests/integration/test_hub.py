@@ -859,3 +859,23 @@ def test_card_snippet_runs_with_only_what_the_card_installs(tmp_path):
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
     )
     assert run.returncode == 0 and "LlamaForCausalLM" in run.stdout, run.stderr[-2000:]
+
+
+def test_fp4_from_the_hub_to_the_hub_and_back(fake_hub, tiny_repo, tmp_path, monkeypatch, capsys):
+    """An NVFP4A16 conversion of a repo id, pushed byte for byte with an FP4 card; that repo then is an
+    FP4 source: dequantize from its id writes the bytes dequantizing the local output writes."""
+    monkeypatch.setenv("HF_TOKEN", fake_hub.token)
+    out = tmp_path / "out"
+    argv = ["quantize", REPO, str(out), "--device", "cpu", "-q", "--scheme", "NVFP4A16"]
+    assert main([*argv, "--push-to-hub", "fake-user/tiny-nvfp4"]) == 0, capsys.readouterr().err
+    remote, local = fake_hub.files("fake-user/tiny-nvfp4"), out_files(out)
+    assert {n: remote[n] for n in local} == local
+    assert any(n.endswith(".weight_packed") for n in json.loads(local[INDEX_NAME])["weight_map"])
+    card = remote["README.md"].decode()
+    assert card_meta(card)["tags"][0] == "nvfp4" and "vllm serve fake-user/tiny-nvfp4\n" in card
+    assert "SGLang" not in card  # its compressed-tensors path has no weight-only FP4 scheme
+    from_hub, from_disk = tmp_path / "bf16-hub", tmp_path / "bf16-disk"
+    assert main(["dequantize", "fake-user/tiny-nvfp4", str(from_hub), "--device", "cpu", "-q"]) == 0
+    assert main(["dequantize", str(out), str(from_disk), "--device", "cpu", "-q"]) == 0, capsys.readouterr().err
+    shards = {n: d for n, d in out_files(from_disk).items() if n.endswith(".safetensors") or n == INDEX_NAME}
+    assert shards and {n: out_files(from_hub)[n] for n in shards} == shards

@@ -296,3 +296,19 @@ def test_worker_splits_and_resume_keep_the_recipe_and_its_bytes(converted, moe_s
         api.quantize(moe_source, resumed, **(kw | {"recipe": {EXPERTS: "mxfp4a16"}}))
     report = api.quantize(moe_source, resumed, **kw)
     assert report.complete and tree_bytes(resumed) == reference
+
+
+def test_the_card_names_both_weights_and_its_command_rewrites_the_same_shards(converted, tmp_path, capsys):
+    import shlex
+
+    out = converted("block", "nvfp4a16")
+    card = (out / "README.md").read_text()
+    assert "FP8 (e4m3) and NVFP4 (4-bit E2M1) weights, chosen by module" in card
+    assert f"- Recipe: modules matching `{EXPERTS}`: NVFP4" in card and "SGLang" not in card
+    command = shlex.split(card.split("## Reproduce\n\n```bash\n")[1].split("\n")[0])
+    assert command[:2] == ["fp8convert", "quantize"] and f"{EXPERTS}=nvfp4a16" in command
+    again = tmp_path / "again"
+    rc, err = run_cli(capsys, *command[1:3], again, *command[4:], "--device", "cpu", "-q")
+    assert rc == 0, err
+    shards = {k: v for k, v in tree_bytes(out).items() if k.endswith((".safetensors", ".json"))}
+    assert shards == {k: v for k, v in tree_bytes(again).items() if k in shards}
