@@ -38,6 +38,27 @@ def test_cuda_writes_the_same_bytes_as_cpu(source_model, tmp_path, kind, scheme,
     assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "scheme,recipe",
+    [
+        ("block", {r"re:.*mlp\.experts\..*": "nvfp4a16"}),
+        ("channel", {r"re:.*mlp\.experts\..*": "mxfp4a16"}),
+        ("tensor", {r"re:.*self_attn\..*": "block", r"re:.*\.mlp\..*": "nvfp4a16"}),
+    ],
+    ids=["block+nvfp4-experts", "channel+mxfp4-experts", "block-attention+nvfp4-mlp"],
+)
+def test_cuda_writes_a_mixed_recipe_as_cpu_does(source_model, tmp_path, kind, scheme, recipe):
+    """Each stack quantized in its own scheme on CUDA gives the CPU's bytes, FP8 and FP4 in one batch."""
+    src = source_model(kind)
+    kw = {"scheme": scheme, "recipe": recipe, "max_shard_size": "150KB", "write_unloadable": True}
+    fp8convert.quantize(src, tmp_path / "cpu", device="cpu", **kw)
+    fp8convert.quantize(src, tmp_path / "cuda", device="cuda", **kw)
+    assert output_bytes(tmp_path / "cuda") == output_bytes(tmp_path / "cpu")
+    config = json.loads((tmp_path / "cuda" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision" and len(config["config_groups"]) == len({scheme, *recipe.values()})
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "scheme,fmt", [("tensor", "compressed-tensors"), ("channel", "compressed-tensors"), ("block", "fp8")]
