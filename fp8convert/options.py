@@ -125,20 +125,11 @@ class Options:
         )
         if self.dequantize and self.scale_format != "float":
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
-        if self.format == "fp8" and self.scheme == "channel":
+        if self.format == "fp8" and self.scheme not in (Scheme.TENSOR, Scheme.BLOCK):
+            what = {"channel": "per-channel", "mxfp8": "MXFP8"}.get(self.scheme, "FP4")
             raise UsageError(
-                "--format fp8 has no per-channel scheme; use --scheme tensor or block, "
-                "or --format compressed-tensors --scheme channel"
-            )
-        if self.format == "fp8" and self.scheme == "mxfp8":
-            raise UsageError(
-                "--format fp8 has no MXFP8 layout (vLLM reads MXFP8 from compressed-tensors "
-                "checkpoints); use --format compressed-tensors --scheme mxfp8"
-            )
-        if self.format == "fp8" and self.scheme in FP4_SCHEMES:
-            raise UsageError(
-                f"--format fp8 has no FP4 layout (vLLM reads FP4 weights from compressed-tensors checkpoints); "
-                f"use --format compressed-tensors --scheme {self.scheme}"
+                f"--format fp8 has no {what} scheme (vLLM reads it from compressed-tensors checkpoints); use "
+                f"--scheme tensor or block, or --format compressed-tensors --scheme {self.scheme}"
             )
         if self.recipe and (self.format == "fp8" or self.dequantize):
             raise UsageError(
@@ -240,48 +231,6 @@ def split_rule(text: str) -> tuple[str, str]:
     if not equals:
         raise UsageError(f"--scheme {text!r}: a recipe rule is PATTERN=SCHEME")
     return pattern, scheme
-
-
-def split_scheme_args(values: list[str] | str | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
-    """The command line's --scheme values: (the default scheme, or None when none is given; the rules)."""
-    values = [values] if isinstance(values, str) else list(values or ())
-    plain = [v for v in values if "=" not in v]
-    if len(plain) > 1:
-        raise UsageError(f"--scheme given twice ({', '.join(plain)}); rules are PATTERN=SCHEME")
-    return (plain[0] if plain else None), parse_recipe([v for v in values if "=" in v])
-
-
-def read_recipe(path: str | os.PathLike) -> dict:
-    """A recipe file (TOML, or YAML for .yaml/.yml) as the keywords it sets: `scheme` (optional, the default
-    scheme), `schemes` (module pattern -> scheme) and `ignore` (optional, as --ignore)."""
-    import tomllib
-
-    import yaml
-
-    try:
-        with open(path, "rb") as f:
-            doc = yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else tomllib.load(f)
-    except OSError as e:
-        raise UsageError(f"--recipe {path}: cannot read it ({e.strerror})") from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise UsageError(
-            f"--recipe {path}: not valid {'YAML' if str(path).endswith(('.yaml', '.yml')) else 'TOML'} "
-            f"({str(e).splitlines()[0]})"
-        ) from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("schemes"), dict) or not doc["schemes"]:
-        raise UsageError(f"--recipe {path}: expected a `schemes` table of module pattern = scheme")
-    if unknown := sorted(set(doc) - {"scheme", "schemes", "ignore"}):
-        raise UsageError(f"--recipe {path}: unknown key {unknown[0]!r} (known: scheme, schemes, ignore)")
-    ignore = doc.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
-        raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
-    keywords = {"recipe": parse_recipe(doc["schemes"], f"--recipe {path}"), "ignore": tuple(ignore)}
-    if not doc.get("scheme"):
-        return keywords
-    try:
-        return keywords | {"scheme": parse_scheme(doc["scheme"])}
-    except UsageError as e:
-        raise UsageError(f"--recipe {path}: scheme {doc['scheme']!r}: {str(e).split(': ', 1)[1]}") from None
 
 
 def regex_error(pattern: str) -> str | None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 from pathlib import Path
 
-from .errors import UsageError
-from .formats import read_quantization_config
+from .errors import FP8ConvertError, UsageError
+from .formats import CompressedTensorsConfig, read_quantization_config
 from .options import REPO_ID, python_spelling
-from .output.card import card_from_output, retarget_card
+from .output.card import TARGET_MARK, make_card, read_source_card
 from .output.finalize import check_output_complete
-from .output.manifest import WORK_DIR
+from .output.manifest import WORK_DIR, Manifest
 from .source.hub import CARD_NAME
 from .source.hub_calls import hub_error, with_retries
 
@@ -74,3 +77,49 @@ def push(
     if create_pr and getattr(info, "pr_url", None):
         return info.pr_url
     return getattr(info, "commit_url", None) or str(info)
+
+
+def retarget_card(text: str, repo_id: str) -> str:
+    """A generated card with its examples naming `repo_id` instead of where it was written; cards without
+    the mark are left alone."""
+    m = re.search(r"^" + re.escape(TARGET_MARK).replace(r"\{\}", "(.+?)") + r"\n?\Z", text, re.M)
+    if not m:
+        return text
+    old = m.group(1)
+    body = text[: m.start()].rstrip() + "\n"
+    for before, after in (
+        (f"vllm serve {shlex.quote(old)}\n", f"vllm serve {repo_id}\n"),
+        (f"--model-path {shlex.quote(old)}\n", f"--model-path {repo_id}\n"),
+        (f"from_pretrained({json.dumps(old)}", f"from_pretrained({json.dumps(repo_id)}"),
+    ):
+        body = body.replace(before, after)
+    return body + "\n" + TARGET_MARK.format(repo_id) + "\n"
+
+
+def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
+    """A card for an output that has none, from its manifest and config only."""
+    out = Path(out)
+    try:
+        manifest = Manifest(out).read() or {}
+    except FP8ConvertError:
+        manifest = {}
+    config = json.loads((out / "config.json").read_text())
+    # a dequantized output has no quantization_config (its manifest says what it is)
+    declared = (
+        read_quantization_config(config, str(out / "config.json"))
+        if "quantization_config" in config
+        else CompressedTensorsConfig("tensor")
+    )
+    source = manifest.get("source") or "unknown"
+    source_card = read_source_card(source) if Path(source).is_dir() else None
+    info = {
+        "source": source,
+        "scheme": manifest.get("scheme") or declared.scheme,
+        "format": manifest.get("format") or declared.format,
+        "scale_format": manifest.get("scale_format") or declared.scale_format,
+        "recipe": manifest.get("recipe") or [],
+        "ignore": list(declared.ignore),
+        "revision": manifest.get("revision"),
+        "root": manifest.get("source_path"),
+    }
+    return make_card(info, source_card, repo_id=repo_id, base_model=manifest.get("base_model"))

@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..errors import FP8ConvertError
-from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings, read_recipe, split_scheme_args
+from ..errors import FP8ConvertError, UsageError
+from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings, parse_recipe, parse_scheme
 
 
 class _NoHelpPlaceholder:
@@ -209,3 +209,45 @@ def print_json(doc) -> None:
     except OSError as e:  # a full disk under `> report.json`, a closed pipe
         raise FP8ConvertError(f"stdout: cannot write the JSON report ({e.strerror})") from e
     printed.json = True
+
+
+def split_scheme_args(values: list[str] | str | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """The command line's --scheme values: (the default scheme, or None when none is given; the rules)."""
+    values = [values] if isinstance(values, str) else list(values or ())
+    plain = [v for v in values if "=" not in v]
+    if len(plain) > 1:
+        raise UsageError(f"--scheme given twice ({', '.join(plain)}); rules are PATTERN=SCHEME")
+    return (plain[0] if plain else None), parse_recipe([v for v in values if "=" in v])
+
+
+def read_recipe(path: str | os.PathLike) -> dict:
+    """A recipe file (TOML, or YAML for .yaml/.yml) as the keywords it sets: `scheme` (optional, the default
+    scheme), `schemes` (module pattern -> scheme) and `ignore` (optional, as --ignore)."""
+    import tomllib
+
+    import yaml
+
+    try:
+        with open(path, "rb") as f:
+            doc = yaml.safe_load(f) if str(path).endswith((".yaml", ".yml")) else tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"--recipe {path}: cannot read it ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise UsageError(
+            f"--recipe {path}: not valid {'YAML' if str(path).endswith(('.yaml', '.yml')) else 'TOML'} "
+            f"({str(e).splitlines()[0]})"
+        ) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("schemes"), dict) or not doc["schemes"]:
+        raise UsageError(f"--recipe {path}: expected a `schemes` table of module pattern = scheme")
+    if unknown := sorted(set(doc) - {"scheme", "schemes", "ignore"}):
+        raise UsageError(f"--recipe {path}: unknown key {unknown[0]!r} (known: scheme, schemes, ignore)")
+    ignore = doc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
+    keywords = {"recipe": parse_recipe(doc["schemes"], f"--recipe {path}"), "ignore": tuple(ignore)}
+    if not doc.get("scheme"):
+        return keywords
+    try:
+        return keywords | {"scheme": parse_scheme(doc["scheme"])}
+    except UsageError as e:
+        raise UsageError(f"--recipe {path}: scheme {doc['scheme']!r}: {str(e).split(': ', 1)[1]}") from None

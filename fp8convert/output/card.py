@@ -11,12 +11,9 @@ from pathlib import Path
 import yaml
 
 from .._version import __version__
-from ..errors import FP8ConvertError
-from ..formats import CompressedTensorsConfig, read_quantization_config
 from ..options import REPO_ID, Options
 from ..plan.summary import describe
 from ..units import format_size, plural, size_text
-from .manifest import Manifest
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
 COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
@@ -37,14 +34,10 @@ SCHEME_TEXT = {
 WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}
 
 
-def schemes_of(info: dict) -> list[str]:
-    """The default scheme, then a mixed recipe's."""
-    return list(dict.fromkeys([info["scheme"], *(scheme for _, scheme in info.get("recipe") or ())]))
-
-
 def weights_names(info: dict) -> list[str]:
     """What the card calls the weights: 'FP8', 'NVFP4', or both for a recipe that mixes them."""
-    return list(dict.fromkeys(WEIGHTS_NAME.get(s, "FP8") for s in schemes_of(info)))
+    schemes = [info["scheme"], *(scheme for _, scheme in info.get("recipe") or ())]
+    return list(dict.fromkeys(WEIGHTS_NAME.get(s, "FP8") for s in schemes))
 
 
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
@@ -328,8 +321,14 @@ def use_section(info: dict, where: str) -> list[str]:
     weights = " and ".join(names)
     lines = ["## Use", "", f"vLLM (reads the {weights} weights directly; no `--quantization` flag needed):", "", *vllm]
     if names == ["FP8"]:  # SGLang's compressed-tensors path has no weight-only FP4 scheme
-        lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}"]
-        lines += ["```"]
+        lines += [
+            "",
+            "SGLang:",
+            "",
+            "```bash",
+            f"python -m sglang.launch_server --model-path {shlex.quote(where)}",
+            "```",
+        ]
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:
@@ -345,11 +344,8 @@ def use_section(info: dict, where: str) -> list[str]:
 
 def verification_section(figures: dict) -> list[str]:
     lines = ["## Verification", "", "Dequantized weights compared with the source (`fp8convert verify`):", ""]
-    return (
-        lines
-        + ["| measure | value |", "|---|---|"]
-        + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
-    )
+    lines += ["| measure | value |", "|---|---|"]
+    return lines + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
 
 
 def with_verification(text: str, figures: dict) -> str:
@@ -361,49 +357,3 @@ def with_verification(text: str, figures: dict) -> str:
     if m:
         return text[: m.start()] + section + text[m.start() :]
     return text.rstrip() + "\n\n" + section
-
-
-def retarget_card(text: str, repo_id: str) -> str:
-    """A generated card with its examples naming `repo_id` instead of where it was written; cards without
-    the mark are left alone."""
-    m = re.search(r"^" + re.escape(TARGET_MARK).replace(r"\{\}", "(.+?)") + r"\n?\Z", text, re.M)
-    if not m:
-        return text
-    old = m.group(1)
-    body = text[: m.start()].rstrip() + "\n"
-    for before, after in (
-        (f"vllm serve {shlex.quote(old)}\n", f"vllm serve {repo_id}\n"),
-        (f"--model-path {shlex.quote(old)}\n", f"--model-path {repo_id}\n"),
-        (f"from_pretrained({json.dumps(old)}", f"from_pretrained({json.dumps(repo_id)}"),
-    ):
-        body = body.replace(before, after)
-    return body + "\n" + TARGET_MARK.format(repo_id) + "\n"
-
-
-def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
-    """A card for an output that has none, from its manifest and config only."""
-    out = Path(out)
-    try:
-        manifest = Manifest(out).read() or {}
-    except FP8ConvertError:
-        manifest = {}
-    config = json.loads((out / "config.json").read_text())
-    # a dequantized output has no quantization_config (its manifest says what it is)
-    declared = (
-        read_quantization_config(config, str(out / "config.json"))
-        if "quantization_config" in config
-        else CompressedTensorsConfig("tensor")
-    )
-    source = manifest.get("source") or "unknown"
-    source_card = read_source_card(source) if Path(source).is_dir() else None
-    info = {
-        "source": source,
-        "scheme": manifest.get("scheme") or declared.scheme,
-        "format": manifest.get("format") or declared.format,
-        "scale_format": manifest.get("scale_format") or declared.scale_format,
-        "recipe": manifest.get("recipe") or [],
-        "ignore": list(declared.ignore),
-        "revision": manifest.get("revision"),
-        "root": manifest.get("source_path"),
-    }
-    return make_card(info, source_card, repo_id=repo_id, base_model=manifest.get("base_model"))

@@ -26,7 +26,8 @@ from fp8convert import api, publish
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
 from fp8convert.options import HubAccess
-from fp8convert.output.card import make_card, retarget_card, split_front_matter
+from fp8convert.output.card import make_card, split_front_matter
+from fp8convert.publish import retarget_card
 from fp8convert.safetensors_io import INDEX_NAME
 from fp8convert.source import hub
 from fp8convert.source.streaming import StreamingFetcher
