@@ -32,14 +32,6 @@ SCHEME_TEXT = {
 }
 # What the card calls the weights, by scheme (FP8 for every other one)
 WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}
-
-
-def weights_names(info: dict) -> list[str]:
-    """What the card calls the weights: 'FP8', 'NVFP4', or both for a recipe that mixes them."""
-    schemes = [info["scheme"], *(scheme for _, scheme in info.get("recipe") or ())]
-    return list(dict.fromkeys(WEIGHTS_NAME.get(s, "FP8") for s in schemes))
-
-
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
     ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
@@ -58,6 +50,12 @@ DEFAULT_MAX_SHARD = Options().max_shard_size
 TRANSFORMERS_NEEDS = {"compressed-tensors": "transformers compressed-tensors", "fp8": "transformers accelerate"}
 # Marks a generated card and records the local path its examples use, so `push` can put the repo id there.
 TARGET_MARK = "<!-- fp8convert card; examples use: {} -->"
+
+
+def weights_names(info: dict) -> list[str]:
+    """What the card calls the weights: 'FP8', 'NVFP4', or both for a recipe that mixes them."""
+    schemes = [info["scheme"], *(scheme for _, scheme in info.get("recipe") or ())]
+    return list(dict.fromkeys(WEIGHTS_NAME.get(s, "FP8") for s in schemes))
 
 
 def read_source_card(root: str | Path) -> str | None:
@@ -218,16 +216,15 @@ def introduction(info: dict, base_model: str | None) -> str:
         else "Activations are quantized dynamically at run time, so no calibration data was used."
     )
     names = weights_names(info)
-    weights = " and ".join("FP8 (e4m3)" if w == "FP8" else f"{w} (4-bit E2M1)" for w in names)
+    weights = " and ".join("FP8 (e4m3)" if w == "FP8" else f"{w} (4-bit E2M1)" for w in names) + " weights"
+    weights += ", chosen by module (a mixed recipe)," if len(names) > 1 else ""
     if "FP8" not in names:
         activations = "Activations stay in 16 bits, so no calibration data was used."
     elif len(names) > 1:
-        weights += " weights, chosen by module (a mixed recipe),"
         activations = (
             "The FP8 layers' activations are quantized dynamically at run time and the FP4 layers' stay in "
             "16 bits, so no calibration data was used."
         )
-    weights += "" if len(names) > 1 else " weights"
     return f"{weights} of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
 
 
@@ -321,14 +318,8 @@ def use_section(info: dict, where: str) -> list[str]:
     weights = " and ".join(names)
     lines = ["## Use", "", f"vLLM (reads the {weights} weights directly; no `--quantization` flag needed):", "", *vllm]
     if names == ["FP8"]:  # SGLang's compressed-tensors path has no weight-only FP4 scheme
-        lines += [
-            "",
-            "SGLang:",
-            "",
-            "```bash",
-            f"python -m sglang.launch_server --model-path {shlex.quote(where)}",
-            "```",
-        ]
+        lines += ["", "SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {shlex.quote(where)}"]
+        lines += ["```"]
     ok, why = transformers_support(info["format"], info["scheme"], info.get("transformers_cannot_load"))
     lines += ["", "transformers:", ""]
     if ok:
