@@ -404,10 +404,17 @@ def safetensors_header(path: Path) -> dict:
 BYTES_PER_VALUE = {"nvfp4a16": 0.5 + 1 / 16, "mxfp4a16": 0.5 + 1 / 32}
 
 
-def describe_checkpoint(path: Path, scheme: str = "tensor") -> dict:
+def describe_checkpoint(path: Path, scheme: str = "tensor", rules: list[str] | None = None) -> dict:
     """Files, bytes and tensors, and the output size a conversion to `scheme` will write (estimate:
-    2D *_proj.weight tensors become BYTES_PER_VALUE a value plus a float32 scale; everything else is
-    copied), or for an FP8 checkpoint the size of its BF16 dequantization (2 bytes a code, no scales)."""
+    2D *_proj.weight tensors become BYTES_PER_VALUE a value plus a float32 scale, in the scheme of the
+    first `re:PATTERN=SCHEME` rule matching their module, else `scheme`; everything else is copied), or
+    for an FP8 checkpoint the size of its BF16 dequantization (2 bytes a code, no scales)."""
+    parsed = [rule.rpartition("=")[::2] for rule in rules or []]
+
+    def scheme_of(name: str) -> str:
+        module = name.removesuffix(".weight")
+        return next((s for p, s in parsed if re.fullmatch(p.removeprefix("re:"), module)), scheme)
+
     files = sorted(path.glob("*.safetensors"))
     tensors, out_bytes = 0, 0
     for f in files:
@@ -425,7 +432,7 @@ def describe_checkpoint(path: Path, scheme: str = "tensor") -> dict:
                 continue
             else:
                 quantized = name.endswith("proj.weight") and len(info["shape"]) == 2
-                out_bytes += int(numel * BYTES_PER_VALUE.get(scheme, 1)) + 4 if quantized else nbytes
+                out_bytes += int(numel * BYTES_PER_VALUE.get(scheme_of(name), 1)) + 4 if quantized else nbytes
     return {
         "files": [f.name for f in files],
         "bytes_in": sum(f.stat().st_size for f in files),
@@ -669,6 +676,7 @@ def contenders(args) -> list[dict]:
                 "{out}",
                 "--scheme",
                 args.scheme,
+                *[arg for rule in args.rule for arg in ("--scheme", rule)],
                 "--format",
                 "compressed-tensors",
                 "--device",
@@ -1372,8 +1380,16 @@ def parse_args(argv=None):
     p.add_argument(
         "--scheme",
         default="tensor",
-        choices=["tensor", "nvfp4a16", "mxfp4a16"],
-        help="what fp8convert and the naive script write (default tensor; llm-compressor always TENSOR)",
+        choices=["tensor", "channel", "block", "nvfp4a16", "mxfp4a16"],
+        help="what fp8convert and the naive script write (default tensor; the naive script has no channel or "
+        "block; llm-compressor always TENSOR)",
+    )
+    p.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="re:PATTERN=SCHEME",
+        help="a mixed recipe's rule over --scheme, repeatable, passed to fp8convert as --scheme (fp8convert only)",
     )
     p.add_argument("--max-shard-size", default="5GB", help="fp8convert's output shard size")
     p.add_argument("--max-resident", help="fp8convert's --max-resident (default: its own)")
@@ -1517,7 +1533,7 @@ def main(argv=None) -> int:
         bf16_src = src
         if args.dequantize:
             src = build_fp8_copy(src, args.device, log, gpu, args.work)
-        info = describe_checkpoint(src, "tensor" if args.dequantize else args.scheme)
+        info = describe_checkpoint(src, "tensor" if args.dequantize else args.scheme, args.rule)
         entry = results["checkpoints"][src.name] = {
             "name": name,
             "shard_gb": shard,
