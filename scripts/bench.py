@@ -619,6 +619,8 @@ def parse_json_report(stdout: str) -> dict | None:
 ABLATIONS = {
     # torch and CUDA loaded first, in the main thread (so no start-up record is read ahead either)
     "torch-first": "import torch; torch.empty(1, device='{dev}')\n",
+    # no page-cache read-ahead: neither the head start while the plan is made nor the run's own
+    "no-prefetch": "import sys; sys.argv += ['--prefetch', '0']\n",
 }
 ABLATED_CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
 
