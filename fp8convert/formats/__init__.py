@@ -6,15 +6,11 @@ from __future__ import annotations
 from ..errors import FP8ConvertError
 from ..options import regex_error
 from .compressed_tensors import CompressedTensorsConfig
-from .config import QuantizationConfig, ScaleLayout
+from .config import QuantizationConfig
 from .fp8 import FP8Config
 
 # by format name, which is also the quant_method in config.json
 CONFIGS: dict[str, type[QuantizationConfig]] = {"compressed-tensors": CompressedTensorsConfig, "fp8": FP8Config}
-
-
-def get_format(name: str) -> ScaleLayout:
-    return ScaleLayout(name)
 
 
 def config_type(quant_method: object) -> type[QuantizationConfig] | None:
