@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..errors import FP8ConvertError
 from ..options import FP4_SCHEMES, Scheme
 from ..safetensors_io import FP8, TensorInfo
-from . import config_type
+from . import CONFIGS
 from .config import QuantizationConfig
 
 SCALE_DTYPES = ("F32", "BF16", "F16")  # every value of these is exact in float32
@@ -137,7 +137,7 @@ def _declared(config: dict, where: str) -> QuantizationConfig | None:
     method = qc.get("quant_method")
     if method is None and (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
         method = "bitsandbytes"  # transformers' reading of a config without quant_method
-    if kind := config_type(method):
+    if kind := CONFIGS.get(str(method)):
         return kind.from_dict(qc, where, source=True)
     what = OTHER_METHODS.get(str(method), "not an FP8 method fp8convert reads")
     raise FP8ConvertError(
