@@ -73,9 +73,9 @@ def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
         done += n
 
 
-def read_header(path: str, file_name: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """(tensors by name, metadata) of one file's validated header. The tensors' `file` is `file_name` (the
-    shard's name in its checkpoint); errors name the whole `path`."""
+def read_header(path: str, file_name: str) -> dict[str, TensorInfo]:
+    """One file's validated header, by tensor name. The tensors' `file` is `file_name` (the shard's name in
+    its checkpoint); errors name the whole `path`."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb", buffering=0) as f:  # unbuffered: read the header, not the data after it
@@ -102,7 +102,7 @@ def _is_int(x) -> bool:
 
 def parse_header(
     raw: bytes, label: str, data_start: int, file_size: int | None, where: str | None = None
-) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+) -> dict[str, TensorInfo]:
     """Validate a header's JSON: a name given once (json would silently keep the last), known dtypes,
     sizes that match shapes, offsets that tile the data. `label` is the tensors' file; errors name
     `where` (by default the label)."""
@@ -122,8 +122,7 @@ def parse_header(
         raise FP8ConvertError(f"{where}: corrupt safetensors header (not JSON: {e})") from e
     if not isinstance(header, dict):
         raise FP8ConvertError(f"{where}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
+    if not isinstance(header.pop("__metadata__", None) or {}, dict):
         raise FP8ConvertError(f"{where}: corrupt safetensors header (__metadata__ is not an object)")
     tensors: dict[str, TensorInfo] = {}
     spans = []
@@ -156,7 +155,7 @@ def parse_header(
         raise FP8ConvertError(
             f"{where}: file is {what} (header describes {data_start + cursor} bytes, file has {file_size})"
         )
-    return tensors, metadata
+    return tensors
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,11 @@ from __future__ import annotations
 from ..errors import FP8ConvertError
 from ..options import regex_error
 from .compressed_tensors import CompressedTensorsConfig
-from .config import QuantizationConfig, ScaleLayout
+from .config import QuantizationConfig
 from .fp8 import FP8Config
 
-# by format name, which is also the quant_method in config.json
+# by format name, which is also the quant_method in config.json (look up str(quant_method): it may be any JSON)
 CONFIGS: dict[str, type[QuantizationConfig]] = {"compressed-tensors": CompressedTensorsConfig, "fp8": FP8Config}
-
-
-def get_format(name: str) -> ScaleLayout:
-    return ScaleLayout(name)
-
-
-def config_type(quant_method: object) -> type[QuantizationConfig] | None:
-    """The config type of a quant_method fp8convert reads; None for any other."""
-    return CONFIGS.get(quant_method) if isinstance(quant_method, str) else None
 
 
 def read_quantization_config(config: dict, where: str) -> QuantizationConfig:
@@ -28,7 +19,7 @@ def read_quantization_config(config: dict, where: str) -> QuantizationConfig:
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         raise FP8ConvertError(f"{where}: has no quantization_config; not an FP8 checkpoint")
-    kind = config_type(qc.get("quant_method"))
+    kind = CONFIGS.get(str(qc.get("quant_method")))
     if kind is None:
         raise FP8ConvertError(f"{where}: quant_method {qc.get('quant_method')!r} is neither compressed-tensors nor fp8")
     declared = kind.from_dict(qc, where)

@@ -1,6 +1,6 @@
-"""quantization_config as one typed record, and how each format names, types and shapes a weight's scale.
-Each format (fp8.py, compressed_tensors.py) has a subclass that parses its dict (`from_dict`, for an FP8
-source and for fp8convert's own output alike) and writes it back (`to_dict`)."""
+"""quantization_config as one typed record: what it declares, and how its format names, types and shapes a
+weight's scale. Each format (fp8.py, compressed_tensors.py) subclasses it to parse its dict (`from_dict`, for
+an FP8 source and for fp8convert's own output alike) and write it back (`to_dict`)."""
 
 from __future__ import annotations
 
@@ -10,33 +10,6 @@ from typing import ClassVar
 
 from ..errors import FP8ConvertError
 from ..options import BLOCK, GROUP_SIZE
-
-
-@dataclass(frozen=True)
-class ScaleLayout:
-    """A format's scale tensors: fp8 names block scales `weight_scale_inv` (it multiplies all the same),
-    every other scale is `weight_scale`; MX scales are E8M0 bytes, NVFP4's FP8 e4m3, every other one float32."""
-
-    format: str
-
-    def scale_name(self, weight_name: str, scheme: str) -> str:
-        return weight_name + ("_scale_inv" if self.format == "fp8" and scheme == "block" else "_scale")
-
-    def scale_dtype(self, scheme: str) -> str:
-        return {"mxfp8": "U8", "mxfp4a16": "U8", "nvfp4a16": "F8_E4M3"}.get(scheme, "F32")
-
-    def scale_shapes(self, shape: tuple[int, int], scheme: str, source: bool = False) -> list[tuple[int, ...]]:
-        """The scale shapes a reader accepts for a weight of `shape`, the written one first. A per-tensor
-        scale may be [] or [1] in fp8 (vLLM reads either) and in any source."""
-        out, inp = shape
-        if scheme == "tensor":
-            return [(1,)] if self.format == "compressed-tensors" and not source else [(), (1,)]
-        if scheme in GROUP_SIZE:
-            return [(out, inp // GROUP_SIZE[scheme])]
-        return [{"channel": (out, 1), "block": (-(-out // BLOCK), -(-inp // BLOCK))}[scheme]]
-
-    def scale_shape(self, shape: tuple[int, int], scheme: str) -> tuple[int, ...]:
-        return self.scale_shapes(shape, scheme)[0]
 
 
 @dataclass(frozen=True)
@@ -75,13 +48,23 @@ class QuantizationConfig:
         return "ue8m0" if self.scale_fmt == "ue8m0" else "float"
 
     def scale_name(self, weight: str) -> str:
-        return ScaleLayout(self.format).scale_name(weight, self.scheme)
+        """fp8 names block scales `weight_scale_inv` (they multiply all the same), every other scale is
+        `weight_scale`."""
+        return weight + ("_scale_inv" if self.format == "fp8" and self.scheme == "block" else "_scale")
 
     def scale_dtype(self) -> str:
-        return ScaleLayout(self.format).scale_dtype(self.scheme)
+        """MX scales are E8M0 bytes, NVFP4's FP8 e4m3, every other one float32."""
+        return {"mxfp8": "U8", "mxfp4a16": "U8", "nvfp4a16": "F8_E4M3"}.get(self.scheme, "F32")
 
     def scale_shapes(self, shape: tuple[int, int], source: bool = False) -> list[tuple[int, ...]]:
-        return ScaleLayout(self.format).scale_shapes(shape, self.scheme, source)
+        """The scale shapes a reader accepts for a weight of `shape`, the written one first. A per-tensor
+        scale may be [] or [1] in fp8 (vLLM reads either) and in any source."""
+        out, inp = shape
+        if self.scheme == "tensor":
+            return [(1,)] if self.format == "compressed-tensors" and not source else [(), (1,)]
+        if self.scheme in GROUP_SIZE:
+            return [(out, inp // GROUP_SIZE[self.scheme])]
+        return [{"channel": (out, 1), "block": (-(-out // BLOCK), -(-inp // BLOCK))}[self.scheme]]
 
     def ignores(self, module: str) -> bool:
         """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""

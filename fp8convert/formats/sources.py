@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..errors import FP8ConvertError
 from ..options import FP4_SCHEMES, Scheme
 from ..safetensors_io import FP8, TensorInfo
-from . import config_type
+from . import CONFIGS
 from .config import QuantizationConfig
 
 SCALE_DTYPES = ("F32", "BF16", "F16")  # every value of these is exact in float32
@@ -110,8 +110,14 @@ def read_source_quantization(
             "reads BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8 or compressed-tensors)"
         )
     declared = _declared(config, f"{where}/config.json")
-    if declared is None:
-        _refuse_quantized_tensors(tensors)
+    if declared is None:  # then no tensor may be quantized
+        for t in tensors:
+            if t.dtype.startswith("F8") or t.name.endswith((*FOREIGN_SUFFIXES, *SCALE_SUFFIXES, ".input_scale")):
+                raise FP8ConvertError(
+                    f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
+                    "config.json has no quantization_config saying how; fp8convert needs a "
+                    "BF16/FP16/FP32 source or an FP8 one with its quantization_config"
+                )
         return None
     weights = match_fp4(declared, tensors) if declared.scheme in FP4_SCHEMES else match_scales(declared, tensors)
     if not weights:
@@ -131,7 +137,7 @@ def _declared(config: dict, where: str) -> QuantizationConfig | None:
     method = qc.get("quant_method")
     if method is None and (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
         method = "bitsandbytes"  # transformers' reading of a config without quant_method
-    if kind := config_type(method):
+    if kind := CONFIGS.get(str(method)):
         return kind.from_dict(qc, where, source=True)
     what = OTHER_METHODS.get(str(method), "not an FP8 method fp8convert reads")
     raise FP8ConvertError(
@@ -139,17 +145,6 @@ def _declared(config: dict, where: str) -> QuantizationConfig | None:
         "BF16/FP16/FP32 checkpoints and FP8 ones (quant_method fp8, or compressed-tensors with FP8 "
         "weights)"
     )
-
-
-def _refuse_quantized_tensors(tensors: list[TensorInfo]) -> None:
-    """A checkpoint without quantization_config must not hold quantized tensors."""
-    for t in tensors:
-        if t.dtype.startswith("F8") or t.name.endswith((*FOREIGN_SUFFIXES, *SCALE_SUFFIXES, ".input_scale")):
-            raise FP8ConvertError(
-                f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
-                "config.json has no quantization_config saying how; fp8convert needs a "
-                "BF16/FP16/FP32 source or an FP8 one with its quantization_config"
-            )
 
 
 def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
@@ -175,8 +170,13 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
                 f"{t.file}: tensor {t.name} {list(t.shape)} is {FP8}, but only 2-D `.weight` "
                 "tensors are read as FP8 weights"
             )
-        module = t.name[: -len(".weight")]
-        scale = _one(by_name, module, scale_names, t, "scale", required=True)
+        module = t.name.removesuffix(".weight")
+        scale = _one(by_name, t, scale_names, "scale")
+        if scale is None:
+            wanted = " or ".join(f"{module}.{s}" for s in scale_names)
+            others = ", ".join(module + s for s in OTHER_SCALE_SUFFIXES if module + s in by_name)
+            hint = f"; {others} is not a scale name of this format, and fp8convert will not guess that it is one"
+            raise FP8ConvertError(f"{t.file}: FP8 weight {t.name} has no scale ({wanted}){hint if others else ''}")
         if scale.dtype not in SCALE_DTYPES:
             raise FP8ConvertError(
                 f"{scale.file}: scale {scale.name} is {scale.dtype}; fp8convert reads {', '.join(SCALE_DTYPES)} scales"
@@ -187,7 +187,7 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
                 f"{scale.file}: scale {scale.name} is shaped {list(scale.shape)}, but a {declared.scheme}"
                 f" scale of the {list(t.shape)} weight {t.name} is {' or '.join(map(str, map(list, shapes)))}"
             )
-        input_scale = _one(by_name, module, input_scale_names, t, "static activation scale", required=False)
+        input_scale = _one(by_name, t, input_scale_names, "static activation scale")
         if input_scale is not None and (input_scale.shape not in [(), (1,)] or input_scale.dtype not in SCALE_DTYPES):
             raise FP8ConvertError(
                 f"{input_scale.file}: activation scale {input_scale.name} is {input_scale.dtype} "
@@ -223,6 +223,18 @@ def match_scales(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dic
     return weights
 
 
+def _one(by_name: dict[str, TensorInfo], weight: TensorInfo, suffixes: tuple[str, ...], what: str) -> TensorInfo | None:
+    """The one tensor `module.<suffix>` of the FP8 `weight` among `suffixes`, if any; two are an error."""
+    module = weight.name.removesuffix(".weight")
+    found = [by_name[f"{module}.{s}"] for s in suffixes if f"{module}.{s}" in by_name]
+    if len(found) > 1:
+        raise FP8ConvertError(
+            f"{weight.file}: FP8 weight {weight.name} has {len(found)} {what}s "
+            f"({', '.join(f.name for f in found)}); exactly one is expected"
+        )
+    return found[0] if found else None
+
+
 def match_fp4(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
     """Every FP4 weight (X.weight_packed) with its group scales and (NVFP4) global scale, each checked from
     its header; keyed by the packed tensor's name."""
@@ -251,38 +263,10 @@ def match_fp4(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[s
         weights[t.name] = FP8Weight(t, found[0], None, found[1] if nvfp4 else None)
     for t in tensors:
         companion = t.name.endswith((".weight_scale", ".weight_global_scale"))
-        if (t.dtype == FP8 and not companion) or companion or t.name.endswith(".input_scale"):
-            module = t.name.rsplit(".", 1)[0]
-            if not companion or module + ".weight_packed" not in weights:
+        if t.dtype == FP8 or companion or t.name.endswith(".input_scale"):
+            if not companion or t.name.rsplit(".", 1)[0] + ".weight_packed" not in weights:
                 raise FP8ConvertError(
                     f"{t.file}: tensor {t.name} ({t.dtype}) is not part of an FP4 weight, but the config says "
                     f"{declared.format} {declared.scheme} (fp8convert reads one scheme per checkpoint)"
                 )
     return weights
-
-
-def _one(
-    by_name: dict[str, TensorInfo],
-    module: str,
-    suffixes: tuple[str, ...],
-    weight: TensorInfo,
-    what: str,
-    required: bool,
-) -> TensorInfo | None:
-    """The one tensor `module.<suffix>` among `suffixes`; two, or none when `required`, is an error."""
-    found = [by_name[f"{module}.{s}"] for s in suffixes if f"{module}.{s}" in by_name]
-    if len(found) > 1:
-        raise FP8ConvertError(
-            f"{weight.file}: FP8 weight {weight.name} has {len(found)} {what}s "
-            f"({', '.join(f.name for f in found)}); exactly one is expected"
-        )
-    if found or not required:
-        return found[0] if found else None
-    wanted = " or ".join(f"{module}.{s}" for s in suffixes)
-    others = [module + s for s in OTHER_SCALE_SUFFIXES if module + s in by_name]
-    hint = (
-        f"; {', '.join(others)} is not a scale name of this format, and fp8convert will not guess that it is one"
-        if others
-        else ""
-    )
-    raise FP8ConvertError(f"{weight.file}: FP8 weight {weight.name} has no scale ({wanted}){hint}")

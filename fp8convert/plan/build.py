@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from .._version import __version__
 from ..errors import FP8ConvertError
-from ..formats import get_format
+from ..formats import CONFIGS
 from ..formats.sources import SourceQuantization
 from ..options import FP4_SCHEMES, Format, Options, ScaleFormat, Scheme
 from ..source.checkpoint import Source
@@ -138,19 +138,19 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
     if not d.quantize:
         inputs = (fp8_weight.weight, fp8_weight.scale) + ((fp8_weight.global_scale,) if fp8_weight.global_scale else ())
         return replace(d, name=fp8_weight.name, inputs=inputs, action=Action.DEQUANTIZE, out_dtype=high_precision)
-    fmt, scheme = get_format(options.format), d.scheme
-    d = replace(d, scale_name=fmt.scale_name(d.name, scheme), scale_shape=fmt.scale_shape(d.shape, scheme))
+    fmt, scheme = CONFIGS[options.format](d.scheme), d.scheme
+    d = replace(d, scale_name=fmt.scale_name(d.name), scale_shape=fmt.scale_shapes(d.shape)[0])
     if scheme in FP4_SCHEMES:  # compressed-tensors' names: X.weight_packed, X.weight_scale, X.weight_global_scale
         global_scale = d.name + "_global_scale" if scheme == Scheme.NVFP4A16 else None
         d = replace(d, name=d.name + "_packed", packed=True, global_scale_name=global_scale)
     if fp8_weight is None:
-        return replace(d, scale_dtype=fmt.scale_dtype(scheme))
+        return replace(d, scale_dtype=fmt.scale_dtype())
     d = replace(d, inputs=(fp8_weight.weight, fp8_weight.scale))
     if fp8_weight.input_scale is not None and scheme == Scheme.TENSOR:
         d = replace(d, inputs=(*d.inputs, fp8_weight.input_scale), input_scale_name=module_of(d.name) + ".input_scale")
     if passes_through(quant, scheme, options):  # the scale keeps its dtype
         return replace(d, action=Action.PASS, scale_dtype=fp8_weight.scale.dtype)
-    return replace(d, action=Action.REQUANTIZE, scale_dtype=fmt.scale_dtype(scheme))
+    return replace(d, action=Action.REQUANTIZE, scale_dtype=fmt.scale_dtype())
 
 
 def passes_through(quant: SourceQuantization, scheme: str, options: Options) -> bool:

@@ -17,9 +17,9 @@ from ..safetensors_io import INDEX_NAME, TensorInfo, read_header
 from ..units import plural
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES)
-# rewritten or generated rather than copied
-NOT_COPIED = {"config.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json", f"{INDEX_NAME}.lock"}
+# weights and indexes, and the files rewritten or generated rather than copied
+NOT_COPIED_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", *PICKLE_SUFFIXES, ".index.json")
+NOT_COPIED = {"config.json", "README.md", f"{INDEX_NAME}.lock"}
 
 
 @dataclass
@@ -47,8 +47,7 @@ def is_copied_file(name: str) -> bool:
         "/" not in name
         and not name.startswith(".")
         and name not in NOT_COPIED
-        and not name.endswith(WEIGHT_SUFFIXES)
-        and not name.endswith(".index.json")
+        and not name.endswith(NOT_COPIED_SUFFIXES)
     )
 
 
@@ -85,9 +84,8 @@ def refuse_missing_numbered(names: list[str], where: str) -> None:
     """Without an index, the shard files are what the folder holds: a numbered set with one missing
     (an interrupted copy or download) would silently lose its layers, so it is refused by name."""
     sets: dict[tuple[str, str], set[int]] = {}
-    for name in names:
-        if m := NUMBERED_SHARD.match(name):
-            sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    for m in filter(None, map(NUMBERED_SHARD.match, names)):
+        sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
     missing = [
         f"{stem}-{i:0{len(total)}d}-of-{total}.safetensors"
         for (stem, total), have in sorted(sets.items())
@@ -157,8 +155,7 @@ NOT_A_FILE = "not a regular file (a directory, pipe, device or broken link)"
 
 
 def open_local(root: Path, label: str | None = None, revision: str | None = None) -> Source:
-    """Read a local checkpoint's layout: headers of every shard, config, files to copy. `revision`: the
-    Hub commit, when the directory is a downloaded snapshot."""
+    """A local checkpoint's layout. `revision`: the Hub commit, when the directory is a downloaded snapshot."""
     root = Path(root)
     if not root.is_dir():
         raise FP8ConvertError(f"{root}: not a directory (or Hub repo id)")
@@ -176,7 +173,7 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
             if index_map is not None and not path.exists() and not path.is_symlink():
                 raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
             raise FP8ConvertError(f"{path}: {NOT_A_FILE}, so it cannot be read as a shard")
-        headers[name], _ = read_header(str(path), name)
+        headers[name] = read_header(str(path), name)
     tensors = collect_tensors(headers, index_map, str(root))
     copy = [n for n in listing if is_copied_file(n) and (root / n).is_file()]
     quant = read_source_quantization(config, tensors, str(root), copy)

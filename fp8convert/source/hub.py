@@ -13,6 +13,9 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import huggingface_hub as hf  # cheap: the package loads its HTTP client only when used
+from huggingface_hub import constants
+
 from ..errors import FP8ConvertError
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess
@@ -53,12 +56,10 @@ class RemoteRepo:
     def download(self, filename: str, local_dir: Path | None = None, weights: bool = False) -> Path:
         """One file at the pinned commit, into the shared cache or `local_dir`; a partial file resumes.
         `weights`: a shard, which a rerun resumes (said when the download fails)."""
-        from huggingface_hub import hf_hub_download
-
         size = self.sizes.get(filename)
         path = Path(
             self.call(
-                hf_hub_download,
+                hf.hf_hub_download,
                 self.repo_id,
                 filename,
                 revision=self.sha,
@@ -77,16 +78,18 @@ class RemoteRepo:
             )
         return path
 
+    def snapshot_dir(self) -> Path:
+        """Where the shared cache keeps this commit's files."""
+        return self.download("config.json").parent
+
 
 def resolve_repo(repo_id: str, hub: HubAccess) -> RemoteRepo:
     """The commit `hub.revision` points to with the size of every file in it (one API call), and the files
     a conversion needs, from that listing and the small index: unusable repos (no config, pickle only, an
     index naming absent shards) are refused before any big download."""
-    from huggingface_hub import HfApi
-
     with also_no_folder(repo_id):
         info = RemoteRepo(repo_id, "", {}, hub).call(
-            HfApi(token=hub.token).model_info, repo_id, revision=hub.revision, files_metadata=True
+            hf.HfApi(token=hub.token).model_info, repo_id, revision=hub.revision, files_metadata=True
         )
     repo = RemoteRepo(repo_id, info.sha, {s.rfilename: s.size for s in (info.siblings or [])}, hub)
     where = f"{repo_id}@{hub.revision}" if hub.revision else repo_id
@@ -119,16 +122,15 @@ def also_no_folder(repo_id: str):
         ) from e
 
 
-def _read_range(url: str, headers: dict, start: int, length: int, timeout: float | None) -> bytes:
+def _read_range(url: str, headers: dict, start: int, length: int) -> bytes:
     """`length` bytes from `start` with one Range request; a server that ignores the Range header sends
     the file from byte 0, read only as far as needed (a weight file is never read in full)."""
-    from huggingface_hub.utils import get_session, hf_raise_for_status
-
     headers = {**headers, "Range": f"bytes={start}-{start + length - 1}"}
-    with get_session().stream("GET", url, headers=headers, timeout=timeout) as response:
+    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    with hf.get_session().stream("GET", url, headers=headers, timeout=timeout) as response:
         if response.status_code >= 400:
             response.read()
-            hf_raise_for_status(response)
+            hf.hf_raise_for_status(response)
         skip = start if response.status_code == 200 else 0
         out = bytearray()
         for chunk in response.iter_bytes():
@@ -138,32 +140,26 @@ def _read_range(url: str, headers: dict, start: int, length: int, timeout: float
         return bytes(out[skip : skip + length])
 
 
-def remote_header(repo: RemoteRepo, filename: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def remote_header(repo: RemoteRepo, filename: str) -> dict[str, TensorInfo]:
     """One shard's safetensors header over HTTP Range requests, validated exactly as a local one
     (offsets absolute: 8 + header length + data_offsets begin; the file size from the repo listing)."""
-    from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
-    url = hf_hub_url(repo.repo_id, filename, revision=repo.sha)
-    headers, timeout = build_hf_headers(token=repo.hub.token), constants.HF_HUB_DOWNLOAD_TIMEOUT
+    url, headers = hf.hf_hub_url(repo.repo_id, filename, revision=repo.sha), build_hf_headers(token=repo.hub.token)
     size = repo.sizes.get(filename)
     if size is not None and size < 8:
         raise FP8ConvertError(f"{filename}: not a safetensors file ({size} bytes)")
-    first = repo.call(_read_range, url, headers, 0, min(size or FIRST_HEADER_READ, FIRST_HEADER_READ), timeout)
+    first = repo.call(_read_range, url, headers, 0, min(size or FIRST_HEADER_READ, FIRST_HEADER_READ))
     header_len = header_length(first, size, filename)
     raw = first[8 : 8 + header_len]
     if len(raw) < header_len:
-        raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw), timeout)
+        raw += repo.call(_read_range, url, headers, 8 + len(raw), header_len - len(raw))
     return parse_header(raw, filename, data_start=8 + header_len, file_size=size)
 
 
-def _snapshot_dir(repo: RemoteRepo) -> Path:
-    return repo.download("config.json").parent  # where the shared cache keeps this commit's files
-
-
 def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
-    config = load_config(_snapshot_dir(repo))
-    headers = dict(zip(repo.shards, parallel(lambda f: remote_header(repo, f)[0], repo.shards)))
+    config = load_config(repo.snapshot_dir())
+    headers = dict(zip(repo.shards, parallel(lambda f: remote_header(repo, f), repo.shards)))
     tensors = collect_tensors(headers, repo.index_map, repo.repo_id)
     quant = read_source_quantization(config, tensors, repo.repo_id, repo.side_files)
     return Source(Path(root), list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant)
@@ -173,17 +169,16 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
     """A Source from the Hub. `download`: only the files a conversion reads (no .bin, no original/
     folder) into the cache; else the layout alone, from the shards' headers, rooted at the cache snapshot
     a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
-    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if not constants.HF_HUB_OFFLINE:
         repo = resolve_repo(repo_id, hub)
         if download:
             return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
-        return source_from_repo(repo, _snapshot_dir(repo))
+        return source_from_repo(repo, repo.snapshot_dir())
     with also_no_folder(repo_id):
         try:
-            root = snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)
+            root = hf.snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)
         except LocalEntryNotFoundError as e:
             at = f" at {hub.revision}" if hub.revision else ""
             raise FP8ConvertError(
@@ -197,8 +192,6 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
 def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
     """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
     and the small files finalize reads; offline, the source is the cached snapshot itself."""
-    from huggingface_hub import constants
-
     if source.revision is not None and not constants.HF_HUB_OFFLINE:
         _fetch(resolve_repo(source.label, replace(hub, revision=source.revision)), shards)
 
@@ -211,7 +204,7 @@ def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
             repo.download(name)
     shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
     parallel(lambda name: repo.download(name, weights=True), shards)
-    snapshot = _snapshot_dir(repo)
+    snapshot = repo.snapshot_dir()
     # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
     # snapshot: the files were fetched by commit, which records no ref.
     ref = repo.hub.revision or "main"
@@ -228,21 +221,17 @@ def parallel(fn, items: list) -> list:
     is raised. Ctrl-C returns at once (a thread pool would wait for every download in flight, whose
     partial files a rerun resumes anyway)."""
     results, failed, todo = [None] * len(items), [], queue.SimpleQueue()
-    for i in range(len(items)):
-        todo.put(i)
 
     def work() -> None:
-        while not failed:
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
+        while not failed and (i := todo.get()) is not None:
             try:
                 results[i] = fn(items[i])
             except BaseException as e:
                 failed.append(e)
 
     threads = [threading.Thread(target=work, name="fp8convert-hub", daemon=True) for _ in items[:PARALLEL_REQUESTS]]
+    for i in [*range(len(items)), *[None] * len(threads)]:  # a None ends each thread
+        todo.put(i)
     for th in threads:
         th.start()
     for th in threads:

@@ -7,10 +7,12 @@ environment variables that set them: docs/usage.md.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
-import threading
 import time
 import traceback
+
+from huggingface_hub import constants  # cheap: the package loads its HTTP client only when used
 
 from ..errors import FP8ConvertError
 from ..options import env_number
@@ -28,34 +30,24 @@ NETWORK_ERRNOS = {
 }
 
 
-_install_lock = threading.Lock()
-_installed = False
-
-
+@functools.cache
 def install_timeouts() -> None:
-    """Once per process: wrap the client factory (a user's own included) so every request carries them."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from huggingface_hub.utils import _http, close_session, set_client_factory
+    """Once per process (the first Hub call is the main thread's): wrap the client factory, a user's own
+    included, so every request carries them."""
+    from huggingface_hub.utils import _http
 
-        base = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+    base = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
 
-        def factory():
-            client = base()
-            client.event_hooks["request"].append(_bound_timeouts)
-            return client
+    def factory():
+        client = base()
+        client.event_hooks["request"].append(_bound_timeouts)
+        return client
 
-        set_client_factory(factory)  # closes the current client: the next request makes one with the hook
-        close_session()
-        _installed = True
+    _http.set_client_factory(factory)  # closes the current client: the next request makes one with the hook
 
 
 def _bound_timeouts(request) -> None:
     """A request hook: connect and read timeouts, none longer than the limits."""
-    from huggingface_hub import constants
-
     connect, read = float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
     if request.method not in ("GET", "HEAD"):
         read = max(read, UPLOAD_READ_TIMEOUT_S)
@@ -153,18 +145,17 @@ def hub_error(
 ) -> FP8ConvertError:
     """One clear line for any huggingface_hub, network or download-cache failure. `then`: what to do
     about a network failure (e.g. that a rerun resumes it); `needed_bytes`: said when the disk is full."""
-    from huggingface_hub import constants
-    from huggingface_hub import errors as hf
+    from huggingface_hub import errors
 
     if isinstance(error, FP8ConvertError):
         return error
     known = {  # the first that fits: GatedRepoError is a RepositoryNotFoundError
-        hf.GatedRepoError: "gated repository; accept its terms on the Hub and log in (hf auth login, or set "
+        errors.GatedRepoError: "gated repository; accept its terms on the Hub and log in (hf auth login, or set "
         "HF_TOKEN or --token)",
-        hf.RepositoryNotFoundError: "repository not found (or private: log in, or set HF_TOKEN or --token)",
-        hf.RevisionNotFoundError: f"revision {revision or ''} not found".replace("  ", " "),
-        hf.RemoteEntryNotFoundError: f"file not found on the Hub ({_first_line(error)})",
-        hf.OfflineModeIsEnabled: "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download",
+        errors.RepositoryNotFoundError: "repository not found (or private: log in, or set HF_TOKEN or --token)",
+        errors.RevisionNotFoundError: f"revision {revision or ''} not found".replace("  ", " "),
+        errors.RemoteEntryNotFoundError: f"file not found on the Hub ({_first_line(error)})",
+        errors.OfflineModeIsEnabled: "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download",
     }
     if kind := next((k for k in known if isinstance(error, k)), None):
         return FP8ConvertError(f"{repo_id}: {known[kind]}")
@@ -174,7 +165,7 @@ def hub_error(
             f"{repo_id}: the Hub did not answer within {float(constants.HF_HUB_DOWNLOAD_TIMEOUT):g} s{_tries(error)} "
             f"({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets the wait)"
         )
-    if is_network_error(error) or isinstance(error, hf.LocalEntryNotFoundError):
+    if is_network_error(error) or isinstance(error, errors.LocalEntryNotFoundError):
         cause = next((e for e in causes(error) if e is not error and is_network_error(e)), error)
         return FP8ConvertError(
             f"{repo_id}: cannot reach the Hub (network error{_tries(error)}: "

@@ -28,7 +28,7 @@ class NoFetcher(contextlib.nullcontext):
         return 0
 
 
-class StreamingFetcher:
+class StreamingFetcher(contextlib.AbstractContextManager):
     """At most `keep` source shards on disk: a background thread downloads them into `download_dir` (not
     the shared cache) in the order `start(order)` gives, after the small side files.
 
@@ -53,9 +53,6 @@ class StreamingFetcher:
         self._thread: threading.Thread | None = None
         self._closed = self._started = False
 
-    def __enter__(self) -> StreamingFetcher:
-        return self
-
     def __exit__(self, exc_type, *exc) -> None:
         self.close(remove=exc_type is None)
 
@@ -65,7 +62,7 @@ class StreamingFetcher:
         if self._started:
             return
         if order is not None:
-            self.order = self._shards(order)
+            self.order = list(order)
         self.dir.mkdir(parents=True, exist_ok=True)
         for name in self.repo.side_files + ([self.repo.card] if self.repo.card else []):
             self.repo.download(name, local_dir=self.dir, weights=True)
@@ -83,7 +80,6 @@ class StreamingFetcher:
 
     def need(self, files: list[str]) -> None:
         self.start()
-        files = self._shards(files)
         with self._cond:
             for f in files:
                 if self.state[f] in ("failed", "released"):
@@ -102,18 +98,17 @@ class StreamingFetcher:
 
     def done_reading(self, files: list[str]) -> None:
         with self._cond:
-            self._read_done.update(f for f in files if f in self.state)
+            self._read_done.update(files)
             self._cond.notify_all()
 
     def release(self, files: list[str]) -> None:
         with self._cond:
             for f in dict.fromkeys(files):
-                if f in self.state:
-                    self._read_done.discard(f)
-                    if self.state[f] == "downloading":
-                        self._drop_on_arrival.add(f)
-                    else:
-                        self._released(f)
+                self._read_done.discard(f)
+                if self.state[f] == "downloading":
+                    self._drop_on_arrival.add(f)
+                else:
+                    self._released(f)
             self._cond.notify_all()
 
     def close(self, remove: bool = False) -> None:
@@ -129,11 +124,6 @@ class StreamingFetcher:
     def disk_bytes_needed(self) -> int:
         """Disk the streamed shards may need at once (the `keep` largest)."""
         return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.state), reverse=True)[: self.keep])
-
-    def _shards(self, files: list[str]) -> list[str]:
-        if unknown := [f for f in files if f not in self.state]:
-            raise FP8ConvertError(f"{self.repo.repo_id}: {unknown[0]} is not a shard of this checkpoint")
-        return list(dict.fromkeys(files))
 
     # -- background thread
 

@@ -54,7 +54,7 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
             layout.unreadable.add(file)
             continue
         try:
-            header, _ = read_header(str(path), file)
+            header = read_header(str(path), file)
         except FP8ConvertError as e:
             report.fail(file, str(e).removeprefix(f"{path}: "))
             layout.unreadable.add(file)
