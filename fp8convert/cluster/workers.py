@@ -112,21 +112,22 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
             raise FP8ConvertError(
                 f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; pass --worker K/N"
             )
+        index, count, launcher = offset // step, env_int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array"
         where = "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)"
-        return _checked(offset // step, env_int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array", where, on_this_machine=1)
-    if env.get("JOB_COMPLETION_INDEX"):
+    elif env.get("JOB_COMPLETION_INDEX"):
         if not env.get("JOB_COMPLETIONS"):
             raise FP8ConvertError(
                 "Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
                 "completions, or pass --worker $JOB_COMPLETION_INDEX/N"
             )
-        index, count = env_int(env, "JOB_COMPLETION_INDEX"), env_int(env, "JOB_COMPLETIONS")
+        index, count, launcher = env_int(env, "JOB_COMPLETION_INDEX"), env_int(env, "JOB_COMPLETIONS"), "k8s"
         where = "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)"
-        return _checked(index, count, "k8s", where, on_this_machine=1)
-    raise FP8ConvertError(
-        "--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
-        "or a Kubernetes indexed Job); pass --worker K/N"
-    )
+    else:
+        raise FP8ConvertError(
+            "--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
+            "or a Kubernetes indexed Job); pass --worker K/N"
+        )
+    return _checked(index, count, launcher, where, on_this_machine=1)  # each task is an allocation of its own
 
 
 def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
@@ -218,7 +219,7 @@ def _dead_here(holder: list[str]) -> bool:
 
 
 def release_finalize(out_dir: Path, fd: int | None) -> None:
-    """Drop the claim (fd None: drop whatever claim is there, e.g. after an explicit finalize)."""
+    """Drop the claim (fd None: whatever claim is there, e.g. after an explicit finalize)."""
     if fd is not None:
         os.close(fd)
     (Path(out_dir) / WORK_DIR / CLAIM).unlink(missing_ok=True)

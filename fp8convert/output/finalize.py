@@ -15,16 +15,15 @@ import shutil
 from pathlib import Path
 
 from ..errors import FP8ConvertError, PlanMismatchError
+from ..files import fsync_dir, json_bytes, write_atomic
 from ..options import HubAccess, Options
 from ..plan.build import build_plan
 from ..plan.plan import Plan
-from ..run.writeback import fsync_dir
 from ..safetensors_io import INDEX_NAME, read_header
 from ..source.checkpoint import index_files, parse_index
 from ..source.resolve import recorded_source
 from ..units import listed
 from .card import make_card, read_source_card
-from .files import json_bytes, write_atomic
 from .lock import OutputLock, is_lock_file
 from .manifest import MANIFEST, WORK_DIR, Manifest, plan_change, source_change
 from .partial import RECORD_SUFFIX

@@ -13,9 +13,8 @@ import zlib
 from pathlib import Path
 from queue import SimpleQueue
 
+from ..files import fsync_dir, write_atomic
 from ..plan.plan import Plan, Shard
-from ..run.writeback import fsync_dir
-from .files import write_atomic
 
 RECORD_SUFFIX = ".units"
 READ_BYTES = 8 << 20
