@@ -383,7 +383,7 @@ def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str
         lock.acquire()  # refused while a worker still writes here
         check_shards(the_plan, out_dir)
         finalize(the_plan, out_dir)
-        workers.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing
+        workers.release_finalize(out_dir)  # a claim left by a worker that died while finalizing
     return FinalizeReport(
         str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes, time.monotonic() - started
     )

@@ -45,7 +45,6 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def replace_with(path: Path, data: bytes, tmp: Path) -> None:
-    """Write `data` to `tmp`, fsync it and rename it to `path`."""
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

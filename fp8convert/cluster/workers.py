@@ -185,16 +185,16 @@ def barrier() -> None:
             dist.destroy_process_group()
 
 
-def claim_finalize(out_dir: Path) -> int | None:
-    """Become the one worker that finalizes now: an O_EXCL claim file naming host and pid. None when
-    another worker holds the claim (it is finalizing); a claim left by a dead worker (its pid gone on
-    this host, or older than STALE_CLAIM_S) is taken over."""
+def claim_finalize(out_dir: Path) -> bool:
+    """Become the one worker that finalizes now: a claim file, created only where none is, naming host and
+    pid. False when another worker holds the claim (it is finalizing); a claim left by a dead worker (its
+    pid gone on this host, or older than STALE_CLAIM_S) is taken over."""
     path = Path(out_dir) / WORK_DIR / CLAIM
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            os.write(fd, f"{os.uname().nodename} {os.getpid()}\n".encode())
-            return fd
+            with open(path, "x") as f:
+                f.write(f"{os.uname().nodename} {os.getpid()}\n")
+            return True
         except FileExistsError:
             try:
                 age = time.time() - path.stat().st_mtime
@@ -202,9 +202,9 @@ def claim_finalize(out_dir: Path) -> int | None:
             except FileNotFoundError:
                 continue  # released just now: try again
             if age < STALE_CLAIM_S and not _dead_here(holder):
-                return None
+                return False
             path.unlink(missing_ok=True)
-    return None
+    return False
 
 
 def _dead_here(holder: list[str]) -> bool:
@@ -218,10 +218,7 @@ def _dead_here(holder: list[str]) -> bool:
         return isinstance(e, ProcessLookupError)
 
 
-def release_finalize(out_dir: Path, fd: int | None) -> None:
-    """Drop the claim (fd None: whatever claim is there, e.g. after an explicit finalize)."""
-    if fd is not None:
-        os.close(fd)
+def release_finalize(out_dir: Path) -> None:
     (Path(out_dir) / WORK_DIR / CLAIM).unlink(missing_ok=True)
 
 
@@ -242,14 +239,13 @@ def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) 
                 progress,
             )
             return False
-        claim = claim_finalize(out_dir)
-        if claim is None:
+        if not claim_finalize(out_dir):
             log(f"worker {spec.text}: every shard present; another worker is finalizing {out_dir}", progress)
             return False
         try:
             finalize(plan, out_dir)
         finally:
-            release_finalize(out_dir, claim)
+            release_finalize(out_dir)
         return True
     finalize(plan, out_dir)
     return True

@@ -140,7 +140,6 @@ def make_card(
     plan_or_info,
     source_card_text: str | None = None,
     command: str | None = None,
-    verify: dict | None = None,
     repo_id: str | None = None,
     out_dir: str | Path | None = None,
     base_model: str | None = None,
@@ -166,8 +165,6 @@ def make_card(
     body = [introduction(info, base_model), ""]
     body += dequantization_section(info) if dequantized else [*quantization_section(info), "", *kept_section(info)]
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
-    if verify:
-        lines += ["", *verification_section(verify)]
     lines += ["", "## Reproduce", "", "```bash", cmd, "```", "", *use_section(info, where)]
     lines += ["", TARGET_MARK.format(where)]
     return "\n".join(lines).rstrip() + "\n"

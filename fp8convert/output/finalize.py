@@ -232,23 +232,19 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     total_size = sum(t.nbytes for s in plan.shards for t in s.tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(out_dir / INDEX_NAME, json_bytes(index))
-    write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
-    manifest.mark_complete(plan)
-    # every shard is final: records of units are left only by a run that stopped before removing one
-    for record in (out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX):
-        record.unlink(missing_ok=True)
-    fsync_dir(out_dir)
-
-
-def output_config(plan: Plan) -> dict:
-    """The source's config.json (key order kept) with the output's quantization_config (none when
-    dequantized) in place of the source's own, and without the old name compression_config."""
+    # the source's config.json (key order kept) with the output's quantization_config (none when
+    # dequantized) in place of the source's own, and without the old name compression_config
     config = {k: v for k, v in plan.source.config.items() if k != "compression_config"}
     if (quantization := plan.quantization_config()) is None:
         config.pop("quantization_config", None)
     else:
         config["quantization_config"] = quantization
-    return config
+    write_atomic(out_dir / "config.json", json_bytes(config))
+    manifest.mark_complete(plan)
+    # every shard is final: records of units are left only by a run that stopped before removing one
+    for record in (out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX):
+        record.unlink(missing_ok=True)
+    fsync_dir(out_dir)
 
 
 def check_shards(the_plan: Plan, out_dir: Path) -> None:
