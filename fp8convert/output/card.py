@@ -221,22 +221,20 @@ def introduction(info: dict, base_model: str | None) -> str:
 def quantization_section(info: dict) -> list[str]:
     scheme, fmt = info["scheme"], info["format"]
     weights = UE8M0_TEXT if info.get("scale_format") == "ue8m0" else SCHEME_TEXT.get(scheme, scheme)
+    activations = (
+        "static per-tensor FP8 (the source's calibrated input_scale)"
+        if info.get("static_activations")
+        else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
+    )
     lines = [
         "## Quantization",
         "",
         f"- Format: `{fmt}` (`quantization_config` in config.json)",
         f"- Weights{' (the modules no recipe rule matches)' if info.get('recipe') else ''}: {weights}",
-        "- Activations: "
-        + (
-            "static per-tensor FP8 (the source's calibrated input_scale)"
-            if info.get("static_activations")
-            else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
-        ),
+        f"- Activations: {activations}",
+        *(f"- Recipe: modules matching `{p}`: {SCHEME_TEXT.get(s, s)}" for p, s in info.get("recipe") or ()),
     ]
-    by_scheme = info.get("quantized_by_scheme") or {}
-    for pattern, rule_scheme in info.get("recipe") or ():
-        lines.append(f"- Recipe: modules matching `{pattern}`: {SCHEME_TEXT.get(rule_scheme, rule_scheme)}")
-    if by_scheme:
+    if by_scheme := info.get("quantized_by_scheme"):
         lines.append("- Per scheme: " + ", ".join(f"{n} weights {s}" for s, n in by_scheme.items()))
     if q := info.get("quantized"):
         lines.append(
