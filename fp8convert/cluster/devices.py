@@ -56,9 +56,9 @@ def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
 
 
 def run_on_devices(target: Callable, src: str, out: str, settings: Settings, spec: WorkerSpec, devices: list) -> list:
-    """target(src, out, settings) in one spawned process per device (so importable by name), its Settings
-    those given with its device, its part of worker `spec`'s shards, no finalize, and no --overwrite (the
-    parent has already replaced OUT; a worker of several may not): their Reports."""
+    """target(src, out, settings) in one spawned process per device (so importable by name): their Reports.
+    Each child's settings are these with its device, its part of worker `spec`'s shards, no finalize, and
+    no --overwrite (the parent has already replaced OUT; a worker of several may not)."""
     children = [
         replace(settings, device=d, devices=None, worker=spec.split(len(devices), i), finalize=False, overwrite=False)
         for i, d in enumerate(devices)
