@@ -55,8 +55,8 @@ class Report:
     tensors_kept: int
     bytes_in: int
     bytes_out: int
-    seconds: float
-    peak_device_bytes: int | None
+    seconds: float = 0.0
+    peak_device_bytes: int | None = None
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -124,10 +124,6 @@ def quantize(
     spec = workers.resolve_worker(settings.worker)
     settings, devices = device_split.split_settings(settings)
     _refuse_conflicts(src, settings, spec, devices)
-    if cuda_missing(settings.device):  # known without torch: refused before OUT is made or space reserved
-        raise FP8ConvertError(
-            f"--device {settings.device}: CUDA is not available on this machine (the installed torch is a CPU build)"
-        )
     out_dir = Path(out)
     stream_to = out_dir / WORK_DIR / DOWNLOAD_DIR if settings.stream_download else None
     source, fetcher = run_source(src, settings.hub, stream_to, shared=spec.count > 1)
@@ -148,14 +144,14 @@ def quantize(
             done, complete = prepare_output(
                 the_plan, out_dir, settings.overwrite, streamed=settings.stream_download, lock=lock
             )
-            report = _new_report(the_plan, out_dir, settings, spec, done, complete)
         finally:
             if head:
                 head.stop(wait=False)  # the run's own prefetcher takes over, in the pipeline's order
+        report = _new_report(the_plan, out_dir, settings, spec, done, complete)
         if not complete:  # else an earlier run of this plan finished it
+            todo = spec.owned(len(the_plan.shards)) - done
             if devices:
                 lock.share()  # the workers it starts, one per device, hold it shared too
-            todo = spec.owned(len(the_plan.shards)) - done
             # the units an earlier run wrote in this share's partial shards, checked against their bytes
             # (with --devices, each device's worker checks its own)
             written = {} if devices else written_in(the_plan, out_dir, todo)
@@ -187,6 +183,7 @@ def dequantize(
 
 
 def _refuse_conflicts(src, settings: Settings, spec: workers.WorkerSpec, devices: list[str] | None) -> None:
+    """Refusals known before OUT is made or space reserved (whether CUDA is there: without torch)."""
     if settings.overwrite and spec.count > 1:
         raise FP8ConvertError(
             f"--overwrite with several workers (worker {spec.text}): each would clear the "
@@ -198,10 +195,13 @@ def _refuse_conflicts(src, settings: Settings, spec: workers.WorkerSpec, devices
         )
     if settings.stream_download and not looks_like_repo_id(str(src)):
         raise FP8ConvertError(f"--stream-download applies to Hub repo ids; {src} is local")
+    if cuda_missing(settings.device):
+        raise FP8ConvertError(
+            f"--device {settings.device}: CUDA is not available on this machine (the installed torch is a CPU build)"
+        )
 
 
 def _fresh(out_dir: Path) -> bool:
-    """Whether OUT is new or empty."""
     try:
         return not any(out_dir.iterdir())
     except FileNotFoundError:
@@ -227,8 +227,6 @@ def _new_report(
         tensors_kept=count[Action.KEEP],
         bytes_in=the_plan.source.total_bytes,
         bytes_out=the_plan.out_bytes,
-        seconds=0.0,
-        peak_device_bytes=None,
         ignore=the_plan.ignore_list,
         notes=list(the_plan.notes),
         warnings=plan_warnings(the_plan),
@@ -244,8 +242,8 @@ def _new_report(
 
 
 def _device_worker(src: str, out: str, settings: Settings) -> Report:
-    """One --devices child (spawned; must be importable by name). Its errors keep the CLI's spelling:
-    the parent's `quantize` respells them for a Python caller."""
+    """One --devices child (spawned: importable by name). Its errors keep the CLI's spelling: the parent's
+    `quantize` respells them for a Python caller."""
     return quantize.__wrapped__(src, out, settings)
 
 
@@ -258,15 +256,12 @@ def _quantize_on_devices(
         + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""),
         settings.progress,
     )
-    reports = device_split.run_on_devices(
-        _device_worker, src, str(out_dir), device_split.child_settings(settings, spec, devices)
-    )
+    reports = device_split.run_on_devices(_device_worker, src, str(out_dir), settings, spec, devices)
     report.device = ",".join(r.device for r in reports)
-    report.shards_written = sum(r.shards_written for r in reports)
-    report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)
-    report.peak_device_bytes = max(
-        (r.peak_device_bytes for r in reports if r.peak_device_bytes is not None), default=None
-    )
+    for counted in ("shards_written", "units", "units_resumed"):
+        setattr(report, counted, sum(getattr(r, counted) for r in reports))
+    peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
+    report.peak_device_bytes = max(peaks, default=None)
     report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}
     if settings.finalize:
         report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
@@ -388,7 +383,7 @@ def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str
         lock.acquire()  # refused while a worker still writes here
         check_shards(the_plan, out_dir)
         finalize(the_plan, out_dir)
-        workers.release_finalize(out_dir, None)  # a claim left by a worker that died while finalizing
+        workers.release_finalize(out_dir)  # a claim left by a worker that died while finalizing
     return FinalizeReport(
         str(out_dir), the_plan.source.label, len(the_plan.shards), the_plan.out_bytes, time.monotonic() - started
     )

@@ -7,8 +7,8 @@ import re
 import shlex
 from pathlib import Path
 
-from .errors import FP8ConvertError, UsageError
-from .formats import CompressedTensorsConfig, read_quantization_config
+from .errors import UsageError
+from .formats import CompressedTensorsConfig, QuantizationConfig, read_quantization_config
 from .options import REPO_ID, python_spelling
 from .output.card import TARGET_MARK, make_card, read_source_card
 from .output.finalize import check_output_complete
@@ -39,18 +39,16 @@ def push(
     if not REPO_ID.match(repo_id):
         raise UsageError(f"{repo_id}: not a Hub repo id (owner/name)")
     config = check_output_complete(out, "push")
+    # a dequantized output has no quantization_config (its manifest says what it is)
+    declared = read_quantization_config(config, str(out / "config.json")) if "quantization_config" in config else None
     card_path = out / CARD_NAME
     if card_path.is_file():  # a generated card's examples should name the repo, not the local directory
         text = card_path.read_text(encoding="utf-8")
         if (retargeted := retarget_card(text, repo_id)) != text:
             card_path.write_text(retargeted, encoding="utf-8")
     else:
-        card_path.write_text(card_from_output(out, repo_id=repo_id), encoding="utf-8")
-    what = (
-        f"FP8 checkpoint ({read_quantization_config(config, str(out / 'config.json')).format})"
-        if "quantization_config" in config
-        else "checkpoint dequantized from FP8"
-    )
+        card_path.write_text(card_from_output(out, declared, repo_id), encoding="utf-8")
+    what = f"FP8 checkpoint ({declared.format})" if declared else "checkpoint dequantized from FP8"
     api = HfApi(token=token)
     try:
         with_retries(api.create_repo, repo_id, private=private, exist_ok=True, repo_type="model")
@@ -96,20 +94,10 @@ def retarget_card(text: str, repo_id: str) -> str:
     return body + "\n" + TARGET_MARK.format(repo_id) + "\n"
 
 
-def card_from_output(out: str | Path, repo_id: str | None = None) -> str:
-    """A card for an output that has none, from its manifest and config only."""
-    out = Path(out)
-    try:
-        manifest = Manifest(out).read() or {}
-    except FP8ConvertError:
-        manifest = {}
-    config = json.loads((out / "config.json").read_text())
-    # a dequantized output has no quantization_config (its manifest says what it is)
-    declared = (
-        read_quantization_config(config, str(out / "config.json"))
-        if "quantization_config" in config
-        else CompressedTensorsConfig("tensor")
-    )
+def card_from_output(out: Path, declared: QuantizationConfig | None, repo_id: str | None = None) -> str:
+    """A card for a complete output that has none, from its manifest and its config's `declared` format."""
+    manifest = Manifest(out).read() or {}
+    declared = declared or CompressedTensorsConfig("tensor")
     source = manifest.get("source") or "unknown"
     source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {

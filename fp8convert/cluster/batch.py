@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import FP8ConvertError
+from ..files import json_bytes, read_json_object, write_atomic
 from ..options import REPO_ID, SETTING_NAMES, Settings
-from ..output.files import json_bytes, read_json_object, write_atomic
 from ..output.manifest import WORK_DIR
 from ..units import plural
 from .devices import parse_devices

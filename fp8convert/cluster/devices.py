@@ -55,17 +55,14 @@ def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
     return settings, devices
 
 
-def child_settings(settings: Settings, spec: WorkerSpec, devices: list[str]) -> list[Settings]:
-    """Each device's settings: its device, its part of worker `spec`'s shards, no finalize, and no
-    --overwrite (the parent has already replaced OUT; a worker of several may not)."""
-    return [
+def run_on_devices(target: Callable, src: str, out: str, settings: Settings, spec: WorkerSpec, devices: list) -> list:
+    """target(src, out, settings) in one spawned process per device (so importable by name): their Reports.
+    Each child's settings are these with its device, its part of worker `spec`'s shards, no finalize, and
+    no --overwrite (the parent has already replaced OUT; a worker of several may not)."""
+    children = [
         replace(settings, device=d, devices=None, worker=spec.split(len(devices), i), finalize=False, overwrite=False)
         for i, d in enumerate(devices)
     ]
-
-
-def run_on_devices(target: Callable, src: str, out: str, children: list[Settings]) -> list:
-    """target(src, out, settings) in one spawned process per child (so importable by name): their Reports."""
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     with ProcessPoolExecutor(len(children), mp_context=ctx) as pool:
         jobs = [(child.device, pool.submit(target, src, out, child)) for child in children]

@@ -112,21 +112,22 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
             raise FP8ConvertError(
                 f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; pass --worker K/N"
             )
+        index, count, launcher = offset // step, env_int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array"
         where = "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)"
-        return _checked(offset // step, env_int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array", where, on_this_machine=1)
-    if env.get("JOB_COMPLETION_INDEX"):
+    elif env.get("JOB_COMPLETION_INDEX"):
         if not env.get("JOB_COMPLETIONS"):
             raise FP8ConvertError(
                 "Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
                 "completions, or pass --worker $JOB_COMPLETION_INDEX/N"
             )
-        index, count = env_int(env, "JOB_COMPLETION_INDEX"), env_int(env, "JOB_COMPLETIONS")
+        index, count, launcher = env_int(env, "JOB_COMPLETION_INDEX"), env_int(env, "JOB_COMPLETIONS"), "k8s"
         where = "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)"
-        return _checked(index, count, "k8s", where, on_this_machine=1)
-    raise FP8ConvertError(
-        "--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
-        "or a Kubernetes indexed Job); pass --worker K/N"
-    )
+    else:
+        raise FP8ConvertError(
+            "--worker auto: no launcher found (torchrun, srun with several tasks, a Slurm array "
+            "or a Kubernetes indexed Job); pass --worker K/N"
+        )
+    return _checked(index, count, launcher, where, on_this_machine=1)  # each task is an allocation of its own
 
 
 def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
@@ -184,16 +185,16 @@ def barrier() -> None:
             dist.destroy_process_group()
 
 
-def claim_finalize(out_dir: Path) -> int | None:
-    """Become the one worker that finalizes now: an O_EXCL claim file naming host and pid. None when
-    another worker holds the claim (it is finalizing); a claim left by a dead worker (its pid gone on
-    this host, or older than STALE_CLAIM_S) is taken over."""
+def claim_finalize(out_dir: Path) -> bool:
+    """Become the one worker that finalizes now: a claim file, created only where none is, naming host and
+    pid. False when another worker holds the claim (it is finalizing); a claim left by a dead worker (its
+    pid gone on this host, or older than STALE_CLAIM_S) is taken over."""
     path = Path(out_dir) / WORK_DIR / CLAIM
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            os.write(fd, f"{os.uname().nodename} {os.getpid()}\n".encode())
-            return fd
+            with open(path, "x") as f:
+                f.write(f"{os.uname().nodename} {os.getpid()}\n")
+            return True
         except FileExistsError:
             try:
                 age = time.time() - path.stat().st_mtime
@@ -201,9 +202,9 @@ def claim_finalize(out_dir: Path) -> int | None:
             except FileNotFoundError:
                 continue  # released just now: try again
             if age < STALE_CLAIM_S and not _dead_here(holder):
-                return None
+                return False
             path.unlink(missing_ok=True)
-    return None
+    return False
 
 
 def _dead_here(holder: list[str]) -> bool:
@@ -217,10 +218,7 @@ def _dead_here(holder: list[str]) -> bool:
         return isinstance(e, ProcessLookupError)
 
 
-def release_finalize(out_dir: Path, fd: int | None) -> None:
-    """Drop the claim (fd None: drop whatever claim is there, e.g. after an explicit finalize)."""
-    if fd is not None:
-        os.close(fd)
+def release_finalize(out_dir: Path) -> None:
     (Path(out_dir) / WORK_DIR / CLAIM).unlink(missing_ok=True)
 
 
@@ -241,14 +239,13 @@ def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) 
                 progress,
             )
             return False
-        claim = claim_finalize(out_dir)
-        if claim is None:
+        if not claim_finalize(out_dir):
             log(f"worker {spec.text}: every shard present; another worker is finalizing {out_dir}", progress)
             return False
         try:
             finalize(plan, out_dir)
         finally:
-            release_finalize(out_dir, claim)
+            release_finalize(out_dir)
         return True
     finalize(plan, out_dir)
     return True

@@ -6,5 +6,4 @@ lock.py      one writer per share of OUT at a time
 finalize.py  preparing OUT (whose files it holds, refusals, resume), finishing it (side files, card, index,
              config.json last)
 card.py      the model card
-files.py     small files written whole and atomically
 """

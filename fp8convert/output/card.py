@@ -97,18 +97,6 @@ def card_info(plan) -> dict:
     }
 
 
-def base_model_of(info: dict, given: str | None) -> str | None:
-    """--base-model, else a Hub source's repo id, else the repo of a Hub cache snapshot given as a directory
-    (the source card's own base_model names the source's parent)."""
-    source = str(info["source"])
-    if given:
-        return given
-    if info.get("revision") and REPO_ID.match(source):
-        return source
-    m = SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))
-    return f"{m.group(1)}/{m.group(2)}" if m else None
-
-
 def reproduce_command(info: dict, target: str, base_model: str | None) -> str:
     """The quantize (or dequantize) command line, sizes written as a user types them ('2GB', not 2000000000)."""
     source, dtype, size = str(info["source"]), info.get("dtype"), info.get("max_shard_size")
@@ -152,7 +140,6 @@ def make_card(
     plan_or_info,
     source_card_text: str | None = None,
     command: str | None = None,
-    verify: dict | None = None,
     repo_id: str | None = None,
     out_dir: str | Path | None = None,
     base_model: str | None = None,
@@ -169,12 +156,15 @@ def make_card(
         name = f"{name}-{info.get('dequantized_dtype') if dequantized else weights}"
     where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
     cmd = command or reproduce_command(info, where, base_model)
-    base_model = base_model_of(info, base_model)
+    # --base-model, else a Hub source's repo id, else the repo of a Hub cache snapshot given as a directory
+    # (the source card's own base_model names the source's parent)
+    if not base_model and info.get("revision") and REPO_ID.match(source):
+        base_model = source
+    elif not base_model and (m := SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))):
+        base_model = f"{m.group(1)}/{m.group(2)}"
     body = [introduction(info, base_model), ""]
     body += dequantization_section(info) if dequantized else [*quantization_section(info), "", *kept_section(info)]
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
-    if verify:
-        lines += ["", *verification_section(verify)]
     lines += ["", "## Reproduce", "", "```bash", cmd, "```", "", *use_section(info, where)]
     lines += ["", TARGET_MARK.format(where)]
     return "\n".join(lines).rstrip() + "\n"
@@ -231,25 +221,22 @@ def introduction(info: dict, base_model: str | None) -> str:
 def quantization_section(info: dict) -> list[str]:
     scheme, fmt = info["scheme"], info["format"]
     weights = UE8M0_TEXT if info.get("scale_format") == "ue8m0" else SCHEME_TEXT.get(scheme, scheme)
+    activations = (
+        "static per-tensor FP8 (the source's calibrated input_scale)"
+        if info.get("static_activations")
+        else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
+    )
     lines = [
         "## Quantization",
         "",
         f"- Format: `{fmt}` (`quantization_config` in config.json)",
         f"- Weights{' (the modules no recipe rule matches)' if info.get('recipe') else ''}: {weights}",
-        "- Activations: "
-        + (
-            "static per-tensor FP8 (the source's calibrated input_scale)"
-            if info.get("static_activations")
-            else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
-        ),
+        f"- Activations: {activations}",
+        *(f"- Recipe: modules matching `{p}`: {SCHEME_TEXT.get(s, s)}" for p, s in info.get("recipe") or ()),
     ]
-    by_scheme = info.get("quantized_by_scheme") or {}
-    for pattern, rule_scheme in info.get("recipe") or ():
-        lines.append(f"- Recipe: modules matching `{pattern}`: {SCHEME_TEXT.get(rule_scheme, rule_scheme)}")
-    if by_scheme:
+    if by_scheme := info.get("quantized_by_scheme"):
         lines.append("- Per scheme: " + ", ".join(f"{n} weights {s}" for s, n in by_scheme.items()))
-    q = info.get("quantized")
-    if q:
+    if q := info.get("quantized"):
         lines.append(
             f"- Quantized: {q['tensors']} linear weights, {format_size(q['bytes_in'])} -> "
             f"{format_size(q['bytes_out'])} with scales"
@@ -327,8 +314,7 @@ def use_section(info: dict, where: str) -> list[str]:
         lines += [f"pip install {TRANSFORMERS_NEEDS[info['format']]}", "```", "", *load]
     else:
         lines += [f"Not loadable in transformers: {why.rstrip('.')}. Serve it with vLLM or SGLang."]
-    caveats = [w for w in info.get("warnings") or [] if w != why]
-    if caveats:
+    if caveats := [w for w in info.get("warnings") or [] if w != why]:
         lines += ["", "Notes:", ""] + [f"- {w}" for w in caveats]
     return lines
 
@@ -344,7 +330,6 @@ def with_verification(text: str, figures: dict) -> str:
     before "## Reproduce", else at the end)."""
     section = "\n".join(verification_section(figures)) + "\n\n"
     text = re.sub(r"^## Verification\n.*?(?=^## |^<!-- fp8convert card|\Z)", "", text, flags=re.M | re.S)
-    m = re.search(r"^## Reproduce$", text, re.M)
-    if m:
+    if m := re.search(r"^## Reproduce$", text, re.M):
         return text[: m.start()] + section + text[m.start() :]
     return text.rstrip() + "\n\n" + section

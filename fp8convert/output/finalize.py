@@ -15,16 +15,15 @@ import shutil
 from pathlib import Path
 
 from ..errors import FP8ConvertError, PlanMismatchError
+from ..files import fsync_dir, json_bytes, write_atomic
 from ..options import HubAccess, Options
 from ..plan.build import build_plan
 from ..plan.plan import Plan
-from ..run.writeback import fsync_dir
 from ..safetensors_io import INDEX_NAME, read_header
 from ..source.checkpoint import index_files, parse_index
 from ..source.resolve import recorded_source
 from ..units import listed
 from .card import make_card, read_source_card
-from .files import json_bytes, write_atomic
 from .lock import OutputLock, is_lock_file
 from .manifest import MANIFEST, WORK_DIR, Manifest, plan_change, source_change
 from .partial import RECORD_SUFFIX
@@ -233,23 +232,19 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     total_size = sum(t.nbytes for s in plan.shards for t in s.tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(out_dir / INDEX_NAME, json_bytes(index))
-    write_atomic(out_dir / "config.json", json_bytes(output_config(plan)))
-    manifest.mark_complete(plan)
-    # every shard is final: records of units are left only by a run that stopped before removing one
-    for record in (out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX):
-        record.unlink(missing_ok=True)
-    fsync_dir(out_dir)
-
-
-def output_config(plan: Plan) -> dict:
-    """The source's config.json (key order kept) with the output's quantization_config (none when
-    dequantized) in place of the source's own, and without the old name compression_config."""
+    # the source's config.json (key order kept) with the output's quantization_config (none when
+    # dequantized) in place of the source's own, and without the old name compression_config
     config = {k: v for k, v in plan.source.config.items() if k != "compression_config"}
     if (quantization := plan.quantization_config()) is None:
         config.pop("quantization_config", None)
     else:
         config["quantization_config"] = quantization
-    return config
+    write_atomic(out_dir / "config.json", json_bytes(config))
+    manifest.mark_complete(plan)
+    # every shard is final: records of units are left only by a run that stopped before removing one
+    for record in (out_dir / WORK_DIR).glob("*" + RECORD_SUFFIX):
+        record.unlink(missing_ok=True)
+    fsync_dir(out_dir)
 
 
 def check_shards(the_plan: Plan, out_dir: Path) -> None:

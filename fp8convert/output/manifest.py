@@ -16,12 +16,11 @@ from pathlib import Path
 
 from .._version import __version__
 from ..errors import FP8ConvertError, PlanMismatchError
+from ..files import fsync_dir, json_bytes, replace_with, write_atomic
 from ..plan.plan import Plan
-from ..run.writeback import fsync_dir
 from ..safetensors_io import INDEX_NAME
 from ..source.checkpoint import Source
 from ..units import size_text
-from .files import json_bytes, write_atomic
 
 WORK_DIR = ".fp8convert"  # OUT's work folder: never uploaded, never part of the result
 MANIFEST = "manifest.json"
@@ -44,20 +43,17 @@ class Manifest:
         return state
 
     def claim(self, plan: Plan, base_model: str | None = None) -> None:
-        """Make OUT this conversion's, once the run can start (every check before writing has passed), so
-        that a run refused before it wrote anything leaves no claim behind. A resumed run's manifest (and
-        its `base_model`) stands."""
-        state = self.read()
-        if state is None:
-            self._create(new_manifest(plan, base_model))
-            state = self.read() or {}
-        if state.get("fingerprint") != plan.fingerprint:
+        """Make OUT this conversion's once every check before writing has passed, so that a refused run
+        leaves no claim behind. A resumed run's manifest (and its `base_model`) stands."""
+        if not self.path.exists():
+            self._create(json_bytes(new_manifest(plan, base_model)))
+        if (self.read() or {}).get("fingerprint") != plan.fingerprint:
             raise PlanMismatchError(
                 f"{self.path.parent.parent}: another run started a conversion with a different plan in it at the "
                 "same time"
             )
 
-    def _create(self, state: dict) -> None:
+    def _create(self, data: bytes) -> None:
         """Workers started together on an empty OUT all get here: each renames its own temporary file into
         place (same plan, same bytes) and removes those left by runs killed before their rename. A worker
         whose temporary file another removed that way finds the other's manifest in place."""
@@ -66,11 +62,7 @@ class Manifest:
         try:
             for _ in range(3):
                 try:
-                    with open(tmp, "wb") as f:
-                        f.write(json_bytes(state))
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
+                    replace_with(path, data, tmp)
                     break
                 except FileNotFoundError:
                     if path.is_file():
@@ -105,17 +97,12 @@ def source_files(source: Source) -> dict | None:
     return files
 
 
-def tensor_layout(source: Source) -> dict[str, str]:
-    """Per shard file, a digest of its tensors' names, dtypes, shapes and offsets (what the plan reads)."""
-    by_file: dict[str, list] = {}
-    for t in source.tensors:
-        by_file.setdefault(t.file, []).append([t.name, t.dtype, list(t.shape), t.offset])
-    return {file: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] for file, rows in by_file.items()}
-
-
 def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
     """`base_model` is recorded for the model card: finalize may run in another process."""
     source = plan.source
+    layout: dict[str, list] = {}  # per shard file, its tensors' names, dtypes, shapes and offsets
+    for t in source.tensors:
+        layout.setdefault(t.file, []).append([t.name, t.dtype, list(t.shape), t.offset])
     return {
         "tool": "fp8convert",
         "version": __version__,
@@ -127,7 +114,7 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
         **plan.options.record(),  # what finalize_output rebuilds the plan from (Options.from_record)
         "shards": len(plan.shards),
         "config": source.config,
-        "tensor_layout": tensor_layout(source),
+        "tensor_layout": {f: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] for f, rows in layout.items()},
         # every name a conversion of `plan` writes at OUT's top level (besides the work folder)
         "outputs": sorted({*(s.name for s in plan.shards), INDEX_NAME, "config.json", "README.md", *source.copy_files}),
         "base_model": base_model,
@@ -144,14 +131,13 @@ OPTION_NAMES |= {
     "version": "fp8convert version",
     "recipe": "the recipe",
 }
-OPTIONAL = {"recipe": []}  # recorded only when set: absent means none
 
 
 def option_value(key: str, value) -> str:
     """A recorded option's value as the user would type it: a shard size as '50MB', not its bytes, a
-    recipe as its PATTERN=SCHEME rules."""
+    recipe as its PATTERN=SCHEME rules (recorded only when set: absent means none)."""
     if key == "recipe":
-        return repr(" ".join(f"{pattern}={scheme}" for pattern, scheme in value) or "none")
+        return repr(" ".join(f"{pattern}={scheme}" for pattern, scheme in value or ()) or "none")
     return size_text(value) if key == "max_shard_size" and isinstance(value, int) else repr(value)
 
 
@@ -161,8 +147,7 @@ def plan_change(state: dict, plan: Plan) -> str:
     diffs = [
         f"{OPTION_NAMES[key]} was {option_value(key, was)}, now {option_value(key, is_)}"
         for key in OPTION_NAMES
-        if (key in state or key in OPTIONAL)
-        and (was := state.get(key, OPTIONAL.get(key))) != (is_ := now.get(key, OPTIONAL.get(key)))
+        if (key in state or key == "recipe") and (was := state.get(key)) != (is_ := now.get(key))
     ]
     if not diffs:  # the config.json keys and the shards whose tensor lists differ from the recorded ones
         # (manifests written before these were recorded have neither: then nothing is said)

@@ -13,9 +13,8 @@ import zlib
 from pathlib import Path
 from queue import SimpleQueue
 
+from ..files import fsync_dir, write_atomic
 from ..plan.plan import Plan, Shard
-from ..run.writeback import fsync_dir
-from .files import write_atomic
 
 RECORD_SUFFIX = ".units"
 READ_BYTES = 8 << 20
@@ -51,7 +50,6 @@ def unit_spans(plan: Plan, shard: Shard) -> dict[int, list[tuple[int, int]]]:
 
 
 def written_bytes(plan: Plan, written: dict[int, set[int]]) -> int:
-    """The bytes of the `written` units (per shard index) in their shards."""
     return sum(
         end - start
         for index, units in written.items()
@@ -155,7 +153,6 @@ class UnitRecorder:
                         os.close(fd)
 
     def _record(self, shard: Shard, units: list[tuple[int, int]]) -> None:
-        """`units`: (unit, a descriptor of the shard's file) each."""
         lines = [f"{self.plan.units[ui].label} {checksum(fd, self.spans[shard.index][ui]):08x}\n" for ui, fd in units]
         getattr(os, "fdatasync", os.fsync)(units[0][1])  # the units' bytes are on disk before the lines that say so
         path = record_path(self.work_dir, shard)

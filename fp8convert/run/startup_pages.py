@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..output.files import read_json_object
+from ..files import read_json_object
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 GAP_PAGES = 32  # pages touched closer than this are asked for as one range

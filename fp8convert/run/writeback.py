@@ -40,15 +40,6 @@ NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 MAPPED_WRITE_FILE_SYSTEMS = {0x01021994: "tmpfs", 0xEF53: "ext4"}
 
 
-def fsync_dir(path) -> None:
-    """Make a rename inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # best effort: failure only costs speed

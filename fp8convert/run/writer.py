@@ -17,10 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..files import fsync_dir
 from ..output.partial import UnitRecorder, partial_path, record_path
 from ..plan.plan import Plan
 from ..plan.runs import Run
-from .writeback import fsync_dir, maps_writes, reserve, start_writeback, write_mapped
+from .writeback import maps_writes, reserve, start_writeback, write_mapped
 
 # Switches for scripts/profile_stages.py: reserve every shard while torch loads; write reserved shards
 # through mappings once the pool has MAPPED_MIN_THREADS (one thread maps at half pwrite's speed, four beat it).

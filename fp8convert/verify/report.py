@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import FP8ConvertError
+from ..files import write_atomic
 from ..options import FP4_SCHEMES
 from ..output.card import with_verification
-from ..output.files import write_atomic
 from ..output.manifest import Manifest
 from ..source.hub import CARD_NAME
 from ..units import listed, plural

@@ -26,7 +26,7 @@ from fp8convert import api, publish
 from fp8convert.cli import main
 from fp8convert.errors import FP8ConvertError
 from fp8convert.options import HubAccess
-from fp8convert.output.card import make_card, split_front_matter
+from fp8convert.output.card import make_card, split_front_matter, with_verification
 from fp8convert.publish import retarget_card
 from fp8convert.safetensors_io import INDEX_NAME
 from fp8convert.source import hub
@@ -678,9 +678,8 @@ def test_quantize_push_to_hub_end_to_end(fake_hub, tiny_repo, tmp_path, monkeypa
 def test_make_card_fields_command_and_loading(tiny_ckpt):
     p = api.make_plan(tiny_ckpt, scheme="block", format="fp8", ignore=["*.down_proj"])
     p.source.label, p.source.revision = REPO, "0" * 40  # as if converted from the Hub
-    text = make_card(
-        p, SOURCE_CARD, repo_id="me/tiny-fp8", verify={"worst_relative_error": 0.0123456, "min_snr_db": 31.5}
-    )
+    figures = {"worst_relative_error": 0.0123456, "min_snr_db": 31.5}
+    text = with_verification(make_card(p, SOURCE_CARD, repo_id="me/tiny-fp8"), figures)
     meta, body = split_front_matter(text)
     assert meta["base_model"] == REPO and meta["base_model_relation"] == "quantized"
     assert meta["license"] == "apache-2.0" and meta["library_name"] == "transformers"

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_ckpt import INDEX, llama_tensors, write_checkpoint
 
+from fp8convert import files as files_mod
 from fp8convert.cli import main
-from fp8convert.output import files as files_mod
 from fp8convert.verify import numbers as verify_numbers
 from fp8convert.verify import pairs as verify_pairs
 from fp8convert.verify import verify

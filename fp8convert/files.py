@@ -1,4 +1,5 @@
-"""Small files written whole and atomically: never seen half-written, whenever the process dies."""
+"""Small files written whole and atomically (never seen half-written, whenever the process dies), and the
+directory fsync that makes a rename durable."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import FP8ConvertError
+from .errors import FP8ConvertError
+
+
+def fsync_dir(path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -25,17 +35,21 @@ def write_atomic(path: Path, data: bytes) -> None:
             tmp.unlink()
         return
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_with(path, data, tmp)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise FP8ConvertError(
             f"{path}: cannot write ({e.strerror}); rerun the same command to resume once the problem is fixed"
         ) from e
+
+
+def replace_with(path: Path, data: bytes, tmp: Path) -> None:
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def json_bytes(obj) -> bytes:
