@@ -16,8 +16,9 @@ import typer
 from .._version import __version__
 from ..options import command_line
 from ..run.warmup import torch_starting
-from . import _failures, cluster, convert, publish, verify
-from ._options import Command, Group, option, printed
+from . import _failures
+from ._options import Command, Group, command, option, printed
+from .commands import batch, demo, dequantize, finalize, inspect, push, quantize, verify
 
 app = typer.Typer(
     name="fp8convert",
@@ -38,23 +39,13 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _top(
-    version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version) = False,
-) -> None:
+@command("version")
+def _top(version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version)):
     """The options before a command: --version (the help text is the app's)."""
 
 
-for command in (
-    convert.quantize,
-    convert.dequantize,
-    convert.inspect,
-    convert.demo,
-    verify.verify,
-    publish.push,
-    cluster.finalize,
-    cluster.batch,
-):
-    app.command(cls=Command)(command)
+for function in (quantize, dequantize, inspect, demo, verify, push, finalize, batch):
+    app.command(cls=Command)(function)
 
 
 # What Python itself exits with when it cannot flush stdout at exit.
@@ -63,7 +54,7 @@ FLUSH_FAILED_EXIT = 120
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    command = next((a for a in argv if not a.startswith("-")), None)  # the first argument that is no option
+    name = next((a for a in argv if not a.startswith("-")), None)  # the command: the first argument that is no option
     printed.json = False
     with _failures.stop_on_sigterm() as sigterm:
         try:
@@ -80,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             return _failures.report(e, json_wanted="--json" in argv, json_printed=printed.json)
     if rc == _failures.SIGINT_EXIT:
-        print(_failures.stop_line(command, sigterm.received), file=sys.stderr)
+        print(_failures.stop_line(name, sigterm.received), file=sys.stderr)
         return _failures.SIGTERM_EXIT if sigterm.received else _failures.SIGINT_EXIT
     return rc if isinstance(rc, int) else 0
 

@@ -1,9 +1,9 @@
 """How a command that fails ends: one line on stderr, an exit code, and with --json an error object.
 
-fp8convert's own errors already are one line, with their own exit code. Everything else is mapped by the
-one table below (`RULES`, first match wins, exit 1) instead of ending in a traceback; FP8CONVERT_DEBUG=1
-prints the traceback as well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the
-same way: one line saying what a rerun does for that command, exit 130 or 143.
+fp8convert's own errors already are one line, with their own exit code. Everything else is said in one
+line by `describe` (exit 1) instead of ending in a traceback; FP8CONVERT_DEBUG=1 prints the traceback as
+well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the same way: one line
+saying what a rerun does for that command, exit 130 or 143.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 from ..errors import FP8ConvertError, UsageError
 from ..options import DEFAULT_MAX_RESIDENT
+from ..source.hub_calls import is_network_error
 from ..units import format_size, size_option
 
 DEBUG_ENV = "FP8CONVERT_DEBUG"
@@ -45,53 +46,35 @@ def _disk_full_line(error: OSError) -> str:
     directory = os.path.dirname(os.path.abspath(error.filename)) if error.filename else None
     if directory and os.path.isdir(directory):
         free = f" ({format_size(shutil.disk_usage(directory).free)} free there)"
-    needed = getattr(error, "bytes_needed", None)
+    needed = getattr(error, "bytes_needed", None)  # the writer notes it
     need = f"; {format_size(needed)} more is needed" if needed else ""
     where = error.filename or "a file"
     return f"{where}: no space left on the device{free}{need}; free space and rerun the same command to resume"
 
 
-def _is_network(error: BaseException) -> bool:
-    from ..source.hub_calls import is_network_error
-
-    return is_network_error(error)
-
-
-def _file_line(error: OSError) -> str:
-    where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
-    return f"{where}: {error.strerror or _first_line(error)}"
-
-
-# (which errors, their line), first match wins
-RULES = [
-    (lambda e: isinstance(e, FP8ConvertError), str),
-    (
-        lambda e: type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"),
-        lambda e: f"CUDA out of memory ({_first_line(e)}); {_smaller_batch(e)}",
-    ),
-    (
-        lambda e: isinstance(e, MemoryError),
-        lambda e: f"out of host memory ({type(e).__name__}); {_smaller_batch(e)}, or free memory",
-    ),
-    (lambda e: isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT), _disk_full_line),
-    (  # before OSError: a refused connection is an OSError too
-        _is_network,
-        lambda e: f"network error ({type(e).__name__}: {_first_line(e)}); check the connection and rerun",
-    ),
-    (lambda e: isinstance(e, OSError) and bool(e.filename), _file_line),
-    (lambda e: isinstance(e, OSError), lambda e: f"{e.strerror or _first_line(e)} ({type(e).__name__})"),
-]
-
-
 def describe(error: BaseException) -> tuple[str, int]:
     """(one line, exit code) for any exception a command raised."""
-    for matches, line in RULES:
-        if matches(error):
-            return " ".join(line(error).split()), error.exit_code if isinstance(error, FP8ConvertError) else 1
-    return (
-        f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
-        "please report it)"
-    ), 1
+    if isinstance(error, FP8ConvertError):
+        return " ".join(str(error).split()), error.exit_code
+    if type(error).__name__ == "OutOfMemoryError" and type(error).__module__.startswith("torch"):
+        line = f"CUDA out of memory ({_first_line(error)}); {_smaller_batch(error)}"
+    elif isinstance(error, MemoryError):
+        line = f"out of host memory ({type(error).__name__}); {_smaller_batch(error)}, or free memory"
+    elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        line = _disk_full_line(error)
+    elif is_network_error(error):  # before OSError: a refused connection is an OSError too
+        line = f"network error ({type(error).__name__}: {_first_line(error)}); check the connection and rerun"
+    elif isinstance(error, OSError) and error.filename:
+        where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
+        line = f"{where}: {error.strerror or _first_line(error)}"
+    elif isinstance(error, OSError):
+        line = f"{error.strerror or _first_line(error)} ({type(error).__name__})"
+    else:
+        return (
+            f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
+            "please report it)"
+        ), 1
+    return " ".join(line.split()), 1
 
 
 def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
