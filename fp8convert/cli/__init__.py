@@ -1,10 +1,6 @@
-"""Command-line interface: a thin layer over fp8convert's Python API.
-
-How a command ends is decided in one place (`main`): a failure prints one line (cli/_failures.py maps
-every kind of error to it and to an exit code) and, with --json, an error object on stdout; Ctrl-C
-exits 130 and SIGTERM 143, each with a line saying what a rerun does. The `fp8convert` program is
-`run`: main, then the process ends without tearing torch down.
-"""
+"""Command-line interface: a thin layer over fp8convert's Python API. How a command ends is decided in
+one place, `main` (with cli/_failures.py); the `fp8convert` program is `run`: main, then the process ends
+without tearing torch down."""
 
 from __future__ import annotations
 
@@ -66,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = _failures.SIGINT_EXIT
         except typer.Exit as e:
             return e.exit_code
-        except typer.TyperException as e:  # click's usage errors: unknown option, bad value, missing argument
-            return _failures.report_usage(e, json_wanted="--json" in argv)
-        except Exception as e:
+        except Exception as e:  # click's usage errors (typer.TyperException) included
             return _failures.report(e, json_wanted="--json" in argv, json_printed=printed.json)
     if rc == _failures.SIGINT_EXIT:
         print(_failures.stop_line(name, sigterm.received), file=sys.stderr)

@@ -19,7 +19,9 @@ import threading
 import traceback
 from types import SimpleNamespace
 
-from ..errors import FP8ConvertError, UsageError
+import typer
+
+from ..errors import FP8ConvertError
 from ..options import DEFAULT_MAX_RESIDENT
 from ..source.hub_calls import is_network_error
 from ..units import format_size, size_option
@@ -27,7 +29,6 @@ from ..units import format_size, size_option
 DEBUG_ENV = "FP8CONVERT_DEBUG"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 SIGINT_EXIT = 130
-USAGE_EXIT = UsageError.exit_code  # 2: the command line itself is wrong (click's code for its usage errors too)
 
 
 def _first_line(error: BaseException) -> str:
@@ -77,33 +78,24 @@ def describe(error: BaseException) -> tuple[str, int]:
     return " ".join(line.split()), 1
 
 
-def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
-    """Print the failure: the traceback (FP8CONVERT_DEBUG=1), one `error:` line on stderr and, with
-    --json when the command printed no JSON of its own, an error object on stdout. Returns the exit code."""
-    line, code = describe(error)
-    if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
-        traceback.print_exception(error, file=sys.stderr)
-    print(f"error: {line}", file=sys.stderr)
+def report(error: BaseException, json_wanted: bool, json_printed: bool = False) -> int:
+    """Print the failure and return its exit code. A command line the parser refused (unknown option or
+    command, missing argument, bad number): its usage lines on stderr as click prints them, exit 2. Any
+    other: the traceback (FP8CONVERT_DEBUG=1), then one `error:` line on stderr. With --json, when the
+    command printed no JSON of its own, an error object on stdout as well."""
+    if isinstance(error, typer.TyperException):
+        error.show()
+        line, code = " ".join(error.format_message().split()), error.exit_code
+    else:
+        line, code = describe(error)
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            traceback.print_exception(error, file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr)
     if json_wanted and not json_printed:
-        _print_error_object(line, code)
+        # stdout itself may be what failed (a full disk, a closed pipe): the line on stderr said so
+        with contextlib.suppress(OSError):
+            print(json.dumps({"ok": False, "error": line, "exit_code": code}))
     return code
-
-
-def report_usage(error, json_wanted: bool) -> int:
-    """A command line the parser refused (unknown option or command, missing argument, bad number): its
-    usage lines on stderr as click prints them and, with --json, the error object. Returns the exit code."""
-    error.show()
-    code = getattr(error, "exit_code", USAGE_EXIT)
-    if json_wanted:
-        _print_error_object(" ".join(error.format_message().split()), code)
-    return code
-
-
-def _print_error_object(line: str, code: int) -> None:
-    try:
-        print(json.dumps({"ok": False, "error": line, "exit_code": code}))
-    except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line on stderr said so
-        pass
 
 
 # ------------------------------------------------------------------------------- stopping
@@ -128,20 +120,17 @@ def stop_line(command: str | None, terminated: bool) -> str:
     return f"{what}: {rerun}" if rerun else what
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, so that every cleanup Ctrl-C runs runs too (threads
-    stopped, partial shards left for a rerun, the finalize claim released)."""
-
-
 @contextlib.contextmanager
 def stop_on_sigterm():
-    """While active, SIGTERM raises Terminated in the main thread (signal handlers can only be set there:
-    elsewhere this does nothing). The state's `received` tells the caller which signal stopped it."""
+    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so that every cleanup Ctrl-C runs
+    runs too (threads stopped, partial shards left for a rerun, the finalize claim released). Signal
+    handlers can only be set in the main thread: elsewhere this does nothing. The state's `received` tells
+    the caller which signal stopped it."""
     state = SimpleNamespace(received=False)
 
     def handle(signum, frame):
         state.received = True
-        raise Terminated()
+        raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, handle) if main_thread else None

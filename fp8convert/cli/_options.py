@@ -22,19 +22,17 @@ class _NoHelpPlaceholder:
 
     def get_help_option(self, ctx):
         option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
+        option.metavar = ""
         return option
 
 
 class Command(_NoHelpPlaceholder, TyperCommand):
     def collect_usage_pieces(self, ctx) -> list[str]:
         """The usage line names arguments as SRC OUT (typer prints {src} {out})."""
-        pieces = [self.options_metavar] if self.options_metavar else []
+        pieces = [self.options_metavar]
         for param in self.get_params(ctx):
             if param.param_type_name == "argument":
-                name = (param.metavar or param.name).upper()
-                pieces.append(name if param.required else f"[{name}]")
+                pieces.append(param.metavar if param.required else f"[{param.metavar}]")
         return pieces
 
 
