@@ -78,7 +78,7 @@ def describe(error: BaseException) -> tuple[str, int]:
     return " ".join(line.split()), 1
 
 
-def report(error: BaseException, json_wanted: bool, json_printed: bool = False) -> int:
+def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
     """Print the failure and return its exit code. A command line the parser refused (unknown option or
     command, missing argument, bad number): its usage lines on stderr as click prints them, exit 2. Any
     other: the traceback (FP8CONVERT_DEBUG=1), then one `error:` line on stderr. With --json, when the
