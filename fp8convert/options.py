@@ -1,10 +1,6 @@
-"""What the user asked for, validated once, before anything is read.
-
-`Options` is what decides the output bytes (the plan's inputs besides the checkpoint); `Settings`, the
-whole request of a conversion, extends them with where and how to run it, and `HubAccess` is how a Hub
-source is reached. All are plain frozen dataclasses, so a run can be handed to another process whole
-(`--devices`) and nothing is forgotten.
-"""
+"""What the user asked for, validated once, before anything is read: `Options` decide the output bytes,
+`Settings` add where and how to run, `HubAccess` is how a Hub source is reached. All are frozen dataclasses,
+so a run can be handed to another process whole (`--devices`)."""
 
 from __future__ import annotations
 
@@ -209,10 +205,14 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
     """A recipe's rules as (pattern, scheme) pairs, from a mapping, pairs or 'PATTERN=SCHEME' texts. A
     pattern is what --ignore takes: an exact module name or prefix, a glob, or an `re:` regex. `where`:
     the recipe file they come from, for the errors (else they name --scheme)."""
-    items = rules.items() if isinstance(rules, dict) else rules
     parsed = []
-    for rule in items:
-        pattern, scheme = split_rule(rule) if isinstance(rule, str) else rule
+    for rule in rules.items() if isinstance(rules, dict) else rules:
+        if isinstance(rule, str):  # the scheme follows the last '=': 're:.*experts.*=nvfp4a16'
+            pattern, equals, scheme = rule.rpartition("=")
+            if not equals:
+                raise UsageError(f"--scheme {rule!r}: a recipe rule is PATTERN=SCHEME")
+        else:
+            pattern, scheme = rule
         said = f"{where}: rule {pattern!r} = {scheme!r}" if where else f"--scheme {pattern}={scheme}"
         if not str(pattern).strip():
             raise UsageError(f"{said}: a rule needs a module pattern before '='")
@@ -223,14 +223,6 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
         except UsageError as e:
             raise UsageError(f"{said}: {str(e).split(': ', 1)[1]}") from None
     return tuple(parsed)
-
-
-def split_rule(text: str) -> tuple[str, str]:
-    """'re:.*experts.*=nvfp4a16' -> ('re:.*experts.*', 'nvfp4a16'): the scheme follows the last '='."""
-    pattern, equals, scheme = text.rpartition("=")
-    if not equals:
-        raise UsageError(f"--scheme {text!r}: a recipe rule is PATTERN=SCHEME")
-    return pattern, scheme
 
 
 def regex_error(pattern: str) -> str | None:
@@ -320,9 +312,8 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class Settings(Options):
-    """Everything a conversion needs besides SRC and OUT: the Options, and where and how to run. Sizes may
-    be given as text ('5GB'); they are parsed here, so a bad value fails before anything is read or
-    written."""
+    """Everything a conversion needs besides SRC and OUT: the Options, and where and how to run. Sizes given
+    as text ('5GB') are parsed here, so a bad value fails before anything is read or written."""
 
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     devices: str | tuple[str, ...] | None = None  # one worker process per device: "cuda:0,cuda:1" or "all"
@@ -376,10 +367,8 @@ class Settings(Options):
     @classmethod
     def of(cls, settings: Settings | None = None, **overrides) -> Settings:
         """`settings` with `overrides` (keyword names are the fields); an unknown name is an error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        if unknown := sorted(set(overrides) - SETTING_NAMES):
+            raise TypeError(f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(SETTING_NAMES))})")
         return replace(settings or cls(), **overrides)
 
 

@@ -1,10 +1,6 @@
-"""Command-line interface: a thin layer over fp8convert's Python API.
-
-How a command ends is decided in one place (`main`): a failure prints one line (cli/_failures.py maps
-every kind of error to it and to an exit code) and, with --json, an error object on stdout; Ctrl-C
-exits 130 and SIGTERM 143, each with a line saying what a rerun does. The `fp8convert` program is
-`run`: main, then the process ends without tearing torch down.
-"""
+"""Command-line interface: a thin layer over fp8convert's Python API. How a command ends is decided in
+one place, `main` (with cli/_failures.py); the `fp8convert` program is `run`: main, then the process ends
+without tearing torch down."""
 
 from __future__ import annotations
 
@@ -16,8 +12,9 @@ import typer
 from .._version import __version__
 from ..options import command_line
 from ..run.warmup import torch_starting
-from . import _failures, cluster, convert, publish, verify
-from ._options import Command, Group, option, printed
+from . import _failures
+from ._options import Command, Group, command, option, printed
+from .commands import batch, demo, dequantize, finalize, inspect, push, quantize, verify
 
 app = typer.Typer(
     name="fp8convert",
@@ -38,23 +35,13 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _top(
-    version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version) = False,
-) -> None:
+@command("version")
+def _top(version: option(bool, "--version", "Print the version and exit.", is_eager=True, callback=_print_version)):
     """The options before a command: --version (the help text is the app's)."""
 
 
-for command in (
-    convert.quantize,
-    convert.dequantize,
-    convert.inspect,
-    convert.demo,
-    verify.verify,
-    publish.push,
-    cluster.finalize,
-    cluster.batch,
-):
-    app.command(cls=Command)(command)
+for function in (quantize, dequantize, inspect, demo, verify, push, finalize, batch):
+    app.command(cls=Command)(function)
 
 
 # What Python itself exits with when it cannot flush stdout at exit.
@@ -63,7 +50,7 @@ FLUSH_FAILED_EXIT = 120
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    command = next((a for a in argv if not a.startswith("-")), None)  # the first argument that is no option
+    name = next((a for a in argv if not a.startswith("-")), None)  # the command: the first argument that is no option
     printed.json = False
     with _failures.stop_on_sigterm() as sigterm:
         try:
@@ -75,12 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = _failures.SIGINT_EXIT
         except typer.Exit as e:
             return e.exit_code
-        except typer.TyperException as e:  # click's usage errors: unknown option, bad value, missing argument
-            return _failures.report_usage(e, json_wanted="--json" in argv)
-        except Exception as e:
+        except Exception as e:  # click's usage errors (typer.TyperException) included
             return _failures.report(e, json_wanted="--json" in argv, json_printed=printed.json)
     if rc == _failures.SIGINT_EXIT:
-        print(_failures.stop_line(command, sigterm.received), file=sys.stderr)
+        print(_failures.stop_line(name, sigterm.received), file=sys.stderr)
         return _failures.SIGTERM_EXIT if sigterm.received else _failures.SIGINT_EXIT
     return rc if isinstance(rc, int) else 0
 

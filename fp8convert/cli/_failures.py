@@ -1,9 +1,9 @@
 """How a command that fails ends: one line on stderr, an exit code, and with --json an error object.
 
-fp8convert's own errors already are one line, with their own exit code. Everything else is mapped by the
-one table below (`RULES`, first match wins, exit 1) instead of ending in a traceback; FP8CONVERT_DEBUG=1
-prints the traceback as well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the
-same way: one line saying what a rerun does for that command, exit 130 or 143.
+fp8convert's own errors already are one line, with their own exit code. Everything else is said in one
+line by `describe` (exit 1) instead of ending in a traceback; FP8CONVERT_DEBUG=1 prints the traceback as
+well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the same way: one line
+saying what a rerun does for that command, exit 130 or 143.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import threading
 import traceback
 from types import SimpleNamespace
 
-from ..errors import FP8ConvertError, UsageError
+import typer
+
+from ..errors import FP8ConvertError
 from ..options import DEFAULT_MAX_RESIDENT
+from ..source.hub_calls import is_network_error
 from ..units import format_size, size_option
 
 DEBUG_ENV = "FP8CONVERT_DEBUG"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 SIGINT_EXIT = 130
-USAGE_EXIT = UsageError.exit_code  # 2: the command line itself is wrong (click's code for its usage errors too)
 
 
 def _first_line(error: BaseException) -> str:
@@ -45,82 +47,55 @@ def _disk_full_line(error: OSError) -> str:
     directory = os.path.dirname(os.path.abspath(error.filename)) if error.filename else None
     if directory and os.path.isdir(directory):
         free = f" ({format_size(shutil.disk_usage(directory).free)} free there)"
-    needed = getattr(error, "bytes_needed", None)
+    needed = getattr(error, "bytes_needed", None)  # the writer notes it
     need = f"; {format_size(needed)} more is needed" if needed else ""
     where = error.filename or "a file"
     return f"{where}: no space left on the device{free}{need}; free space and rerun the same command to resume"
 
 
-def _is_network(error: BaseException) -> bool:
-    from ..source.hub_calls import is_network_error
-
-    return is_network_error(error)
-
-
-def _file_line(error: OSError) -> str:
-    where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
-    return f"{where}: {error.strerror or _first_line(error)}"
-
-
-# (which errors, their line), first match wins
-RULES = [
-    (lambda e: isinstance(e, FP8ConvertError), str),
-    (
-        lambda e: type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"),
-        lambda e: f"CUDA out of memory ({_first_line(e)}); {_smaller_batch(e)}",
-    ),
-    (
-        lambda e: isinstance(e, MemoryError),
-        lambda e: f"out of host memory ({type(e).__name__}); {_smaller_batch(e)}, or free memory",
-    ),
-    (lambda e: isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT), _disk_full_line),
-    (  # before OSError: a refused connection is an OSError too
-        _is_network,
-        lambda e: f"network error ({type(e).__name__}: {_first_line(e)}); check the connection and rerun",
-    ),
-    (lambda e: isinstance(e, OSError) and bool(e.filename), _file_line),
-    (lambda e: isinstance(e, OSError), lambda e: f"{e.strerror or _first_line(e)} ({type(e).__name__})"),
-]
-
-
 def describe(error: BaseException) -> tuple[str, int]:
     """(one line, exit code) for any exception a command raised."""
-    for matches, line in RULES:
-        if matches(error):
-            return " ".join(line(error).split()), error.exit_code if isinstance(error, FP8ConvertError) else 1
-    return (
-        f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
-        "please report it)"
-    ), 1
+    if isinstance(error, FP8ConvertError):
+        return " ".join(str(error).split()), error.exit_code
+    if type(error).__name__ == "OutOfMemoryError" and type(error).__module__.startswith("torch"):
+        line = f"CUDA out of memory ({_first_line(error)}); {_smaller_batch(error)}"
+    elif isinstance(error, MemoryError):
+        line = f"out of host memory ({type(error).__name__}); {_smaller_batch(error)}, or free memory"
+    elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        line = _disk_full_line(error)
+    elif is_network_error(error):  # before OSError: a refused connection is an OSError too
+        line = f"network error ({type(error).__name__}: {_first_line(error)}); check the connection and rerun"
+    elif isinstance(error, OSError) and error.filename:
+        where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
+        line = f"{where}: {error.strerror or _first_line(error)}"
+    elif isinstance(error, OSError):
+        line = f"{error.strerror or _first_line(error)} ({type(error).__name__})"
+    else:
+        return (
+            f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
+            "please report it)"
+        ), 1
+    return " ".join(line.split()), 1
 
 
 def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
-    """Print the failure: the traceback (FP8CONVERT_DEBUG=1), one `error:` line on stderr and, with
-    --json when the command printed no JSON of its own, an error object on stdout. Returns the exit code."""
-    line, code = describe(error)
-    if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
-        traceback.print_exception(error, file=sys.stderr)
-    print(f"error: {line}", file=sys.stderr)
+    """Print the failure and return its exit code. A command line the parser refused (unknown option or
+    command, missing argument, bad number): its usage lines on stderr as click prints them, exit 2. Any
+    other: the traceback (FP8CONVERT_DEBUG=1), then one `error:` line on stderr. With --json, when the
+    command printed no JSON of its own, an error object on stdout as well."""
+    if isinstance(error, typer.TyperException):
+        error.show()
+        line, code = " ".join(error.format_message().split()), error.exit_code
+    else:
+        line, code = describe(error)
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            traceback.print_exception(error, file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr)
     if json_wanted and not json_printed:
-        _print_error_object(line, code)
+        # stdout itself may be what failed (a full disk, a closed pipe): the line on stderr said so
+        with contextlib.suppress(OSError):
+            print(json.dumps({"ok": False, "error": line, "exit_code": code}))
     return code
-
-
-def report_usage(error, json_wanted: bool) -> int:
-    """A command line the parser refused (unknown option or command, missing argument, bad number): its
-    usage lines on stderr as click prints them and, with --json, the error object. Returns the exit code."""
-    error.show()
-    code = getattr(error, "exit_code", USAGE_EXIT)
-    if json_wanted:
-        _print_error_object(" ".join(error.format_message().split()), code)
-    return code
-
-
-def _print_error_object(line: str, code: int) -> None:
-    try:
-        print(json.dumps({"ok": False, "error": line, "exit_code": code}))
-    except OSError:  # stdout itself is what failed (a full disk, a closed pipe): the line on stderr said so
-        pass
 
 
 # ------------------------------------------------------------------------------- stopping
@@ -145,20 +120,17 @@ def stop_line(command: str | None, terminated: bool) -> str:
     return f"{what}: {rerun}" if rerun else what
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, so that every cleanup Ctrl-C runs runs too (threads
-    stopped, partial shards left for a rerun, the finalize claim released)."""
-
-
 @contextlib.contextmanager
 def stop_on_sigterm():
-    """While active, SIGTERM raises Terminated in the main thread (signal handlers can only be set there:
-    elsewhere this does nothing). The state's `received` tells the caller which signal stopped it."""
+    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so that every cleanup Ctrl-C runs
+    runs too (threads stopped, partial shards left for a rerun, the finalize claim released). Signal
+    handlers can only be set in the main thread: elsewhere this does nothing. The state's `received` tells
+    the caller which signal stopped it."""
     state = SimpleNamespace(received=False)
 
     def handle(signum, frame):
         state.received = True
-        raise Terminated()
+        raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, handle) if main_thread else None
