@@ -20,22 +20,43 @@ from .family import (
     ExpertTensor,
     Keep,
     Limit,
-    Rename,
     config_value,
-    gate_up_down,
-    legacy_vllm_names,
 )
 
 GENERIC = Architecture("generic", ())
 
+
+def gate_up_down(
+    block: str,
+    stored: tuple[str, ...],
+    gate_up: str = "experts.gate_up_proj",
+    down: str = "experts.down_proj",
+    interleaved: bool = False,
+) -> tuple[ExpertTensor, ExpertTensor]:
+    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
+    return (
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
+    )
+
+
+def legacy_vllm_names(*towers: str) -> tuple[tuple[str, str], ...]:
+    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
+    return (
+        (r"^model\.language_model\.", "language_model.model."),
+        *((rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
+        (r"^lm_head$", "language_model.lm_head"),
+    )
+
+
 # transformers loads the legacy multimodal layout under model.* (conversion_mapping.py, "llava"); vLLM maps
 # the new names back to the legacy ones (llava.py, gemma3_mm.py, mistral3.py: hf_to_vllm_mapper).
 _LLAVA_TRANSFORMERS = (
-    Rename(r"^language_model\.model\.", "model.language_model."),
-    Rename(r"^language_model\.lm_head$", "lm_head"),
-    Rename(r"^vision_tower\.vision_model\.", "model.vision_tower."),  # CLIP/SigLIP towers drop a level
-    Rename(r"^vision_tower\.", "model.vision_tower."),
-    Rename(r"^multi_modal_projector\.", "model.multi_modal_projector."),
+    (r"^language_model\.model\.", "model.language_model."),
+    (r"^language_model\.lm_head$", "lm_head"),
+    (r"^vision_tower\.vision_model\.", "model.vision_tower."),  # CLIP/SigLIP towers drop a level
+    (r"^vision_tower\.", "model.vision_tower."),
+    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
 )
 _LLAVA_VLLM = legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
@@ -113,15 +134,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # an nn.Linear subclass that compressed-tensors would quantize unless its in-memory name is listed.
         "Mixtral-style MoE",
         ("mixtral", "minimax_m2"),
-        transformers_names=(Rename(r"\.block_sparse_moe\.", ".mlp."),),
+        transformers_names=((r"\.block_sparse_moe\.", ".mlp."),),
         quantized=f"attention, {_MOE_ROUTED} (w1/w3 share a scale)",
     ),
     Architecture(
         "PhiMoE",
         ("phimoe",),
         transformers_names=(
-            Rename(r"\.block_sparse_moe\.gate$", ".mlp.router"),
-            Rename(r"\.block_sparse_moe\.", ".mlp."),
+            (r"\.block_sparse_moe\.gate$", ".mlp.router"),
+            (r"\.block_sparse_moe\.", ".mlp."),
         ),
         quantized=f"attention, {_MOE_ROUTED}",
         notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)",
@@ -182,7 +203,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
             "experts as BF16; transformers 5.24 has no converter for them)",
         ),
-        vllm_names=(Rename(r"\.self_attn\.", ".attn."),),
+        vllm_names=((r"\.self_attn\.", ".attn."),),
         quantized="attention",
         notes="experts (gate/up interleaved, with biases) stay BF16, fused as released",
     ),
@@ -216,8 +237,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("nemotron_h",),
         keep=(Keep(r"\.mixer\.gate$", ROUTER),),
         mtp=MTP_MODULE,
-        transformers_names=(Rename(r"^backbone\.", "model."),),
-        vllm_names=(Rename(r"^backbone\.", "model."), Rename(r"\.embeddings$", ".embed_tokens")),
+        transformers_names=((r"^backbone\.", "model."),),
+        vllm_names=((r"^backbone\.", "model."), (r"\.embeddings$", ".embed_tokens")),
         quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)",
     ),
     Architecture(
@@ -235,7 +256,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Jamba",
         ("jamba",),
         keep=(Keep(r"\.mamba\.(in_proj|x_proj|dt_proj|out_proj)$", "Mamba mixer (vLLM builds it unquantized)"),),
-        vllm_names=(Rename(r"\.self_attn\.", "."),),
+        vllm_names=((r"\.self_attn\.", "."),),
         quantized=f"attention, MLPs, {_MOE_ROUTED}",
         notes="Mamba mixers stay BF16",
     ),
@@ -249,10 +270,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         experts=Experts(
             gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight")
         ),
-        transformers_names=(Rename(r"\.router\.layer$", ".router"),),
+        transformers_names=((r"\.router\.layer$", ".router"),),
         # granitemoehybrid.py builds its Mamba2 mixer as `self.mamba` with the prefix `.mixer`, the name
         # its quant config matches against the ignore list
-        vllm_names=(Rename(r"\.router\.layer$", ".gate"), Rename(r"\.mamba\.", ".mixer.")),
+        vllm_names=((r"\.router\.layer$", ".gate"), (r"\.mamba\.", ".mixer.")),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
         notes="fused experts [E, 2*inter, hidden] split per expert, as vLLM loads them; transformers loads "
         "that with the experts randomly initialised",
@@ -273,7 +294,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             kept="no FP8 expert layout loads for DBRX (vLLM's DbrxExperts take no compressed-tensors "
             "scales and no per-expert weights)",
         ),
-        vllm_names=(Rename(r"\.ffn\.experts$", ".ffn"),),
+        vllm_names=((r"\.ffn\.experts$", ".ffn"),),
         quantized="attention (Wqkv, out_proj)",
         notes="experts [E*inter, hidden] stay BF16",
     ),
@@ -311,10 +332,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Qwen2.5-VL",
         ("qwen2_5_vl",),
         transformers_names=(
-            Rename(r"^visual\.", "model.visual."),
-            Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
+            (r"^visual\.", "model.visual."),
+            (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
         ),
-        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
+        vllm_names=_QWEN_VL_VLLM + ((r"^model\.", "language_model.model."),),
     ),
     _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
     Architecture(
@@ -323,7 +344,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # vLLM removed MllamaForConditionalGeneration in 0.10.2 (model_executor/models/registry.py).
         "Mllama",
         ("mllama",),
-        transformers_names=_LLAVA_TRANSFORMERS[:2] + (Rename(r"^(vision_model|multi_modal_projector)\b", r"model.\1"),),
+        transformers_names=_LLAVA_TRANSFORMERS[:2] + ((r"^(vision_model|multi_modal_projector)\b", r"model.\1"),),
         limits=(
             Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM does not serve Mllama (removed in vLLM 0.10.2); transformers can"),
         ),
@@ -338,7 +359,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Mistral-3",
         ("mistral3",),
         transformers_names=_LLAVA_TRANSFORMERS,
-        vllm_names=_LLAVA_VLLM + (Rename(r"^model\.", "language_model.model."),),
+        vllm_names=_LLAVA_VLLM + ((r"^model\.", "language_model.model."),),
         limits=(
             Limit(
                 Caveat.VLLM_CANNOT_LOAD,

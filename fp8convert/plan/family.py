@@ -62,9 +62,12 @@ class Keep(Scoped):
 
 
 @dataclass(frozen=True)
-class Rename:
-    pattern: str
-    to: str  # re.sub(pattern, to, name, count=1)
+class Limit(Scoped):
+    """A combination some consumer cannot load."""
+
+    caveat: Caveat
+    text: str
+    experts: bool = False  # only where the output holds quantized MoE experts
 
 
 @dataclass(frozen=True)
@@ -93,15 +96,6 @@ class Experts:
 
 
 @dataclass(frozen=True)
-class Limit(Scoped):
-    """A combination some consumer cannot load."""
-
-    caveat: Caveat
-    text: str
-    experts: bool = False  # only where the output holds quantized MoE experts
-
-
-@dataclass(frozen=True)
 class Architecture:
     name: str  # family, as inspect and the README show it
     model_types: tuple[str, ...]  # config.json's model_type values it covers
@@ -112,9 +106,10 @@ class Architecture:
     experts: Experts | None = None
     mtp: str | None = None  # MTP_LAYERS or MTP_MODULE
     # How transformers (in memory, after its checkpoint conversion) and vLLM (after its hf_to_vllm_mapper)
-    # name a checkpoint module, so the ignore list names every kept module the way each consumer matches it.
-    transformers_names: tuple[Rename, ...] = ()
-    vllm_names: tuple[Rename, ...] = ()
+    # name a checkpoint module, so the ignore list names every kept module the way each consumer matches it:
+    # (pattern, replacement) pairs, each applied once with re.sub in turn.
+    transformers_names: tuple[tuple[str, str], ...] = ()
+    vllm_names: tuple[tuple[str, str], ...] = ()
     vllm_name_fn: Callable[[str, dict], str] | None = None  # where vLLM's module tree differs from the checkpoint's
     limits: tuple[Limit, ...] = ()  # combinations a consumer cannot load, as warnings
     quantized: str = "attention and MLP linears"  # for the README table
@@ -136,9 +131,9 @@ class Architecture:
         return None
 
 
-def _renamed(module: str, renames: tuple[Rename, ...]) -> str:
-    for r in renames:
-        module = re.sub(r.pattern, r.to, module, count=1)
+def _renamed(module: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for pattern, to in renames:
+        module = re.sub(pattern, to, module, count=1)
     return module
 
 
@@ -161,26 +156,3 @@ def mtp_layers(arch: Architecture, config: dict) -> list[str]:
     count = config_value(config, "num_nextn_predict_layers") or 0
     first = config_value(config, "num_hidden_layers") or 0
     return [f"model.layers.{first + i}" for i in range(count)]
-
-
-def gate_up_down(
-    block: str,
-    stored: tuple[str, ...],
-    gate_up: str = "experts.gate_up_proj",
-    down: str = "experts.down_proj",
-    interleaved: bool = False,
-) -> tuple[ExpertTensor, ExpertTensor]:
-    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
-    return (
-        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
-        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
-    )
-
-
-def legacy_vllm_names(*towers: str) -> tuple[Rename, ...]:
-    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
-    return (
-        Rename(r"^model\.language_model\.", "language_model.model."),
-        *(Rename(rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
-        Rename(r"^lm_head$", "language_model.lm_head"),
-    )

@@ -28,7 +28,6 @@ class Action(enum.Enum):
     PASS = "pass"  # an FP8 weight's codes and scale as they are: the output's scheme is the source's
 
 
-FP8_OUT = (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
 COMPUTED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)
 
 
@@ -70,7 +69,7 @@ class TensorPlan:
     @property
     def quantize(self) -> bool:
         """The output is FP8: quantized here, requantized, or passed through from an FP8 source."""
-        return self.action in FP8_OUT
+        return self.action in (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
 
     @property
     def computed(self) -> bool:
@@ -117,13 +116,11 @@ class TensorPlan:
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every output tensor this plan produces."""
-        if not self.quantize:
-            return [(self.name, self.dtype, self.shape)]
-        if self.packed:
-            out, inp = self.shape
-            outputs = [(self.name, "U8", (out, inp // 2)), (self.scale_name, self.scale_dtype, self.scale_shape)]
-            return outputs + ([(self.global_scale_name, "F32", (1,))] if self.global_scale_name else [])
-        outputs = [(self.name, FP8, self.shape), (self.scale_name, self.scale_dtype, self.scale_shape)]
+        outputs = [(self.name, self.dtype, (self.shape[0], self.shape[1] // 2) if self.packed else self.shape)]
+        if self.quantize:
+            outputs.append((self.scale_name, self.scale_dtype, self.scale_shape))
+        if self.global_scale_name:
+            outputs.append((self.global_scale_name, "F32", (1,)))
         if self.input_scale_name:  # per tensor, shaped as the format shapes a per-tensor scale ([] or [1])
             outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.scale_shape))
         return outputs
@@ -140,7 +137,7 @@ def unique_inputs(tensors: list[TensorPlan]) -> list[TensorInfo]:
 
 @dataclass
 class Unit:
-    """At most one decoder layer: the granularity of shard breaks and of the work split."""
+    """At most one decoder layer: the granularity of shard breaks and of the work split; a batch is one too."""
 
     label: str
     tensors: list[TensorPlan]
@@ -152,6 +149,11 @@ class Unit:
     @property
     def out_bytes(self) -> int:
         return sum(t.out_bytes for t in self.tensors)
+
+    @property
+    def files(self) -> list[str]:
+        """The source files it reads, sorted (an FP8 weight's scale may lie in another one)."""
+        return sorted({info.file for t in self.tensors for info in t.inputs})
 
     def atoms(self) -> list[list[TensorPlan]]:
         """Pieces that must never be split: every output cut from one source tensor (so it is read
@@ -212,16 +214,11 @@ class Plan:
 
     def quantization_config(self) -> dict | None:
         """The output's quantization_config; None for a dequantized output (it has none)."""
-        if self.options.dequantize:
+        o = self.options
+        if o.dequantize:
             return None
-        options = self.options
-        return CONFIGS[options.format](
-            options.scheme,
-            tuple(self.ignore_list),
-            options.scale_format,
-            self.static_activations,
-            groups=self.scheme_groups,
-        ).to_dict()
+        ignore, groups = tuple(self.ignore_list), self.scheme_groups
+        return CONFIGS[o.format](o.scheme, ignore, o.scale_format, self.static_activations, groups=groups).to_dict()
 
     def units_in(self, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
         """The units cut down to the tensors whose outputs land in `shards`, less those `written` says are
