@@ -9,12 +9,11 @@ from dataclasses import replace
 
 from ..errors import FP8ConvertError, UsageError
 from ..formats.sources import SourceQuantization
-from ..options import FP4_SCHEMES, GROUP_SIZE, MX_GROUP, Options, Scheme
+from ..options import GROUP_SIZE, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
 from .architectures import GENERIC
-from .cuts import Cut
 from .family import IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
-from .plan import Action, TensorPlan
+from .plan import Action, Cut, TensorPlan
 
 # Leaves named like an embedding: "embed" in the leaf, or GPT-2's token and position tables.
 EMBEDDING_LEAVES = {"wte", "wpe"}
@@ -92,10 +91,10 @@ def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
     """Why a 2-D weight of this shape cannot be FP8 in `scheme`, or None."""
     if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE:
         return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
-    if scheme == Scheme.MXFP8 and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
-        return f"MXFP8: input dim ({shape[1]}) not divisible by {MX_GROUP}"
-    if scheme in FP4_SCHEMES and shape[1] % GROUP_SIZE[scheme]:  # scales of whole groups only, never a pad
-        return f"FP4: input dim ({shape[1]}) not divisible by {GROUP_SIZE[scheme]}"
+    # whole groups only: vLLM allocates MXFP8's in // 32 scales per row, and FP4 scales are never padded
+    if scheme in GROUP_SIZE and shape[1] % GROUP_SIZE[scheme]:
+        kind = "MXFP8" if scheme == Scheme.MXFP8 else "FP4"
+        return f"{kind}: input dim ({shape[1]}) not divisible by {GROUP_SIZE[scheme]}"
     return None
 
 
