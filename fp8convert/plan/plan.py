@@ -12,7 +12,7 @@ from ..formats import CONFIGS
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
-from .family import Architecture
+from .architectures import Architecture
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 
@@ -277,9 +277,6 @@ class Plan:
             if kept:
                 units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
         return units
-
-
-# ---------------------------------------------------------------- units and shards
 
 
 def natural_key(text: str) -> list:

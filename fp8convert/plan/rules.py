@@ -11,8 +11,7 @@ from ..errors import FP8ConvertError, UsageError
 from ..formats.sources import SourceQuantization
 from ..options import GROUP_SIZE, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
-from .architectures import GENERIC
-from .family import IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
+from .architectures import GENERIC, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
 from .plan import Action, Cut, TensorPlan
 
 # Leaves named like an embedding: "embed" in the leaf, or GPT-2's token and position tables.
@@ -131,9 +130,6 @@ def scheme_of(module: str, options: Options, used: set[str]) -> str:
     return next(iter(hits.values()), options.scheme)
 
 
-# ---------------------------------------------------------------- fused expert tensors
-
-
 def expert_cuts(
     info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
 ) -> list[tuple[str, Cut]]:
@@ -159,9 +155,6 @@ def expert_cuts(
     cut = Cut(transpose=fits[0] == IN_OUT, parts=len(layout.members), interleaved=layout.interleaved)
     members = list(enumerate(layout.members))
     return [(f"{experts}.{e}.{m}.weight", replace(cut, expert=e, part=j)) for e in range(count) for j, m in members]
-
-
-# ---------------------------------------------------------------- all tensors
 
 
 def decide(

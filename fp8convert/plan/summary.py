@@ -9,8 +9,8 @@ from collections import Counter
 from ..errors import FP8ConvertError
 from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
+from .architectures import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .batches import make_batches
-from .family import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
 
@@ -189,11 +189,6 @@ def refuse_unloadable(plan: Plan) -> None:
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 
 
-def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
-    """Why transformers cannot load the output, or None when it can."""
-    return next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
-
-
 # Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
 # format's GEMMs need SM89, with weight-only Marlin kernels from SM75; MXFP8 GEMMs (FlashInfer) need SM100,
 # Marlin serves MXFP8 weight-only from SM75; DeepGEMM runs on SM90, SM100 and SM120).
@@ -211,8 +206,9 @@ VLLM_GPUS = {  # by --scale-format, or the MXFP8 and FP4 schemes
 }
 
 
-def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
-    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer."""
+def load_table(plan: Plan, warnings: list[PlanWarning], cannot: str | None) -> dict[str, str]:
+    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer; `cannot`: why
+    transformers cannot."""
     options = plan.options
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
@@ -225,7 +221,7 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
         tp = "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else ""
         gpus = [f"{s}: {VLLM_GPUS[layout]}" if len(layouts) > 1 else VLLM_GPUS[layout] for layout, s in layouts.items()]
         vllm = f"yes: {'; '.join(gpus)}{tp}"
-    if cannot := transformers_verdict(warnings):
+    if cannot:
         transformers = "no: " + cannot
     elif Caveat.TRANSFORMERS_MISREADS in caveats:
         transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
@@ -238,6 +234,7 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
 def describe(plan: Plan, budget: int, device_type: str) -> dict:
     tensors = plan.tensors
     warnings = compatibility_warnings(plan)
+    cannot = next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
     kept_reasons, kept_bytes = Counter(), Counter()
     for t in tensors:
         if not t.quantize:  # by kind: a shape reason reads "shape", an input-dim one loses its size
@@ -280,8 +277,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
         "warnings": plan.warnings + [w.text for w in warnings],
-        "transformers_cannot_load": transformers_verdict(warnings),
-        "loads": load_table(plan, warnings),
+        "transformers_cannot_load": cannot,
+        "loads": load_table(plan, warnings, cannot),
         "notes": plan.notes,
     }
 
@@ -301,8 +298,7 @@ def split_experts(plan: Plan) -> list[str]:
 
 def mtp_summary(plan: Plan) -> str | None:
     """Where the next-token-prediction layers are and what became of them (None: the family has none)."""
-    arch = plan.architecture
-    names = [t.name for t in plan.source.tensors]
+    arch, names = plan.architecture, [t.name for t in plan.source.tensors]
     if arch is None or not arch.mtp:
         return None
     prefixes = mtp_layers(arch, plan.source.config) if arch.mtp == MTP_LAYERS else [MTP_MODULE]
