@@ -19,6 +19,9 @@ from .architectures import GENERIC, Architecture, architecture_of, config_value,
 from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
 from .rules import decide, experts_of, is_linear_weight, module_of
 
+# config.json's dtype names -> the safetensors dtype of a dequantized weight
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
 
 def build_plan(source: Source, options: Options) -> Plan:
     check_layers(source)
@@ -93,10 +96,6 @@ def describe_numbers(numbers: list[int]) -> str:
             runs.append([n, n])
     parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-# config.json's dtype names -> the safetensors dtype of a dequantized weight
-MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def fingerprint(source: Source, options: Options) -> str:
