@@ -1,41 +1,201 @@
-"""The architecture registry: one `Architecture` (family.py) per model family, picked by config.json's
-`model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and transformers 5.24."""
+"""The architecture registry: what a model family's entry holds (and the Caveats of the warnings: code that
+acts on a warning reads its Caveat, never its wording), then one `Architecture` per model family, picked by
+config.json's `model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and
+transformers 5.24."""
 
 from __future__ import annotations
 
+import enum
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..options import Format, Scheme
-from .family import (
-    FUSED_SIBLINGS,
-    IN_OUT,
-    MTP_LAYERS,
-    MTP_MODULE,
-    OUT_IN,
-    ROUTER,
-    TOWER,
-    Architecture,
-    Caveat,
-    Experts,
-    ExpertTensor,
-    Keep,
-    Limit,
-    Rename,
-    config_value,
-    gate_up_down,
-    legacy_vllm_names,
+
+# vLLM fuses these sibling modules into one linear (the default `packed_modules_mapping` of most models).
+FUSED_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),  # qkv_proj
+    ("gate_proj", "up_proj"),  # gate_up_proj, also per expert and for shared experts
+    ("w1", "w3"),  # Mixtral-style experts' gate/up (w13)
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA fused_qkv_a_proj
 )
 
+# Reasons for keeping a module that the generic rules (rules.py) and the registry both give.
+ROUTER = "MoE router"
+TOWER = "vision/audio tower or projector"
+
+# How a fused expert tensor is stored: [E, in, out] (used as x @ W[e]) or [E, out, in] (nn.Linear's own).
+IN_OUT = "in_out"
+OUT_IN = "out_in"
+
+# Where the MTP layers live: decoder layers model.layers.{num_hidden_layers + i}, or modules mtp.*
+MTP_LAYERS = "layers"
+MTP_MODULE = "mtp"
+
+
+class Caveat(enum.Enum):
+    TRANSFORMERS_CANNOT_LOAD = "transformers-cannot-load"
+    TRANSFORMERS_MISREADS = "transformers-misreads"  # loads, but some weights dequantize wrongly
+    VLLM_CANNOT_LOAD = "vllm-cannot-load"
+    VLLM_TP_LIMITS = "vllm-tp-limits"  # loads at some tensor-parallel sizes only
+
+
+@dataclass(frozen=True)
+class PlanWarning:
+    caveat: Caveat
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scoped:
+    """Applies only in these output formats and schemes (empty: all)."""
+
+    formats: tuple[str, ...] = ()
+    schemes: tuple[str, ...] = ()
+
+    def covers(self, fmt: str, scheme: str) -> bool:
+        return (not self.formats or fmt in self.formats) and (not self.schemes or scheme in self.schemes)
+
+
+@dataclass(frozen=True)
+class Keep(Scoped):
+    """Modules (regex searched in the checkpoint module name) kept in high precision, and why."""
+
+    pattern: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Limit(Scoped):
+    """A combination some consumer cannot load."""
+
+    caveat: Caveat
+    text: str
+    experts: bool = False  # only where the output holds quantized MoE experts
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One projection of all experts of a MoE layer in one source tensor. `stored`: the orientations this
+    family's checkpoints come in, the released one first (the config's sizes tell them apart; where both
+    fit, the released one). `members` share the output axis, concatenated or `interleaved`."""
+
+    pattern: str  # regex over the tensor name; group "block" is the MoE block module
+    members: tuple[str, ...]  # per-expert module names ({block}.experts.{e}.{member}), in order along the output axis
+    stored: tuple[str, ...]  # IN_OUT and/or OUT_IN
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Fused MoE experts: written one 2-D weight per expert in nn.Linear orientation (the layout engines load
+    for FP8), or kept as they are, with the reason."""
+
+    tensors: tuple[ExpertTensor, ...]
+    count: tuple[str, ...] = ("num_local_experts",)  # config keys (dotted paths) with the number of experts
+    width: tuple[str, ...] = ("intermediate_size",)  # config keys with each expert's intermediate size
+    kept: str | None = None  # why they stay as they are (no FP8 layout that loads)
+    split_when_kept: tuple[str, ...] = ()  # formats in which kept experts are still written per expert
+    transformers_loads_split: tuple[str, ...] = ()  # formats in which transformers loads per-expert FP8
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # family, as inspect and the README show it
+    model_types: tuple[str, ...]  # config.json's model_type values it covers
+    # Sibling modules vLLM packs into one linear layer: in the tensor scheme they share one scale, and
+    # they are kept or quantized together (vLLM refuses a half-quantized fused layer).
+    fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS
+    keep: tuple[Keep, ...] = ()  # kept in high precision beyond the generic rules of rules.py
+    experts: Experts | None = None
+    mtp: str | None = None  # MTP_LAYERS or MTP_MODULE
+    # How transformers (in memory, after its checkpoint conversion) and vLLM (after its hf_to_vllm_mapper)
+    # name a checkpoint module, so the ignore list names every kept module the way each consumer matches it:
+    # (pattern, replacement) pairs, each applied once with re.sub in turn.
+    transformers_names: tuple[tuple[str, str], ...] = ()
+    vllm_names: tuple[tuple[str, str], ...] = ()
+    vllm_name_fn: Callable[[str, dict], str] | None = None  # where vLLM's module tree differs from the checkpoint's
+    limits: tuple[Limit, ...] = ()  # combinations a consumer cannot load, as warnings
+    quantized: str = "attention and MLP linears"  # for the README table
+    notes: str = ""
+
+    def vllm_name(self, module: str, config: dict) -> str:
+        module = _renamed(module, self.vllm_names)
+        return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
+
+    def names(self, module: str, config: dict) -> list[str]:
+        """The module as the checkpoint, transformers and vLLM name it (each once)."""
+        return list(dict.fromkeys([module, _renamed(module, self.transformers_names), self.vllm_name(module, config)]))
+
+    def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:
+        """(layout, per-expert modules' parent) of a fused expert tensor, or None."""
+        for layout in self.experts.tensors if self.experts else ():
+            if m := re.fullmatch(layout.pattern, name):
+                return layout, f"{m['block']}.experts"
+        return None
+
+
+def _renamed(module: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for pattern, to in renames:
+        module = re.sub(pattern, to, module, count=1)
+    return module
+
+
+def config_value(config: dict, *keys: str):
+    """The first of `keys` (dotted paths) found in config.json or its text_config, else None."""
+    for scope in (config, config.get("text_config") or {}):
+        for key in keys:
+            value = scope
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                return value
+    return None
+
+
+def mtp_layers(arch: Architecture, config: dict) -> list[str]:
+    """The module prefixes of the MTP layers the config declares (DeepSeek-style layer numbering)."""
+    if arch.mtp != MTP_LAYERS:
+        return []
+    count = config_value(config, "num_nextn_predict_layers") or 0
+    first = config_value(config, "num_hidden_layers") or 0
+    return [f"model.layers.{first + i}" for i in range(count)]
+
+
 GENERIC = Architecture("generic", ())
+
+
+def gate_up_down(
+    block: str,
+    stored: tuple[str, ...],
+    gate_up: str = "experts.gate_up_proj",
+    down: str = "experts.down_proj",
+    interleaved: bool = False,
+) -> tuple[ExpertTensor, ExpertTensor]:
+    """The usual pair of fused expert tensors under the MoE block `block` (a regex): gate_up, then down."""
+    return (
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(gate_up)}", ("gate_proj", "up_proj"), stored, interleaved),
+        ExpertTensor(rf"(?P<block>{block})\.{re.escape(down)}", ("down_proj",), stored),
+    )
+
+
+def legacy_vllm_names(*towers: str) -> tuple[tuple[str, str], ...]:
+    """vLLM's mapper from transformers' multimodal names back to the legacy ones."""
+    return (
+        (r"^model\.language_model\.", "language_model.model."),
+        *((rf"^model\.{tower}\.", f"{tower}.") for tower in towers),
+        (r"^lm_head$", "language_model.lm_head"),
+    )
+
 
 # transformers loads the legacy multimodal layout under model.* (conversion_mapping.py, "llava"); vLLM maps
 # the new names back to the legacy ones (llava.py, gemma3_mm.py, mistral3.py: hf_to_vllm_mapper).
 _LLAVA_TRANSFORMERS = (
-    Rename(r"^language_model\.model\.", "model.language_model."),
-    Rename(r"^language_model\.lm_head$", "lm_head"),
-    Rename(r"^vision_tower\.vision_model\.", "model.vision_tower."),  # CLIP/SigLIP towers drop a level
-    Rename(r"^vision_tower\.", "model.vision_tower."),
-    Rename(r"^multi_modal_projector\.", "model.multi_modal_projector."),
+    (r"^language_model\.model\.", "model.language_model."),
+    (r"^language_model\.lm_head$", "lm_head"),
+    (r"^vision_tower\.vision_model\.", "model.vision_tower."),  # CLIP/SigLIP towers drop a level
+    (r"^vision_tower\.", "model.vision_tower."),
+    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
 )
 _LLAVA_VLLM = legacy_vllm_names("vision_tower", "multi_modal_projector")
 # Qwen-VL: vllm/model_executor/models/qwen3_vl.py and qwen2_5_vl.py, hf_to_vllm_mapper.
@@ -62,8 +222,6 @@ def _falcon_h1_vllm_name(module: str, config: dict) -> str:
         return f"model.{int(m[1]) + int(config_value(config, 'num_hidden_layers') or 0)}.mixer.{m[2]}"
     return module
 
-
-# ---------------------------------------------------------------- the families
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
@@ -113,16 +271,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # an nn.Linear subclass that compressed-tensors would quantize unless its in-memory name is listed.
         "Mixtral-style MoE",
         ("mixtral", "minimax_m2"),
-        transformers_names=(Rename(r"\.block_sparse_moe\.", ".mlp."),),
+        transformers_names=((r"\.block_sparse_moe\.", ".mlp."),),
         quantized=f"attention, {_MOE_ROUTED} (w1/w3 share a scale)",
     ),
     Architecture(
         "PhiMoE",
         ("phimoe",),
-        transformers_names=(
-            Rename(r"\.block_sparse_moe\.gate$", ".mlp.router"),
-            Rename(r"\.block_sparse_moe\.", ".mlp."),
-        ),
+        transformers_names=((r"\.block_sparse_moe\.gate$", ".mlp.router"), (r"\.block_sparse_moe\.", ".mlp.")),
         quantized=f"attention, {_MOE_ROUTED}",
         notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)",
     ),
@@ -182,7 +337,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             kept="no FP8 expert layout loads for gpt-oss (vLLM 0.33 reads fp8 and compressed-tensors gpt-oss "
             "experts as BF16; transformers 5.24 has no converter for them)",
         ),
-        vllm_names=(Rename(r"\.self_attn\.", ".attn."),),
+        vllm_names=((r"\.self_attn\.", ".attn."),),
         quantized="attention",
         notes="experts (gate/up interleaved, with biases) stay BF16, fused as released",
     ),
@@ -216,8 +371,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("nemotron_h",),
         keep=(Keep(r"\.mixer\.gate$", ROUTER),),
         mtp=MTP_MODULE,
-        transformers_names=(Rename(r"^backbone\.", "model."),),
-        vllm_names=(Rename(r"^backbone\.", "model."), Rename(r"\.embeddings$", ".embed_tokens")),
+        transformers_names=((r"^backbone\.", "model."),),
+        vllm_names=((r"^backbone\.", "model."), (r"\.embeddings$", ".embed_tokens")),
         quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)",
     ),
     Architecture(
@@ -235,7 +390,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Jamba",
         ("jamba",),
         keep=(Keep(r"\.mamba\.(in_proj|x_proj|dt_proj|out_proj)$", "Mamba mixer (vLLM builds it unquantized)"),),
-        vllm_names=(Rename(r"\.self_attn\.", "."),),
+        vllm_names=((r"\.self_attn\.", "."),),
         quantized=f"attention, MLPs, {_MOE_ROUTED}",
         notes="Mamba mixers stay BF16",
     ),
@@ -249,10 +404,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         experts=Experts(
             gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight")
         ),
-        transformers_names=(Rename(r"\.router\.layer$", ".router"),),
+        transformers_names=((r"\.router\.layer$", ".router"),),
         # granitemoehybrid.py builds its Mamba2 mixer as `self.mamba` with the prefix `.mixer`, the name
         # its quant config matches against the ignore list
-        vllm_names=(Rename(r"\.router\.layer$", ".gate"), Rename(r"\.mamba\.", ".mixer.")),
+        vllm_names=((r"\.router\.layer$", ".gate"), (r"\.mamba\.", ".mixer.")),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
         notes="fused experts [E, 2*inter, hidden] split per expert, as vLLM loads them; transformers loads "
         "that with the experts randomly initialised",
@@ -273,7 +428,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             kept="no FP8 expert layout loads for DBRX (vLLM's DbrxExperts take no compressed-tensors "
             "scales and no per-expert weights)",
         ),
-        vllm_names=(Rename(r"\.ffn\.experts$", ".ffn"),),
+        vllm_names=((r"\.ffn\.experts$", ".ffn"),),
         quantized="attention (Wqkv, out_proj)",
         notes="experts [E*inter, hidden] stay BF16",
     ),
@@ -311,10 +466,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Qwen2.5-VL",
         ("qwen2_5_vl",),
         transformers_names=(
-            Rename(r"^visual\.", "model.visual."),
-            Rename(r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
+            (r"^visual\.", "model.visual."),
+            (r"^model\.(?!visual\.|language_model\.)", "model.language_model."),
         ),
-        vllm_names=_QWEN_VL_VLLM + (Rename(r"^model\.", "language_model.model."),),
+        vllm_names=_QWEN_VL_VLLM + ((r"^model\.", "language_model.model."),),
     ),
     _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
     Architecture(
@@ -323,7 +478,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         # vLLM removed MllamaForConditionalGeneration in 0.10.2 (model_executor/models/registry.py).
         "Mllama",
         ("mllama",),
-        transformers_names=_LLAVA_TRANSFORMERS[:2] + (Rename(r"^(vision_model|multi_modal_projector)\b", r"model.\1"),),
+        transformers_names=_LLAVA_TRANSFORMERS[:2] + ((r"^(vision_model|multi_modal_projector)\b", r"model.\1"),),
         limits=(
             Limit(Caveat.VLLM_CANNOT_LOAD, "vLLM does not serve Mllama (removed in vLLM 0.10.2); transformers can"),
         ),
@@ -338,7 +493,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Mistral-3",
         ("mistral3",),
         transformers_names=_LLAVA_TRANSFORMERS,
-        vllm_names=_LLAVA_VLLM + (Rename(r"^model\.", "language_model.model."),),
+        vllm_names=_LLAVA_VLLM + ((r"^model\.", "language_model.model."),),
         limits=(
             Limit(
                 Caveat.VLLM_CANNOT_LOAD,

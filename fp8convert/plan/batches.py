@@ -1,32 +1,15 @@
-"""Batches: the plan's units cut to a memory budget. A batch is what the device holds at once."""
+"""Batches: the plan's units cut to a memory budget, a batch being what the device holds at once; and the
+output runs, the contiguous byte ranges of the output shards that a batch's outputs fill, each filled in one
+buffer and written with a few large writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..safetensors_io import TensorInfo
-from .plan import Action, TensorPlan, Unit, unique_inputs
+from .plan import Action, Plan, TensorPlan, Unit, unique_inputs
 
-
-@dataclass
-class Batch:
-    unit: Unit
-    atoms: list[list[TensorPlan]]
-    label: str
-
-    @property
-    def tensors(self) -> list[TensorPlan]:
-        return [t for atom in self.atoms for t in atom]
-
-    @property
-    def in_bytes(self) -> int:
-        return sum(info.nbytes for info in unique_inputs(self.tensors))
-
-    @property
-    def files(self) -> list[str]:
-        """The source files this batch reads, sorted (an FP8 weight's scale may lie in another one)."""
-        return sorted({info.file for t in self.tensors for info in t.inputs})
-
+Batch = Unit  # a unit, or a part of one: whole atoms, within the memory budget unless one atom alone is over it
 
 KEPT_PIECE_BYTES = 256 << 20
 
@@ -51,7 +34,7 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
                 pieces = [[piece] for piece in kept_pieces(atom[0], piece_bytes)] if len(atom) == 1 else []
             atoms += [(piece, True) for piece in pieces] if len(pieces) > 1 else [(atom, False)]
         if resident_bytes(unit.tensors) <= max_resident and not any(split for _, split in atoms):
-            batches.append(Batch(unit, unit.atoms(), unit.label))
+            batches.append(Batch(unit.label, [t for atom, _ in atoms for t in atom]))
             continue
         parts: list[list[list[TensorPlan]]] = [[]]
         used, alone = 0, False
@@ -62,7 +45,10 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
                 used = 0
             parts[-1].append(atom)
             used, alone = used + size, split
-        batches += [Batch(unit, p, f"{unit.label} (part {i + 1}/{len(parts)})") for i, p in enumerate(parts)]
+        batches += [
+            Batch(f"{unit.label} (part {i + 1}/{len(parts)})", [t for atom in part for t in atom])
+            for i, part in enumerate(parts)
+        ]
     return batches
 
 
@@ -72,18 +58,20 @@ def first_axis_slice(info: TensorInfo, first: int, count: int) -> TensorInfo:
     return replace(info, offset=info.offset + first * row, nbytes=count * row, shape=(count, *info.shape[1:]))
 
 
+def row_ranges(info: TensorInfo, max_bytes: int) -> list[tuple[int, TensorInfo]]:
+    """(first row, piece) of `info` in ranges of whole rows of at most `max_bytes` (at least one row)."""
+    rows = info.shape[0]
+    step = max(1, max_bytes // (info.nbytes // rows))
+    return [(r, first_axis_slice(info, r, min(step, rows - r))) for r in range(0, rows, step)]
+
+
 def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
-    """A kept tensor over `max_bytes` as ranges of whole rows of at most that size (at least one row), so
-    memory does not grow with the vocabulary (kept tensors are only checked and copied)."""
+    """A kept tensor over `max_bytes` as ranges of whole rows, so memory does not grow with the vocabulary
+    (kept tensors are only checked and copied)."""
     info = t.source
     if t.action is not Action.KEEP or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
         return [t]
-    row = info.nbytes // info.shape[0]
-    step = max(1, max_bytes // row)
-    rows = info.shape[0]
-    return [
-        replace(t, at=r * row, inputs=(first_axis_slice(info, r, min(step, rows - r)),)) for r in range(0, rows, step)
-    ]
+    return [replace(t, at=piece.offset - info.offset, inputs=(piece,)) for _, piece in row_ranges(info, max_bytes)]
 
 
 def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:
@@ -92,13 +80,59 @@ def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPla
     info = atom[0].source
     if info.nbytes <= max_bytes or any(t.cut.expert is None for t in atom):
         return [atom]
-    step, experts = max(1, max_bytes // (info.nbytes // info.shape[0])), info.shape[0]
     return [
         [
             replace(t, inputs=(piece,), cut=replace(t.cut, expert=t.cut.expert - first))
             for t in atom
             if first <= t.cut.expert < first + piece.shape[0]
         ]
-        for first in range(0, experts, step)
-        for piece in [first_axis_slice(info, first, min(step, experts - first))]
+        for first, piece in row_ranges(info, max_bytes)
     ]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [at, at + nbytes) of output tensor `name`, at `offset` in their run."""
+
+    name: str
+    at: int
+    nbytes: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """Bytes contiguous in one output shard: `nbytes` from file offset `start` (header included)."""
+
+    shard: int
+    start: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+# A merged run stops growing at this size: a run is written once all of its outputs are computed, so
+# runs of a few tens of MB leave for the disk while the rest of the batch is still being quantized.
+RUN_BYTES = 64 << 20
+
+
+def output_runs(plan: Plan, tensors: list[TensorPlan], merge: bool = True, max_bytes: int = RUN_BYTES) -> list[Run]:
+    """The ranges `tensors`' outputs fill, in file order, each of at most `max_bytes` unless one output alone
+    is larger; with `merge` False, one run per output (piece)."""
+    spans = []  # (shard, file offset, name, at, nbytes)
+    for t in tensors:
+        for name, _, _ in t.outputs():
+            shard = plan.shards[plan.shard_of[name]]
+            placed = shard.tensors[name]
+            piece = t.action is Action.KEEP and t.cut is None  # a kept tensor, or a piece of one
+            at, nbytes = (t.at, t.source.nbytes) if piece else (0, placed.nbytes)
+            spans.append((shard.index, len(shard.header) + placed.offset + at, name, at, nbytes))
+    spans.sort()
+    open_runs: list[list] = []  # [shard, start, nbytes, pieces], the last one still growing
+    for shard, start, name, at, nbytes in spans:
+        last = open_runs[-1] if open_runs else None
+        if merge and last and last[0] == shard and last[1] + last[2] == start and last[2] + nbytes <= max_bytes:
+            last[3].append(Piece(name, at, nbytes, last[2]))
+            last[2] += nbytes
+        else:
+            open_runs.append([shard, start, nbytes, [Piece(name, at, nbytes, 0)]])
+    return [Run(shard, start, nbytes, tuple(pieces)) for shard, start, nbytes, pieces in open_runs]

@@ -15,10 +15,12 @@ from ..formats.sources import SourceQuantization
 from ..options import FP4_SCHEMES, Format, Options, ScaleFormat, Scheme
 from ..source.checkpoint import Source
 from ..units import plural
-from .architectures import GENERIC, architecture_of
-from .family import Architecture, config_value, mtp_layers
+from .architectures import GENERIC, Architecture, architecture_of, config_value, mtp_layers
 from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
 from .rules import decide, experts_of, is_linear_weight, module_of
+
+# config.json's dtype names -> the safetensors dtype of a dequantized weight
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def build_plan(source: Source, options: Options) -> Plan:
@@ -34,8 +36,11 @@ def build_plan(source: Source, options: Options) -> Plan:
             "dequantize), but quantizes only BF16/FP16/FP32 and FP8 sources"
         )
     arch = architecture_of(source.config)
-    decisions, notes, warnings = decide(source.tensors, source.config, options, arch or GENERIC, quant)
-    high_precision = high_precision_dtype(options, source.config)
+    rules = arch or GENERIC
+    decisions, notes, warnings = decide(source.tensors, source.config, options, rules, quant)
+    # a dequantized weight is written as --dtype, else the model's dtype (config.json), else BF16
+    model_dtype = source.config.get("torch_dtype", source.config.get("dtype"))
+    high_precision = options.dtype or MODEL_DTYPES.get(str(model_dtype), "BF16")
     plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
     notes += source_notes(quant, plans, options)
     if not any(t.quantize for t in plans) and not options.dequantize:
@@ -45,13 +50,13 @@ def build_plan(source: Source, options: Options) -> Plan:
     notes += architecture_notes(arch, source)
     ignore = []
     if not options.dequantize:  # a dequantized output has no FP8 left for engines to skip
-        if source.config.get("torch_dtype", source.config.get("dtype")) == "float32":
+        if model_dtype == "float32":
             notes.append(
                 "the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
                 "activations; consider serving with --dtype bfloat16"
             )
-        ignore = ignore_list(plans, arch or GENERIC, source.config, options.format)
-    groups = scheme_groups(plans, arch or GENERIC, source.config, options)
+        ignore = ignore_list(plans, rules, source.config, options.format)
+    groups = scheme_groups(plans, rules, source.config, options)
     key = fingerprint(source, options)
     return Plan(source, options, units, shards, shard_of, ignore, notes, key, arch, warnings, groups)
 
@@ -66,24 +71,19 @@ def check_layers(source: Source) -> None:
             prefix, _, index = m.group(1).rpartition(".")
             stacks.setdefault(prefix, set()).add(int(index))
     for prefix, indices in sorted(stacks.items()):
-        missing = sorted(set(range(max(indices) + 1)) - indices)
-        if missing:
+        if missing := sorted(set(range(max(indices) + 1)) - indices):
             raise FP8ConvertError(
                 f"{source.label}: the weights hold {prefix} {describe_numbers(sorted(indices))} but "
                 f"not {describe_numbers(missing)}; a shard or its tensors are missing"
             )
     declared = config_value(source.config, "num_hidden_layers")
-    if (
-        isinstance(declared, int)
-        and not isinstance(declared, bool)
-        and stacks
-        and max(len(i) for i in stacks.values()) < declared
-    ):
+    if stacks and type(declared) is int:  # not a bool: JSON's true is no layer count
         prefix, indices = max(stacks.items(), key=lambda item: len(item[1]))
-        raise FP8ConvertError(
-            f"{source.label}: config.json says num_hidden_layers {declared}, but the weights hold "
-            f"{plural(len(indices), 'layer')} of {prefix}; a shard or its tensors are missing"
-        )
+        if len(indices) < declared:
+            raise FP8ConvertError(
+                f"{source.label}: config.json says num_hidden_layers {declared}, but the weights hold "
+                f"{plural(len(indices), 'layer')} of {prefix}; a shard or its tensors are missing"
+            )
 
 
 def describe_numbers(numbers: list[int]) -> str:
@@ -100,14 +100,14 @@ def describe_numbers(numbers: list[int]) -> str:
 
 def fingerprint(source: Source, options: Options) -> str:
     """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
-    listed = [options.scheme, options.format, list(options.ignore), options.max_shard_size, list(options.target_tp)]
+    listed = [options.scheme, options.format, options.ignore, options.max_shard_size, options.target_tp]
     # Each addition only when set, so the defaults keep earlier fingerprints.
     if options.scale_format != ScaleFormat.FLOAT:
         listed.append(options.scale_format)
     if options.dequantize or options.dtype:
         listed += [options.dequantize, options.dtype]
     if options.recipe:
-        listed.append([list(rule) for rule in options.recipe])
+        listed.append(options.recipe)  # JSON writes tuples as lists
     blob = json.dumps(
         {
             "tool": __version__,
@@ -118,15 +118,6 @@ def fingerprint(source: Source, options: Options) -> str:
         sort_keys=True,
     ).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-# config.json's dtype names -> the safetensors dtype of a dequantized weight
-MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-
-
-def high_precision_dtype(options: Options, config: dict) -> str:
-    """What a dequantized weight is written as: --dtype, else the model's dtype (config.json), else BF16."""
-    return options.dtype or MODEL_DTYPES.get(str(config.get("torch_dtype", config.get("dtype"))), "BF16")
 
 
 def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
@@ -148,17 +139,12 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
     d = replace(d, inputs=(fp8_weight.weight, fp8_weight.scale))
     if fp8_weight.input_scale is not None and scheme == Scheme.TENSOR:
         d = replace(d, inputs=(*d.inputs, fp8_weight.input_scale), input_scale_name=module_of(d.name) + ".input_scale")
-    if passes_through(quant, scheme, options):  # the scale keeps its dtype
-        return replace(d, action=Action.PASS, scale_dtype=fp8_weight.scale.dtype)
+    # The source's codes and scales are already the output's: same scheme and, for ue8m0, scales the source
+    # declares powers of two (re-deriving them would change codes where they are not amax / 448).
+    ue8m0_ok = options.scale_format == ScaleFormat.FLOAT or quant.config.scale_fmt == ScaleFormat.UE8M0
+    if quant.scheme == scheme and ue8m0_ok:
+        return replace(d, action=Action.PASS, scale_dtype=fp8_weight.scale.dtype)  # the scale keeps its dtype
     return replace(d, action=Action.REQUANTIZE, scale_dtype=fmt.scale_dtype())
-
-
-def passes_through(quant: SourceQuantization, scheme: str, options: Options) -> bool:
-    """Whether an FP8 source's codes and scales are already the output's: same scheme and, for ue8m0, scales
-    the source declares powers of two (re-deriving them would change codes where they are not amax / 448)."""
-    return quant.scheme == scheme and (
-        options.scale_format == ScaleFormat.FLOAT or quant.config.scale_fmt == ScaleFormat.UE8M0
-    )
 
 
 def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
@@ -194,12 +180,7 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
     entries: set[str] = set()
     for t in plans:
         if not t.quantize and is_linear_weight(t.name, t.shape, t.dtype, t.reason):
-            module = module_of(t.name)
-            if experts_of(t.name):  # transformers holds these experts fused (no per-expert module to name),
-                # or, where it splits them (Llama-4), under the checkpoint's own names
-                entries.update((module, arch.vllm_name(module, config)))
-            else:
-                entries.update(arch.names(module, config))
+            entries.update(module_names(t.name, arch, config))
     for experts in kept_expert_blocks(plans, arch):
         names = arch.names(experts, config)
         if fmt == Format.COMPRESSED_TENSORS:
@@ -212,6 +193,13 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
     return ignore
 
 
+def module_names(name: str, arch: Architecture, config: dict) -> list[str]:
+    """The module of output `name` as the checkpoint, transformers and vLLM name it (transformers holds
+    per-expert weights fused, or, Llama-4, under the checkpoint's own names)."""
+    module = module_of(name)
+    return [module, arch.vllm_name(module, config)] if experts_of(name) else arch.names(module, config)
+
+
 def scheme_groups(
     plans: list[TensorPlan], arch: Architecture, config: dict, options: Options
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -221,9 +209,8 @@ def scheme_groups(
         return ()
     every, by_scheme = set(), {}
     for t in plans:
-        module = module_of(t.name)
-        names = {module, arch.vllm_name(module, config)} if experts_of(t.name) else set(arch.names(module, config))
-        every |= names
+        names = module_names(t.name, arch, config)
+        every.update(names)
         if t.quantize and t.scheme != options.scheme:
             by_scheme.setdefault(t.scheme, set()).update(names)
     return tuple((s, tuple(compact_targets(by_scheme[s], every))) for s in options.schemes if s in by_scheme)

@@ -15,8 +15,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE, MX_GROUP, Format, Scheme
-from .family import Caveat, PlanWarning, config_value
+from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE, Format, Scheme
+from .architectures import Caveat, PlanWarning, config_value
 from .rules import experts_of, module_of
 
 ROW_PARALLEL = set("o_proj down_proj out_proj w2 c_proj dense_4h_to_h fc2 wo linear_2".split())
@@ -68,8 +68,7 @@ def per_rank(split: Split, tp: int) -> int | None:
 DOES_NOT_DIVIDE = "does not divide evenly"
 NOT_BLOCKS = f"per-rank size not a multiple of {BLOCK}"
 NOT_REFINED = f"per-rank size has no common block of {MIN_REFINED_BLOCK} or more with 128 and the hidden size"
-NOT_MX_GROUPS = f"per-rank size not a multiple of {MX_GROUP} (MXFP8 groups)"
-NOT_FP4_GROUPS = "per-rank size not a multiple of {} (FP4 groups)"
+NOT_GROUPS = "per-rank size not a multiple of {} ({} groups)"
 
 
 def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | None:
@@ -77,11 +76,9 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
     size = per_rank(split, tp)
     if size is None:
         return DOES_NOT_DIVIDE
-    if scheme == Scheme.MXFP8:  # the split input dim of row-parallel layers and of the experts' down_proj
-        return NOT_MX_GROUPS if split.axis != "output" and size % MX_GROUP else None
-    if scheme in FP4_SCHEMES:  # the same for FP4's groups of 16 or 32
-        group = GROUP_SIZE[scheme]
-        return NOT_FP4_GROUPS.format(group) if split.axis != "output" and size % group else None
+    if group := GROUP_SIZE.get(scheme):  # the split input dim of row-parallel layers and experts' down_proj
+        kind = "MXFP8" if scheme == Scheme.MXFP8 else "FP4"
+        return NOT_GROUPS.format(group, kind) if split.axis != "output" and size % group else None
     if scheme != Scheme.BLOCK or size % BLOCK == 0:
         return None
     if split.axis == "expert intermediate":

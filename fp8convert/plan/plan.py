@@ -6,14 +6,13 @@ from __future__ import annotations
 import enum
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..formats import CONFIGS
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
-from .cuts import Cut
-from .family import Architecture
+from .architectures import Architecture
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 
@@ -28,8 +27,52 @@ class Action(enum.Enum):
     PASS = "pass"  # an FP8 weight's codes and scale as they are: the output's scheme is the source's
 
 
-FP8_OUT = (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
 COMPUTED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where one expert's one member lies, in nn.Linear orientation [out, in], inside a fused MoE tensor.
+    Every step is a view, so the outputs cut from one source tensor share one read of it."""
+
+    expert: int | None = None  # index on the source's first axis (all experts of a layer)
+    transpose: bool = False  # the source stores [in, out] (used as x @ W): transpose to [out, in]
+    part: int = 0  # which of `parts` members share the output axis (gate 0, up 1)
+    parts: int = 1
+    interleaved: bool = False  # members alternate row by row (gpt-oss) instead of being concatenated
+
+    def apply(self, w):
+        """This cut of `w`, the whole source tensor, as a view; with `expert` None the expert axis is kept."""
+        if self.expert is not None:
+            w = w[self.expert]
+        if self.transpose:
+            w = w.transpose(-1, -2)
+        if self.parts > 1:
+            if self.interleaved:
+                w = w[..., self.part :: self.parts, :]
+            else:
+                rows = w.shape[-2] // self.parts
+                w = w[..., self.part * rows : (self.part + 1) * rows, :]
+        return w
+
+    def shape(self, source_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(source_shape[1:] if self.expert is not None else source_shape)
+        if self.transpose:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        shape[-2] //= self.parts
+        return tuple(shape)
+
+    def across_experts(self) -> Cut:
+        """The same cut for every expert at once (the expert axis kept)."""
+        return replace(self, expert=None)
+
+    def describe(self, source: str) -> str:
+        """Where the output comes from, in Python slicing terms, e.g. `x.gate_up_proj[3].T (part 2 of 2)`."""
+        text = source + (f"[{self.expert}]" if self.expert is not None else "")
+        text += ".T" if self.transpose else ""
+        if self.parts > 1:
+            text += f"[{self.part}::{self.parts}]" if self.interleaved else f" (part {self.part + 1} of {self.parts})"
+        return text
 
 
 @dataclass(frozen=True)
@@ -70,7 +113,7 @@ class TensorPlan:
     @property
     def quantize(self) -> bool:
         """The output is FP8: quantized here, requantized, or passed through from an FP8 source."""
-        return self.action in FP8_OUT
+        return self.action in (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
 
     @property
     def computed(self) -> bool:
@@ -117,13 +160,11 @@ class TensorPlan:
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every output tensor this plan produces."""
-        if not self.quantize:
-            return [(self.name, self.dtype, self.shape)]
-        if self.packed:
-            out, inp = self.shape
-            outputs = [(self.name, "U8", (out, inp // 2)), (self.scale_name, self.scale_dtype, self.scale_shape)]
-            return outputs + ([(self.global_scale_name, "F32", (1,))] if self.global_scale_name else [])
-        outputs = [(self.name, FP8, self.shape), (self.scale_name, self.scale_dtype, self.scale_shape)]
+        outputs = [(self.name, self.dtype, (self.shape[0], self.shape[1] // 2) if self.packed else self.shape)]
+        if self.quantize:
+            outputs.append((self.scale_name, self.scale_dtype, self.scale_shape))
+        if self.global_scale_name:
+            outputs.append((self.global_scale_name, "F32", (1,)))
         if self.input_scale_name:  # per tensor, shaped as the format shapes a per-tensor scale ([] or [1])
             outputs.append((self.input_scale_name, self.inputs[-1].dtype, self.scale_shape))
         return outputs
@@ -140,7 +181,7 @@ def unique_inputs(tensors: list[TensorPlan]) -> list[TensorInfo]:
 
 @dataclass
 class Unit:
-    """At most one decoder layer: the granularity of shard breaks and of the work split."""
+    """At most one decoder layer: the granularity of shard breaks and of the work split; a batch is one too."""
 
     label: str
     tensors: list[TensorPlan]
@@ -152,6 +193,11 @@ class Unit:
     @property
     def out_bytes(self) -> int:
         return sum(t.out_bytes for t in self.tensors)
+
+    @property
+    def files(self) -> list[str]:
+        """The source files it reads, sorted (an FP8 weight's scale may lie in another one)."""
+        return sorted({info.file for t in self.tensors for info in t.inputs})
 
     def atoms(self) -> list[list[TensorPlan]]:
         """Pieces that must never be split: every output cut from one source tensor (so it is read
@@ -212,16 +258,11 @@ class Plan:
 
     def quantization_config(self) -> dict | None:
         """The output's quantization_config; None for a dequantized output (it has none)."""
-        if self.options.dequantize:
+        o = self.options
+        if o.dequantize:
             return None
-        options = self.options
-        return CONFIGS[options.format](
-            options.scheme,
-            tuple(self.ignore_list),
-            options.scale_format,
-            self.static_activations,
-            groups=self.scheme_groups,
-        ).to_dict()
+        ignore, groups = tuple(self.ignore_list), self.scheme_groups
+        return CONFIGS[o.format](o.scheme, ignore, o.scale_format, self.static_activations, groups=groups).to_dict()
 
     def units_in(self, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
         """The units cut down to the tensors whose outputs land in `shards`, less those `written` says are
@@ -236,9 +277,6 @@ class Plan:
             if kept:
                 units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
         return units
-
-
-# ---------------------------------------------------------------- units and shards
 
 
 def natural_key(text: str) -> list:

@@ -9,12 +9,10 @@ from dataclasses import replace
 
 from ..errors import FP8ConvertError, UsageError
 from ..formats.sources import SourceQuantization
-from ..options import FP4_SCHEMES, GROUP_SIZE, MX_GROUP, Options, Scheme
+from ..options import GROUP_SIZE, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
-from .architectures import GENERIC
-from .cuts import Cut
-from .family import FUSED_SIBLINGS, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
-from .plan import Action, TensorPlan
+from .architectures import GENERIC, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
+from .plan import Action, Cut, TensorPlan
 
 # Leaves named like an embedding: "embed" in the leaf, or GPT-2's token and position tables.
 EMBEDDING_LEAVES = {"wte", "wpe"}
@@ -27,11 +25,8 @@ TOWER_PARTS = set(
     "multi_modal_projector mm_projector vision_projector image_newline audio_projector vision_embed_tokens".split()
 )
 KERNEL_MULTIPLE = 16  # the FP8 GEMMs want both weight dims divisible by 16
-MX_INPUT_DIM = "MXFP8: input dim"  # start of the reason for weights whose rows do not split into groups of 32
-FP4_INPUT_DIM = "FP4: input dim"  # the same for FP4's groups of 16 (NVFP4) or 32 (MXFP4)
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")  # a module of one expert
 SOURCE_KEPT = "high precision in the FP8 source"
-DEQUANTIZED = "dequantized"
 
 
 def module_of(name: str) -> str:
@@ -55,7 +50,7 @@ class UnsupportedLayout(FP8ConvertError):
     """A weight that looks like a linear layer but has a layout fp8convert cannot convert exactly."""
 
 
-def default_keep_reason(info: TensorInfo, arch: Architecture = GENERIC, fmt: str = "", scheme: str = "") -> str | None:
+def default_keep_reason(info: TensorInfo, arch: Architecture, fmt: str, scheme: str) -> str | None:
     """Why a tensor stays in high precision by default, or None. UnsupportedLayout: a weight of more than 2 dims."""
     if info.dtype not in FLOAT_SOURCE_DTYPES and info.dtype != FP8:
         return f"{info.dtype}, not a dtype fp8convert quantizes (BF16, F16, F32)"
@@ -95,14 +90,14 @@ def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
     """Why a 2-D weight of this shape cannot be FP8 in `scheme`, or None."""
     if shape[0] % KERNEL_MULTIPLE or shape[1] % KERNEL_MULTIPLE:
         return f"shape {list(shape)} not divisible by {KERNEL_MULTIPLE}"
-    if scheme == Scheme.MXFP8 and shape[1] % MX_GROUP:  # vLLM allocates in // 32 scales per row
-        return f"{MX_INPUT_DIM} ({shape[1]}) not divisible by {MX_GROUP}"
-    if scheme in FP4_SCHEMES and shape[1] % GROUP_SIZE[scheme]:  # scales of whole groups only, never a pad
-        return f"{FP4_INPUT_DIM} ({shape[1]}) not divisible by {GROUP_SIZE[scheme]}"
+    # whole groups only: vLLM allocates MXFP8's in // 32 scales per row, and FP4 scales are never padded
+    if scheme in GROUP_SIZE and shape[1] % GROUP_SIZE[scheme]:
+        kind = "MXFP8" if scheme == Scheme.MXFP8 else "FP4"
+        return f"{kind}: input dim ({shape[1]}) not divisible by {GROUP_SIZE[scheme]}"
     return None
 
 
-def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...] = FUSED_SIBLINGS) -> str | None:
+def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...]) -> str | None:
     """The vLLM fused layer a weight belongs to, e.g. 'model.layers.0.self_attn.q_proj/k_proj/v_proj'."""
     module = module_of(name)
     parent, _, leaf = module.rpartition(".")
@@ -124,33 +119,15 @@ def decision(
     return TensorPlan(name, (source,), action, reason, group, cut=cut, scheme=scheme)
 
 
-def scheme_of(module: str, options: Options, used: set[str] | None = None) -> str:
-    """The scheme a recipe gives `module`: its rules' (which must agree), else --scheme. `used` collects the
-    rules' patterns that matched."""
+def scheme_of(module: str, options: Options, used: set[str]) -> str:
+    """The scheme a recipe gives `module`: its rules' (which must agree), else --scheme; adds the rules'
+    patterns that matched to `used`."""
     hits = {pattern: scheme for pattern, scheme in options.recipe if matches_pattern(module, pattern)}
     if len(set(hits.values())) > 1:
         rules = ", ".join(f"{p}={s}" for p, s in hits.items())
         raise UsageError(f"module {module}: recipe rules {rules} give it different schemes; make them exclusive")
-    if used is not None:
-        used.update(hits)
+    used.update(hits)
     return next(iter(hits.values()), options.scheme)
-
-
-def check_recipe_sets(decisions: list[TensorPlan], arch: Architecture) -> None:
-    """vLLM runs a fused set (q/k/v, gate/up) as one GEMM and a MoE layer's experts as one layer, each in one
-    scheme: a recipe that gives their members different schemes is refused, naming them."""
-    for key_of, what in ((lambda d: d.group, "fused set"), (lambda d: experts_of(d.name), "experts of")):
-        first: dict[str, TensorPlan] = {}
-        for d in (d for d in decisions if d.name.endswith(".weight")):  # biases follow their weights
-            if (key := key_of(d)) and first.setdefault(key, d).scheme != d.scheme:
-                other = first[key]
-                raise UsageError(
-                    f"the recipe splits the {what} {key}: {module_of(other.name)} is {other.scheme}, "
-                    f"{module_of(d.name)} is {d.scheme}; vLLM loads them as one layer, in one scheme"
-                )
-
-
-# ---------------------------------------------------------------- fused expert tensors
 
 
 def expert_cuts(
@@ -180,26 +157,17 @@ def expert_cuts(
     return [(f"{experts}.{e}.{m}.weight", replace(cut, expert=e, part=j)) for e in range(count) for j, m in members]
 
 
-# ---------------------------------------------------------------- all tensors
-
-
 def decide(
-    tensors: list[TensorInfo],
-    config: dict,
-    options: Options,
-    arch: Architecture = GENERIC,
-    quant: SourceQuantization | None = None,
+    tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture, quant: SourceQuantization | None
 ) -> tuple[list[TensorPlan], list[str], list[str]]:
     """(decisions in source order, notes, warnings). An FP8 source's scales are inputs of their weights, its
     FP8 weights are decided like high-precision ones, and what it kept in high precision stays as it is."""
     companions = quant.companions() if quant else set()
     if options.dequantize:  # every FP8 weight becomes high precision, every other tensor is kept
         kept = [t for t in tensors if t.name not in companions]
-        return [decision(t.name, t, DEQUANTIZED if t.name in quant.weights else SOURCE_KEPT) for t in kept], [], []
+        return [decision(t.name, t, "dequantized" if t.name in quant.weights else SOURCE_KEPT) for t in kept], [], []
     decisions: list[TensorPlan] = []
-    used_patterns: set[str] = set()
-    used_rules: set[str] = set()
-    unsupported: list[str] = []
+    used_patterns, used_rules, unsupported = set(), set(), []
     for info in tensors:
         if info.name in companions:
             continue
@@ -213,9 +181,11 @@ def decide(
         if quant and info.name not in quant.weights:
             decisions.append(decision(info.name, info, reason or SOURCE_KEPT, group, scheme=scheme))
             continue
-        if fused_experts := arch.expert_tensor(info.name):
+        fused_experts = arch.expert_tensor(info.name)
+        modules = (module, fused_experts[1]) if fused_experts else (module,)
+        hit = next((p for p in options.ignore if any(matches_pattern(m, p) for m in modules)), None)
+        if fused_experts:
             layout, experts = fused_experts
-            hit = next((p for p in options.ignore if matches_pattern(module, p) or matches_pattern(experts, p)), None)
             used_patterns.add(hit)
             reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
             if reason and options.format not in arch.experts.split_when_kept:
@@ -228,7 +198,6 @@ def decide(
                 for scheme in [scheme_of(module_of(name), options, used_rules)]
             ]
             continue
-        hit = next((p for p in options.ignore if matches_pattern(module, p)), None)
         if no_layout and hit is None:
             unsupported.append(str(no_layout))
         if reason is None and hit is not None:
@@ -246,15 +215,7 @@ def decide(
     unused = [pattern for pattern in options.ignore if pattern not in used_patterns]
     warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized" for pattern in unused]
     warnings += [f"--scheme {p}={s} matched no module" for p, s in options.recipe if p not in used_rules]
-    check_recipe_sets(decisions, arch)
-    notes: list[str] = []
-    decisions = _keep_together(
-        decisions, lambda d: d.group, "kept all of {key} because {kept} is kept ({reason})", notes
-    )
-    # vLLM builds one FusedMoE per layer: its experts are all FP8 or all high precision.
-    decisions = _keep_together(
-        decisions, lambda d: experts_of(d.name), "kept every expert of {key} because {kept} is kept ({reason})", notes
-    )
+    notes = _one_layer_sets(decisions)
     return _unsplit_kept(decisions, arch, options), notes, warnings
 
 
@@ -279,23 +240,33 @@ def _unsplit_kept(decisions: list[TensorPlan], arch: Architecture, options: Opti
     return out
 
 
-def _keep_together(decisions: list[TensorPlan], key_of, note: str, notes: list[str]) -> list[TensorPlan]:
-    """Where some members of a set (a fused group, a MoE layer's experts) are kept, keep them all."""
-    members: dict[str, list[int]] = {}
-    for i, d in enumerate(decisions):
-        if key := key_of(d):
+def _one_layer_sets(decisions: list[TensorPlan]) -> list[str]:
+    """vLLM runs a fused set (q/k/v, gate/up) as one GEMM and a MoE layer's experts as one FusedMoE, each in
+    one scheme and all FP8 or all high precision: a recipe that splits a set is refused, naming its members;
+    where some members are kept, all are (in place). The notes say which sets."""
+    notes = []
+    sets = ((lambda d: d.group, "fused set", "all of"), (lambda d: experts_of(d.name), "experts of", "every expert of"))
+    for key_of, what, every in sets:
+        members: dict[str, list[int]] = {}
+        first: dict[str, TensorPlan] = {}
+        for i, d in enumerate(decisions):
+            if not (key := key_of(d)):
+                continue
             members.setdefault(key, []).append(i)
-    out = list(decisions)
-    for key, indices in members.items():
-        kept = [i for i in indices if not out[i].quantize]
-        if kept and len(kept) < len(indices):
-            first = out[kept[0]]
-            why = f"fused with {module_of(first.name)}, which is kept"
-            for i in indices:
-                if out[i].quantize:
-                    out[i] = replace(out[i], action=Action.KEEP, reason=why)
-            notes.append(note.format(key=key, kept=module_of(first.name), reason=first.reason))
-    return out
+            if d.name.endswith(".weight") and first.setdefault(key, d).scheme != d.scheme:  # biases follow weights
+                raise UsageError(
+                    f"the recipe splits the {what} {key}: {module_of(first[key].name)} is {first[key].scheme}, "
+                    f"{module_of(d.name)} is {d.scheme}; vLLM loads them as one layer, in one scheme"
+                )
+        for key, indices in members.items():
+            kept = [decisions[i] for i in indices if not decisions[i].quantize]
+            if kept and len(kept) < len(indices):
+                why = f"fused with {module_of(kept[0].name)}, which is kept"
+                for i in indices:
+                    if decisions[i].quantize:
+                        decisions[i] = replace(decisions[i], action=Action.KEEP, reason=why)
+                notes.append(f"kept {every} {key} because {module_of(kept[0].name)} is kept ({kept[0].reason})")
+    return notes
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str, reason: str | None) -> bool:

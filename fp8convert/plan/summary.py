@@ -7,18 +7,18 @@ import re
 from collections import Counter
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK, GROUP_SIZE, Format, ScaleFormat, Scheme
+from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
+from .architectures import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .batches import make_batches
-from .family import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
-from .rules import FP4_INPUT_DIM, MX_INPUT_DIM
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30  # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20  # interpreter + torch on CPU, roughly
 PINNED_HOST_BYTES = 9 * (32 << 20)  # pinned read chunks of 32 MiB: 8 reader threads and one more
 EXPERT = re.compile(r"\.experts\.\d+\.")
+FUSED_BLOCK_RULE = f"needs every member but the last to have an output size divisible by {BLOCK}"
 
 # Where transformers cannot load an output of any family (the registry's limits add each family's own).
 LIMITS = (
@@ -115,28 +115,23 @@ def plan_warnings(plan: Plan) -> list[str]:
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
-def block_warnings(fmt: str, tensors: list) -> list[PlanWarning]:
-    warnings, quantized = [], [t for t in tensors if t.quantize]
+def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
+    warnings = []
     if odd := [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]:
-        misreads = fmt == Format.FP8
-        what = (
-            "transformers infers the block size from the scale grid and dequantizes these wrongly"
-            if misreads
-            else "transformers cannot load these (needs both dims divisible by 128)"
-        )
-        warnings.append(
-            PlanWarning(
-                Caveat.TRANSFORMERS_MISREADS if misreads else Caveat.TRANSFORMERS_CANNOT_LOAD,
-                f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]}): {what}",
-            )
-        )
-    if why := unloadable_fused_groups(fmt, tensors):
+        odd = f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]})"
+        if fmt == Format.FP8:
+            what = "transformers infers the block size from the scale grid and dequantizes these wrongly"
+            warnings.append(PlanWarning(Caveat.TRANSFORMERS_MISREADS, f"{odd}: {what}"))
+        else:
+            what = "transformers cannot load these (needs both dims divisible by 128)"
+            warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD, f"{odd}: {what}"))
+    if why := unloadable_fused_groups(fmt, quantized):
         warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
     return warnings
 
 
 def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
-    """Why vLLM cannot load the block-FP8 fused layers of this plan at any TP size, or None: it loads each
+    """Why vLLM cannot load the block-FP8 fused layers among `tensors` at any TP size, or None: it loads each
     member at its row offset in one weight with one 128x128 scale grid, so every member but the last must
     end on a block boundary. MoE experts follow vLLM's MoE rules instead (parallel.py)."""
     quantized = [t for t in tensors if t.quantize]
@@ -144,26 +139,27 @@ def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
     for t in quantized:
         if t.group and not EXPERT.search(t.name):
             fused.setdefault(t.group, []).append(t)
-    broken = []
+    broken = []  # (module, what it is, why, how to keep it)
     for group, members in fused.items():
-        order = group.rsplit(".", 1)[-1].split("/")
-        members.sort(key=lambda t: order.index(t.name.rsplit(".", 2)[-2]))
+        leaves = group.rsplit(".", 1)[-1]
+        members.sort(key=lambda t: leaves.split("/").index(t.name.rsplit(".", 2)[-2]))
         if offending := [t for t in members[:-1] if t.shape[0] % BLOCK]:
-            broken.append((group, offending[0]))
+            e = offending[0]
+            why = f"its fused block GEMM {FUSED_BLOCK_RULE}, and these do not (e.g. {e.name} {list(e.shape)})"
+            keep = f"the group in high precision with --ignore 're:.*\\.({leaves.replace('/', '|')})$'"
+            broken.append((group, "group", why, keep))
+    broken = broken or _unloadable_mamba2_in_proj(tensors, quantized)
     if not broken:
-        return _unloadable_mamba2_in_proj(fmt, tensors, quantized)
-    group, example = broken[0]
-    leaves = group.rsplit(".", 1)[-1]
-    others = f" and {plural(len(broken) - 1, 'more group')} like it" if len(broken) > 1 else ""
+        return None
+    module, kind, why, keep = broken[0]
+    others = f" and {plural(len(broken) - 1, f'more {kind}')} like it" if len(broken) > 1 else ""
     return (
-        f"vLLM cannot load {group}{others} in the {fmt} format's block scheme: its fused block GEMM needs "
-        f"every member but the last to have an output size divisible by {BLOCK}, and these do not "
-        f"(e.g. {example.name} {list(example.shape)}); use --scheme channel or tensor, or keep the group "
-        f"in high precision with --ignore 're:.*\\.({leaves.replace('/', '|')})$'"
+        f"vLLM cannot load {module}{others} in the {fmt} format's block scheme: {why}; use --scheme channel or "
+        f"tensor, or keep {keep}"
     )
 
 
-def _unloadable_mamba2_in_proj(fmt: str, tensors: list, quantized: list) -> str | None:
+def _unloadable_mamba2_in_proj(tensors: list, quantized: list) -> list[tuple[str, str, str, str]]:
     """The same rule for a Mamba2 mixer's one in_proj tensor, which vLLM's MambaMixer2
     (layers/mamba/mamba_mixer2.py; granitemoehybrid, nemotron_h, falcon_h1, bamba, zamba2) loads as a
     merged layer of five members: gate and x (the mixer's width, out_proj's input, each), B and C
@@ -177,17 +173,11 @@ def _unloadable_mamba2_in_proj(fmt: str, tensors: list, quantized: list) -> str 
             continue
         width, groups = out[1], (t.shape[0] - 2 * out[1] - heads[0]) // 2
         if width % BLOCK or groups % BLOCK:
-            broken.append((t, [width, width, groups, groups, heads[0]]))
-    if not broken:
-        return None
-    (example, members), parent = broken[0], broken[0][0].name.rsplit(".", 3)[-3]
-    others = f" and {plural(len(broken) - 1, 'more layer')} like it" if len(broken) > 1 else ""
-    return (
-        f"vLLM cannot load {example.name.removesuffix('.weight')}{others} in the {fmt} format's block scheme: "
-        f"it loads this Mamba2 in_proj as one fused block GEMM of gate, x, B, C and dt members "
-        f"{members}, which needs every member but the last to have an output size divisible by {BLOCK}; "
-        f"use --scheme channel or tensor, or keep it in high precision with --ignore 're:.*\\.{parent}\\.in_proj$'"
-    )
+            members = [width, width, groups, groups, heads[0]]
+            why = f"it loads this Mamba2 in_proj as one fused block GEMM of gate, x, B, C and dt members {members}"
+            keep = f"it in high precision with --ignore 're:.*\\.{mixer.rsplit('.', 1)[-1]}\\.in_proj$'"
+            broken.append((mixer + ".in_proj", "layer", f"{why}, which {FUSED_BLOCK_RULE}", keep))
+    return broken
 
 
 def refuse_unloadable(plan: Plan) -> None:
@@ -195,14 +185,8 @@ def refuse_unloadable(plan: Plan) -> None:
     if plan.options.dequantize or Scheme.BLOCK not in plan.options.schemes:
         return
     block = [t for t in plan.tensors if t.scheme == Scheme.BLOCK]
-    why = unloadable_fused_groups(plan.options.format, block)
-    if why:
+    if why := unloadable_fused_groups(plan.options.format, block):
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
-
-
-def transformers_verdict(warnings: list[PlanWarning]) -> str | None:
-    """Why transformers cannot load the output, or None when it can."""
-    return next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
 
 
 # Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
@@ -222,8 +206,9 @@ VLLM_GPUS = {  # by --scale-format, or the MXFP8 and FP4 schemes
 }
 
 
-def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
-    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer."""
+def load_table(plan: Plan, warnings: list[PlanWarning], cannot: str | None) -> dict[str, str]:
+    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer; `cannot`: why
+    transformers cannot."""
     options = plan.options
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
@@ -236,7 +221,7 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
         tp = "; at some tensor-parallel sizes only (see the warnings)" if Caveat.VLLM_TP_LIMITS in caveats else ""
         gpus = [f"{s}: {VLLM_GPUS[layout]}" if len(layouts) > 1 else VLLM_GPUS[layout] for layout, s in layouts.items()]
         vllm = f"yes: {'; '.join(gpus)}{tp}"
-    if cannot := transformers_verdict(warnings):
+    if cannot:
         transformers = "no: " + cannot
     elif Caveat.TRANSFORMERS_MISREADS in caveats:
         transformers = "loads, but dequantizes some weights wrongly (see the warnings)"
@@ -249,18 +234,14 @@ def load_table(plan: Plan, warnings: list[PlanWarning]) -> dict[str, str]:
 def describe(plan: Plan, budget: int, device_type: str) -> dict:
     tensors = plan.tensors
     warnings = compatibility_warnings(plan)
+    cannot = next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
     kept_reasons, kept_bytes = Counter(), Counter()
     for t in tensors:
-        if not t.quantize:
-            reason = t.reason.split(" [")[0] if t.reason else "?"
-            reason = "shape not divisible by 16" if reason.startswith("shape ") else reason
-            reason = f"{MX_INPUT_DIM} not divisible by 32" if reason.startswith(MX_INPUT_DIM) else reason
-            if reason.startswith(FP4_INPUT_DIM):
-                reason = f"{FP4_INPUT_DIM} not divisible by {GROUP_SIZE[t.scheme]}"
+        if not t.quantize:  # by kind: a shape reason reads "shape", an input-dim one loses its size
+            reason = re.sub(r"input dim \(\d+\) ", "input dim ", t.reason.split(" [")[0])
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
     fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set
-    groups = Counter(key.rsplit(".", 1)[-1] for key in fused)
     arch, model_type = plan.architecture, f"model_type {plan.source.config.get('model_type')!r}"
     quant = plan.source.quant
     return {
@@ -272,7 +253,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "static_activations": plan.static_activations,
         "architecture": f"{arch.name} ({model_type})" if arch else f"not in the registry ({model_type}): generic rules",
         "scheme": plan.options.scheme,
-        "recipe": [list(rule) for rule in plan.options.recipe],
+        "recipe": plan.options.recipe,
         "quantized_by_scheme": dict(Counter(t.scheme for t in tensors if t.quantize)) if plan.options.recipe else {},
         "format": plan.options.format,
         "scale_format": plan.options.scale_format,
@@ -285,7 +266,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
             "bytes_out": sum(t.out_bytes for t in tensors if t.quantize),
         },
         "kept": {reason: {"tensors": n, "bytes": kept_bytes[reason]} for reason, n in kept_reasons.most_common()},
-        "fused_groups": dict(groups),
+        "fused_groups": dict(Counter(key.rsplit(".", 1)[-1] for key in fused)),
         "scale_sharing": bool({Scheme.TENSOR, Scheme.NVFP4A16} & set(plan.options.schemes)),
         "bytes_in": plan.source.total_bytes,
         "bytes_out": plan.out_bytes,
@@ -296,8 +277,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
         "warnings": plan.warnings + [w.text for w in warnings],
-        "transformers_cannot_load": transformers_verdict(warnings),
-        "loads": load_table(plan, warnings),
+        "transformers_cannot_load": cannot,
+        "loads": load_table(plan, warnings, cannot),
         "notes": plan.notes,
     }
 
@@ -317,8 +298,7 @@ def split_experts(plan: Plan) -> list[str]:
 
 def mtp_summary(plan: Plan) -> str | None:
     """Where the next-token-prediction layers are and what became of them (None: the family has none)."""
-    arch = plan.architecture
-    names = [t.name for t in plan.source.tensors]
+    arch, names = plan.architecture, [t.name for t in plan.source.tensors]
     if arch is None or not arch.mtp:
         return None
     prefixes = mtp_layers(arch, plan.source.config) if arch.mtp == MTP_LAYERS else [MTP_MODULE]
@@ -347,15 +327,14 @@ def render(info: dict) -> str:
         ]
     else:
         given = f" (from {info['scheme_given']})" if info.get("scheme_given") else ""
-        scales = info.get("scale_format", ScaleFormat.FLOAT)
-        scales = f"   scales {scales}" if scales != ScaleFormat.FLOAT else ""
+        scales = f"   scales {info['scale_format']}" if info["scale_format"] != ScaleFormat.FLOAT else ""
         lines += [
             f"scheme      {info['scheme']}{given}   format {info['format']}{scales}   plan {info['fingerprint']}",
-            *[f"recipe      {pattern} = {scheme}" for pattern, scheme in info.get("recipe") or ()],
+            *[f"recipe      {pattern} = {scheme}" for pattern, scheme in info["recipe"]],
             tensors,
             f"quantized   {plural(q['tensors'], 'tensor')}, {format_size(q['bytes_in'])} -> "
             f"{format_size(q['bytes_out'])} with scales"
-            + (f" ({', '.join(f'{n} {s}' for s, n in by.items())})" if (by := info.get("quantized_by_scheme")) else ""),
+            + (f" ({', '.join(f'{n} {s}' for s, n in by.items())})" if (by := info["quantized_by_scheme"]) else ""),
         ]
         if info["source_quantization"]:
             lines.append(
@@ -393,7 +372,7 @@ def render(info: dict) -> str:
             f"ignore list {plural(len(info['ignore']), 'module')}: {', '.join(info['ignore'][:6])}"
             + (" ..." if len(info["ignore"]) > 6 else "")
         )
-    lines += [f"loads       {engine}: {verdict}" for engine, verdict in (info.get("loads") or {}).items()]
+    lines += [f"loads       {engine}: {verdict}" for engine, verdict in info["loads"].items()]
     lines += [f"warning     {w}" for w in info["warnings"]]
     lines += [f"note        {n}" for n in info["notes"]]
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The run: a reader thread starts each batch's reads, the main thread quantizes each stack as its bytes
-land, and a writer thread writes each run of output bytes (plan/runs.py) once its last output is in.
+land, and a writer thread writes each run of output bytes (plan/batches.py) once its last output is in.
 Hand-offs hold one batch each: the device holds at most the batch being read plus the outputs of the batch
 being written. On CUDA, host memory is only the readers' and the writer's pinned chunks.
 """
@@ -17,9 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..plan.batches import Batch, make_batches
+from ..plan.batches import Batch, Run, make_batches, output_runs
 from ..plan.plan import Plan, Unit
-from ..plan.runs import Run, output_runs
 from .device import budget_for, cpu_threads_for_quantizing, io_threads, resolve_device
 from .progress import Progress
 from .quantizer import quantize_steps, read_order

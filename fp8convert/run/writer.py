@@ -1,4 +1,4 @@
-"""Write stage: stream byte runs (plan/runs.py) into shards whose headers the plan already fixed.
+"""Write stage: stream byte runs (plan/batches.py) into shards whose headers the plan already fixed.
 
 Each shard is a partial file, header first, every block reserved by an allocator thread from the start of
 the run (a full disk shows at once). Runs land at their planned offsets in any order through a pool of
@@ -19,8 +19,8 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..files import fsync_dir
 from ..output.partial import UnitRecorder, partial_path, record_path
+from ..plan.batches import Run
 from ..plan.plan import Plan
-from ..plan.runs import Run
 from .writeback import maps_writes, reserve, start_writeback, write_mapped
 
 # Switches for scripts/profile_stages.py: reserve every shard while torch loads; write reserved shards

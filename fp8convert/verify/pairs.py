@@ -12,7 +12,7 @@ from ..formats import QuantizationConfig
 from ..formats.sources import FP8Weight
 from ..options import BLOCK
 from ..plan.batches import first_axis_slice
-from ..plan.cuts import Cut
+from ..plan.plan import Cut
 from ..plan.rules import module_of
 from ..safetensors_io import TensorInfo
 from ..units import plural

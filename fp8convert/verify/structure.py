@@ -15,7 +15,7 @@ from ..formats.sources import FP8Weight
 from ..options import FP4_SCHEMES, Scheme
 from ..output.manifest import Manifest
 from ..plan.architectures import GENERIC, Architecture, architecture_of
-from ..plan.cuts import Cut
+from ..plan.plan import Cut
 from ..plan.rules import UnsupportedLayout, default_keep_reason, expert_cuts, is_linear_weight, module_of
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
 from ..source.checkpoint import Source, index_files, parse_index

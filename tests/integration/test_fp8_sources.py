@@ -382,7 +382,7 @@ def test_dequantize_batches_fit_the_budget_on_their_outputs(fp8_source):
     batches = make_batches(plan.units, budget)
     assert len(batches) > len(plan.units)
     for b in batches:
-        assert len(b.atoms) == 1 or resident_bytes(b.tensors) <= budget
+        assert len(b.atoms()) == 1 or resident_bytes(b.tensors) <= budget
     assert sorted(t.name for b in batches for t in b.tensors) == sorted(t.name for t in plan.tensors)
 
 

@@ -690,7 +690,7 @@ def test_batches_fit_the_budget_keep_fused_groups_and_cover_every_byte(kind, max
     pieces: dict[str, list[tuple[int, int]]] = {}
     group_atoms: dict[str, list[int]] = {}  # fused group -> sizes of the atoms holding its members
     for batch in batches:
-        for atom in batch.atoms:
+        for atom in batch.atoms():
             for group in {t.group for t in atom if t.group and t.quantize}:
                 group_atoms.setdefault(group, []).append(len(atom))
         alone = any(
@@ -700,8 +700,8 @@ def test_batches_fit_the_budget_keep_fused_groups_and_cover_every_byte(kind, max
         )
         if alone:
             assert len(batch.tensors) == 1  # a piece of a kept tensor is a batch of its own
-        largest_atom = max(sum(t.source.nbytes for t in atom) for atom in batch.atoms)
-        assert batch.in_bytes <= max_resident or len(batch.atoms) == 1 and largest_atom > max_resident
+        largest_atom = max(sum(t.source.nbytes for t in atom) for atom in batch.atoms())
+        assert batch.in_bytes <= max_resident or len(batch.atoms()) == 1 and largest_atom > max_resident
         for t in batch.tensors:
             pieces.setdefault(t.name, []).append((t.at, t.source.nbytes))
     members = {}

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import fp8convert
-from fp8convert.plan.batches import make_batches
-from fp8convert.plan.runs import output_runs
+from fp8convert.plan.batches import make_batches, output_runs
 from fp8convert.run.pipeline import BatchOutput
 from fp8convert.run.quantizer import quantize_batch, quantize_steps, read_order
 from fp8convert.run.reader import BatchReader

@@ -14,7 +14,7 @@ from tiny_ckpt import tree_bytes, write_checkpoint
 
 import fp8convert
 from fp8convert.cli import main
-from fp8convert.plan.runs import output_runs
+from fp8convert.plan.batches import output_runs
 from fp8convert.run import writeback
 from fp8convert.run import writer as writer_module
 from fp8convert.run.writer import ShardWriter
