@@ -144,24 +144,11 @@ class Inputs:
         return [(t.input_scale_name, self.raw(info), 0)]
 
 
-def quantize_batch(
-    batch: Batch,
-    buf: torch.Tensor,
-    offsets: dict[str, int],
-    cpu_path: bool | None = None,
-    source_scheme: str = "",
-    scale_format: str = "float",
-    root: Path = Path(),
-) -> list[Output]:
-    steps = quantize_steps(batch, buf, offsets, cpu_path, source_scheme, scale_format, root)
-    return [out for outputs in steps for out in outputs]
-
-
 def quantize_steps(
     batch: Batch,
     buf: torch.Tensor,
     offsets: dict[str, int],
-    cpu_path: bool | None = None,
+    *,
     source_scheme: str = "",
     scale_format: str = "float",
     root: Path = Path(),
@@ -179,7 +166,7 @@ def quantize_steps(
         else:
             scales = [src.checked_scale(t) for t in tensors]
             stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
-            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype, cpu_path)
+            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype)
         if not all_finite(w):
             t = next(t for t, values in zip(tensors, w) if not all_finite(values))
             raise FP8ConvertError(
@@ -250,7 +237,7 @@ def quantize_steps(
             if scheme in FP4_SCHEMES:
                 made = quantize_fp4_group(stacks, scheme)
             else:
-                made = list(map(list, zip(*quantize_group(stacks, scheme, cpu_path, scale_format))))
+                made = list(map(list, zip(*quantize_group(stacks, scheme, scale_format))))
         except NonFiniteWeight as e:
             raise FP8ConvertError(
                 f"{src.where(members[e.member][e.index])} "
