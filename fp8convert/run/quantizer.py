@@ -41,11 +41,6 @@ STACKED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)  # computed a 
 Output = tuple[str, torch.Tensor, int]  # name, tensor, byte offset in that output (a piece of a kept one)
 
 
-def work_bytes(t: TensorPlan) -> int:
-    """An output's weight in a stack: its input, or an FP8 weight's codes as four-byte values."""
-    return t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape)
-
-
 def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
     """The batch's computed outputs as chunks of at most STACK_BYTES of scale groups (a dequantized weight
     is alone) with the same actions, dtypes and shapes, in the order their first members lie in the files,
@@ -60,7 +55,9 @@ def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
         families.setdefault(tuple((t.action, t.scheme, t.source.dtype, t.shape) for t in group), []).append(group)
     chunks = []
     for family in families.values():
-        step = max(1, STACK_BYTES // sum(work_bytes(t) for t in family[0]))
+        # a group's weight in a stack: its inputs, or FP8 weights' codes as four-byte values
+        group_bytes = sum(t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape) for t in family[0])
+        step = max(1, STACK_BYTES // group_bytes)
         chunks += [family[i : i + step] for i in range(0, len(family), step)]
     return chunks
 
