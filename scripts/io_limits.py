@@ -8,7 +8,7 @@ In 32 MB pieces, with 1..N threads:
   pwrite         into one file, sparse (ftruncate) or with its blocks reserved first (fallocate), and
                  into one file per thread (the kernel serialises buffered writes to one file);
   mapped         copies into one reserved file through shared mappings, as fp8convert writes a shard
-                 from the GPU (fp8convert/run/writeback.py: write_mapped), which the kernel does not serialise;
+                 from the GPU (fp8convert/run/writer.py: write_mapped), which the kernel does not serialise;
                  and through one mapping of the whole file (no mmap and munmap per piece);
   O_DIRECT       (--direct) pwrites into one reserved file, bypassing the page cache;
   H2D / D2H      (--cuda) copies between pinned host buffers and the GPU, one stream per thread.
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8convert.run.writeback import start_writeback, write_mapped  # noqa: E402
+from fp8convert.run.writer import start_writeback, write_mapped  # noqa: E402
 
 CHUNK = 32 << 20
 libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -38,7 +38,7 @@ def warm(root: Path) -> float:
 
 def time_reads(plan, batches, reader, sync, line) -> None:
     """The read stage alone, then reads and quantizing (outputs dropped)."""
-    from fp8convert.run.quantizer import quantize_batch, read_order
+    from fp8convert.run.quantizer import quantize_steps, read_order
 
     with reader:
         t0 = time.perf_counter()
@@ -51,13 +51,10 @@ def time_reads(plan, batches, reader, sync, line) -> None:
         t0 = time.perf_counter()
         for b in batches:
             buf, offsets = reader.read(read_order(b))
-            outputs = quantize_batch(
-                b,
-                buf,
-                offsets,
-                scale_format=plan.options.scale_format,
-                source_scheme=plan.source_scheme,
+            steps = quantize_steps(
+                b, buf, offsets, scale_format=plan.options.scale_format, source_scheme=plan.source_scheme
             )
+            outputs = [out for step in steps for out in step]
             sync()
             del outputs
             reader.recycle(buf)
@@ -77,7 +74,6 @@ def main() -> int:
     ap.add_argument("--dequantize", action="store_true", help="profile `dequantize` of an FP8 checkpoint")
     ap.add_argument("--dtype", help="with --dequantize: bf16, fp16 or fp32")
     ap.add_argument("--no-pipeline", action="store_true", help="only the read and +quantize stages")
-    ap.add_argument("--tile-mb", type=float, help="CPU path: float32 tile size (numerics.CPU_TILE_BYTES)")
     ap.add_argument("--readers", type=int, help="reader threads (default: the device's)")
     ap.add_argument("--writers", type=int, help="writer threads (default: the device's)")
     ap.add_argument("--write-ahead", type=int, help="batches quantized ahead of the writer (pipeline.WRITE_AHEAD)")
@@ -101,7 +97,7 @@ def main() -> int:
     from fp8convert.plan.batches import make_batches
     from fp8convert.plan.build import build_plan
     from fp8convert.run import device as device_module
-    from fp8convert.run import numerics
+    from fp8convert.run import pipeline as pipeline_module
     from fp8convert.run.device import budget_for, resolve_device
     from fp8convert.run.pipeline import convert
     from fp8convert.run.progress import Progress
@@ -109,10 +105,6 @@ def main() -> int:
     from fp8convert.run.writer import ShardWriter
     from fp8convert.source.checkpoint import open_local
     from fp8convert.source.streaming import NoFetcher
-
-    if args.tile_mb:
-        numerics.CPU_TILE_BYTES = int(args.tile_mb * 2**20)
-    from fp8convert.run import pipeline as pipeline_module
 
     if args.write_ahead:
         pipeline_module.WRITE_AHEAD = args.write_ahead

@@ -2,8 +2,8 @@
 
 pipeline.py  the reader, quantizing and writer threads; a batch's outputs gathered into output runs
 reader.py    one batch's bytes into one device buffer; prefetch.py fills the page cache ahead of it
-quantizer.py one batch's outputs (numerics.py: the FP8 math)
-writer.py    runs streamed into preallocated shards (writeback.py: the Linux file calls)
+quantizer.py one batch's outputs (numerics.py and fp4.py: the math)
+writer.py    runs streamed into preallocated shards, with the Linux file calls that keep them cheap
 device.py    the device, its memory budget and its threads; progress.py the bar or log lines
 warmup.py    torch imported (and CUDA started) in the background; startup_pages.py its recorded pages
 """

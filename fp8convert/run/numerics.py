@@ -45,17 +45,9 @@ def all_finite(values: torch.Tensor) -> bool:
     return not values.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
 
 
-def use_cpu_path(w: torch.Tensor, cpu_path: bool | None) -> bool:
-    """None: the path made for w's device. Tests force both on a CPU (they must give the same bytes)."""
-    return w.device.type == "cpu" if cpu_path is None else cpu_path
-
-
-def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Tensor:
+def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """Largest magnitude in float32: per tensor [..., 1, 1], row [..., out, 1], 32-group, or 128x128 block
     [..., ceil(out/128), ceil(in/128)]. max(max w, -min w): no full-size |w|, and NaN propagates."""
-    if scheme == "tensor" and use_cpu_path(w, cpu_path):  # one aminmax pass per weight: 2x faster on a CPU
-        pairs = [torch.aminmax(x) for x in w.reshape(-1, w.shape[-2] * w.shape[-1])]
-        return torch.stack([torch.maximum(hi, lo.neg()) for lo, hi in pairs]).float().reshape(*w.shape[:-2], 1, 1)
     if scheme == "tensor":
         dims = (-2, -1)
     elif scheme == "channel":
@@ -72,14 +64,6 @@ def amax(w: torch.Tensor, scheme: str, cpu_path: bool | None = None) -> torch.Te
         dims = (-3, -1)
     keep = scheme in ("tensor", "channel")
     return torch.maximum(w.amax(dim=dims, keepdim=keep), w.amin(dim=dims, keepdim=keep).neg()).float()
-
-
-def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 in float32; 1.0 where amax is 0 (finite and positive, and every code is 0 anyway)."""
-    # Divided by a tensor, not a Python number: CUDA turns division by a scalar into multiplication by
-    # its reciprocal, which rounds differently from the CPU's true division.
-    scale = amax.float() / torch.full_like(amax, FP8_MAX, dtype=torch.float32)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def mx_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
@@ -113,12 +97,8 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
     return scale.repeat_interleave(BLOCK, dim=-2)[..., :out, :].repeat_interleave(BLOCK, dim=-1)[..., :inp]
 
 
-def quantize_with_scale(
-    w: torch.Tensor, scale: torch.Tensor, scheme: str, cpu_path: bool | None = None
-) -> torch.Tensor:
+def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """clamp(float32(w) / scale, -448, 448) cast to e4m3 (nearest even); `w` is left as it was."""
-    if use_cpu_path(w, cpu_path) and w.dim() == 3:
-        return _quantize_rows(w, scale, scheme)
     # One pass from w's dtype to the float32 quotient (torch divides in the float32 result type).
     if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
         q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
@@ -127,39 +107,6 @@ def quantize_with_scale(
     if q.dtype != torch.float32:
         raise AssertionError(f"quotient in {q.dtype}, not float32: scale {scale.dtype} {tuple(scale.shape)}")
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-CPU_TILE_BYTES = 2 << 20  # float32 working tile per two of torch's threads: each core's share stays in its L2
-
-
-def cpu_tile_bytes() -> int:
-    return CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2)
-
-
-def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The same arithmetic a few rows at a time through one float32 tile: on a CPU, passes over a tile in
-    cache are about 3x faster than over main memory."""
-    stack, out, inp = w.shape
-    rows = max(1, cpu_tile_bytes() // (4 * inp))
-    if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
-        rows = 1 << min(7, rows.bit_length() - 1)
-    tile = torch.empty(min(rows, out), inp, dtype=torch.float32, device=w.device)
-    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    for n in range(stack):
-        for r in range(0, out, rows):
-            part = tile[: min(rows, out - r)]
-            part.copy_(w[n, r : r + rows])
-            if scheme == "mxfp8":
-                part.unflatten(-1, (inp // MX_GROUP, MX_GROUP)).div_(scale[n, r : r + rows].unsqueeze(-1))
-            elif scheme == "tensor":
-                part.div_(scale[n])
-            elif scheme == "channel":
-                part.div_(scale[n, r : r + rows])
-            else:
-                part.div_(scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp])
-            part.clamp_(-FP8_MAX, FP8_MAX)
-            q[n, r : r + rows].copy_(part)
-    return q
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -179,8 +126,11 @@ def dequantize_to(
     q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype, cpu_path: bool | None = None
 ) -> torch.Tensor:
     """(float32(q) * scale).to(dtype) for FP8 weights [..., out, in] and scale_as_stored's scales (stacked
-    alike): one float32 product rounded once, as DeepSeek's and transformers' dequantizers compute it."""
-    if use_cpu_path(q, cpu_path):
+    alike): one float32 product rounded once, as DeepSeek's and transformers' dequantizers compute it. On a
+    CPU (unless `cpu_path` is False) by table lookup: the same bytes, faster there."""
+    if cpu_path is None:
+        cpu_path = q.device.type == "cpu"
+    if cpu_path:
         return _dequantize_by_table(q, scale, scheme, dtype)
     return dequantize(q, scale, scheme).to(dtype)
 
@@ -219,8 +169,12 @@ def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float
     if scale_format == "ue8m0":  # the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e
         floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
         scale = e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
-    else:
-        scale = scale_from_amax(amax)
+        return scale, scale
+    # amax / 448, divided by a tensor, not a Python number: CUDA turns division by a scalar into
+    # multiplication by its reciprocal, which rounds differently from the CPU's true division. 1.0 where
+    # amax is 0 (finite and positive, and every code is 0 anyway).
+    scale = amax.float() / torch.full_like(amax, FP8_MAX, dtype=torch.float32)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return scale, scale
 
 
@@ -238,17 +192,17 @@ def refuse_unwritable(amaxes: list[torch.Tensor], pow2: bool = False) -> None:
 
 
 def quantize_group(
-    members: list[torch.Tensor], scheme: str, cpu_path: bool | None = None, scale_format: str = "float"
+    members: list[torch.Tensor], scheme: str, scale_format: str = "float"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Quantize a fused group's members, each a stack [N, out, in] (index n of every member is one group).
     In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale).
     Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8), one per member; refuse_unwritable
     raises for weights it cannot write."""
-    amaxes = [amax(w, scheme, cpu_path) for w in members]
+    amaxes = [amax(w, scheme) for w in members]
     refuse_unwritable(amaxes, pow2=scheme == "mxfp8" or scale_format == "ue8m0")
     if scheme == "tensor" and len(members) > 1:
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)
     pairs = [scales_from_amax(a, scheme, scale_format) for a in amaxes]
-    codes = [quantize_with_scale(w, divisor, scheme, cpu_path) for w, (_, divisor) in zip(members, pairs)]
+    codes = [quantize_with_scale(w, divisor, scheme) for w, (_, divisor) in zip(members, pairs)]
     return codes, [stored for stored, _ in pairs]

@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -34,18 +33,6 @@ END = object()  # the last item of a batch's feed of runs to the writer
 # an interrupt landed inside a queue operation and a notification was lost.
 POLL_S = 0.1
 STOPPED = object()  # what get_unless_stopped returns once the run stopped with nothing to take
-
-
-class Failed(NamedTuple):  # a thread's failure, raised by the thread that consumes its items
-    error: BaseException
-
-
-def put_unless_stopped(handoff: queue.Queue, item, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        with contextlib.suppress(queue.Full):
-            handoff.put(item, timeout=POLL_S)
-            return True
-    return False
 
 
 def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
@@ -129,7 +116,7 @@ def convert(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     readers, writers = io_threads(dev.type)
-    writer.use_threads(writers)
+    writer.threads = writers
     try:
         with (
             BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader,
@@ -164,12 +151,14 @@ class Pipeline:
         self.seconds = {"wait_read": 0.0, "quantize": 0.0, "wait_write": 0.0}
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
         self.writes_left = self.reads_left.copy()  # the writer's count
-        self.to_main: queue.Queue = queue.Queue(maxsize=1)
-        self.to_writer: queue.Queue = queue.Queue(maxsize=1)
+        # The slots bound the hand-offs: a batch is read only once a read slot is free, and handed to the
+        # writer only once a write slot is.
+        self.to_main: queue.Queue = queue.Queue()
+        self.to_writer: queue.Queue = queue.Queue()
         self.read_slot = threading.Semaphore(READ_AHEAD)
         self.write_slot = threading.Semaphore(WRITE_AHEAD)
         self.stop = threading.Event()
-        self.writer_error: list[BaseException] = []
+        self.writer_error: BaseException | None = None
 
     def run(self) -> dict[str, float]:
         threads = [
@@ -191,8 +180,7 @@ class Pipeline:
         finally:
             # the other threads see `stop` within POLL_S; the writer finishes the tensor it is writing first
             self.stop.set()
-            with contextlib.suppress(queue.Full):
-                self.to_writer.put_nowait(None)
+            self.to_writer.put(None)
             for th in threads:
                 th.join()
 
@@ -204,8 +192,8 @@ class Pipeline:
         self.seconds["wait_read"] += time.monotonic() - t0
         if item is STOPPED:
             self._raise_writer_error()
-        if isinstance(item, Failed):
-            raise item.error
+        if isinstance(item, BaseException):  # the reader's failure
+            raise item
         return item
 
     def _quantize(self, batch: Batch, pending: PendingRead, runs: list[Run]) -> None:
@@ -255,8 +243,8 @@ class Pipeline:
         self._raise_writer_error()
 
     def _raise_writer_error(self) -> None:
-        if self.writer_error:
-            raise self.writer_error[0]
+        if self.writer_error is not None:
+            raise self.writer_error
 
     def _read_loop(self) -> None:
         try:
@@ -270,22 +258,23 @@ class Pipeline:
                         return
                 self.fetcher.need(batch.files)
                 pending = self.reader.start(order)
-                if not put_unless_stopped(self.to_main, (batch, pending, runs), self.stop):
+                if self.stop.is_set():
                     return
+                self.to_main.put((batch, pending, runs))
                 pending.wait_all()  # (a failed read is raised by the main thread's wait too)
                 del pending
                 self.fetcher.done_reading(last_use(self.reads_left, batch.files))
                 self.on_read(batch.in_bytes)
-            put_unless_stopped(self.to_main, None, self.stop)
+            self.to_main.put(None)
         except BaseException as e:  # handed to the main thread, which raises it
-            put_unless_stopped(self.to_main, Failed(e), self.stop)
+            self.to_main.put(e)
 
     def _write_loop(self) -> None:
         try:
             if self.device.type == "cuda":
                 self.writer.pin_ring()
         except BaseException as e:  # the run stops; the main thread raises it at its next wait
-            self.writer_error.append(e)
+            self.writer_error = e
             self.stop.set()
             return
         while True:
@@ -310,7 +299,7 @@ class Pipeline:
                     self.reader.forget(finished)
                     self.fetcher.release(finished)
             except BaseException as e:
-                self.writer_error.append(e)
+                self.writer_error = e
                 self.stop.set()
             finally:
                 self.write_slot.release()

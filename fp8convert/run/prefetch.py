@@ -128,12 +128,9 @@ class Prefetcher:
         self.local = threading.local()
         self.sink: int | None = None
 
-    def start(self) -> Prefetcher:
+    def __enter__(self) -> Prefetcher:
         self.thread.start()
         return self
-
-    def __enter__(self) -> Prefetcher:
-        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -41,11 +41,6 @@ STACKED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)  # computed a 
 Output = tuple[str, torch.Tensor, int]  # name, tensor, byte offset in that output (a piece of a kept one)
 
 
-def work_bytes(t: TensorPlan) -> int:
-    """An output's weight in a stack: its input, or an FP8 weight's codes as four-byte values."""
-    return t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape)
-
-
 def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
     """The batch's computed outputs as chunks of at most STACK_BYTES of scale groups (a dequantized weight
     is alone) with the same actions, dtypes and shapes, in the order their first members lie in the files,
@@ -60,7 +55,9 @@ def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
         families.setdefault(tuple((t.action, t.scheme, t.source.dtype, t.shape) for t in group), []).append(group)
     chunks = []
     for family in families.values():
-        step = max(1, STACK_BYTES // sum(work_bytes(t) for t in family[0]))
+        # a group's weight in a stack: its inputs, or FP8 weights' codes as four-byte values
+        group_bytes = sum(t.in_bytes if t.action is Action.QUANTIZE else 4 * math.prod(t.shape) for t in family[0])
+        step = max(1, STACK_BYTES // group_bytes)
         chunks += [family[i : i + step] for i in range(0, len(family), step)]
     return chunks
 
@@ -144,24 +141,11 @@ class Inputs:
         return [(t.input_scale_name, self.raw(info), 0)]
 
 
-def quantize_batch(
-    batch: Batch,
-    buf: torch.Tensor,
-    offsets: dict[str, int],
-    cpu_path: bool | None = None,
-    source_scheme: str = "",
-    scale_format: str = "float",
-    root: Path = Path(),
-) -> list[Output]:
-    steps = quantize_steps(batch, buf, offsets, cpu_path, source_scheme, scale_format, root)
-    return [out for outputs in steps for out in outputs]
-
-
 def quantize_steps(
     batch: Batch,
     buf: torch.Tensor,
     offsets: dict[str, int],
-    cpu_path: bool | None = None,
+    *,
     source_scheme: str = "",
     scale_format: str = "float",
     root: Path = Path(),
@@ -179,7 +163,7 @@ def quantize_steps(
         else:
             scales = [src.checked_scale(t) for t in tensors]
             stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
-            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype, cpu_path)
+            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype)
         if not all_finite(w):
             t = next(t for t, values in zip(tensors, w) if not all_finite(values))
             raise FP8ConvertError(
@@ -250,7 +234,7 @@ def quantize_steps(
             if scheme in FP4_SCHEMES:
                 made = quantize_fp4_group(stacks, scheme)
             else:
-                made = list(map(list, zip(*quantize_group(stacks, scheme, cpu_path, scale_format))))
+                made = list(map(list, zip(*quantize_group(stacks, scheme, scale_format))))
         except NonFiniteWeight as e:
             raise FP8ConvertError(
                 f"{src.where(members[e.member][e.index])} "

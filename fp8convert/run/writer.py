@@ -10,9 +10,14 @@ byte gets it fsynced and renamed into place. Each unit whose bytes are all writt
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
 import errno
+import mmap
 import os
+import sys
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,19 +26,80 @@ from ..files import fsync_dir
 from ..output.partial import UnitRecorder, partial_path, record_path
 from ..plan.batches import Run
 from ..plan.plan import Plan
-from .writeback import maps_writes, reserve, start_writeback, write_mapped
 
 # Switches for scripts/profile_stages.py: reserve every shard while torch loads; write reserved shards
 # through mappings once the pool has MAPPED_MIN_THREADS (one thread maps at half pwrite's speed, four beat it).
 PREALLOCATE = True
 MAPPED_WRITES = True
 MAPPED_MIN_THREADS = 4
+# Where writes through a mapping were measured faster than pwrite (statfs f_type); elsewhere (network and
+# parallel file systems above all, where each page fault can be a round trip) shards get pwrite.
+MAPPED_WRITE_FILE_SYSTEMS = {0x01021994: "tmpfs", 0xEF53: "ext4"}
+FALLOCATE_NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # the file then grows sparse
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc(name: str, *argtypes):
+    """A Linux libc call through ctypes (Python has none of these three); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_fallocate = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_statfs = _libc("statfs", ctypes.c_char_p, ctypes.c_void_p)
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Queue dirty pages for the disk as they are written (else they pile up until fsync); best effort."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+def reserve(fd: int, size: int) -> bool:
+    """Make the file `size` bytes long with its blocks allocated (True), or only set the size (False)."""
+    if _fallocate is not None and size:
+        if _fallocate(fd, 0, 0, size) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err not in FALLOCATE_NOT_SUPPORTED:
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, size)
+    return False
+
+
+def maps_writes(directory) -> bool:
+    if _statfs is None:
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
+    if _statfs(os.fsencode(directory), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in MAPPED_WRITE_FILE_SYSTEMS
+
+
+def write_mapped(fd: int, data: memoryview, offset: int) -> None:
+    """Copy `data` to `offset` through a shared mapping (unlike pwrites, threads add up). Only into reserved
+    blocks: a write fault that needs a block the disk lacks kills the process (SIGBUS) where pwrite would
+    get ENOSPC."""
+    if not data.nbytes:
+        return
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, offset + data.nbytes - start, offset=start) as view:  # shared, read-write
+        # addresses only: a ctypes object pointing into the mapping would keep it from closing
+        target = ctypes.addressof(ctypes.c_char.from_buffer(view, offset - start))
+        ctypes.memmove(target, ctypes.addressof(ctypes.c_char.from_buffer(data)), data.nbytes)  # GIL released
 
 
 class ShardWriter:
@@ -55,7 +121,7 @@ class ShardWriter:
         self.recorder = UnitRecorder(plan, work_dir)
         # per shard: (start, end, unit) of the units still to write, by start; each one's bytes left
         self.unit_ranges: dict[int, list[tuple[int, int, int]]] = {}
-        self.unit_left: dict[int, dict[int, int]] = {}
+        self.unit_left: dict[int, Counter] = {}
         for s in plan.shards:
             if s.index in skip_shards:
                 continue
@@ -63,10 +129,10 @@ class ShardWriter:
             ranges = sorted(
                 (a, b, ui) for ui, spans in self.recorder.spans[s.index].items() if ui not in skip for a, b in spans
             )
-            self.unit_ranges[s.index], left = ranges, {}
+            self.unit_ranges[s.index] = ranges
+            self.unit_left[s.index] = Counter()
             for a, b, ui in ranges:
-                left[ui] = left.get(ui, 0) + b - a
-            self.unit_left[s.index] = left
+                self.unit_left[s.index][ui] += b - a
         self.unit_lock = threading.Lock()  # the two above; never held while waiting
         self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}  # bytes to write
         self.fds: dict[int, int] = {}
@@ -81,10 +147,6 @@ class ShardWriter:
         self.closed = False
         self.allocate_error: BaseException | None = None  # raised by the next write: fail before the work
         self.allocator = threading.Thread(target=self._create_all, name="fp8convert-allocate", daemon=True)
-
-    def use_threads(self, threads: int) -> None:
-        if self.pool is None:
-            self.threads = threads
 
     def partial_path(self, index: int) -> Path:
         return partial_path(self.work_dir, self.plan.shards[index])
@@ -189,7 +251,7 @@ class ShardWriter:
 
     def pin_ring(self) -> None:
         """Pin the ring while the first batch is read (pinning is slow), no larger than the bytes left fill."""
-        with self.lock:  # the copier of kept tensors finishes shards meanwhile
+        with self.lock:
             left = sum(self.remaining.values())
         self._grow_ring(min(self.threads + 1, -(-left // self.chunk)))
 

@@ -623,31 +623,6 @@ def test_fused_experts_over_the_budget_are_read_a_few_experts_at_a_time(zoo_sour
     }
 
 
-@pytest.mark.parametrize("arch", ["llama4", "granitemoe", "gpt_oss"])
-@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
-def test_both_quantize_paths_cut_experts_alike(arch, scheme, zoo_source):
-    """The path made for CUDA (whole-stack reductions over strided views of the fused tensor), run here
-    on the CPU, gives the CPU path's bytes for every batch, cut experts included."""
-    import torch as t_
-
-    from fp8convert.plan.batches import make_batches
-    from fp8convert.run.quantizer import quantize_batch, read_order
-    from fp8convert.run.reader import BatchReader
-
-    the_plan = fp8convert_module().make_plan(str(zoo_source(arch)), scheme=scheme)
-    cut = 0
-    with BatchReader(the_plan.source.root, t_.device("cpu"), threads=2) as reader:
-        for batch in make_batches(the_plan.units, 1 << 30):
-            buf, offsets = reader.read(read_order(batch))
-            cpu = quantize_batch(batch, buf, offsets, cpu_path=True)
-            other = quantize_batch(batch, buf, offsets, cpu_path=False)
-            assert [n for n, _, _ in cpu] == [n for n, _, _ in other]
-            for (name, a, _), (_, b, _) in zip(cpu, other):
-                assert same_bytes(a, b), name
-            cut += sum(1 for x in batch.tensors if x.cut)
-    assert cut or arch == "gpt_oss"
-
-
 def test_mtp_layers_are_converted_like_decoder_layers_or_kept_on_request(zoo_source):
     from fp8convert.plan.summary import describe
 

@@ -47,12 +47,9 @@ def as_u8(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("path,tile_rows", [("cpu", 1), ("cpu", 4), ("cuda", None)])
-def test_mxfp8_edges_match_the_reference_on_both_paths(dtype, path, tile_rows, monkeypatch):
-    if tile_rows:
-        monkeypatch.setattr(numerics, "cpu_tile_bytes", lambda: 4 * 64 * tile_rows)
+def test_mxfp8_edges_match_the_reference(dtype):
     w = edge_groups(dtype)
-    (codes,), (scales,) = numerics.quantize_group([w], "mxfp8", cpu_path=path == "cpu")
+    (codes,), (scales,) = numerics.quantize_group([w], "mxfp8")
     assert scales.dtype == torch.uint8 and scales.shape == (2, 6, 2)
     for n in range(2):
         want_codes, want_bytes = R.quantize(w[n], "mxfp8")
@@ -98,11 +95,9 @@ def test_mxfp8_exponent_is_vllms_rule_and_differs_from_compressed_tensors_only_a
     assert [R.smallest_exponent(a) + 127 for a in amax.float()[pick].tolist()] == ours[pick].tolist()
 
 
-def test_ue8m0_block_scales_match_the_reference_on_both_paths(monkeypatch):
+def test_ue8m0_block_scales_match_the_reference():
     """Block scales rounded up to powers of two: amax exactly 448 * 2^k keeps 2^k; a block under 1e-4
-    (and an all-zero one) gets DeepGEMM's floor 2^-22; partial edge blocks; both paths, tiles ending
-    mid-block."""
-    monkeypatch.setattr(numerics, "cpu_tile_bytes", lambda: 4 * 200 * 7)
+    (and an all-zero one) gets DeepGEMM's floor 2^-22; partial edge blocks."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(3, 300, 200, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)
     w[0, :128, :128] = 0.0
@@ -110,17 +105,16 @@ def test_ue8m0_block_scales_match_the_reference_on_both_paths(monkeypatch):
     w[1, :128, :128] = w[1, :128, :128].clamp(-1, 1)
     w[1, 3, 3] = 448.0 * 2.0**-3
     w = w.to(torch.bfloat16)
-    for cpu_path in (True, False):
-        (codes,), (scales,) = numerics.quantize_group([w], "block", cpu_path=cpu_path, scale_format="ue8m0")
-        for n in range(3):
-            want_codes, want_scales = R.quantize(w[n], "block", scale_format="ue8m0")
-            assert torch.equal(as_u8(codes[n]), as_u8(want_codes)), (cpu_path, n)
-            assert torch.equal(scales[n], want_scales), (cpu_path, n)
-        assert scales[0, 0, 0] == scales[0, 1, 0] == 2.0**-22 and not codes[0, :128, :128].float().any()
-        assert scales[1, 0, 0] == 2.0**-3 and codes[1, 3, 3].float() == 448
-        mantissa, _ = torch.frexp(scales)
-        assert (mantissa == 0.5).all()
-        assert codes.float().abs().max() <= 448
+    (codes,), (scales,) = numerics.quantize_group([w], "block", scale_format="ue8m0")
+    for n in range(3):
+        want_codes, want_scales = R.quantize(w[n], "block", scale_format="ue8m0")
+        assert torch.equal(as_u8(codes[n]), as_u8(want_codes)), n
+        assert torch.equal(scales[n], want_scales), n
+    assert scales[0, 0, 0] == scales[0, 1, 0] == 2.0**-22 and not codes[0, :128, :128].float().any()
+    assert scales[1, 0, 0] == 2.0**-3 and codes[1, 3, 3].float() == 448
+    mantissa, _ = torch.frexp(scales)
+    assert (mantissa == 0.5).all()
+    assert codes.float().abs().max() <= 448
 
 
 def test_e8m0_bytes_decode_exactly_and_dequantize_mxfp8():
@@ -166,10 +160,10 @@ def wide_zoo(tmp_path_factory):
     return get
 
 
-def batch_outputs(src, scheme: str, scale_format: str, cpu_path: bool) -> dict[str, torch.Tensor]:
-    """Every quantized output and scale of the plan, made by quantize_batch on one code path."""
+def batch_outputs(src, scheme: str, scale_format: str) -> dict[str, torch.Tensor]:
+    """Every quantized output and scale of the plan, made by quantize_steps."""
     from fp8convert.plan.batches import make_batches
-    from fp8convert.run.quantizer import quantize_batch, read_order
+    from fp8convert.run.quantizer import quantize_steps, read_order
     from fp8convert.run.reader import BatchReader
 
     plan = fp8convert_module().make_plan(str(src), scheme=scheme, scale_format=scale_format)
@@ -178,9 +172,10 @@ def batch_outputs(src, scheme: str, scale_format: str, cpu_path: bool) -> dict[s
     with BatchReader(plan.source.root, torch.device("cpu"), threads=2) as reader:
         for batch in make_batches(plan.units, 1 << 30):
             buf, offsets = reader.read(read_order(batch))
-            for name, tensor, _ in quantize_batch(batch, buf, offsets, cpu_path=cpu_path, scale_format=scale_format):
-                if name in names:
-                    out[name] = tensor.clone()
+            for step in quantize_steps(batch, buf, offsets, scale_format=scale_format):
+                for name, tensor, _ in step:
+                    if name in names:
+                        out[name] = tensor.clone()
     return out
 
 
@@ -205,9 +200,9 @@ ZOO_CASES = (
 
 
 @pytest.mark.parametrize("arch,scheme,scale_format,wide", ZOO_CASES)
-def test_every_zoo_architecture_bit_exact_on_both_paths(arch, scheme, scale_format, wide, zoo_source, wide_zoo):
-    """Codes and scales of every quantized weight (experts cut from fused tensors included) equal the
-    reference's, on the CPU path and on the path made for CUDA (strided expert views, whole stacks)."""
+def test_every_zoo_architecture_bit_exact(arch, scheme, scale_format, wide, zoo_source, wide_zoo):
+    """Codes and scales of every quantized weight (experts cut from fused tensors included, through strided
+    expert views and whole stacks) equal the reference's."""
     src = wide_zoo(arch) if wide else zoo_source(arch)
     exp, quant = R.expected_outputs(
         read_safetensors_dir(src),
@@ -218,11 +213,10 @@ def test_every_zoo_architecture_bit_exact_on_both_paths(arch, scheme, scale_form
         scale_format=scale_format,
     )
     want = {k: exp[k] for n in quant for k in (n, n + "_scale")}
-    for cpu_path in (True, False):
-        got = batch_outputs(src, scheme, scale_format, cpu_path)
-        assert sorted(got) == sorted(want)
-        wrong = [n for n in want if not same_bytes(got[n], want[n])]
-        assert not wrong, f"{len(wrong)} outputs differ from the reference (cpu_path={cpu_path}): {wrong[:4]}"
+    got = batch_outputs(src, scheme, scale_format)
+    assert sorted(got) == sorted(want)
+    wrong = [n for n in want if not same_bytes(got[n], want[n])]
+    assert not wrong, f"{len(wrong)} outputs differ from the reference: {wrong[:4]}"
     if wide:
         assert any(".experts.3." in n for n in quant), "the wide experts were not quantized"
 
@@ -231,7 +225,7 @@ def test_every_zoo_architecture_bit_exact_on_both_paths(arch, scheme, scale_form
 def test_mxfp8_experts_cut_from_fused_tensors_end_to_end(arch, wide_zoo, tmp_path):
     """Per-expert MXFP8 weights from fused 3-D tensors: bytes as the reference, verify passes, every
     expert has its own [out, in/32] exponents, and the fused tensors are gone. (All four fused layouts'
-    numerics: test_every_zoo_architecture_bit_exact_on_both_paths.)"""
+    numerics: test_every_zoo_architecture_bit_exact.)"""
     src = wide_zoo(arch)
     out = tmp_path / "out"
     run_quantize(src, out, scheme="mxfp8")
@@ -442,17 +436,16 @@ def test_values_whose_power_of_two_codes_would_read_back_as_inf_are_refused(args
             assert float(read_safetensors_dir(out)[name][5, 7].float()) == 240  # times 2^120: finite
 
 
-def test_quantize_group_refuses_the_overflow_on_both_paths():
+def test_quantize_group_refuses_the_overflow():
     w = torch.zeros(2, 128, 128, dtype=torch.bfloat16)
     w[1, 3, 4] = torch.tensor(numerics.POW2_OVERFLOW_AMAX).to(torch.bfloat16)
     assert float(w[1, 3, 4]) == numerics.POW2_OVERFLOW_AMAX  # exactly representable in BF16
-    for cpu_path in (True, False):
-        for scheme, fmt in (("mxfp8", "float"), ("block", "ue8m0")):
-            with pytest.raises(numerics.NonFiniteWeight) as caught:
-                numerics.quantize_group([w[:1], w], scheme, cpu_path, fmt)
-            assert (caught.value.member, caught.value.index, caught.value.overflows) == (1, 1, True)
-        codes, _ = numerics.quantize_group([w], "block", cpu_path)  # float scales: code 448, finite
-        assert codes[0].float().abs().max() == 448
+    for scheme, fmt in (("mxfp8", "float"), ("block", "ue8m0")):
+        with pytest.raises(numerics.NonFiniteWeight) as caught:
+            numerics.quantize_group([w[:1], w], scheme, fmt)
+        assert (caught.value.member, caught.value.index, caught.value.overflows) == (1, 1, True)
+    codes, _ = numerics.quantize_group([w], "block")  # float scales: code 448, finite
+    assert codes[0].float().abs().max() == 448
 
 
 def test_verify_passes_mxfp8_and_ue8m0_with_exact_checks(mx_made):

@@ -98,11 +98,11 @@ PREFETCH_SPY = """
 import json, sys
 from fp8convert.run import prefetch
 seen = []
-real_start = prefetch.Prefetcher.start
-def start(self):
+real_enter = prefetch.Prefetcher.__enter__
+def enter(self):
     seen.append("numpy" in sys.modules)
-    return real_start(self)
-prefetch.Prefetcher.start = start
+    return real_enter(self)
+prefetch.Prefetcher.__enter__ = enter
 from fp8convert.cli import main
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, "numpy_loaded": seen}))

@@ -11,7 +11,7 @@ import torch
 import fp8convert
 from fp8convert.plan.batches import make_batches, output_runs
 from fp8convert.run.pipeline import BatchOutput
-from fp8convert.run.quantizer import quantize_batch, quantize_steps, read_order
+from fp8convert.run.quantizer import quantize_steps, read_order
 from fp8convert.run.reader import BatchReader
 
 CPU = torch.device("cpu")
@@ -71,7 +71,7 @@ def test_put_all_refuses_bytes_the_plan_does_not_expect(source_model):
     batch = make_batches(plan.units, 1 << 30)[0]
     with BatchReader(plan.source.root, CPU) as reader:
         buf, offsets = reader.read(read_order(batch))
-    outputs = quantize_batch(batch, buf, offsets)
+    outputs = [out for step in quantize_steps(batch, buf, offsets) for out in step]
     name, tensor, at = outputs[0]
     assembled = BatchOutput(output_runs(plan, batch.tensors, merge=True), CPU)
     with pytest.raises(AssertionError, match=name):

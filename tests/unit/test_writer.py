@@ -15,7 +15,6 @@ from tiny_ckpt import tree_bytes, write_checkpoint
 import fp8convert
 from fp8convert.cli import main
 from fp8convert.plan.batches import output_runs
-from fp8convert.run import writeback
 from fp8convert.run import writer as writer_module
 from fp8convert.run.writer import ShardWriter
 
@@ -26,7 +25,7 @@ def reserved(path: Path, size: int) -> os.stat_result:
     """A new file at `path`, reserved at `size` bytes; its stat."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        writeback.reserve(fd, size)
+        writer_module.reserve(fd, size)
         return os.fstat(fd)
     finally:
         os.close(fd)
@@ -57,13 +56,13 @@ def test_reserve_allocates_every_block(tmp_path):
 
 
 def test_reserve_leaves_a_sparse_file_where_the_file_system_cannot(tmp_path, monkeypatch):
-    monkeypatch.setattr(writeback, "_fallocate", failing_fallocate(errno.EOPNOTSUPP))
+    monkeypatch.setattr(writer_module, "_fallocate", failing_fallocate(errno.EOPNOTSUPP))
     st = reserved(tmp_path / "f", 5 << 20)
     assert st.st_size == 5 << 20 and st.st_blocks * 512 < 1 << 20
 
 
 def test_reserve_raises_a_full_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(writeback, "_fallocate", failing_fallocate(errno.ENOSPC))
+    monkeypatch.setattr(writer_module, "_fallocate", failing_fallocate(errno.ENOSPC))
     with pytest.raises(OSError) as caught:
         reserved(tmp_path / "f", 5 << 20)
     assert caught.value.errno == errno.ENOSPC
@@ -131,7 +130,7 @@ def test_same_bytes_with_and_without_reserved_blocks(tmp_path, monkeypatch, prea
     assert main(["quantize", str(src), str(reference), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
     monkeypatch.setattr(writer_module, "PREALLOCATE", preallocate)
     if not fallocate_works:
-        monkeypatch.setattr(writeback, "_fallocate", None)
+        monkeypatch.setattr(writer_module, "_fallocate", None)
     out = tmp_path / "out"
     assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
     assert tree_bytes(out) == tree_bytes(reference)
@@ -141,10 +140,10 @@ def test_write_mapped_puts_bytes_at_any_offset_and_nothing_else(tmp_path):
     path = tmp_path / "file"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        writeback.reserve(fd, 3 * 4096 + 100)
+        writer_module.reserve(fd, 3 * 4096 + 100)
         data = bytearray(os.urandom(2 * 4096 + 7))
-        writeback.write_mapped(fd, memoryview(data)[5:], 4093)  # across page edges, at neither end of the file
-        writeback.write_mapped(fd, memoryview(data)[:0], 1)  # nothing to write: nothing written
+        writer_module.write_mapped(fd, memoryview(data)[5:], 4093)  # across page edges, at neither end of the file
+        writer_module.write_mapped(fd, memoryview(data)[:0], 1)  # nothing to write: nothing written
     finally:
         os.close(fd)
     content = path.read_bytes()
@@ -162,11 +161,11 @@ def test_threads_writing_one_file_through_mappings_at_once(tmp_path):
     path = tmp_path / "file"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        writeback.reserve(fd, len(data))
+        writer_module.reserve(fd, len(data))
         with ThreadPoolExecutor(8) as pool:
             list(
                 pool.map(
-                    lambda i: writeback.write_mapped(fd, memoryview(data)[i * piece : (i + 1) * piece], i * piece),
+                    lambda i: writer_module.write_mapped(fd, memoryview(data)[i * piece : (i + 1) * piece], i * piece),
                     range(count),
                 )
             )
@@ -176,9 +175,9 @@ def test_threads_writing_one_file_through_mappings_at_once(tmp_path):
 
 
 def test_maps_writes_only_on_the_file_systems_measured(monkeypatch, tmp_path):
-    assert not writeback.maps_writes("/proc")  # procfs
-    monkeypatch.setattr(writeback, "_statfs", None)  # off Linux
-    assert not writeback.maps_writes(tmp_path)
+    assert not writer_module.maps_writes("/proc")  # procfs
+    monkeypatch.setattr(writer_module, "_statfs", None)  # off Linux
+    assert not writer_module.maps_writes(tmp_path)
 
 
 def copies_made(monkeypatch) -> dict:
@@ -192,7 +191,7 @@ def copies_made(monkeypatch) -> dict:
 
         return wrapper
 
-    monkeypatch.setattr(writer_module, "write_mapped", counting("mapped", writeback.write_mapped))
+    monkeypatch.setattr(writer_module, "write_mapped", counting("mapped", writer_module.write_mapped))
     monkeypatch.setattr(writer_module, "pwrite_all", counting("pwrite", writer_module.pwrite_all))
     return counts
 
@@ -221,7 +220,7 @@ def test_shards_are_written_through_mappings_only_where_it_pays_and_is_safe(
     monkeypatch.setattr(pipeline, "io_threads", lambda kind: (1, writers))
     monkeypatch.setattr(writer_module, "maps_writes", lambda directory: file_system_maps)
     if not fallocate_works:
-        monkeypatch.setattr(writeback, "_fallocate", None)
+        monkeypatch.setattr(writer_module, "_fallocate", None)
     counts = copies_made(monkeypatch)
     out = tmp_path / "out"
     assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
@@ -265,7 +264,7 @@ def writeback_calls(monkeypatch, descriptors: list | None = None) -> list:
             descriptors.append(fd)
         return 0
 
-    monkeypatch.setattr(writeback, "_sync_file_range", sync_file_range)
+    monkeypatch.setattr(writer_module, "_sync_file_range", sync_file_range)
     return calls
 
 
