@@ -3,6 +3,7 @@ text or JSON, and its figures in the output's model card."""
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from collections import Counter
@@ -94,9 +95,6 @@ class Problem:
     what: str
     follows_from: str | None = None
 
-    def __str__(self) -> str:
-        return f"{self.subject}: {self.what}"
-
 
 @dataclass
 class VerifyReport:
@@ -120,11 +118,6 @@ class VerifyReport:
     def fail(self, subject: str, what: str, follows_from: str | None = None) -> None:
         self.problems.append(Problem(subject, " ".join(what.split()), follows_from))
 
-    def fail_with(self, error: FP8ConvertError) -> None:
-        """An error whose message is 'subject: what' (as fp8convert's errors name their tensor or file)."""
-        subject, _, what = str(error).partition(": ")
-        self.fail(subject, what or subject)
-
     def finish(self, seconds: float) -> None:
         """The totals and the verdict, once every check is in."""
         if self.tensors:
@@ -136,7 +129,7 @@ class VerifyReport:
 
     @property
     def failures(self) -> list[str]:
-        return [str(p) for p in self.problems]
+        return [f"{p.subject}: {p.what}" for p in self.problems]
 
     def causes(self) -> list[str]:
         """The problems by root cause, one line each (an unreadable file's tensors counted on its line)."""
@@ -162,21 +155,11 @@ class VerifyReport:
         data = asdict(self)
         del data["tensors"], data["problems"]
         data.update(failures=self.failures, causes=self.causes(), worst=[asdict(t) for t in self.worst(worst)])
-        return _json_safe(data)
+        return json.loads(json.dumps(data), parse_constant={"Infinity": "inf", "-Infinity": "-inf", "NaN": "nan"}.get)
 
 
 def _sortable(x: float) -> float:
     return math.inf if math.isnan(x) else x
-
-
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
