@@ -26,7 +26,6 @@ from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE
 from ..plan.cuts import Cut
 from ..run import fp4
 from ..run.numerics import (
-    FP8_DTYPE,
     FP8_MAX,
     UE8M0_MIN_AMAX,
     all_finite,
@@ -36,6 +35,7 @@ from ..run.numerics import (
     expand_scale,
     finite_positive,
     powers_of_two,
+    quantize_with_scale,
     scale_as_stored,
 )
 from .pairs import SOURCE_SCALE_NOT_FINITE, Found, Pair
@@ -256,8 +256,7 @@ def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, 
     off_rule = int((~(fits & smallest)).sum())
     if not codes:
         return off_rule, 0
-    x = (w / expand_scale(s, tuple(w.shape), scheme)).clamp(-FP8_MAX, FP8_MAX)
-    inexact = int((x.to(FP8_DTYPE).float() != q.float()).sum())  # compared as values: -0 == +0
+    inexact = int((quantize_with_scale(w, s, scheme).float() != q.float()).sum())  # as values: -0 == +0
     return off_rule, inexact
 
 

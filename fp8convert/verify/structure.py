@@ -209,8 +209,8 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
 
 @dataclass
 class Pairing:
-    """The output's tensors, and those accounted for so far; `fmt`: the output's config as it applies to
-    the tensor being paired (a mixed recipe's scheme for it)."""
+    """The output's tensors, and those accounted for so far. `fmt`: the output's config as it applies to
+    the tensor at hand (a mixed recipe's scheme for it)."""
 
     outputs: dict[str, TensorInfo]
     report: VerifyReport
@@ -241,17 +241,8 @@ class Pairing:
                 f"kept in high precision, but {module_of(name)} is not in the ignore list "
                 "(engines would expect FP8 weights for it)",
             )
-        origin = want.where if want.cut else "the source"
-        return [
-            Pair(
-                "kept",
-                name,
-                info,
-                [got],
-                want.cut,
-                differs=f"kept in high precision, but its bytes differ from {origin}",
-            )
-        ]
+        differs = f"kept in high precision, but its bytes differ from {want.where if want.cut else 'the source'}"
+        return [Pair("kept", name, info, [got], want.cut, differs=differs)]
 
     def quantized(
         self, kind: str, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_weight: FP8Weight | None = None
