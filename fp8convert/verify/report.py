@@ -95,6 +95,9 @@ class Problem:
     what: str
     follows_from: str | None = None
 
+    def __str__(self) -> str:
+        return f"{self.subject}: {self.what}"
+
 
 @dataclass
 class VerifyReport:
@@ -129,7 +132,7 @@ class VerifyReport:
 
     @property
     def failures(self) -> list[str]:
-        return [f"{p.subject}: {p.what}" for p in self.problems]
+        return [str(p) for p in self.problems]
 
     def causes(self) -> list[str]:
         """The problems by root cause, one line each (an unreadable file's tensors counted on its line)."""
@@ -163,11 +166,10 @@ def _sortable(x: float) -> float:
 
 
 def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
-    what = "dequantized"
-    if report.format != "dequantized":
-        what = (
-            f"{report.format or '?'} format, {report.scheme or '?'} scheme{'s' if ',' in (report.scheme or '') else ''}"
-        )
+    scheme = report.scheme or "?"
+    what = f"{report.format or '?'} format, {scheme} scheme" + ("s" if "," in scheme else "")
+    if report.format == "dequantized":
+        what = "dequantized"
     dequantized = report.tensors_dequantized
     lines = [
         f"verify {report.src} -> {report.out}: {what}",
