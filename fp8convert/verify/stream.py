@@ -43,6 +43,40 @@ class Read:
         return sum(t.nbytes for t in self.source) + sum(t.nbytes for t in self.output)
 
 
+def check_data(source: Source, out: Path, pairs: list[Pair], report: VerifyReport, settings) -> None:
+    """Stream every pair's bytes and check them; the problems and figures go into `report`."""
+    dev = resolve_device(settings.device)
+    source_scheme = source.quant.scheme if source.quant else None
+    reads = []
+    for pair in pairs:
+        pieces = pair.pieces()
+        reads += [Read(pair, r0, i == len(pieces) - 1, src, got) for i, (r0, src, got) in enumerate(pieces)]
+    report.bytes_read = sum(r.nbytes for r in reads)
+    budget = budget_for(dev, settings.max_resident)
+    bar = Progress(report.bytes_read, f"verify {out}", enabled=settings.progress)
+    batches = read_batches(reads, (source.root, out), dev, budget, bar, window_for(settings.prefetch))
+    seconds = report.stage_seconds
+    seconds.update(wait_read=0.0, check=0.0)
+    try:
+        with contextlib.closing(batches), checkers(dev) as run_all, torch.no_grad():
+            waited = time.monotonic()
+            for batch in batches:
+                checking = time.monotonic()
+                jobs = [functools.partial(check_piece, read.pair, s, o, read.r0, source_scheme) for read, s, o in batch]
+                for (read, _, _), found in zip(batch, run_all(jobs)):
+                    read.pair.record(read.r0, read.last, found, report)
+                del batch, jobs
+                seconds["wait_read"] += checking - waited
+                waited = time.monotonic()
+                seconds["check"] += waited - checking
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        e.max_resident = budget  # the CLI suggests a smaller one
+        raise
+    finally:
+        bar.close()
+    check_shared_scales(pairs, architecture_of(source.config) or GENERIC, report)
+
+
 def check_shared_scales(pairs: list[Pair], arch: Architecture, report: VerifyReport) -> None:
     """vLLM runs a fused group as one GEMM: per-tensor scales requantized to the largest (a warning when
     they differ), and one NVFP4 global scale (it takes the largest, or the gate's in MoE). A tensor scale
@@ -84,40 +118,6 @@ def check_shared_scales(pairs: list[Pair], arch: Architecture, report: VerifyRep
                 f"fused members have {len(values)} different global scales; vLLM runs them as one GEMM "
                 "with one global scale, so all but one member would be scaled wrongly",
             )
-
-
-def check_data(source: Source, out: Path, pairs: list[Pair], report: VerifyReport, settings) -> None:
-    """Stream every pair's bytes and check them; the problems and figures go into `report`."""
-    dev = resolve_device(settings.device)
-    source_scheme = source.quant.scheme if source.quant else None
-    reads = []
-    for pair in pairs:
-        pieces = pair.pieces()
-        reads += [Read(pair, r0, i == len(pieces) - 1, src, got) for i, (r0, src, got) in enumerate(pieces)]
-    report.bytes_read = sum(r.nbytes for r in reads)
-    budget = budget_for(dev, settings.max_resident)
-    bar = Progress(report.bytes_read, f"verify {out}", enabled=settings.progress)
-    batches = read_batches(reads, (source.root, out), dev, budget, bar, window_for(settings.prefetch))
-    seconds = report.stage_seconds
-    seconds.update(wait_read=0.0, check=0.0)
-    try:
-        with contextlib.closing(batches), checkers(dev) as run_all, torch.no_grad():
-            waited = time.monotonic()
-            for batch in batches:
-                checking = time.monotonic()
-                jobs = [functools.partial(check_piece, read.pair, s, o, read.r0, source_scheme) for read, s, o in batch]
-                for (read, _, _), found in zip(batch, run_all(jobs)):
-                    read.pair.record(read.r0, read.last, found, report)
-                del batch, jobs
-                seconds["wait_read"] += checking - waited
-                waited = time.monotonic()
-                seconds["check"] += waited - checking
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        e.max_resident = budget  # the CLI suggests a smaller one
-        raise
-    finally:
-        bar.close()
-    check_shared_scales(pairs, architecture_of(source.config) or GENERIC, report)
 
 
 def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
