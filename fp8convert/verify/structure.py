@@ -217,10 +217,10 @@ class Pairing:
     arch: Architecture
     accounted: set[str] = field(default_factory=set)
 
-    def scale_of(self, name: str, fmt: QuantizationConfig) -> tuple[str, TensorInfo | None]:
-        scale_name = fmt.scale_name(name)
-        self.accounted.add(scale_name)
-        return scale_name, self.outputs.get(scale_name)
+    def scale_of(self, name: str, fmt: QuantizationConfig) -> TensorInfo | None:
+        """Weight `name`'s scale in the output, accounted for whether it is there or not."""
+        self.accounted.add(fmt.scale_name(name))
+        return self.outputs.get(fmt.scale_name(name))
 
     def kept(self, want: Expected, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
         """Kept in high precision: the dtype and shape of its source (or cut), and not a linear the config
@@ -250,8 +250,8 @@ class Pairing:
         """A weight quantized here, shaped for its source: FP8 codes and scale, or FP4 packed codes, group
         scales and (NVFP4) global scale (from a high-precision or an FP8 source weight)."""
         self.report.tensors_quantized += 1
-        scale_name, scale = self.scale_of(want.name, fmt)
-        problems = self.structure_problems(want, got, scale, scale_name, fmt, fp8_weight is not None, kind == "fp4")
+        scale = self.scale_of(want.name, fmt)
+        problems = self.structure_problems(want, got, fmt, fp8_weight is not None, kind == "fp4")
         outputs = [got, scale]
         if kind == "fp4" and fmt.scheme == Scheme.NVFP4A16:
             global_name = want.name + "_global_scale"
@@ -267,18 +267,13 @@ class Pairing:
         return [Pair(kind, want.name, want.info, outputs, want.cut, fp8=fp8_weight, fmt=fmt)]
 
     def structure_problems(
-        self,
-        want: Expected,
-        got: TensorInfo,
-        scale: TensorInfo | None,
-        scale_name: str,
-        fmt: QuantizationConfig,
-        fp8_source: bool = False,
-        packed: bool = False,
+        self, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_source: bool, packed: bool
     ) -> list[str]:
         """What is wrong with a quantized tensor's structure: its source, shape, ignore list and scale
         (`packed`: FP4 codes, two a byte)."""
         info, shape = want.info, want.shape
+        scale_name = fmt.scale_name(want.name)
+        scale = self.outputs.get(scale_name)
         problems = []
         if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
             problems.append(
@@ -324,7 +319,7 @@ class Pairing:
                 )
             return [Pair("dequantized", name, weight.weight, [got], fp8=weight)] if readable else []
         report.tensors_quantized += 1
-        scale_name, scale = self.scale_of(name, fmt)
+        scale = self.scale_of(name, fmt)
         pairs = self.activation_scale(weight)
         may_pass = (
             scale is not None
@@ -332,9 +327,9 @@ class Pairing:
             and got.shape == weight.weight.shape
         )
         if not may_pass and scale is not None and scale.dtype != fmt.scale_dtype():
-            report.fail(name, not_requantized(scale_name, scale.dtype, fmt))
+            report.fail(name, not_requantized(scale.name, scale.dtype, fmt))
             return pairs
-        problems = self.structure_problems(Expected(name, weight.weight), got, scale, scale_name, fmt, fp8_source=True)
+        problems = self.structure_problems(Expected(name, weight.weight), got, fmt, fp8_source=True, packed=False)
         if not may_pass and problems:
             report.fail(name, "; ".join(problems))
             return pairs
