@@ -45,6 +45,6 @@ def verify(
         pairs = pair_tensors(source, out, fmt, report)
         from .stream import check_data  # torch and the reader: only once the structure could be read
 
-        check_data(source, out, pairs, fmt, report, settings)
+        check_data(source, out, pairs, report, settings)
     report.finish(time.monotonic() - started)
     return report

@@ -22,42 +22,82 @@ import math
 
 import torch
 
-from ..options import BLOCK, FP4_SCHEMES
+from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE
+from ..plan.cuts import Cut
+from ..run import fp4
 from ..run.numerics import (
-    FP8_DTYPE,
     FP8_MAX,
     UE8M0_MIN_AMAX,
+    all_finite,
     amax,
     dequantize,
     e8m0_to_float,
     expand_scale,
+    finite_positive,
     powers_of_two,
+    quantize_with_scale,
     scale_as_stored,
 )
-from ..run.quantizer import all_finite, finite_positive
+from .pairs import SOURCE_SCALE_NOT_FINITE, Found, Pair
 from .report import FLOAT_SLACK, ErrorSums
 
 TILE_ELEMENTS = 1 << 17  # on a CPU, a slab is measured a tile at a time, in the cores' caches
 
 
-def compare_kept(source, output, origin: str = "the source") -> str | None:
-    """A piece of a kept tensor: byte-identical to the source's, and finite. The problem, or None."""
-    if not identical(source, output):
-        return f"kept in high precision, but its bytes differ from {origin}"
-    if output.dtype.is_floating_point and not all_finite(output):
-        return "contains NaN or Inf"
-    return None
+def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme: str | None) -> Found:
+    """What one piece of `pair` shows (read as Pair.pieces lays it out); touches no shared state."""
+    if pair.kind in ("kept", "carried"):
+        piece = sources[0] if pair.cut is None else cut_of(pair.cut, sources[0]).contiguous()
+        if not identical(piece, outputs[0]):
+            return Found((pair.name, pair.differs))
+        if pair.kind == "kept" and outputs[0].dtype.is_floating_point and not all_finite(outputs[0]):
+            return Found((pair.name, "contains NaN or Inf"))
+        return Found()
+    if pair.kind == "dequantized":
+        wrong = count_wrong(sources, outputs[0], r0, source_scheme)
+        return Found((pair.fp8.scale.name, SOURCE_SCALE_NOT_FINITE)) if wrong is None else Found(wrong=wrong)
+    w = sources[0] if pair.cut is None else cut_of(pair.cut, sources[0])
+    fmt = pair.fmt
+    if pair.kind == "fp4":
+        packed, scale, *global_scale = outputs
+        if pair.fp8 is not None:
+            w = source_values(*sources, r0, source_scheme)
+        g = global_scale[0] if global_scale else None
+        sums = None if w is None else fp4_sums(w, packed, scale, g, fmt.scheme)
+        if sums is None:
+            return Found((pair.name, f"scale {pair.outputs[1].name} or its global scale is not finite and positive"))
+        return Found(sums=sums, global_value=None if g is None else g.float().reshape(-1)[0].item())
+    q, scale = outputs
+    values = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()  # MXFP8: E8M0 bytes
+    found = Found(scale_ok=finite_positive(values))
+    if pair.fp8 is not None:  # the source's values are float32(q) * scale; its codes and scale may pass
+        codes, source_scale = sources
+        found.same_codes = pair.may_pass and identical(codes, q)
+        if r0 == 0:
+            found.same_scale = pair.may_pass and identical(source_scale, scale)
+            found.scale_pow2 = not found.scale_ok or bool(powers_of_two(values).all())
+        w = source_values(codes, source_scale, r0, source_scheme)
+        found.source_scale_ok = w is not None
+    if found.scale_ok and fmt.scheme == "tensor":
+        found.scale_value = values.reshape(-1)[0].item()
+    if w is not None and found.scale_ok and not pair.requantized_problems:
+        powers = fmt.scheme == "mxfp8" or fmt.scale_format == "ue8m0"  # MXFP8 exponents, UE8M0 blocks
+        found.sums = measure_slab(w, q, values, r0, fmt.scheme, powers)
+    return found
 
 
-def count_wrong(codes, scale, *rest, source_scheme: str) -> int | None:
+def cut_of(cut: Cut, piece):
+    """A cut's 2-D weight from what was read of its source: the one expert's rows, or the whole tensor."""
+    return cut.apply(piece) if cut.expert is None else cut.across_experts().apply(piece)[0]
+
+
+def count_wrong(sources: list, stored, r0: int, source_scheme: str) -> int | None:
     """How many elements of a dequantized slab are not (float32(q) * scale) rounded once to their dtype;
-    None when the source's scale is not finite and positive. `rest`: (NVFP4's global scale,) the
-    output slab, its first row."""
-    *global_scale, stored, r0 = rest
+    None when the source's scale is not finite and positive."""
     if source_scheme in FP4_SCHEMES:
-        values = fp4_source_values(codes, scale, global_scale[0] if global_scale else None, source_scheme)
+        values = fp4_source_values(source_scheme, *sources)
     else:
-        values = source_values(codes, scale, r0, source_scheme)
+        values = source_values(*sources, r0, source_scheme)
     if values is None:
         return None
     size = stored.element_size()
@@ -181,8 +221,10 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
         stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
         if powers:  # where fast_sums answered, every code is RNE(w / scale) byte for byte: none inexact
             tile.off_rule, tile.inexact = power_of_two_checks(w_tile.float(), q_tile, stored, scheme, fast is None)
+        elif scheme == "tensor":  # the scale may be a fused group's: stream.check_shared_scales
+            tile.amax = float(amax(w_tile, scheme)) if w_tile.numel() else 0.0
         else:
-            tile.oversized, tile.amax = float_scale_checks(w_tile, stored, scheme)
+            tile.oversized = int(oversized(stored, amax(w_tile, scheme)).sum())
         sums.add(tile)
     return sums
 
@@ -191,14 +233,6 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
 # at most OVERSIZE x amax / 448 (or 1 where amax is 0): float scales rounded up to powers of two pass, one
 # wasting more than a binade of the e4m3 range does not. A scale too small shows in the codes (they saturate).
 OVERSIZE = 2.0
-
-
-def float_scale_checks(w, s, scheme: str) -> tuple[int, float]:
-    """(channel or block scales oversized, the tensor scheme's largest |w|): a tensor scale may be a fused
-    group's, checked once every member is in (Checks.check_tensor_scales)."""
-    if scheme == "tensor":
-        return 0, float(amax(w, scheme)) if w.numel() else 0.0
-    return int(oversized(s, amax(w, scheme)).sum()), 0.0
 
 
 def oversized(scale, amax):
@@ -222,20 +256,24 @@ def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, 
     off_rule = int((~(fits & smallest)).sum())
     if not codes:
         return off_rule, 0
-    x = (w / expand_scale(s, tuple(w.shape), scheme)).clamp(-FP8_MAX, FP8_MAX)
-    inexact = int((x.to(FP8_DTYPE).float() != q.float()).sum())  # compared as values: -0 == +0
+    inexact = int((quantize_with_scale(w, s, scheme).float() != q.float()).sum())  # as values: -0 == +0
     return off_rule, inexact
+
+
+def fp4_divisors(scale, global_scale, scheme: str):
+    """What each group's values are divided by (float32), or None when a scale or the global scale is not
+    finite and positive."""
+    gs = None if global_scale is None else global_scale.float().reshape(1, 1)
+    d = fp4.divisors(scheme, scale, gs)
+    if not finite_positive(d) or (gs is not None and not finite_positive(gs)):
+        return None
+    return d
 
 
 def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
     """The figures of an FP4 slab against its source values `w` [rows, in]; None when a scale (or the
     global scale) is not finite and positive."""
-    from ..options import GROUP_SIZE
-    from ..run import fp4
-
-    gs = None if global_scale is None else global_scale.float().reshape(1, 1)
-    d = fp4.divisors(scheme, scale, gs)
-    if not finite_positive(d) or (gs is not None and not finite_positive(gs)):
+    if (d := fp4_divisors(scale, global_scale, scheme)) is None:
         return None
     size = GROUP_SIZE[scheme]
     d = d.unsqueeze(-1)
@@ -246,25 +284,19 @@ def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
     half_gap = torch.where(x.abs() < 2, 0.25, torch.where(x.abs() < 4, 0.5, 1.0))
     bound = half_gap * d + (wf.abs() - fp4.FP4_MAX * d).clamp(min=0)
     e = wf - q * d
-    sums = ErrorSums(w2=float(wf.double().square().sum()), e2=float(e.double().square().sum()))
-    sums.bound2 = float(bound.double().square().sum())
-    sums.off_grid = int(((q - x).abs() > nearest).sum())
-    return sums
+    return ErrorSums(
+        w2=float(wf.double().square().sum()),
+        e2=float(e.double().square().sum()),
+        bound2=float(bound.double().square().sum()),
+        off_grid=int(((q - x).abs() > nearest).sum()),
+    )
 
 
-def scale_values(scale):
-    """A stored output scale as float32 values: MXFP8's E8M0 bytes decoded (255, E8M0's NaN, to NaN)."""
-    return e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
-
-
-def fp4_source_values(packed, scale, global_scale, scheme: str):
+def fp4_source_values(scheme: str, packed, scale, global_scale=None):
     """An FP4 source slab's values in float32, or None when a scale is not finite and positive."""
-    from ..run import fp4
-
-    g = None if global_scale is None else global_scale.float().reshape(1, 1)
-    if not finite_positive(fp4.divisors(scheme, scale, g)):
+    if fp4_divisors(scale, global_scale, scheme) is None:
         return None
-    return fp4.dequantize(packed, scale, None if g is None else g.reshape(1), scheme)
+    return fp4.dequantize(packed, scale, None if global_scale is None else global_scale.reshape(1), scheme)
 
 
 def source_values(codes, scale, r0: int, source_scheme: str):

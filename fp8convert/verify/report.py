@@ -3,6 +3,7 @@ text or JSON, and its figures in the output's model card."""
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from collections import Counter
@@ -120,11 +121,6 @@ class VerifyReport:
     def fail(self, subject: str, what: str, follows_from: str | None = None) -> None:
         self.problems.append(Problem(subject, " ".join(what.split()), follows_from))
 
-    def fail_with(self, error: FP8ConvertError) -> None:
-        """An error whose message is 'subject: what' (as fp8convert's errors name their tensor or file)."""
-        subject, _, what = str(error).partition(": ")
-        self.fail(subject, what or subject)
-
     def finish(self, seconds: float) -> None:
         """The totals and the verdict, once every check is in."""
         if self.tensors:
@@ -162,29 +158,18 @@ class VerifyReport:
         data = asdict(self)
         del data["tensors"], data["problems"]
         data.update(failures=self.failures, causes=self.causes(), worst=[asdict(t) for t in self.worst(worst)])
-        return _json_safe(data)
+        return json.loads(json.dumps(data), parse_constant={"Infinity": "inf", "-Infinity": "-inf", "NaN": "nan"}.get)
 
 
 def _sortable(x: float) -> float:
     return math.inf if math.isnan(x) else x
 
 
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
-    what = "dequantized"
-    if report.format != "dequantized":
-        what = (
-            f"{report.format or '?'} format, {report.scheme or '?'} scheme{'s' if ',' in (report.scheme or '') else ''}"
-        )
+    scheme = report.scheme or "?"
+    what = f"{report.format or '?'} format, {scheme} scheme" + ("s" if "," in scheme else "")
+    if report.format == "dequantized":
+        what = "dequantized"
     dequantized = report.tensors_dequantized
     lines = [
         f"verify {report.src} -> {report.out}: {what}",

@@ -19,7 +19,7 @@ from ..plan.plan import Cut
 from ..plan.rules import UnsupportedLayout, default_keep_reason, expert_cuts, is_linear_weight, module_of
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
 from ..source.checkpoint import Source, index_files, parse_index
-from .pairs import DequantizedPair, FP4Pair, KeptPair, QuantizedPair, SameBytesPair, not_requantized, shapes_text
+from .pairs import Pair, not_requantized, shapes_text
 from .report import VerifyReport
 
 
@@ -155,12 +155,13 @@ def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: 
             continue
         try:
             expected += [Expected(n, info, cut) for n, cut in expert_cuts(info, *fused, arch, source.config)]
-        except UnsupportedLayout as e:
-            report.fail_with(e)
+        except UnsupportedLayout as e:  # its message: "subject: what"
+            subject, _, what = str(e).partition(": ")
+            report.fail(subject, what or subject)
     return expected
 
 
-def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, report: VerifyReport) -> list:
+def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, report: VerifyReport) -> list[Pair]:
     """Each output the source implies with what the output holds for it (structure checked); missing
     outputs and output tensors nothing in the source explains are problems."""
     layout = read_output_layout(out, report)
@@ -171,21 +172,17 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
             "declares static input activations, but the output holds no "
             "input_scale tensors (engines would read scales that are not there)",
         )
-    pairing = Pairing(outputs, fmt, report, architecture_of(source.config) or GENERIC)
-    pairs: list = []
+    pairing = Pairing(outputs, report, architecture_of(source.config) or GENERIC)
+    pairs: list[Pair] = []
     for want in expected_outputs(source, pairing.arch, outputs, report):
         fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
         name = fp8_weight.name if fp8_weight else want.name  # an FP4 source's X.weight_packed: X.weight
         got = outputs.get(name)
-        pairing.fmt = fmt.for_module(module_of(name)) if fmt else None  # a mixed recipe's scheme for it
-        if (
-            got is None
-            and pairing.fmt
-            and pairing.fmt.scheme in FP4_SCHEMES
-            and (packed := outputs.get(name + "_packed"))
-        ):
+        tensor_fmt = fmt.for_module(module_of(name)) if fmt else None  # a mixed recipe's scheme for it
+        packed = outputs.get(name + "_packed")
+        if got is None and packed and tensor_fmt and tensor_fmt.scheme in FP4_SCHEMES:
             pairing.accounted.add(packed.name)
-            pairs += pairing.fp4(want, packed, fp8_weight)
+            pairs += pairing.quantized("fp4", want, packed, tensor_fmt, fp8_weight)
             continue
         if got is None:
             file = layout.placed_in.get(name)
@@ -200,11 +197,11 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
         if got.dtype == FP8 and fmt is None:
             report.fail(name, "still FP8, but the output has no quantization_config")
         elif fp8_weight is not None:
-            pairs += pairing.fp8_weight(fp8_weight, got)
+            pairs += pairing.fp8_weight(fp8_weight, got, tensor_fmt)
         elif got.dtype == FP8:
-            pairs += pairing.quantized(want, got)
+            pairs += pairing.quantized("fp8", want, got, tensor_fmt)
         else:
-            pairs += pairing.kept(want, got)
+            pairs += pairing.kept(want, got, tensor_fmt)
     for name in sorted(set(outputs) - pairing.accounted):
         report.fail(name, f"in the output ({outputs[name].file}) but not derived from any source tensor")
     return pairs
@@ -212,23 +209,23 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
 
 @dataclass
 class Pairing:
-    """What pairing each tensor needs, and the output tensors accounted for so far."""
+    """The output's tensors, and those accounted for so far. `fmt`: the output's config as it applies to
+    the tensor at hand (a mixed recipe's scheme for it)."""
 
     outputs: dict[str, TensorInfo]
-    fmt: QuantizationConfig | None  # as it applies to the tensor being paired (a mixed recipe: its scheme)
     report: VerifyReport
     arch: Architecture
     accounted: set[str] = field(default_factory=set)
 
-    def scale_of(self, name: str) -> tuple[str, TensorInfo | None]:
-        scale_name = self.fmt.scale_name(name)
-        self.accounted.add(scale_name)
-        return scale_name, self.outputs.get(scale_name)
+    def scale_of(self, name: str, fmt: QuantizationConfig) -> TensorInfo | None:
+        """Weight `name`'s scale in the output, accounted for whether it is there or not."""
+        self.accounted.add(fmt.scale_name(name))
+        return self.outputs.get(fmt.scale_name(name))
 
-    def kept(self, want: Expected, got: TensorInfo) -> list:
+    def kept(self, want: Expected, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
         """Kept in high precision: the dtype and shape of its source (or cut), and not a linear the config
         says is FP8."""
-        name, info, fmt = want.name, want.info, self.fmt
+        name, info = want.name, want.info
         self.report.tensors_kept += 1
         if got.dtype != info.dtype or got.shape != want.shape:
             self.report.fail(
@@ -244,49 +241,39 @@ class Pairing:
                 f"kept in high precision, but {module_of(name)} is not in the ignore list "
                 "(engines would expect FP8 weights for it)",
             )
-        return [KeptPair(name, info, got, want.cut, want.where if want.cut else "the source")]
+        differs = f"kept in high precision, but its bytes differ from {want.where if want.cut else 'the source'}"
+        return [Pair("kept", name, info, [got], want.cut, differs=differs)]
 
-    def quantized(self, want: Expected, got: TensorInfo) -> list:
+    def quantized(
+        self, kind: str, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_weight: FP8Weight | None = None
+    ) -> list[Pair]:
+        """A weight quantized here, shaped for its source: FP8 codes and scale, or FP4 packed codes, group
+        scales and (NVFP4) global scale (from a high-precision or an FP8 source weight)."""
         self.report.tensors_quantized += 1
-        scale_name, scale = self.scale_of(want.name)
-        if problems := self.structure_problems(want, got, scale, scale_name):
-            self.report.fail(want.name, "; ".join(problems))
-            return []
-        block = self.fmt.scheme == "block"
-        return [QuantizedPair(want.name, want.info, got, scale, scale_name, block, want.cut, fmt=self.fmt)]
-
-    def fp4(self, want: Expected, packed: TensorInfo, fp8_weight: FP8Weight | None) -> list:
-        """An FP4 weight: its packed codes, group scales and (NVFP4) global scale, shaped for its source."""
-        self.report.tensors_quantized += 1
-        scale_name, scale = self.scale_of(want.name)
-        problems = self.structure_problems(
-            want, packed, scale, scale_name, fp8_source=fp8_weight is not None, packed=True
-        )
-        global_scale = None
-        if self.fmt.scheme == Scheme.NVFP4A16:
+        scale = self.scale_of(want.name, fmt)
+        problems = self.structure_problems(want, got, fmt, fp8_weight is not None, kind == "fp4")
+        outputs = [got, scale]
+        if kind == "fp4" and fmt.scheme == Scheme.NVFP4A16:
             global_name = want.name + "_global_scale"
             self.accounted.add(global_name)
             global_scale = self.outputs.get(global_name)
             if global_scale is None or (global_scale.dtype, global_scale.shape) != ("F32", (1,)):
-                got = f"is {global_scale.dtype} {list(global_scale.shape)}" if global_scale else "is missing"
-                problems.append(f"its global scale {global_name} {got}, expected F32 [1]")
+                found = f"is {global_scale.dtype} {list(global_scale.shape)}" if global_scale else "is missing"
+                problems.append(f"its global scale {global_name} {found}, expected F32 [1]")
+            outputs.append(global_scale)
         if problems:
             self.report.fail(want.name, "; ".join(problems))
             return []
-        return [FP4Pair(want.name, want.info, packed, scale, global_scale, want.cut, fp8_weight, fmt=self.fmt)]
+        return [Pair(kind, want.name, want.info, outputs, want.cut, fp8=fp8_weight, fmt=fmt)]
 
     def structure_problems(
-        self,
-        want: Expected,
-        got: TensorInfo,
-        scale: TensorInfo | None,
-        scale_name: str,
-        fp8_source: bool = False,
-        packed: bool = False,
+        self, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_source: bool, packed: bool
     ) -> list[str]:
         """What is wrong with a quantized tensor's structure: its source, shape, ignore list and scale
         (`packed`: FP4 codes, two a byte)."""
-        info, shape, fmt = want.info, want.shape, self.fmt
+        info, shape = want.info, want.shape
+        scale_name = fmt.scale_name(want.name)
+        scale = self.outputs.get(scale_name)
         problems = []
         if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
             problems.append(
@@ -310,10 +297,10 @@ class Pairing:
             )
         return problems
 
-    def fp8_weight(self, weight: FP8Weight, got: TensorInfo) -> list:
+    def fp8_weight(self, weight: FP8Weight, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
         """An FP8 source weight's output: dequantized, passed through or requantized, with its static
         activation scale if the output has one."""
-        name, fmt, report = weight.name, self.fmt, self.report
+        name, report = weight.name, self.report
         if got.dtype != FP8:
             report.tensors_dequantized += 1
             readable = got.dtype in FLOAT_SOURCE_DTYPES and got.shape == weight.shape
@@ -330,9 +317,9 @@ class Pairing:
                     f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
                     "(engines would expect FP8 weights for it)",
                 )
-            return [DequantizedPair(name, weight, got)] if readable else []
+            return [Pair("dequantized", name, weight.weight, [got], fp8=weight)] if readable else []
         report.tensors_quantized += 1
-        scale_name, scale = self.scale_of(name)
+        scale = self.scale_of(name, fmt)
         pairs = self.activation_scale(weight)
         may_pass = (
             scale is not None
@@ -340,18 +327,25 @@ class Pairing:
             and got.shape == weight.weight.shape
         )
         if not may_pass and scale is not None and scale.dtype != fmt.scale_dtype():
-            report.fail(name, not_requantized(scale_name, scale.dtype, fmt))
+            report.fail(name, not_requantized(scale.name, scale.dtype, fmt))
             return pairs
-        problems = self.structure_problems(Expected(name, weight.weight), got, scale, scale_name, fp8_source=True)
+        problems = self.structure_problems(Expected(name, weight.weight), got, fmt, fp8_source=True, packed=False)
         if not may_pass and problems:
             report.fail(name, "; ".join(problems))
             return pairs
-        pair = QuantizedPair(
-            name, weight.weight, got, scale, scale_name, True, None, weight, may_pass, problems, fmt=fmt
+        pair = Pair(
+            "fp8",
+            name,
+            weight.weight,
+            [got, scale],
+            fp8=weight,
+            fmt=fmt,
+            may_pass=may_pass,
+            requantized_problems=problems,
         )
         return [*pairs, pair]
 
-    def activation_scale(self, weight: FP8Weight) -> list:
+    def activation_scale(self, weight: FP8Weight) -> list[Pair]:
         """A static activation scale in the output must be the source's, byte for byte."""
         name = weight.weight.name.removesuffix(".weight") + ".input_scale"
         if name not in self.outputs:
@@ -362,4 +356,4 @@ class Pairing:
         if source_scale is None or (got.dtype, got.nbytes) != (source_scale.dtype, source_scale.nbytes):
             self.report.fail(name, what + ("" if source_scale else " (the source has none)"))
             return []
-        return [SameBytesPair(name, source_scale, got, what=what)]
+        return [Pair("carried", name, source_scale, [got], differs=what)]
