@@ -122,9 +122,19 @@ _SUBCONFIG_BOILERPLATE = (
 )
 
 
+# Engine models that are a zoo family with other config values: name -> (zoo family, config overrides).
+VARIANTS = {
+    # Qwen3-MoE with 4 experts, all active: each carries a quarter of the MoE output (a sixteenth in the
+    # zoo's), so what a wrongly decoded expert does shows in the log-probs (test_engine_fp4.py)
+    "qwen3_moe_4e": ("qwen3_moe", {"num_local_experts": 4, "num_experts_per_tok": 4}),
+}
+
+
 def make_engine_model(arch: str, path, **overrides) -> Path:
-    """The engine-sized `arch` at `path`; `overrides` (config keys) go on top of the engine sizes."""
-    path = zoo.make(arch, Path(path), config_overrides={**engine_overrides(arch), **overrides})
+    """The engine-sized `arch` (a zoo family or a VARIANTS name) at `path`; `overrides` (config keys) go
+    on top of the engine sizes."""
+    arch, variant = VARIANTS.get(arch, (arch, {}))
+    path = zoo.make(arch, Path(path), config_overrides={**engine_overrides(arch), **variant, **overrides})
     if arch == "dbrx":
         config = json.loads((path / "config.json").read_text())
         for sub in ("attn_config", "ffn_config"):
@@ -138,6 +148,8 @@ def make_engine_model(arch: str, path, **overrides) -> Path:
 # the emulated GEMM without AMX). Per-tensor scales need `static_scaled_fp8_quant`, which the CPU
 # build lacks (vLLM calls it to requantize fused layers to one scale); MXFP8 has no CPU kernel.
 FORMATS = (("compressed-tensors", "channel"), ("compressed-tensors", "block"), ("fp8", "block"))
+# The docs' mixed recipes give the MoE experts (the modules this pattern matches) an FP4 scheme.
+EXPERTS = r"re:.*mlp\.experts\..*"
 FORMAT_IDS = {
     ("compressed-tensors", "channel"): "ct-channel",
     ("compressed-tensors", "block"): "ct-block",

@@ -14,8 +14,6 @@ those (engine_child.py); the terminal summary lists the runs that were emulated.
 
 from __future__ import annotations
 
-import os
-
 import engine_harness as H
 import engine_models as M
 import pytest
@@ -41,32 +39,6 @@ CASES = [
     for family, formats in CI_FAMILIES.items()
     for fmt, scheme in formats
 ]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def engine_venv():
-    if H.engine_python() is None:
-        message = f"no vLLM venv at {H.engine_venv()} (.ci/run builds it; or set FP8CONVERT_ENGINE_VENV)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-
-
-@pytest.fixture(scope="session")
-def family(tmp_path_factory, engine_runs):
-    """family(model_type) -> (source dir, BF16 control, FP32 reference, log-prob bound); built and run once."""
-    cache: dict = {}
-
-    def get(model_type: str):
-        if model_type not in cache:
-            src = M.make_engine_model(model_type, tmp_path_factory.mktemp(f"engine-{model_type}") / "bf16")
-            control = engine_runs.record(model_type, "BF16 control", H.run_engine(src))
-            reference = H.transformers_reference(src)
-            bound = H.logprob_bound(control, reference) if control.ok else None
-            cache[model_type] = (src, control, reference, bound)
-        return cache[model_type]
-
-    return get
 
 
 @pytest.mark.parametrize("model_type", list(CI_FAMILIES))
@@ -103,23 +75,6 @@ def test_emulated_block_kernels_agree_with_control(model_type, family, converted
     )
     assert run.ok and run.emulated, run.describe()
     assert H.agreement(control, run, bound) is None, H.agreement(control, run, bound)
-
-
-@pytest.fixture(scope="session")
-def converted_for_engine(tmp_path_factory, family):
-    cache: dict = {}
-
-    def get(model_type: str, fmt: str, scheme: str):
-        key = (model_type, fmt, scheme)
-        if key not in cache:
-            import fp8convert
-
-            out = tmp_path_factory.mktemp(f"engine-{model_type}-{fmt}-{scheme}") / "out"
-            fp8convert.quantize(str(family(model_type)[0]), str(out), format=fmt, scheme=scheme, device="cpu")
-            cache[key] = out
-        return cache[key]
-
-    return get
 
 
 @pytest.fixture(scope="session")
