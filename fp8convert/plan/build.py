@@ -15,7 +15,8 @@ from ..formats.sources import SourceQuantization
 from ..options import FP4_SCHEMES, Format, Options, ScaleFormat, Scheme
 from ..source.checkpoint import Source
 from ..units import plural
-from .architectures import GENERIC, Architecture, architecture_of, config_value, mtp_layers
+from .architectures import architecture_of
+from .family import GENERIC, Architecture, config_value, mtp_layers
 from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
 from .rules import decide, experts_of, is_linear_weight, module_of
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE, Format, Scheme
-from .architectures import Caveat, PlanWarning, config_value
+from .family import Caveat, PlanWarning, config_value
 from .rules import experts_of, module_of
 
 ROW_PARALLEL = set("o_proj down_proj out_proj w2 c_proj dense_4h_to_h fc2 wo linear_2".split())

@@ -12,7 +12,7 @@ from ..formats import CONFIGS
 from ..options import Options
 from ..safetensors_io import DTYPE_SIZES, FP8, OutputTensor, TensorInfo, layout_shard
 from ..source.checkpoint import Source
-from .architectures import Architecture
+from .family import Architecture
 
 LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 

@@ -11,7 +11,7 @@ from ..errors import FP8ConvertError, UsageError
 from ..formats.sources import SourceQuantization
 from ..options import GROUP_SIZE, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
-from .architectures import GENERIC, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
+from .family import GENERIC, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
 from .plan import Action, Cut, TensorPlan
 
 # Leaves named like an embedding: "embed" in the leaf, or GPT-2's token and position tables.

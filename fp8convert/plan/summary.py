@@ -9,8 +9,8 @@ from collections import Counter
 from ..errors import FP8ConvertError
 from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
-from .architectures import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .batches import make_batches
+from .family import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
 

@@ -23,7 +23,7 @@ import math
 import torch
 
 from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE
-from ..plan.cuts import Cut
+from ..plan.plan import Cut
 from ..run import fp4
 from ..run.numerics import (
     FP8_MAX,

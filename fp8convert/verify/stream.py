@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..plan.architectures import GENERIC, Architecture, architecture_of
+from ..plan.architectures import architecture_of
+from ..plan.family import GENERIC, Architecture
 from ..plan.rules import fused_group_key
 from ..run.device import budget_for, io_threads, resolve_device
 from ..run.numerics import FP8_MAX

@@ -14,7 +14,8 @@ from ..formats import QuantizationConfig, read_quantization_config
 from ..formats.sources import FP8Weight
 from ..options import FP4_SCHEMES, Scheme
 from ..output.manifest import Manifest
-from ..plan.architectures import GENERIC, Architecture, architecture_of
+from ..plan.architectures import architecture_of
+from ..plan.family import GENERIC, Architecture
 from ..plan.plan import Cut
 from ..plan.rules import UnsupportedLayout, default_keep_reason, expert_cuts, is_linear_weight, module_of
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header

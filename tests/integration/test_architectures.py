@@ -432,7 +432,7 @@ def test_loads_in_transformers(arch, fmt, scheme, zoo_outputs, zoo_source, sourc
     """Loads with the class the model was saved with: logits cosine >= 0.99 against the source, and
     every parameter within e4m3 rounding of the source's (a kept tower or router loaded into an FP8
     module comes out as garbage, which text logits alone may not show)."""
-    from fp8convert.plan.architectures import Caveat
+    from fp8convert.plan.family import Caveat
 
     warnings = plan_warnings(zoo_source(arch), fmt, scheme)
     caveats = {w.caveat for w in warnings}
@@ -519,7 +519,7 @@ def test_tp_block_moe_compressed_tensors_needs_128_per_rank():
     """Qwen3-30B-A3B's experts (768 wide): 384 per rank at TP 2, 192 at TP 4 (not a multiple of 128:
     compressed-tensors' block MoE refuses it), 96 at TP 8. Attention (4 KV heads, replicated one head of
     128 per rank at TP 8) loads everywhere."""
-    from fp8convert.plan.architectures import Caveat
+    from fp8convert.plan.family import Caveat
     from fp8convert.plan.parallel import tp_warnings
 
     warnings = tp_warnings(QWEN3_30B, QWEN3_30B_CONFIG, "compressed-tensors", "block", (1, 2, 4, 8))
@@ -533,7 +533,7 @@ def test_tp_block_moe_compressed_tensors_needs_128_per_rank():
 def test_tp_block_moe_fp8_format_falls_back_to_smaller_blocks():
     """The fp8 format's MoE refines the block to gcd(128, per-rank size, hidden) >= 32 on Triton: it loads
     at every size, and says where it runs on the smaller blocks."""
-    from fp8convert.plan.architectures import Caveat
+    from fp8convert.plan.family import Caveat
     from fp8convert.plan.parallel import tp_warnings
 
     (warning,) = tp_warnings(QWEN3_30B, QWEN3_30B_CONFIG, "fp8", "block", (1, 2, 4, 8))

@@ -615,7 +615,7 @@ def test_mxfp8_tensor_parallel_limits():
     intermediate size must stay multiples of 32 per rank; output splits never matter."""
     from types import SimpleNamespace
 
-    from fp8convert.plan.architectures import Caveat
+    from fp8convert.plan.family import Caveat
     from fp8convert.plan.parallel import tp_warnings
 
     def t(name, shape):

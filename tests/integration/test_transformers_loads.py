@@ -29,7 +29,7 @@ def test_mllama_vision_tower_loads_in_transformers_as_written(scheme, zoo_source
     """transformers loads Mllama's legacy names under model.* (model.vision_model.*) and compressed-tensors
     there matches the ignore list against those names: the kept vision tower and projector are listed so,
     and every parameter loads within e4m3 rounding of the source's."""
-    from fp8convert.plan.architectures import Caveat
+    from fp8convert.plan.family import Caveat
     from fp8convert.plan.summary import compatibility_warnings
 
     out = tmp_path / "out"
@@ -54,7 +54,7 @@ def test_split_experts_transformers_leaves_initialised_are_named_everywhere(arch
     """transformers has no rule merging these families' per-expert weights (Llama-4's only under
     compressed-tensors): it loads the output without an error, its fused experts randomly initialised. The
     plan, `inspect`, the quantize report and the model card all say so; the layout is vLLM's."""
-    from fp8convert.plan.architectures import Caveat
+    from fp8convert.plan.family import Caveat
     from fp8convert.plan.summary import compatibility_warnings, describe, render
 
     out = tmp_path / "out"
