@@ -622,6 +622,31 @@ ABLATIONS = {
     # no page-cache read-ahead: neither the head start while the plan is made nor the run's own
     "no-prefetch": "import sys; sys.argv += ['--prefetch', '0']\n",
 }
+# The same for mechanisms of the pipeline itself (--pipeline-ablation).
+PIPELINE_ABLATIONS = {
+    # every shard written with pwrite, never through a shared mapping
+    "no-mapped-writes": "import fp8convert.run.writer as w; w.MAPPED_WRITES = False\n",
+    # a batch's outputs leave the GPU one tensor at a time instead of in merged runs
+    # a batch's outputs leave the GPU one tensor at a time instead of in merged runs (patched once the
+    # pipeline is imported: importing it first would import torch first)
+    "no-merged-runs": (
+        "import sys, importlib.util\n"
+        "class After:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'fp8convert.run.pipeline':\n"
+        "            return None\n"
+        "        sys.meta_path.remove(self)\n"
+        "        spec = importlib.util.find_spec(name)\n"
+        "        load = spec.loader.exec_module\n"
+        "        def exec_module(m):\n"
+        "            load(m)\n"
+        "            runs = m.output_runs\n"
+        "            m.output_runs = lambda plan, tensors, merge: runs(plan, tensors, merge=False)\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, After())\n"
+    ),
+}
 ABLATED_CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
 
 
@@ -703,8 +728,11 @@ def contenders(args) -> list[dict]:
                     warmup=[PY, "-c", f"import torch; torch.empty(1, device='{dev}')"],
                 )
             )
-        if args.startup_ablation:  # the same run with one start-up mechanism switched off
-            for name, patch in ABLATIONS.items():
+        ablations = (ABLATIONS if args.startup_ablation else {}) | (
+            PIPELINE_ABLATIONS if args.pipeline_ablation else {}
+        )
+        if ablations:  # the same run with one mechanism switched off
+            for name, patch in ablations.items():
                 plan.append(
                     dict(
                         fp8,
@@ -1406,6 +1434,11 @@ def parse_args(argv=None):
         "--startup-ablation",
         action="store_true",
         help="also run fp8convert with each start-up mechanism switched off (ABLATIONS)",
+    )
+    p.add_argument(
+        "--pipeline-ablation",
+        action="store_true",
+        help="also run fp8convert with each pipeline mechanism switched off (PIPELINE_ABLATIONS)",
     )
     p.add_argument(
         "--warm-libs",
