@@ -237,8 +237,8 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
     cannot = next((w.text for w in warnings if w.caveat is Caveat.TRANSFORMERS_CANNOT_LOAD), None)
     kept_reasons, kept_bytes = Counter(), Counter()
     for t in tensors:
-        if not t.quantize:  # by kind: a shape reason reads "shape", an input-dim one loses its size
-            reason = re.sub(r"input dim \(\d+\) ", "input dim ", t.reason.split(" [")[0])
+        if not t.quantize:  # by kind: a shape or input-dim reason without the tensor's own sizes
+            reason = re.sub(r" \[[^\]]*\]| \(\d+\)", "", t.reason)
             kept_reasons[reason] += 1
             kept_bytes[reason] += t.out_bytes
     fused = dict.fromkeys(t.group for t in tensors if t.group and t.quantize)  # in plan order, unlike a set

@@ -782,6 +782,19 @@ def test_cuda_asked_of_a_cpu_build_is_refused_before_out_exists(tmp_path, capsys
     assert_refused(rc, err, out, f"--device {device}", "CUDA is not available")
 
 
+def test_inspect_groups_kept_shapes_by_their_reason(tmp_path, capsys):
+    """inspect's kept table groups tensors by reason without their own sizes: "shape not divisible by 16"
+    (it read just "shape"), while each tensor's line keeps its shape."""
+    tensors = llama_tensors()
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.randn(64, 72).bfloat16()
+    src = write_checkpoint(tmp_path / "src", tensors)
+    assert main(["inspect", str(src), "--json", "--tensors"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kept"]["shape not divisible by 16"]["tensors"] == 1, doc["kept"]
+    reasons = {t["name"]: t["reason"] for t in doc["tensor_plan"]}
+    assert reasons["model.layers.0.self_attn.o_proj.weight"] == "shape [64, 72] not divisible by 16"
+
+
 def test_kept_reasons_name_an_unquantized_dtype_and_a_scalar(tmp_path, capsys):
     tensors = llama_tensors()
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].double()
