@@ -99,6 +99,8 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """clamp(float32(w) / scale, -448, 448) cast to e4m3 (nearest even); `w` is left as it was."""
+    if w.device.type == "cpu" and w.dim() == 3:
+        return _quantize_rows(w, scale, scheme)
     # One pass from w's dtype to the float32 quotient (torch divides in the float32 result type).
     if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
         q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
@@ -107,6 +109,36 @@ def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> to
     if q.dtype != torch.float32:
         raise AssertionError(f"quotient in {q.dtype}, not float32: scale {scale.dtype} {tuple(scale.shape)}")
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+CPU_TILE_BYTES = 2 << 20  # float32 working tile per two of torch's threads: each core's share stays in its L2
+
+
+def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The same arithmetic on a CPU stack, a few rows at a time through one float32 tile kept in cache: a
+    full-size float32 quotient costs more in page faults and memory traffic than the division itself
+    (docs/performance.md has the figure)."""
+    stack, out, inp = w.shape
+    rows = max(1, CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2) // (4 * inp))
+    if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
+        rows = 1 << min(7, rows.bit_length() - 1)
+    tile = torch.empty(min(rows, out), inp, dtype=torch.float32)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE)
+    for n in range(stack):
+        for r in range(0, out, rows):
+            part = tile[: min(rows, out - r)]
+            part.copy_(w[n, r : r + rows])
+            if scheme == "mxfp8":
+                part.unflatten(-1, (inp // MX_GROUP, MX_GROUP)).div_(scale[n, r : r + rows].unsqueeze(-1))
+            elif scheme == "tensor":
+                part.div_(scale[n])
+            elif scheme == "channel":
+                part.div_(scale[n, r : r + rows])
+            else:
+                part.div_(scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp])
+            part.clamp_(-FP8_MAX, FP8_MAX)
+            q[n, r : r + rows].copy_(part)
+    return q
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
