@@ -626,26 +626,6 @@ ABLATIONS = {
 PIPELINE_ABLATIONS = {
     # every shard written with pwrite, never through a shared mapping
     "no-mapped-writes": "import fp8convert.run.writer as w; w.MAPPED_WRITES = False\n",
-    # a batch's outputs leave the GPU one tensor at a time instead of in merged runs
-    # a batch's outputs leave the GPU one tensor at a time instead of in merged runs (patched once the
-    # pipeline is imported: importing it first would import torch first)
-    "no-merged-runs": (
-        "import sys, importlib.util\n"
-        "class After:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name != 'fp8convert.run.pipeline':\n"
-        "            return None\n"
-        "        sys.meta_path.remove(self)\n"
-        "        spec = importlib.util.find_spec(name)\n"
-        "        load = spec.loader.exec_module\n"
-        "        def exec_module(m):\n"
-        "            load(m)\n"
-        "            runs = m.output_runs\n"
-        "            m.output_runs = lambda plan, tensors, merge: runs(plan, tensors, merge=False)\n"
-        "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, After())\n"
-    ),
 }
 ABLATED_CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
 

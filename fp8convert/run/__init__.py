@@ -1,6 +1,6 @@
 """Stage 3, run: read -> quantize -> write, overlapped, with bounded memory.
 
-pipeline.py  the reader, quantizing and writer threads; a batch's outputs gathered into output runs
+pipeline.py  the reader, quantizing and writer threads, and the hand-offs between them
 reader.py    one batch's bytes into one device buffer; prefetch.py fills the page cache ahead of it
 quantizer.py one batch's outputs (numerics.py and fp4.py: the math)
 writer.py    runs streamed into preallocated shards, with the Linux file calls that keep them cheap

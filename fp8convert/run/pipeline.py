@@ -1,5 +1,5 @@
 """The run: a reader thread starts each batch's reads, the main thread quantizes each stack as its bytes
-land, and a writer thread writes each run of output bytes (plan/batches.py) once its last output is in.
+land, and a writer thread writes each output's bytes at its place in the shards (plan/batches.py runs).
 Hand-offs hold one batch each: the device holds at most the batch being read plus the outputs of the batch
 being written. On CUDA, host memory is only the readers' and the writer's pinned chunks.
 """
@@ -44,45 +44,26 @@ def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
 
 
 class BatchOutput:
-    """One batch's run buffers, each handed over once its last piece is in. A run of one piece is that
-    tensor's own bytes (no copy); a larger one gets a device buffer, each piece copied into its place, so a
-    run leaves the device in a few large copies, not one per tensor."""
+    """A batch's output runs, each handed over with its bytes (the output tensor's own memory, no copy)
+    as soon as its output is computed."""
 
-    def __init__(self, runs: list[Run], device: torch.device):
-        self.runs, self.device = runs, device
-        self.buffers: list[torch.Tensor | None] = [None] * len(runs)
-        self.where = {(p.name, p.at): (i, p) for i, run in enumerate(runs) for p in run.pieces}
-        self.pieces_left = [len(run.pieces) for run in runs]
+    def __init__(self, runs: list[Run]):
+        self.left = {(run.name, run.at): run for run in runs}
 
     def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> list[tuple[Run, torch.Tensor]]:
-        """Take outputs (name, tensor, byte offset in that output); return the runs they completed, with
-        their bytes, once. The copies go in one multi-tensor launch (a MoE layer has hundreds of outputs)."""
-        targets, sources, completed = [], [], []
+        """Take outputs (name, tensor, byte offset in that output); return their runs with their bytes."""
+        done = []
         for name, tensor, at in outputs:
-            i, piece = self.where[(name, at)]
+            run = self.left.pop((name, at))
             raw = (tensor.contiguous().view(-1) if tensor.numel() else tensor.reshape(0)).view(torch.uint8)
-            if raw.numel() != piece.nbytes:
-                raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {piece.nbytes}")
-            if len(self.runs[i].pieces) == 1:
-                self.buffers[i] = raw
-            else:
-                if self.buffers[i] is None:
-                    self.buffers[i] = torch.empty(self.runs[i].nbytes, dtype=torch.uint8, device=self.device)
-                targets.append(self.buffers[i][piece.offset : piece.offset + piece.nbytes])
-                sources.append(raw)
-            self.pieces_left[i] -= 1
-            if not self.pieces_left[i]:
-                completed.append(i)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        done = [(self.runs[i], self.buffers[i]) for i in completed]
-        for i in completed:
-            self.buffers[i] = None
+            if raw.numel() != run.nbytes:
+                raise AssertionError(f"{name}: {raw.numel()} bytes at {at}, the plan says {run.nbytes}")
+            done.append((run, raw))
         return done
 
     def check_complete(self) -> None:
-        if missing := sum(self.pieces_left):
-            raise AssertionError(f"{missing} outputs of the batch were never produced")
+        if self.left:
+            raise AssertionError(f"{len(self.left)} outputs of the batch were never produced")
 
 
 @dataclass
@@ -201,7 +182,7 @@ class Pipeline:
         feed: queue.Queue = queue.Queue()  # (run, bytes, CUDA event after which they are ready); END last
         self.to_writer.put((batch, feed))
         t0 = time.monotonic()
-        assembled = BatchOutput(runs, self.device)
+        assembled = BatchOutput(runs)
         options = self.plan.options
         keep_buf = False  # whether a run's bytes are a view of the read buffer (which then lives until written)
         buf_ptr = pending.buf.untyped_storage().data_ptr()
@@ -249,10 +230,9 @@ class Pipeline:
     def _read_loop(self) -> None:
         try:
             for batch in self.batches:
-                # Worked out before waiting for room, so while the batch before is quantized. From a GPU, few
-                # large copies beat many small ones; on the CPU outputs are written as they are.
+                # Worked out before waiting for room, so while the batch before is quantized.
                 order = read_order(batch)
-                runs = output_runs(self.plan, batch.tensors, merge=self.device.type == "cuda")
+                runs = output_runs(self.plan, batch.tensors)
                 while not self.read_slot.acquire(timeout=POLL_S):
                     if self.stop.is_set():
                         return

@@ -98,7 +98,7 @@ def test_a_shard_written_before_the_allocator_reaches_it_is_not_created_again(tm
     first = plan.shards[0]
     with ShardWriter(plan, tmp_path / "out", work, skip_shards=set()) as writer:
         tensors = [t for t in plan.tensors if plan.shard_of[t.name] == first.index]
-        for run in output_runs(plan, tensors, merge=False):
+        for run in output_runs(plan, tensors):
             writer.write(run, bytes(run.nbytes))
         assert (tmp_path / "out" / first.name).exists() and not writer.partial_path(0).exists()
         writer._create_all()
@@ -277,7 +277,7 @@ def test_the_writer_sends_each_write_to_the_disk_as_it_is_written(tmp_path, monk
     monkeypatch.setattr(writer_module, "PREALLOCATE", False)
     first = plan.shards[0]
     with ShardWriter(plan, tmp_path / "out", work, skip_shards=set()) as writer:
-        run = output_runs(plan, [t for t in plan.tensors if plan.shard_of[t.name] == first.index], merge=False)[0]
+        run = output_runs(plan, [t for t in plan.tensors if plan.shard_of[t.name] == first.index])[0]
         writer.write(run, bytes(run.nbytes))
         inode = os.fstat(writer.fds[first.index]).st_ino
     assert (inode, 0, len(first.header)) in calls and (inode, run.start, run.nbytes) in calls
