@@ -258,8 +258,8 @@ def _quantize_on_devices(
     )
     reports = device_split.run_on_devices(_device_worker, src, str(out_dir), settings, spec, devices)
     report.device = ",".join(r.device for r in reports)
-    for counted in ("shards_written", "units", "units_resumed"):
-        setattr(report, counted, sum(getattr(r, counted) for r in reports))
+    report.shards_written = sum(r.shards_written for r in reports)
+    report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)
     peaks = [r.peak_device_bytes for r in reports if r.peak_device_bytes is not None]
     report.peak_device_bytes = max(peaks, default=None)
     report.stage_seconds = {"workers": [r.stage_seconds for r in reports]}

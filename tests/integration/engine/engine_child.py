@@ -55,6 +55,22 @@ def dequantize_blocks(weight, scale, block: tuple[int, int]):
     return (weight.float() * s).to(torch.bfloat16)
 
 
+def silu_experts(output, x, w13, w2, topk_weights, topk_ids) -> None:
+    """output = sum over each token's experts of router weight * (silu(x @ gate.T) * (x @ up.T)) @ down.T,
+    expert by expert in the weights' dtype (w13 [E, 2I, H] gate then up, w2 [E, H, I])."""
+    import torch
+    import torch.nn.functional as F
+
+    x = x.to(w13.dtype)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
+    output.copy_(out.to(output.dtype))
+
+
 def install_emulated_kernels() -> None:
     import torch
     import torch.nn.functional as F
@@ -115,15 +131,7 @@ def install_emulated_kernels() -> None:
                 block = tuple(self.quant_config.block_shape or (shape.row, shape.col))
                 self._bf16 = (dequantize_blocks(w1, self.w1_scale, block), dequantize_blocks(w2, self.w2_scale, block))
                 EMULATED.append(f"fp8-block moe {tuple(w1.shape)}")
-            w13, w2_bf16 = self._bf16
-            x = hidden_states.to(torch.bfloat16)
-            out = torch.zeros(x.shape[0], w2_bf16.shape[1], dtype=torch.float32)
-            for e in topk_ids.unique().tolist():
-                rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-                gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, w2_bf16[e])
-                out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
-            output.copy_(out.to(output.dtype))
+            silu_experts(output, hidden_states, *self._bf16, topk_weights, topk_ids)
 
     # vLLM picks the first kernel whose checks pass: its own come first unless the run forces emulation.
     blocks = linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]
@@ -307,14 +315,7 @@ def install_fp4_kernels() -> None:
                     f"EmulatedFp4Experts: SiLU experts weighted on output, no expert map (got {activation}, "
                     f"apply_router_weight_on_input={apply_router_weight_on_input}, expert_map={expert_map})"
                 )
-            x = hidden_states.to(w1.dtype)
-            out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
-            for e in topk_ids.unique().tolist():
-                rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-                gate, up = F.linear(x[rows], w1[e]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, w2[e])
-                out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
-            output.copy_(out.to(output.dtype))
+            silu_experts(output, hidden_states, w1, w2, topk_weights, topk_ids)
 
     # NVFP4 MoE: vLLM's backend choice; only where none supports the CPU, again with the stand-in as
     # its Marlin backend (whose weight repacking is then left out: the stand-in reads the checkpoint's).
