@@ -310,7 +310,7 @@ def _quantize_here(
     bar = Progress(
         sum(u.in_bytes for u in units), f"{command} {label}", enabled=settings.progress, plain=spec.count > 1
     )
-    # torch's start-up pages queued on the disk before the checkpoint's reads (run/startup_pages.py)
+    # torch's start-up pages queued on the disk before the checkpoint's reads (run/warmup.py)
     warmup.pages_queued.wait(PAGES_WAIT_S)
     reads = unique_inputs([t for u in units for a in u.atoms() for t in a])
     prefetcher = _prefetcher(the_plan.source.root, reads, settings, spec.sharing)

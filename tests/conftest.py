@@ -24,7 +24,7 @@ os.environ.setdefault("FP8CONVERT_HUB_RETRY_WAIT", "0.01")
 # checks the refusal).
 os.environ.setdefault("FP8CONVERT_WRITE_UNLOADABLE", "1")
 # Runs that start torch themselves (the CLI in a child process) record its start-up pages in the user's
-# cache (run/startup_pages.py): the tests' go to a cache of their own.
+# cache (run/warmup.py): the tests' go to a cache of their own.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fp8convert-tests-cache-")
 
 import pytest

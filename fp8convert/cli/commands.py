@@ -237,7 +237,7 @@ def demo(
       fp8convert demo /tmp/fp8demo
     """
     from ..demo import demo_source, next_steps  # imports torch
-    from ..run import startup_pages, warmup
+    from ..run import warmup
 
     settings = settings_from({"scheme": scheme, "format": format, "device": device}, overwrite=True, progress=True)
     src = demo_source(directory / "source")
@@ -247,7 +247,7 @@ def demo(
     # Building the model imported torch before the conversion, which then records no start-up pages (a
     # caller's process maps much else); this process is the program's own, so it leaves the record, and
     # the first real conversion on this device starts torch as every later one does.
-    startup_pages.record(warmup.record_path(device))
+    warmup.record(warmup.record_path(device))
     print(next_steps(src, directory / "fp8", scheme, format), file=text_to)
 
 

@@ -1,7 +1,7 @@
 """Start-up: torch takes seconds to import (more with cold files), so the CLI must not import it on its
 main thread: quantize and dequantize import it in the background thread that overlaps it with
 planning and the first writes. The program also sets up torch's pinned allocator before that import, and
-records and reads ahead the pages torch's start-up reads (run/startup_pages.py)."""
+records and reads ahead the pages torch's start-up reads (run/warmup.py)."""
 
 from __future__ import annotations
 

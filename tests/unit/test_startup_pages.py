@@ -10,8 +10,8 @@ import sys
 import torch
 from tiny_ckpt import llama_tensors, write_checkpoint
 
-from fp8convert.run import startup_pages
-from fp8convert.run.startup_pages import PAGE, mapped_library_pages, page_ranges, read_ahead, record_path
+from fp8convert.run import warmup
+from fp8convert.run.warmup import PAGE, mapped_library_pages, page_ranges, read_ahead, record_path
 
 
 def test_close_pages_make_one_range_and_far_ones_another():
@@ -79,13 +79,13 @@ def test_a_long_range_is_asked_for_in_pieces_the_kernel_reads_whole(tmp_path, mo
     # a longer range would be dropped.
     lib = tmp_path / "libbig.so"
     lib.write_bytes(bytes(1024 * PAGE))
-    start, end = 3 * PAGE, 3 * PAGE + 2 * startup_pages.ASK_BYTES + 5 * PAGE
+    start, end = 3 * PAGE, 3 * PAGE + 2 * warmup.ASK_BYTES + 5 * PAGE
     record = tmp_path / "record.json"
     record.write_text(json.dumps({"files": [[str(lib), lib.stat().st_size, lib.stat().st_mtime_ns, [[start, end]]]]}))
     asked = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: asked.append((offset, length)))
     assert read_ahead(record).wait(30)
-    assert all(length <= startup_pages.ASK_BYTES for _, length in asked)
+    assert all(length <= warmup.ASK_BYTES for _, length in asked)
     covered = sorted(asked)
     assert covered[0][0] == start and sum(length for _, length in covered) == end - start
     assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # no gap, no overlap
@@ -111,8 +111,8 @@ def test_the_record_lives_in_the_users_cache_per_environment_and_device(monkeypa
 
 def test_a_record_that_cannot_be_written_is_skipped(tmp_path):
     (tmp_path / "fp8convert").write_text("a file where the directory would go")
-    startup_pages.record(tmp_path / "fp8convert" / "record.json")  # no error
-    startup_pages.record(None)
+    warmup.record(tmp_path / "fp8convert" / "record.json")  # no error
+    warmup.record(None)
 
 
 def test_no_record_when_torch_was_loaded_before(tmp_path, monkeypatch):
