@@ -1,5 +1,4 @@
-"""Small files written whole and atomically (never seen half-written, whenever the process dies), and the
-directory fsync that makes a rename durable."""
+"""Small files written whole and atomically: never seen half-written, whenever the process dies."""
 
 from __future__ import annotations
 

@@ -56,7 +56,6 @@ class TensorInfo:
 
 
 def open_read(path) -> int:
-    """A source file opened read-only; one that cannot be is an error naming it."""
     try:
         return os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -64,7 +63,6 @@ def open_read(path) -> int:
 
 
 def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
-    """Fill `view` from `offset` of an open file; a short file is an error naming `label`."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -74,8 +72,7 @@ def pread_into(fd: int, view: memoryview, offset: int, label: str) -> None:
 
 
 def read_header(path: str, file_name: str) -> dict[str, TensorInfo]:
-    """One file's validated header, by tensor name. The tensors' `file` is `file_name` (the shard's name in
-    its checkpoint); errors name the whole `path`."""
+    """One file's validated header, by tensor name; errors name the whole `path`."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb", buffering=0) as f:  # unbuffered: read the header, not the data after it
@@ -87,7 +84,6 @@ def read_header(path: str, file_name: str) -> dict[str, TensorInfo]:
 
 
 def header_length(first8: bytes, file_size: int | None, label: str) -> int:
-    """The header length from a file's first 8 bytes, checked against its size (if known)."""
     if len(first8) < 8:
         raise FP8ConvertError(f"{label}: not a safetensors file (shorter than its 8-byte header length)")
     (header_len,) = struct.unpack("<Q", first8[:8])
@@ -104,8 +100,7 @@ def parse_header(
     raw: bytes, label: str, data_start: int, file_size: int | None, where: str | None = None
 ) -> dict[str, TensorInfo]:
     """Validate a header's JSON: a name given once (json would silently keep the last), known dtypes,
-    sizes that match shapes, offsets that tile the data. `label` is the tensors' file; errors name
-    `where` (by default the label)."""
+    sizes that match shapes, offsets that tile the data. Errors name `where`, by default `label`."""
     where = where or label
 
     def unique(pairs: list[tuple[str, object]]) -> dict:
@@ -170,9 +165,8 @@ class OutputTensor:
 
 
 def layout_shard(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, dict[str, OutputTensor]]:
-    """A shard's header bytes (length prefix included, JSON padded with spaces to a multiple of 8) and each
-    tensor's place in its data, for (name, dtype, shape) entries in plan order: wider dtypes first, so every
-    tensor is aligned to its element size."""
+    """A shard's header bytes (JSON padded with spaces to a multiple of 8) and each tensor's place in its
+    data: wider dtypes first, so every tensor is aligned to its element size."""
     order = sorted(range(len(entries)), key=lambda i: -DTYPE_SIZES[entries[i][1]])  # stable: plan order kept
     placed: dict[str, OutputTensor] = {}
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}

@@ -48,8 +48,7 @@ def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
 
 
 def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> int | None:
-    """torch's threads for quantizing on the CPU: on more than 4 cores, the cores less the readers (a torch
-    thread waiting for a core holds up the rest). At most torch's; None where the user set OMP_NUM_THREADS."""
+    """Above 4 cores, the cores less the readers': a torch thread waiting for a core holds up the rest."""
     if environ.get("OMP_NUM_THREADS"):
         return None
     spared = io_threads("cpu", cores)[0] if cores > 4 else 0
@@ -58,7 +57,6 @@ def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> in
 
 @contextlib.contextmanager
 def cpu_threads_for_quantizing() -> Iterator[None]:
-    """torch's threads set by quantizing_threads for the run, the caller's restored after."""
     before = torch.get_num_threads()
     threads = quantizing_threads(before, usable_cores())
     if threads is not None:

@@ -45,21 +45,18 @@ def group_amax(w: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """448 * 6 / amax in float32 (amax at least float32's smallest normal); 1.0 where that is not finite."""
     floor = torch.finfo(torch.float32).tiny
     scale = torch.full_like(amax, FP8_MAX * FP4_MAX) / amax.float().clamp(min=floor)
     return torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
 
 
 def nvfp4_group_scales(amax: torch.Tensor, global_scales: torch.Tensor) -> torch.Tensor:
-    """e4m3(G * amax / 6) per group, 0.125 where it rounds to 0; `global_scales` broadcasts against `amax`."""
     scales = (global_scales * (amax / torch.full_like(amax, FP4_MAX))).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return torch.where(scales.float() == 0, torch.full_like(scales, ZERO_SCALE), scales)
 
 
 def mxfp4_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes 127 + floor(log2 amax) - 2, plus one when amax's significand is 1.75 or more, from amax's
-    float32 bits; 0 for amax 0 (and for amaxes too small for any byte)."""
+    """The E8M0 bytes from amax's float32 bits; 0 also for amaxes too small for any byte."""
     bits = amax.float().contiguous().view(torch.int32)
     biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
     return (biased - 2 + (mantissa >= 0x600000).int()).clamp(0, 255).to(torch.uint8)
@@ -103,9 +100,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.
 
 
 def quantize_fp4_group(members: list[torch.Tensor], scheme: str) -> list[list[torch.Tensor]]:
-    """Quantize a fused set's members, each a stack [N, out, in] (index n of every member is one set):
-    per member [packed, scales] and, for nvfp4a16, its global scales [N, 1], one value shared by the set.
-    Raises NonFiniteWeight for NaN or Inf."""
+    """Per member of a fused set (stacks [N, out, in], index n of each one set): [packed, scales] and, for
+    nvfp4a16, the set's global scales [N, 1]. Raises NonFiniteWeight for NaN or Inf."""
     size = GROUP_SIZE[scheme]
     amaxes = [group_amax(w, size) for w in members]
     refuse_unwritable(amaxes)

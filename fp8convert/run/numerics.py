@@ -46,8 +46,7 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Largest magnitude in float32: per tensor [..., 1, 1], row [..., out, 1], 32-group, or 128x128 block
-    [..., ceil(out/128), ceil(in/128)]. max(max w, -min w): no full-size |w|, and NaN propagates."""
+    """Largest |w| in float32 per tensor, row, 32-group or 128x128 block: no full-size |w|, NaN propagates."""
     if scheme == "tensor":
         dims = (-2, -1)
     elif scheme == "channel":
@@ -115,9 +114,7 @@ CPU_TILE_BYTES = 2 << 20  # float32 working tile per two of torch's threads: eac
 
 
 def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The same arithmetic on a CPU stack, a few rows at a time through one float32 tile kept in cache: a
-    full-size float32 quotient costs more in page faults and memory traffic than the division itself
-    (docs/performance.md has the figure)."""
+    """Through one float32 tile in cache: a full-size quotient costs more in page faults than the division."""
     stack, out, inp = w.shape
     rows = max(1, CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2) // (4 * inp))
     if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
@@ -157,9 +154,8 @@ def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
 def dequantize_to(
     q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype, cpu_path: bool | None = None
 ) -> torch.Tensor:
-    """(float32(q) * scale).to(dtype) for FP8 weights [..., out, in] and scale_as_stored's scales (stacked
-    alike): one float32 product rounded once, as DeepSeek's and transformers' dequantizers compute it. On a
-    CPU (unless `cpu_path` is False) by table lookup: the same bytes, faster there."""
+    """(float32(q) * scale).to(dtype) with scale_as_stored's scales: one float32 product rounded once, as
+    DeepSeek's and transformers' dequantizers compute it. On a CPU by table lookup: the same bytes, faster."""
     if cpu_path is None:
         cpu_path = q.device.type == "cpu"
     if cpu_path:
@@ -168,9 +164,7 @@ def dequantize_to(
 
 
 def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
-    """The same bytes by lookup: each scale's table holds the 256 products float32(code) * scale rounded
-    to `dtype` (torch's float8 conversion is about 10x a plain cast on a CPU). Per weight: codes into an
-    int32 index, plus each element's table offset, one gather."""
+    """Per scale, a table of the 256 float32(code) * scale in `dtype`: torch's float8 cast is slow on a CPU."""
     out, inp = q.shape[-2:]
     codes = q.view(torch.uint8).reshape(-1, out, inp)
     count = codes.shape[0]
@@ -211,8 +205,7 @@ def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float
 
 
 def refuse_unwritable(amaxes: list[torch.Tensor], pow2: bool = False) -> None:
-    """NonFiniteWeight for the first weight of the members' stacked amaxes [N, ...] holding NaN or Inf
-    (amax propagates both), or with `pow2` (power-of-two scales) an amax of POW2_OVERFLOW_AMAX or more."""
+    """NonFiniteWeight for the first weight holding NaN or Inf, or with `pow2` an amax >= POW2_OVERFLOW_AMAX."""
     for j, a in enumerate(amaxes):
         unwritable = ~torch.isfinite(a)
         if pow2:  # in the same test: one wait for the device per member, as without it
@@ -226,10 +219,8 @@ def refuse_unwritable(amaxes: list[torch.Tensor], pow2: bool = False) -> None:
 def quantize_group(
     members: list[torch.Tensor], scheme: str, scale_format: str = "float"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Quantize a fused group's members, each a stack [N, out, in] (index n of every member is one group).
-    In the tensor scheme members share the max amax (vLLM re-quantizes a fused layer to its largest scale).
-    Returns (codes, scales as written: float32, or E8M0 bytes for mxfp8), one per member; refuse_unwritable
-    raises for weights it cannot write."""
+    """(codes, scales as written) per member of a fused group (stacks [N, out, in]). In the tensor scheme
+    members share the max amax: vLLM re-quantizes a fused layer to its largest scale."""
     amaxes = [amax(w, scheme) for w in members]
     refuse_unwritable(amaxes, pow2=scheme == "mxfp8" or scale_format == "ue8m0")
     if scheme == "tensor" and len(members) > 1:

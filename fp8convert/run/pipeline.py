@@ -1,7 +1,6 @@
 """The run: a reader thread starts each batch's reads, the main thread quantizes each stack as its bytes
-land, and a writer thread writes each output's bytes at its place in the shards (plan/batches.py runs).
-Hand-offs hold one batch each: the device holds at most the batch being read plus the outputs of the batch
-being written. On CUDA, host memory is only the readers' and the writer's pinned chunks.
+land, a writer thread writes each output's bytes at its place in the shards. Hand-offs hold one batch each:
+the device holds at most the batch being read plus the outputs of the batch being written.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from .quantizer import quantize_steps, read_order
 from .reader import BatchReader, PendingRead
 from .writer import ShardWriter
 
-# Batches read and not yet quantized, and batches quantized ahead of the writer: 1 and 1 keep the device at
-# one batch read plus one batch of outputs.
+# Batches read and not yet quantized, and batches quantized ahead of the writer.
 READ_AHEAD = 1
 WRITE_AHEAD = 1
 END = object()  # the last item of a batch's feed of runs to the writer
@@ -44,14 +42,12 @@ def get_unless_stopped(handoff: queue.Queue, stop: threading.Event):
 
 
 class BatchOutput:
-    """A batch's output runs, each handed over with its bytes (the output tensor's own memory, no copy)
-    as soon as its output is computed."""
+    """A batch's output runs, each handed over with its bytes (the output tensor's own memory, no copy)."""
 
     def __init__(self, runs: list[Run]):
         self.left = {(run.name, run.at): run for run in runs}
 
     def put_all(self, outputs: list[tuple[str, torch.Tensor, int]]) -> list[tuple[Run, torch.Tensor]]:
-        """Take outputs (name, tensor, byte offset in that output); return their runs with their bytes."""
         done = []
         for name, tensor, at in outputs:
             run = self.left.pop((name, at))
@@ -86,8 +82,7 @@ def convert(
     on_read: Callable[[int], None] = lambda nbytes: None,
     started: float | None = None,
 ) -> RunResult:
-    """Write the outputs of `units` through `writer`. `fetcher` brings streamed source shards; `on_read(nbytes)`
-    is told after each batch is read (the prefetcher's pace)."""
+    """`fetcher` brings streamed source shards; `on_read(nbytes)` is told after each batch is read."""
     started = time.monotonic() if started is None else started
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
@@ -132,8 +127,6 @@ class Pipeline:
         self.seconds = {"wait_read": 0.0, "quantize": 0.0, "wait_write": 0.0}
         self.reads_left = Counter(f for batch in batches for f in batch.files)  # the reader's count
         self.writes_left = self.reads_left.copy()  # the writer's count
-        # The slots bound the hand-offs: a batch is read only once a read slot is free, and handed to the
-        # writer only once a write slot is.
         self.to_main: queue.Queue = queue.Queue()
         self.to_writer: queue.Queue = queue.Queue()
         self.read_slot = threading.Semaphore(READ_AHEAD)

@@ -1,8 +1,6 @@
-"""Pull the source's bytes into the page cache ahead of the reader, in the order it will read them.
-
-Cold reads are the bottleneck, so the prefetcher starts before torch is imported and keeps large reads in
-flight on several threads, at most `window` bytes ahead of what the reader consumed (large: the reader
-consumes nothing while torch loads). Only a hint: a reader that overtakes it reads from the disk itself.
+"""Pull the source's bytes into the page cache ahead of the reader, in its order: cold reads are the
+bottleneck, so this starts before torch is imported and keeps at most `window` bytes ahead of what the
+reader consumed. Only a hint: a reader that overtakes it reads from the disk itself.
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ def available_memory(
     cgroups: Path = Path("/sys/fs/cgroup"),
     own_cgroup: Path = Path("/proc/self/cgroup"),
 ) -> int | None:
-    """Bytes this process may still fill: MemAvailable, or less where a cgroup above it caps its memory:
-    the least of each one's limit less its use plus the inactive file pages the kernel reclaims first (a
-    job that just downloaded the checkpoint holds it in its cache). None where /proc/meminfo cannot be read."""
+    """MemAvailable, or less where a cgroup caps memory: its limit less its use plus the inactive file pages
+    the kernel reclaims first (a job that just downloaded the checkpoint holds it in its cache)."""
     try:
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
         available = int(fields["MemAvailable"].split()[0]) * 1024  # "123456 kB"
@@ -102,7 +99,6 @@ def cgroup_headroom(cgroups: Path, version: str, path: str) -> int:
 
 
 def reclaimable(stat: Path, keys: tuple[str, ...]) -> int:
-    """The first of `keys` found in a cgroup's memory.stat (bytes); 0 where none can be read."""
     try:
         values = dict(line.split(" ", 1) for line in stat.read_text().splitlines() if " " in line)
         return next(int(values[key]) for key in keys if key in values)
@@ -177,8 +173,7 @@ class Prefetcher:
                 os.close(fd)
 
     def _read(self, fd: int, offset: int, length: int) -> None:
-        """Bring the bytes into the page cache: by sendfile into /dev/null (a fraction of a pread's CPU time,
-        which a CPU run's quantizing needs), else by a pread into scratch."""
+        """sendfile into /dev/null costs a fraction of a pread's CPU time, which a CPU run's quantizing needs."""
         if self.stopped:
             return
         try:
@@ -193,7 +188,7 @@ class Prefetcher:
 
 
 def pull_into_cache(sink: int, fd: int, offset: int, length: int) -> bool:
-    """Read a range of `fd` into the page cache by sending it to `sink`; False where sendfile cannot (macOS)."""
+    """False where sendfile cannot (macOS)."""
     try:
         while length > 0:
             sent = os.sendfile(sink, fd, offset, length)

@@ -42,8 +42,7 @@ class Progress:
             self.task = self.bar.add_task(self.fit(""), total=total_bytes)
 
     def fit(self, what: str) -> str:
-        """The description fitted with the bar on one line: shortened in the middle (its start says which run,
-        its end which layer), then the bar narrows to what is left."""
+        """Shortened in the middle (its start says which run, its end which layer); the bar takes what is left."""
         text = f"{self.label} {what}".strip()
         room = self.bar.console.width - NUMBERS_WIDTH
         most = max(room - BAR_WIDTH[0], 10)

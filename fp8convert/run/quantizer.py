@@ -1,9 +1,6 @@
-"""Quantize stage: one batch's outputs from its input buffer on the device.
-
-Same-shaped weights (a MoE layer's experts, above all) are quantized as stacks, a few launches for hundreds
-of tensors; the reader lays them out member by member, so a stack is a view of the input buffer. An FP8
-source's weights are dequantized, requantized from those float32 values, or passed through, after the
-checks every read FP8 weight passes (no NaN code, every scale finite and positive).
+"""Quantize stage: one batch's outputs from its input buffer on the device. Same-shaped weights (a MoE
+layer's experts, above all) are quantized as stacks, a few launches for hundreds of tensors; the reader lays
+them out member by member, so a stack is a view of the input buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import POW2_OVERFLOW, FP8ConvertError
+from ..errors import FP8ConvertError
 from ..options import FP4_SCHEMES
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
@@ -39,12 +36,17 @@ from .reader import ALIGN, PendingRead
 STACK_BYTES = 64 << 20
 STACKED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)  # computed a stack at a time
 Output = tuple[str, torch.Tensor, int]  # name, tensor, byte offset in that output (a piece of a kept one)
+# A weight whose largest values a power-of-two scale cannot write (numerics.POW2_OVERFLOW_AMAX)
+POW2_OVERFLOW = (
+    "holds values within 3% of float32's maximum (3.3e38 or more), which power-of-two scales would "
+    "write as codes that read back as Inf; refusing it (--scheme tensor, channel or block with float "
+    "scales can write them)"
+)
 
 
 def stack_chunks(batch: Batch) -> list[list[list[TensorPlan]]]:
-    """The batch's computed outputs as chunks of at most STACK_BYTES of scale groups (a dequantized weight
-    is alone) with the same actions, dtypes and shapes, in the order their first members lie in the files,
-    so a stack's inputs arrive together (experts are named 0, 1, 10, 100 in a file's order)."""
+    """Chunks of at most STACK_BYTES of alike scale groups, in the order their first members lie in the
+    files, so a stack's inputs arrive together (experts are named 0, 1, 10, 100 in a file's order)."""
     groups: dict[str, list[TensorPlan]] = {}
     for t in batch.tensors:
         if t.action in STACKED:
@@ -68,8 +70,8 @@ def file_position(group: list[TensorPlan]) -> tuple[str, int, int]:
 
 
 def read_order(batch: Batch) -> list[TensorInfo]:
-    """The source tensors to read, each once: kept ones, then each stack chunk member by member, weights
-    before their scales, so every stack of whole tensors is contiguous in the buffer."""
+    """Each source tensor once: kept ones, then each chunk member by member, weights before their scales,
+    so every stack of whole tensors is contiguous in the buffer."""
     order = [info for t in batch.tensors if t.action not in STACKED for info in t.inputs]
     for chunk in stack_chunks(batch):
         for member in range(len(chunk[0])):
@@ -80,7 +82,7 @@ def read_order(batch: Batch) -> list[TensorInfo]:
 
 @dataclass
 class Inputs:
-    """A batch's read buffer (each source tensor at its offset) and the source directory errors name."""
+    """A batch's read buffer, and the source directory errors name."""
 
     buf: torch.Tensor
     offsets: dict[str, int]
@@ -116,7 +118,6 @@ class Inputs:
         return torch.stack([self.output(t) for t in tensors])
 
     def where(self, t: TensorPlan) -> str:
-        """The source tensor (and expert) an output comes from, with its shard file."""
         expert = f" (expert {t.cut.expert})" if t.cut and t.cut.expert is not None else ""
         return f"{self.root / t.source.file}: tensor {t.source.name}{expert}"
 
@@ -130,7 +131,6 @@ class Inputs:
         return scale
 
     def carried_scale(self, t: TensorPlan) -> list[Output]:
-        """A static activation scale copied as it is (checked finite and positive)."""
         if not t.input_scale_name:
             return []
         info = t.inputs[-1]
@@ -151,13 +151,11 @@ def quantize_steps(
     root: Path = Path(),
     pending: PendingRead | None = None,
 ) -> Iterator[list[Output]]:
-    """The batch's outputs, one step at a time (one kept tensor, or one stack of same-shaped weights); kept
-    and passed-through tensors are views of `buf`. `pending`: the batch's reads in flight: each step waits
-    only for its own inputs, and steps go in the order those arrive."""
+    """The batch's outputs a step (one kept tensor, or one stack) at a time; kept and passed-through ones
+    are views of `buf`. With `pending`, each step waits only for its own inputs, in the order they arrive."""
     src = Inputs(buf, offsets, Path(root))
 
     def dequantized(tensors: list[TensorPlan], dtype: torch.dtype) -> torch.Tensor:
-        """FP8 weights' values [N, out, in] in `dtype`, scales checked first; NaN or Inf refused."""
         if source_scheme in FP4_SCHEMES:
             w = dequantized_fp4(tensors).to(dtype)
         else:
@@ -173,7 +171,6 @@ def quantize_steps(
         return w
 
     def dequantized_fp4(tensors: list[TensorPlan]) -> torch.Tensor:
-        """FP4 weights' values [N, out, in] in float32, each scale (and NVFP4's global scale) checked."""
         for t in tensors:
             global_scale = src.view(t.inputs[2]).float().reshape(1, 1) if len(t.inputs) > 2 else None
             if not finite_positive(fp4.divisors(source_scheme, src.view(t.source_scale), global_scale)):
@@ -188,8 +185,7 @@ def quantize_steps(
         return fp4.dequantize(src.stack(tensors), scales, globals_, source_scheme)
 
     def passed_through(t: TensorPlan) -> list[Output]:
-        """Codes, scale (and activation scale) as they are; into a ue8m0 output every scale must be a power of
-        two (engines would not round them again)."""
+        """Into a ue8m0 output every scale must be a power of two: engines would not round them again."""
         scale = src.checked_scale(t)
         if scale_format == "ue8m0" and not bool(powers_of_two(scale).all()):
             raise FP8ConvertError(

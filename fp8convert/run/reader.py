@@ -1,7 +1,6 @@
 """Read stage: one batch's tensors into one device buffer by parallel preads, returning while they are in
-flight so the first stacks are quantized before the last bytes land. For CUDA, tensors back to back in a file
-are read together in preads of up to one chunk, each thread through its own pinned staging chunk and stream
-(host memory stays threads x chunk); on the CPU each tensor is read straight into the batch buffer.
+flight so the first stacks are quantized before the last bytes land. For CUDA each thread reads through its
+own pinned staging chunk and stream (host memory stays threads x chunk).
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ ALIGN = 64  # every tensor starts aligned in the batch buffer, so dtype views ar
 
 @dataclass(frozen=True)
 class Piece:
-    """One pread of `length` bytes at `offset` in `file`; its parts, (offset in it, offset in the buffer,
-    bytes), and the tensor each part belongs to."""
+    """One pread; its parts (offset in it, offset in the buffer, bytes) and the tensor of each."""
 
     file: str
     offset: int
@@ -33,8 +31,7 @@ class Piece:
 
 
 def plan_pieces(tensors: list[TensorInfo], offsets: dict[str, int], chunk: int, merge: bool) -> list[Piece]:
-    """The preads that fill the buffer: each tensor in pieces of at most `chunk` bytes, or with `merge` the
-    runs of tensors adjacent in a file cut every `chunk` bytes (a piece may then cut a tensor)."""
+    """Preads of at most `chunk` bytes, of one tensor or, with `merge`, of tensors adjacent in a file."""
     pieces: list[Piece] = []
     file, start, length, parts, names = None, 0, 0, [], []
 
@@ -127,13 +124,12 @@ class BatchReader:
         return offsets, cursor
 
     def read(self, tensors: list[TensorInfo]) -> tuple[torch.Tensor, dict[str, int]]:
-        """A uint8 buffer on the device holding `tensors`, and each one's offset in it."""
         pending = self.start(tensors)
         pending.wait_all()
         return pending.buf, pending.offsets
 
     def start(self, tensors: list[TensorInfo]) -> PendingRead:
-        """Start reading `tensors` into a new buffer on the device; returns at once."""
+        """Returns while the reads are in flight."""
         offsets, total = self.layout(tensors)
         if self.spare is not None and self.spare.numel() >= total:
             buf, self.spare = self.spare[:total], None

@@ -43,8 +43,7 @@ def pin_by_registering() -> None:
 
 
 class TorchStart:
-    """Import torch, and start CUDA unless `device` is the CPU, in a thread (failures are left for the pipeline)
-    once an earlier run's start-up pages are queued (`pages_queued`)."""
+    """Import torch, and start CUDA unless on the CPU, in a thread once an earlier run's pages are queued."""
 
     def __init__(self, device: str):
         self.device = device
@@ -61,8 +60,7 @@ class TorchStart:
         record(self.record_file)
 
     def _load(self) -> None:
-        # The recorded reads are queued before the import: posix_fadvise calls beside an import holding the
-        # GIL are slow.
+        # queued first: posix_fadvise calls beside an import holding the GIL are slow
         self.pages_queued.wait(PAGES_WAIT_S)
         try:
             import torch
@@ -124,8 +122,7 @@ def record_path(device: str) -> Path | None:
 
 
 def read_ahead(record: Path | None) -> threading.Event:
-    """Ask the kernel, from a thread, to read what `record` lists of files unchanged since; the event is set
-    once every read is queued."""
+    """From a thread, ask the kernel for what `record` lists of files unchanged since; set once all is queued."""
     queued = threading.Event()
     entries = read_json_object(record).get("files") if record else None
     if not entries or not isinstance(entries, list) or not hasattr(os, "posix_fadvise"):  # (not on macOS)
@@ -162,7 +159,6 @@ def _ask_for(entry: list) -> None:
 
 
 def record(path: Path | None) -> None:
-    """Write this process's record to `path` atomically (nothing on failure)."""
     if path is None:
         return
     try:

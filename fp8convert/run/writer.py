@@ -1,10 +1,7 @@
-"""Write stage: stream byte runs (plan/batches.py) into shards whose headers the plan already fixed.
-
-Each shard is a partial file, header first, every block reserved by an allocator thread from the start of
-the run (a full disk shows at once). Runs land at their planned offsets in any order through a pool of
-threads (through shared mappings where that pays: the kernel serialises pwrites to one file); a shard's last
-byte gets it fsynced and renamed into place. Each unit whose bytes are all written is recorded
-(output/partial.py) for a rerun. From CUDA each chunk passes through a small ring of pinned buffers.
+"""Write stage: byte runs into partial shard files whose headers the plan fixed, every block reserved by an
+allocator thread from the start (a full disk shows at once). Runs land at their offsets in any order through
+a pool of threads, through shared mappings where that pays (the kernel serialises pwrites to one file); a
+shard's last byte gets it fsynced and renamed into place. Each unit fully written is recorded for a rerun.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from ..plan.batches import Run
 from ..plan.plan import Plan
 
 # Switches for scripts/profile_stages.py: reserve every shard while torch loads; write reserved shards
-# through mappings once the pool has MAPPED_MIN_THREADS (one thread maps at half pwrite's speed, four beat it).
+# through mappings once the pool has MAPPED_MIN_THREADS (one thread maps slower than pwrite, four beat it).
 PREALLOCATE = True
 MAPPED_WRITES = True
 MAPPED_MIN_THREADS = 4
@@ -63,7 +60,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Queue dirty pages for the disk as they are written (else they pile up until fsync); best effort."""
+    """Dirty pages queued for the disk as they are written, else they pile up until fsync."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
 
@@ -90,9 +87,8 @@ def maps_writes(directory) -> bool:
 
 
 def write_mapped(fd: int, data: memoryview, offset: int) -> None:
-    """Copy `data` to `offset` through a shared mapping (unlike pwrites, threads add up). Only into reserved
-    blocks: a write fault that needs a block the disk lacks kills the process (SIGBUS) where pwrite would
-    get ENOSPC."""
+    """Unlike pwrites, threads add up. Only into reserved blocks: a write fault that needs a block the disk
+    lacks kills the process (SIGBUS) where pwrite would get ENOSPC."""
     if not data.nbytes:
         return
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -152,8 +148,7 @@ class ShardWriter:
         return partial_path(self.work_dir, self.plan.shards[index])
 
     def _fd(self, index: int) -> int:
-        """The shard's partial file (lock held): a new one with its header and every block reserved, or one
-        with units to keep reopened."""
+        """The shard's partial file (lock held): new, header written and blocks reserved, or reopened."""
         if index in self.fds:
             return self.fds[index]
         shard, path, keep = self.plan.shards[index], self.partial_path(index), index in self.written
@@ -175,8 +170,7 @@ class ShardWriter:
         return fd
 
     def _create_all(self) -> None:
-        """The allocator thread: every shard still to write, in order; its first failure (a full disk, above
-        all) is raised by the next write."""
+        """The allocator thread; its first failure (a full disk, above all) is raised by the next write."""
         for index in range(len(self.plan.shards)):
             with self.lock:
                 if self.closed:
@@ -190,8 +184,8 @@ class ShardWriter:
                     return
 
     def write(self, run: Run, data, ready=None) -> None:
-        """Write one run: its bytes, a uint8 torch tensor on any device or a host buffer (held until written).
-        `ready`: a CUDA event after which device bytes are complete."""
+        """`data`: a uint8 tensor on any device or a host buffer (held until written); `ready`: a CUDA event
+        after which device bytes are complete."""
         with self.lock:
             if self.allocate_error is not None:
                 raise self.allocate_error
@@ -231,7 +225,6 @@ class ShardWriter:
         return future
 
     def _write_host(self, index: int, copy, fd: int, host: memoryview, offset: int) -> None:
-        """`copy` host bytes into shard `index`, start their writeback, and record the units they complete."""
         copy(fd, host, offset)
         start_writeback(fd, offset, host.nbytes)
         end, done = offset + host.nbytes, []
@@ -294,7 +287,7 @@ class ShardWriter:
         )
 
     def _finish(self, index: int) -> None:
-        """With the lock held, once the shard's last run was handed over."""
+        """Lock held."""
         for future in self.pending.pop(index, []):
             try:
                 future.result()

@@ -1,6 +1,5 @@
-"""Check an FP8 checkpoint against its source: first the structure, from headers and config alone
-(structure.py), then every pair's bytes (pairs.py), streamed (stream.py) and held to the bound numbers.py
-gives."""
+"""Check an FP8 checkpoint against its source: the structure from headers and config alone, then every
+pair's bytes, streamed and held to numbers.py's bound."""
 
 from __future__ import annotations
 

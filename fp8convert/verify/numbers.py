@@ -1,18 +1,13 @@
-"""The numeric checks of a slab of a tensor (torch).
-
-The bound: rounding x = w / scale to e4m3 moves x by at most 2^-4 |x| where x is normal (|x| >= 2^-6)
-and 2^-10 where it is subnormal, so each element's error is at most max(2^-4 |w|, 2^-10 scale) and
-||w - dequant|| at most the root of the sum of their squares. A norm cannot see one corrupted code, so
-each code must also lie within half an e4m3 step of w / scale (in float32, as the quantizer divides).
-Power-of-two scales (MXFP8, UE8M0 blocks) must be the smallest 2^e that fits their amax, and every code
-RNE(w / 2^e) exactly; float scales at most OVERSIZE x amax / 448.
+"""The numeric checks of a slab of a tensor. The bound: rounding x = w / scale to e4m3 moves x by at most
+2^-4 |x| where x is normal (|x| >= 2^-6) and 2^-10 where it is subnormal, so each element's error is at
+most max(2^-4 |w|, 2^-10 scale) and ||w - dequant|| at most the root of the sum of their squares. A norm
+cannot see one corrupted code, so each code must also lie within half an e4m3 step of w / scale (in
+float32, as the quantizer divides). Power-of-two scales (MXFP8, UE8M0 blocks) must be the smallest 2^e
+that fits their amax, and every code RNE(w / 2^e) exactly; float scales at most OVERSIZE x amax / 448.
 
 FP4 (`fp4_sums`): each code must be the E2M1 value nearest x = w / d (d a group's scale, clamped to
 +-6), so each element is off by at most half the gap between E2M1 values around |x| (0.25, 0.5 or 1
 times d) plus what the clamp cut off; the bound is the root of the sum of their squares.
-
-`exact_sums` computes the figures element by element; `fast_sums` answers only where every code is
-byte for byte the quantizer's RNE(w / scale), and then sums the same values from the codes' bits.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ TILE_ELEMENTS = 1 << 17  # on a CPU, a slab is measured a tile at a time, in the
 
 
 def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme: str | None) -> Found:
-    """What one piece of `pair` shows (read as Pair.pieces lays it out); touches no shared state."""
+    """Touches no shared state: runs on the worker threads."""
     if pair.kind in ("kept", "carried"):
         piece = sources[0] if pair.cut is None else cut_of(pair.cut, sources[0]).contiguous()
         if not identical(piece, outputs[0]):
@@ -87,13 +82,11 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
 
 
 def cut_of(cut: Cut, piece):
-    """A cut's 2-D weight from what was read of its source: the one expert's rows, or the whole tensor."""
     return cut.apply(piece) if cut.expert is None else cut.across_experts().apply(piece)[0]
 
 
 def count_wrong(sources: list, stored, r0: int, source_scheme: str) -> int | None:
-    """How many elements of a dequantized slab are not (float32(q) * scale) rounded once to their dtype;
-    None when the source's scale is not finite and positive."""
+    """Elements not (float32(q) * scale) rounded once to their dtype; None for a bad source scale."""
     if source_scheme in FP4_SCHEMES:
         values = fp4_source_values(source_scheme, *sources)
     else:
@@ -107,7 +100,6 @@ def count_wrong(sources: list, stored, r0: int, source_scheme: str) -> int | Non
 
 
 def exact_sums(w, q, s) -> ErrorSums:
-    """The figures of rows `w` and their codes `q` (`s`: the float32 scale, broadcastable to them)."""
     w = w.float()
     dq = q.float() * s  # float32(q) * scale, as run.numerics.dequantize
     e2 = float((w.double() - dq.double()).square().sum())
@@ -132,8 +124,8 @@ def scratch_for(n: int, device) -> list:
 
 
 def fast_sums(w, q, s, scratch: list | None = None) -> ErrorSums | None:
-    """The same figures as `exact_sums` when every code is the round-to-nearest code of w / scale (then
-    none is off the grid); None when some code is not, or a weight is not finite."""
+    """`exact_sums`' figures from the codes' bits, where every code is RNE(w / scale) byte for byte (else
+    None, as for a weight not finite)."""
     n = w.numel()
     wf, x, wide, magnitude, bits, x8 = (b[:n].view(w.shape) for b in scratch or scratch_for(n, w.device))
     wf.copy_(w)
@@ -177,7 +169,6 @@ memcmp.restype, memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_
 
 
 def same_bytes(a, b) -> bool:
-    """Two uint8 tensors of one length hold the same bytes."""
     if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
         return torch.equal(a, b)
     return memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
@@ -188,8 +179,7 @@ def identical(a, b) -> bool:
 
 
 def tile_scale(scale, r0: int, r1: int, scheme: str):
-    """The scale values of rows [r0, r1), as stored per scheme (float32): [1, 1], rows, MXFP8 groups of
-    rows, or the block rows those rows lie in (r0 on a block row)."""
+    """The stored scales of rows [r0, r1) (r0 on a block row)."""
     if scheme == "tensor":
         return scale.reshape(1, 1)
     if scheme in ("channel", "mxfp8"):
@@ -198,14 +188,12 @@ def tile_scale(scale, r0: int, r1: int, scheme: str):
 
 
 def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
-    """The scale of rows [r0, r1), broadcastable to them (float32)."""
     return expand_scale(tile_scale(scale, r0, r1, scheme), (r1 - r0, cols), scheme)
 
 
 def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
-    """The figures of rows r0.. of a tensor (`scale`: all of its scale, float32), a tile at a time on a
-    CPU (in the caches; block tiles start on block rows), in one piece on a GPU. `powers`: the scales
-    are powers of two, checked exactly as well."""
+    """The figures of rows r0.. of a tensor (`scale`: all of it), a tile at a time in a CPU's caches, in one
+    piece on a GPU. `powers`: the scales are powers of two, checked exactly as well."""
     rows, cols = w.shape
     step = rows if w.device.type != "cpu" else max(1, TILE_ELEMENTS // max(cols, 1))
     if scheme == "block":
@@ -236,8 +224,7 @@ OVERSIZE = 2.0
 
 
 def oversized(scale, amax):
-    """Which scales are over OVERSIZE x amax / 448 of the weights they scale (tensors, compared element
-    by element); a scale of 1 over all-zero weights is the rule's one exception."""
+    """Elementwise; a scale of 1 over all-zero weights is the rule's one exception."""
     return (scale > amax / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((amax == 0) & (scale == 1))
 
 
@@ -261,8 +248,7 @@ def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, 
 
 
 def fp4_divisors(scale, global_scale, scheme: str):
-    """What each group's values are divided by (float32), or None when a scale or the global scale is not
-    finite and positive."""
+    """None where a scale or the global scale is not finite and positive."""
     gs = None if global_scale is None else global_scale.float().reshape(1, 1)
     d = fp4.divisors(scheme, scale, gs)
     if not finite_positive(d) or (gs is not None and not finite_positive(gs)):
@@ -271,8 +257,7 @@ def fp4_divisors(scale, global_scale, scheme: str):
 
 
 def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
-    """The figures of an FP4 slab against its source values `w` [rows, in]; None when a scale (or the
-    global scale) is not finite and positive."""
+    """The figures of an FP4 slab against its source values `w` [rows, in]; None for a bad scale."""
     if (d := fp4_divisors(scale, global_scale, scheme)) is None:
         return None
     size = GROUP_SIZE[scheme]
@@ -293,15 +278,13 @@ def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
 
 
 def fp4_source_values(scheme: str, packed, scale, global_scale=None):
-    """An FP4 source slab's values in float32, or None when a scale is not finite and positive."""
     if fp4_divisors(scale, global_scale, scheme) is None:
         return None
     return fp4.dequantize(packed, scale, None if global_scale is None else global_scale.reshape(1), scheme)
 
 
 def source_values(codes, scale, r0: int, source_scheme: str):
-    """An FP8 source slab's values, float32(q) * scale (float32), or None when its scale is not finite
-    and positive everywhere."""
+    """float32(q) * scale, or None when the scale is not finite and positive everywhere."""
     s = scale_as_stored(scale, source_scheme)
     if not finite_positive(s):
         return None

@@ -1,7 +1,6 @@
-"""A pair: an output tensor (with its scales) and the source tensor or fused-expert cut it must come from.
-It is read in pieces (`pieces`); each piece is checked on a worker thread (numbers.check_piece) and its
-result recorded into the report in order on the main thread (`record`). No torch here: the structure
-(structure.py) is checked without it."""
+"""A pair: an output tensor (with its scales) and the source tensor or fused-expert cut it must come from,
+read in pieces, each checked on a worker thread and recorded in order on the main thread. No torch here:
+the structure is checked without it."""
 
 from __future__ import annotations
 
@@ -74,9 +73,8 @@ class Pair:
     verdict: TensorCheck | None = None  # its figures, once every piece is in and no problem ends it first
 
     def pieces(self) -> list[Piece]:
-        """A cut in one read (the expert's rows of the source, all of it for a cut of no expert); a kept
-        tensor in pieces of CHUNK_BYTES ("rows" counted in bytes); a weight in slabs of rows, scales whole
-        but for FP4's group scales."""
+        """A cut in one read; a kept tensor in pieces of CHUNK_BYTES ("rows" counted in bytes); a weight in
+        slabs of rows, scales whole but for FP4's group scales."""
         if self.cut is not None:
             expert = self.cut.expert
             return [(0, [self.source if expert is None else first_axis_slice(self.source, expert, 1)], self.outputs)]
@@ -107,7 +105,6 @@ class Pair:
         ]
 
     def record(self, r0: int, last: bool, found: Found, report: VerifyReport) -> None:
-        """A piece's result; after the last, the tensor's verdict."""
         if self.failed:
             return
         if found.problem:
@@ -151,7 +148,7 @@ class Pair:
         return self.may_pass and self.first.same_scale and self.same_codes
 
     def problem(self) -> tuple[str, str] | None:
-        """What fails once every slab of an FP8 output is in, as (subject, what); None: its figures decide."""
+        """(subject, what) once every slab of an FP8 output is in; None: its figures decide."""
         name, fmt, first, (codes, scale) = self.name, self.fmt, self.first, self.outputs[:2]
         not_finite = f"scale {scale.name} is not finite and positive everywhere"
         if self.passed_through:
@@ -178,13 +175,12 @@ class Pair:
 
 
 def bytes_of(info: TensorInfo, start: int, n: int, item: int) -> TensorInfo:
-    """Bytes [start, start + n) of a tensor of `item`-byte elements (n cut at its end), as a flat piece."""
     n = min(n, info.nbytes - start)
     return replace(info, offset=info.offset + start, nbytes=n, shape=(n // item,))
 
 
 def slabs(rows: int, cols: int, whole_blocks: bool) -> list[tuple[int, int]]:
-    """(first row, row count) of each slab of about CHUNK_ELEMENTS; one empty slab for a tensor without rows."""
+    """(first row, row count) of each slab; one empty slab for a tensor without rows."""
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
     if whole_blocks:
         step = max(BLOCK, step // BLOCK * BLOCK)

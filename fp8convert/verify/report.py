@@ -1,5 +1,4 @@
-"""What verify found: a quantized tensor's figures, the problems (grouped by root cause), the report as
-text or JSON, and its figures in the output's model card."""
+"""What verify found, as text or JSON, and its figures in the output's model card."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ FLOAT_SLACK = 1e-5  # float32 arithmetic in dequant / division, far below any re
 
 
 class VerifyFailed(FP8ConvertError):
-    """Verification found problems; the message names the first."""
+    """The message names the first problem."""
 
 
 @dataclass
@@ -122,7 +121,6 @@ class VerifyReport:
         self.problems.append(Problem(subject, " ".join(what.split()), follows_from))
 
     def finish(self, seconds: float) -> None:
-        """The totals and the verdict, once every check is in."""
         if self.tensors:
             self.max_rel_error = max(_sortable(t.rel_error) for t in self.tensors)
             self.min_snr_db = min(t.snr_db if not math.isnan(t.snr_db) else -math.inf for t in self.tensors)
@@ -150,7 +148,6 @@ class VerifyReport:
         return lines
 
     def worst(self, n: int = 10) -> list[TensorCheck]:
-        """The quantized tensors with the largest relative error (failed ones first)."""
         return sorted(self.tensors, key=lambda t: (t.ok, -_sortable(t.rel_error)))[:n]
 
     def to_dict(self, worst: int = 10) -> dict:

@@ -1,6 +1,5 @@
 """The data checks: every pair's pieces read through quantize's reader in batches of at most half the
-memory budget (the next batch read while this one is checked), checked by worker threads, and their
-results recorded into the report in order."""
+memory budget (the next batch read while this one is checked)."""
 
 from __future__ import annotations
 
@@ -31,8 +30,6 @@ from .report import VerifyReport
 
 @dataclass
 class Read:
-    """One piece of a pair: what it reads of the source and of the output."""
-
     pair: Pair
     r0: int
     last: bool
@@ -45,7 +42,6 @@ class Read:
 
 
 def check_data(source: Source, out: Path, pairs: list[Pair], report: VerifyReport, settings) -> None:
-    """Stream every pair's bytes and check them; the problems and figures go into `report`."""
     dev = resolve_device(settings.device)
     source_scheme = source.quant.scheme if source.quant else None
     reads = []
@@ -81,8 +77,7 @@ def check_data(source: Source, out: Path, pairs: list[Pair], report: VerifyRepor
 def check_shared_scales(pairs: list[Pair], arch: Architecture, report: VerifyReport) -> None:
     """vLLM runs a fused group as one GEMM: per-tensor scales requantized to the largest (a warning when
     they differ), and one NVFP4 global scale (it takes the largest, or the gate's in MoE). A tensor scale
-    quantized here must be at most OVERSIZE x amax / 448 of what it scales (a fused group's largest |w|),
-    or 1 for all-zero weights (numbers.OVERSIZE); passed-through scales are the source's own."""
+    quantized here is held to numbers.OVERSIZE against its fused group's largest |w|."""
     tensor_scales: dict[str, list[Pair]] = {}  # by fused group (or the tensor's own name)
     global_scales: dict[str, set[float]] = {}
     for pair in pairs:
@@ -122,7 +117,6 @@ def check_shared_scales(pairs: list[Pair], arch: Architecture, report: VerifyRep
 
 
 def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
-    """Consecutive reads, at most `budget` bytes a batch (a larger read is a batch of its own)."""
     groups: list[list[Read]] = []
     used = 0
     for read in reads:
@@ -135,9 +129,8 @@ def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
 
 
 def read_batches(reads, roots: tuple[Path, Path], device, budget: int, progress: Progress, prefetch: int) -> Iterator:
-    """The batches of `reads` in order, each a list of (read, source tensors, output tensors): views of
-    buffers reused for a later batch, so done with a batch means done with them. Closing it stops the
-    prefetchers, then waits for the reads in flight."""
+    """Each batch a list of (read, source tensors, output tensors): views of buffers reused for a later
+    batch, so done with a batch means done with them."""
     groups = group_reads(reads, max(1, budget // 2))
     # each batch's source and output pieces, under names unique within it (read k's j-th is "k.j")
     sides = [
@@ -178,7 +171,6 @@ def read_batches(reads, roots: tuple[Path, Path], device, budget: int, progress:
 
 
 def views(pending, infos: list[TensorInfo], k: int) -> list[torch.Tensor]:
-    """Read `k`'s pieces (named "k.j") in the batch buffer, as the tensors they hold."""
     tensors = []
     for j, info in enumerate(infos):
         offset, dtype = pending.offsets[f"{k}.{j}"], torch_dtype(info.dtype)
@@ -191,9 +183,8 @@ def views(pending, infos: list[TensorInfo], k: int) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def checkers(device):
-    """Where a batch's checks run, results in order: on a GPU here; on a CPU one worker per core with one
-    torch thread each, since a check is many small operations on cached tiles: side by side they pay no
-    thread-pool synchronisation each, and a core busy with another program holds up one worker only."""
+    """On a CPU one worker per core with one torch thread each: a check is many small operations on cached
+    tiles, which then pay no thread-pool synchronisation, and a busy core holds up one worker only."""
     workers = usable_cores()
     if device.type != "cpu" or workers < 2:
         yield lambda jobs: [job() for job in jobs]

@@ -1,7 +1,5 @@
-"""The output's structure, from headers and files alone: the index against the shards' headers,
-config.json against the source's, the manifest and side files, and each output tensor paired (pairs.py)
-with the source tensor or fused-expert cut (plan/rules.py expert_cuts) it must come from, its dtype,
-shape and scale checked."""
+"""The output's structure, from headers and files alone, and each output tensor paired with the source
+tensor or fused-expert cut it must come from."""
 
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ class OutputLayout:
 
 
 def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
-    """Every output tensor and where it is, checking the index against the shards' headers."""
+    """Every output tensor and where it is, the index checked against the shards' headers."""
     index_path = out / INDEX_NAME
     layout, index = OutputLayout({}, {}, set()), None  # index: the index file's JSON, None without one
     if index_path.is_file():
@@ -85,8 +83,7 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
 
 
 def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool, QuantizationConfig | None]:
-    """The output's config.json: the source's plus a readable quantization_config (none for an FP8 source's
-    dequantized output). (readable, layout), layout None when dequantized."""
+    """config.json must be the source's plus a readable quantization_config (none when dequantized)."""
     config_path = out / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -143,8 +140,8 @@ class Expected:
 
 
 def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: VerifyReport) -> list[Expected]:
-    """Every output the source implies (a fused expert tensor not held as it is: one cut per expert);
-    an FP8 source's scales are checked with their weights."""
+    """A fused expert tensor not held as it is implies one cut per expert; an FP8 source's scales are
+    checked with their weights."""
     expected = []
     companions = source.quant.companions() if source.quant else set()
     for info in source.tensors:
@@ -163,8 +160,7 @@ def expected_outputs(source: Source, arch: Architecture, outputs: dict, report: 
 
 
 def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, report: VerifyReport) -> list[Pair]:
-    """Each output the source implies with what the output holds for it (structure checked); missing
-    outputs and output tensors nothing in the source explains are problems."""
+    """Each output the source implies with what the output holds for it, the structure checked."""
     layout = read_output_layout(out, report)
     outputs = layout.tensors
     if fmt and fmt.static_activations and not any(n.endswith((".input_scale", ".activation_scale")) for n in outputs):
@@ -210,8 +206,7 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
 
 @dataclass
 class Pairing:
-    """The output's tensors, and those accounted for so far. `fmt`: the output's config as it applies to
-    the tensor at hand (a mixed recipe's scheme for it)."""
+    """The output's tensors, and those accounted for so far."""
 
     outputs: dict[str, TensorInfo]
     report: VerifyReport
@@ -219,13 +214,11 @@ class Pairing:
     accounted: set[str] = field(default_factory=set)
 
     def scale_of(self, name: str, fmt: QuantizationConfig) -> TensorInfo | None:
-        """Weight `name`'s scale in the output, accounted for whether it is there or not."""
+        """Accounted for whether it is there or not."""
         self.accounted.add(fmt.scale_name(name))
         return self.outputs.get(fmt.scale_name(name))
 
     def kept(self, want: Expected, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
-        """Kept in high precision: the dtype and shape of its source (or cut), and not a linear the config
-        says is FP8."""
         name, info = want.name, want.info
         self.report.tensors_kept += 1
         if got.dtype != info.dtype or got.shape != want.shape:
@@ -248,8 +241,7 @@ class Pairing:
     def quantized(
         self, kind: str, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_weight: FP8Weight | None = None
     ) -> list[Pair]:
-        """A weight quantized here, shaped for its source: FP8 codes and scale, or FP4 packed codes, group
-        scales and (NVFP4) global scale (from a high-precision or an FP8 source weight)."""
+        """FP8 codes and scale, or FP4 packed codes, group scales and (NVFP4) global scale."""
         self.report.tensors_quantized += 1
         scale = self.scale_of(want.name, fmt)
         problems = self.structure_problems(want, got, fmt, fp8_weight is not None, kind == "fp4")
@@ -270,8 +262,7 @@ class Pairing:
     def structure_problems(
         self, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_source: bool, packed: bool
     ) -> list[str]:
-        """What is wrong with a quantized tensor's structure: its source, shape, ignore list and scale
-        (`packed`: FP4 codes, two a byte)."""
+        """`packed`: FP4 codes, two a byte."""
         info, shape = want.info, want.shape
         scale_name = fmt.scale_name(want.name)
         scale = self.outputs.get(scale_name)
@@ -299,8 +290,7 @@ class Pairing:
         return problems
 
     def fp8_weight(self, weight: FP8Weight, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
-        """An FP8 source weight's output: dequantized, passed through or requantized, with its static
-        activation scale if the output has one."""
+        """Dequantized, passed through or requantized, with its static activation scale if it has one."""
         name, report = weight.name, self.report
         if got.dtype != FP8:
             report.tensors_dequantized += 1
