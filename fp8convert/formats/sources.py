@@ -27,16 +27,14 @@ OTHER_METHODS = {
     "spqr": "SpQR", "bitnet": "BitNet", "fp_quant": "FP-Quant",
 }
 # fmt: on
-# Tensor names that only other quantization layouts have (packed integers, 4-bit float blocks, KV-cache
-# scales, scales fp8convert does not read): found in a checkpoint, they name what it is.
+# Tensor names only other quantization layouts have: found in a checkpoint, they name what it is.
 FOREIGN_SUFFIXES = tuple(
     ".qweight .qzeros .g_idx .scales .weight_packed .weight_shape .weight_zero_point .weight_scale_2 "
     ".weight_global_scale .input_global_scale .input_zero_point .absmax .SCB _blocks .k_scale .v_scale "
     ".qscale_weight .qscale_act".split()
 )
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")  # either format's, whatever the scheme
-# Scale names of other tools that fp8convert does not read: an FP8 weight with one of these and none of
-# its format's own names is refused with the name it has.
+# Other tools' scale names: an FP8 weight with one of these and none of its format's is refused naming it.
 OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", *SCALE_SUFFIXES, ".scale_inv", ".qscale_weight")
 
 

@@ -141,8 +141,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)",
     ),
     Architecture(
-        # vllm/model_executor/models/deepseek_mtp.py: MTP layer L = num_hidden_layers + i is a full decoder
-        # layer plus eh_proj (a torch nn.Linear, never quantized) and shared_head.head (a ParallelLMHead).
+        # vllm/model_executor/models/deepseek_mtp.py: a decoder layer plus eh_proj and shared_head.head.
         "DeepSeek-V3 / GLM-4.5",
         ("deepseek_v2", "deepseek_v3", "glm4_moe"),
         keep=(
@@ -282,8 +281,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts [E*inter, hidden] stay BF16",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_vl_moe.py reads the released [E, H, 2I] whatever the shapes;
-        # transformers saves [E, 2I, H] and transposes on load by shape.
+        # vllm/model_executor/models/qwen3_vl_moe.py reads [E, H, 2I] as released; transformers saves [E, 2I, H].
         "Qwen3-VL-MoE",
         ("qwen3_vl_moe",),
         experts=Experts(

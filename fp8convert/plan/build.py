@@ -119,8 +119,7 @@ def fingerprint(source: Source, options: Options) -> str:
 
 
 def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
-    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that stays
-    FP8 passes through or is requantized, its static activation scale going with it in the tensor scheme."""
+    """How decision `d` is made; an FP8 source's weight is dequantized, passed through or requantized."""
     fp8_weight = quant.weights.get(d.source.name) if quant else None
     if fp8_weight is None and not d.quantize:
         return d
