@@ -1,5 +1,4 @@
-"""Output formats: how quantized tensors are named, the shapes of their scales, and what
-`quantization_config` says, both written (quantize) and read back (verify). One module each."""
+"""Output formats: quantized tensors' names, their scales' shapes, and quantization_config, written and read."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ CONFIGS: dict[str, type[QuantizationConfig]] = {"compressed-tensors": Compressed
 
 
 def read_quantization_config(config: dict, where: str) -> QuantizationConfig:
-    """The quantization an output's config.json declares; one line naming `where` if it is not an FP8
-    layout we know."""
+    """The quantization an output's config.json declares, refused if not an FP8 layout we know."""
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         raise FP8ConvertError(f"{where}: has no quantization_config; not an FP8 checkpoint")

@@ -3,18 +3,15 @@
 "float-quantized" (tensor, channel, block): X.weight float8_e4m3fn [out, in] and X.weight_scale float32
 shaped [1], [out, 1] or [ceil(out/128), ceil(in/128)].
 
-"mxfp8-quantized", as compressed-tensors 0.20.1 writes it (its `MXFP8` preset) and vLLM 0.33 and
-transformers 5.24 read it: X.weight_scale U8 [out, in / 32], the E8M0 byte (biased exponent) of the scale
-2^(byte - 127) of each run of 32 inputs of a row; never F8_E8M0 (vLLM's parameter is uint8 and copies by
-value). vLLM takes its MXFP8 path (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone, and
-without scale_dtype it is no FP8 scheme it knows; the args models forbid unknown keys, so only these are
-written. Its dense layer needs in % 32 == 0 (per TP rank for row-parallel layers); transformers' MoE expert
-path fails on it (summary.compatibility_warnings says so). As a source, MXFP8 is refused.
+"mxfp8-quantized", as compressed-tensors 0.20.1 (`MXFP8` preset) writes it and vLLM 0.33 and transformers
+5.24 read it: X.weight_scale U8 [out, in / 32], the E8M0 byte of the scale 2^(byte - 127) of each 32 inputs
+of a row; never F8_E8M0 (vLLM's parameter is uint8 and copies by value). vLLM takes its MXFP8 path
+(`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone, and without scale_dtype it is no FP8
+scheme it knows; the args models forbid unknown keys, so only these are written. Never read as a source.
 
-"nvfp4-pack-quantized" and "mxfp4-pack-quantized" (weight-only FP4, compressed-tensors' NVFP4A16 and
-MXFP4A16 presets): X.weight_packed U8 [out, in / 2], X.weight_scale F8_E4M3 [out, in / 16] or U8
-[out, in / 32], and for NVFP4 X.weight_global_scale F32 [1]; no X.weight (run/fp4.py has the numerics).
-As sources they are read by `dequantize` only.
+"nvfp4-pack-quantized" and "mxfp4-pack-quantized" (weight-only FP4, the NVFP4A16 and MXFP4A16 presets):
+X.weight_packed U8 [out, in / 2], X.weight_scale F8_E4M3 [out, in / 16] or U8 [out, in / 32], and for
+NVFP4 X.weight_global_scale F32 [1]; no X.weight (run/fp4.py has the numerics). Sources: `dequantize` only.
 
 Power-of-two block scales (--scale-format ue8m0) add a top-level `scale_fmt`, as in the fp8 format:
 vLLM reads it whatever the quant_method, the other readers ignore unknown top-level keys.
@@ -28,21 +25,18 @@ from .config import QuantizationConfig, declared_scale_fmt
 
 FLOAT_ARGS = {"num_bits": 8, "type": "float", "symmetric": True}
 MX_ARGS = FLOAT_ARGS | {"group_size": MX_GROUP, "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}
-# Weight-only FP4, as compressed-tensors' NVFP4A16 and MXFP4A16 presets serialise (scale_dtype, which
-# compressed-tensors reads from 0.13 on, picks MXFP4's E8M0 path); no input activations.
+# As the presets serialise; scale_dtype (read from compressed-tensors 0.13 on) picks MXFP4's E8M0 path.
 FP4_ARGS = {
     "nvfp4a16": MX_ARGS
     | {"num_bits": 4, "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
     "mxfp4a16": MX_ARGS | {"num_bits": 4},
 }
 WRITTEN_FORMAT = {"mxfp8": "mxfp8-quantized", "nvfp4a16": "nvfp4-pack-quantized", "mxfp4a16": "mxfp4-pack-quantized"}
-# Engines quantize activations on the fly per token with per-channel weights, per 128-wide group with block
-# weights, per tensor with per-tensor weights (what vLLM's MoE accepts); static ones (an FP8 source's
-# calibrated input_scale, carried in the tensor scheme) are per tensor.
+# Dynamic activations per token, per 128-wide group or per tensor (what vLLM's MoE accepts for per-tensor
+# weights); static ones (an FP8 source's input_scale, carried in the tensor scheme) are per tensor.
 ACTIVATION_STRATEGY = {"tensor": "tensor", "channel": "token", "block": "group"}
 
-# compressed-tensors formats that store FP8 weights as they are (float8_e4m3fn codes and a scale); the
-# others pack integers or 4-bit floats, named here so a refusal says what the checkpoint holds.
+# Formats storing float8_e4m3fn codes and a scale; the others are named so a refusal says what they hold.
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 OTHER_FORMATS = {
     "pack-quantized": "integer weights packed into int32 (e.g. W4A16)",
@@ -91,11 +85,10 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_dict(cls, qc: dict, where: str, source: bool = False) -> CompressedTensorsConfig:
-        """Every config group holds symmetric 8-bit float weights with one strategy (tensor, channel or
-        128x128 block; in an output also MXFP8's groups of 32) and dynamic, absent (weight-only) or static
-        per-tensor input activations. Anything else is refused with what it is. A source must also hold
-        what fp8convert reads: no MXFP8, KV-cache scheme, zero points or uncompressed weights; an output
-        lists these in `unkept` instead, for verify to report each."""
+        """Every config group: symmetric 8-bit float weights of one strategy (tensor, channel, 128x128 block;
+        in an output also MXFP8) or FP4, and dynamic, absent or static per-tensor input activations. A source
+        must hold what fp8convert reads (no MXFP8, KV-cache scheme, zero points or uncompressed weights); an
+        output lists these in `unkept` instead, for verify to report."""
         fp4_formats = tuple(WRITTEN_FORMAT[s] for s in FP4_ARGS)
         readable = (*FP8_FORMATS, *fp4_formats, "mixed-precision", None) + (
             () if source else (WRITTEN_FORMAT["mxfp8"],)
@@ -165,7 +158,6 @@ class CompressedTensorsConfig(QuantizationConfig):
 
 
 def _group_args(scheme: str, static: bool) -> tuple[dict, dict | None]:
-    """(weights, input_activations) of a config group in `scheme`."""
     if scheme == "mxfp8":
         return dict(MX_ARGS), MX_ARGS | {"dynamic": True}
     if scheme in FP4_ARGS:

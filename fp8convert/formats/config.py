@@ -1,6 +1,5 @@
-"""quantization_config as one typed record: what it declares, and how its format names, types and shapes a
-weight's scale. Each format (fp8.py, compressed_tensors.py) subclasses it to parse its dict (`from_dict`, for
-an FP8 source and for fp8convert's own output alike) and write it back (`to_dict`)."""
+"""quantization_config as one typed record, and how its format names, types and shapes a weight's scale.
+Each format subclasses it: `from_dict` (an FP8 source and fp8convert's output alike), `to_dict`."""
 
 from __future__ import annotations
 
@@ -48,12 +47,10 @@ class QuantizationConfig:
         return "ue8m0" if self.scale_fmt == "ue8m0" else "float"
 
     def scale_name(self, weight: str) -> str:
-        """fp8 names block scales `weight_scale_inv` (they multiply all the same), every other scale is
-        `weight_scale`."""
+        """fp8 names block scales `weight_scale_inv` (they multiply all the same), others `weight_scale`."""
         return weight + ("_scale_inv" if self.format == "fp8" and self.scheme == "block" else "_scale")
 
     def scale_dtype(self) -> str:
-        """MX scales are E8M0 bytes, NVFP4's FP8 e4m3, every other one float32."""
         return {"mxfp8": "U8", "mxfp4a16": "U8", "nvfp4a16": "F8_E4M3"}.get(self.scheme, "F32")
 
     def scale_shapes(self, shape: tuple[int, int], source: bool = False) -> list[tuple[int, ...]]:
@@ -72,8 +69,7 @@ class QuantizationConfig:
 
 
 def declared_scale_fmt(qc: dict, where: str) -> str | None:
-    """A config's top-level `scale_fmt` (DeepSeek-V3.1's native fp8 has it; fp8convert writes it in both
-    formats for --scale-format ue8m0): absent, "float" or "ue8m0"."""
+    """A config's top-level `scale_fmt` (DeepSeek-V3.1's fp8, or --scale-format ue8m0 in either format)."""
     scale_fmt = qc.get("scale_fmt")
     if scale_fmt not in (None, "float", "ue8m0"):
         raise FP8ConvertError(f"{where}: scale_fmt {scale_fmt!r} is neither float nor ue8m0")

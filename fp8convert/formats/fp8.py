@@ -21,8 +21,7 @@ class FP8Config(QuantizationConfig):
 
     @property
     def source_scale_names(self) -> tuple[str, ...]:
-        """Block `weight_scale_inv`; per tensor `weight_scale` (vLLM, AutoFP8) or `weight_scale_inv`
-        (transformers, Mistral)."""
+        """Per tensor `weight_scale` (vLLM, AutoFP8) or `weight_scale_inv` (transformers, Mistral)."""
         return ("weight_scale_inv",) if self.scheme == "block" else ("weight_scale", "weight_scale_inv")
 
     def to_dict(self) -> dict:
@@ -37,8 +36,7 @@ class FP8Config(QuantizationConfig):
 
     @classmethod
     def from_dict(cls, qc: dict, where: str, source: bool = False) -> FP8Config:
-        """As vLLM and transformers read it (a source and an output alike): block iff `weight_block_size`
-        is given, the skip list under `ignored_layers` and `modules_to_not_convert` (each engine reads one)."""
+        """As vLLM and transformers read it, a source and an output alike: block iff `weight_block_size`."""
         if qc.get("fmt") not in E4M3_FMTS:
             raise FP8ConvertError(
                 f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "

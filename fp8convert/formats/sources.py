@@ -1,11 +1,8 @@
-"""FP8 checkpoints as sources: what config.json and the tensors say a checkpoint is, from headers alone.
-
-A checkpoint with a `quantization_config` is read only if it is FP8 as vLLM and transformers read it:
-native `fp8` (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8, MiniMax-M2, AutoFP8) or compressed-tensors with FP8
-weights. Every float8_e4m3fn weight must then have exactly one scale, named and shaped as its format and
-scheme say, in float32, bfloat16 or float16 (all exact in float32); static activation scales go with
-their weight. Anything else is refused with one line naming the tensor or the method (a `.scale` read as no scale at
-all gives weights thousands of times off). The scales' values are checked when they are read.
+"""FP8 checkpoints as sources, from headers alone: read only if FP8 as vLLM and transformers read it (native
+`fp8`: DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8, MiniMax-M2, AutoFP8; or compressed-tensors FP8). Every
+float8_e4m3fn weight must have exactly one scale, named and shaped as its format and scheme say; anything
+else is refused naming the tensor or method (a `.scale` read as no scale gives weights thousands of times
+off). The scales' values are checked when they are read.
 """
 
 from __future__ import annotations
@@ -30,16 +27,14 @@ OTHER_METHODS = {
     "spqr": "SpQR", "bitnet": "BitNet", "fp_quant": "FP-Quant",
 }
 # fmt: on
-# Tensor names that only other quantization layouts have (packed integers, 4-bit float blocks, KV-cache
-# scales, scales fp8convert does not read): found in a checkpoint, they name what it is.
+# Tensor names only other quantization layouts have: found in a checkpoint, they name what it is.
 FOREIGN_SUFFIXES = tuple(
     ".qweight .qzeros .g_idx .scales .weight_packed .weight_shape .weight_zero_point .weight_scale_2 "
     ".weight_global_scale .input_global_scale .input_zero_point .absmax .SCB _blocks .k_scale .v_scale "
     ".qscale_weight .qscale_act".split()
 )
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")  # either format's, whatever the scheme
-# Scale names of other tools that fp8convert does not read: an FP8 weight with one of these and none of
-# its format's own names is refused with the name it has.
+# Other tools' scale names: an FP8 weight with one of these and none of its format's is refused naming it.
 OTHER_SCALE_SUFFIXES = (".scale", ".weight.scale", *SCALE_SUFFIXES, ".scale_inv", ".qscale_weight")
 
 
@@ -101,9 +96,8 @@ class SourceQuantization:
 def read_source_quantization(
     config: dict, tensors: list[TensorInfo], where: str, files: list[str] = ()
 ) -> SourceQuantization | None:
-    """None for a high-precision checkpoint; the FP8 layout of an FP8 one; a one-line error for anything
-    else. `where` names the checkpoint, `files` its other top-level files (ModelOpt keeps its config in
-    hf_quant_config.json)."""
+    """None for a high-precision checkpoint, the FP8 layout of an FP8 one, else refused. `files`: its other
+    top-level files (ModelOpt keeps its config in hf_quant_config.json)."""
     if "hf_quant_config.json" in files:
         raise FP8ConvertError(
             f"{where}/hf_quant_config.json: the model is quantized with NVIDIA ModelOpt; fp8convert "
@@ -236,8 +230,7 @@ def _one(by_name: dict[str, TensorInfo], weight: TensorInfo, suffixes: tuple[str
 
 
 def match_fp4(declared: QuantizationConfig, tensors: list[TensorInfo]) -> dict[str, FP8Weight]:
-    """Every FP4 weight (X.weight_packed) with its group scales and (NVFP4) global scale, each checked from
-    its header; keyed by the packed tensor's name."""
+    """Every FP4 weight with its group scales and (NVFP4) global scale, by its X.weight_packed name."""
     by_name = {t.name: t for t in tensors}
     nvfp4 = declared.scheme == Scheme.NVFP4A16
     weights: dict[str, FP8Weight] = {}

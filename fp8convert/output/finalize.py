@@ -20,8 +20,8 @@ from ..options import HubAccess, Options
 from ..plan.build import build_plan
 from ..plan.plan import Plan
 from ..safetensors_io import INDEX_NAME, read_header
+from ..source import recorded_source
 from ..source.checkpoint import index_files, parse_index
-from ..source.resolve import recorded_source
 from ..units import listed
 from .card import make_card, read_source_card
 from .lock import OutputLock, is_lock_file

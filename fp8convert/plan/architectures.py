@@ -1,6 +1,5 @@
-"""The architecture registry: one `Architecture` (family.py) per model family, picked by config.json's
-`model_type`; others get the generic rules. Upstream files are cited by path in vLLM 0.33 and transformers
-5.24."""
+"""The architecture registry: one `Architecture` (family.py) per config.json `model_type`; others get the
+generic rules. Upstream files are cited by path in vLLM 0.33 and transformers 5.24."""
 
 from __future__ import annotations
 
@@ -75,7 +74,8 @@ def _multimodal(name: str, model_types: tuple[str, ...], **fields) -> Architectu
 
 
 def _falcon_h1_vllm_name(module: str, config: dict) -> str:
-    """vLLM's falcon_h1.py builds attention at the layer's own prefix, Mamba at model.{L + N}.mixer."""
+    """vllm/model_executor/models/falcon_h1.py builds attention at model.layers.N.{q,k,v,o}_proj, Mamba at
+    model.{L + N}.mixer.*: checkpoint names do not reach them through its mapper."""
     if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.(\w+)", module):
         return f"model.layers.{m[1]}.{m[2]}"
     if m := re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(\w+)", module):
@@ -90,8 +90,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="q/k/v and gate/up share one scale per layer in the tensor scheme",
     ),
     Architecture(
-        # vllm/model_executor/models/falcon.py FalconModel.load_weights: a 128-row block scale grid spans
-        # several 64-row heads, so it cannot be regrouped per head.
+        # vllm/model_executor/models/falcon.py FalconModel.load_weights (128-row blocks span 64-row heads).
         "Falcon",
         ("falcon",),
         keep=(
@@ -118,8 +117,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="kept whole; the output equals the source",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_moe.py: the router `mlp.gate` is a GateLinear built with the
-        # quant config, so it must be listed; experts load per expert (RoutedExperts.load_weights).
+        # vllm/model_executor/models/qwen3_moe.py: router `mlp.gate` is a GateLinear built with the quant
+        # config; experts load per expert (RoutedExperts.load_weights).
         "Qwen-MoE",
         ("qwen2_moe", "qwen3_moe", "olmoe"),
         quantized=f"attention, shared experts, {_MOE_ROUTED}",
@@ -142,8 +141,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="router listed also as transformers names it (`mlp.router`, an nn.Linear there)",
     ),
     Architecture(
-        # vllm/model_executor/models/deepseek_mtp.py: MTP layer L = num_hidden_layers + i is a full decoder
-        # layer plus eh_proj (a torch nn.Linear, never quantized) and shared_head.head (a ParallelLMHead).
+        # vllm/model_executor/models/deepseek_mtp.py: a decoder layer plus eh_proj and shared_head.head.
         "DeepSeek-V3 / GLM-4.5",
         ("deepseek_v2", "deepseek_v3", "glm4_moe"),
         keep=(
@@ -163,9 +161,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         quantized=f"attention, shared experts, {_MOE_ROUTED}",
     ),
     Architecture(
-        # vllm/model_executor/models/llama4.py: per-expert 2-D experts load for every scheme (the fused
-        # form loads no per-tensor scales); q/k scale rows are permuted per head, which block scales cannot
-        # follow. transformers' compressed-tensors path reads per-expert Linears (SequentialLlama4TextExperts).
+        # vllm/model_executor/models/llama4.py: per-expert 2-D experts load for every scheme (fused ones
+        # load no per-tensor scales); transformers' compressed-tensors path: SequentialLlama4TextExperts.
         "Llama-4",
         ("llama4", "llama4_text"),
         keep=(
@@ -188,8 +185,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     Architecture(
         # vllm/model_executor/models/gpt_oss.py: GptOssModel.load_weights sends fp8 and compressed-tensors
-        # checkpoints to _load_weights_other, the BF16 path (no expert scales); transformers 5.24 has no
-        # gpt-oss expert converter. So the experts stay BF16, fused, as released.
+        # checkpoints to _load_weights_other, the BF16 path (no expert scales).
         "gpt-oss",
         ("gpt_oss",),
         experts=Experts(
@@ -202,9 +198,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts (gate/up interleaved, with biases) stay BF16, fused as released",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_next.py: in_proj_ba is built with the quant config, but FP8
-        # in_proj_ba corrupted output (vLLM #47445; "ba_proj doesn't support blockwise fp8"); conv1d is
-        # built without it. qwen3_next_mtp.py: mtp.fc is quantizable; kept like DeepSeek's eh_proj.
+        # vllm/model_executor/models/qwen3_next.py: in_proj_ba is quantizable, but FP8 corrupts it (vLLM
+        # #47445: "ba_proj doesn't support blockwise fp8"); qwen3_next_mtp.py: mtp.fc, kept like eh_proj.
         "Qwen3-Next",
         ("qwen3_next",),
         keep=(Keep(r"\.linear_attn\.in_proj_ba$", _DELTANET_BA), _MTP_FC),
@@ -213,8 +208,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="`mtp.*` layers converted like decoder layers",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_5.py: in_proj_qkv + in_proj_z -> in_proj_qkvz,
-        # in_proj_b + in_proj_a -> in_proj_ba.
+        # vllm/model_executor/models/qwen3_5.py packs in_proj_qkv with in_proj_z, in_proj_b with in_proj_a.
         "Qwen3.5",
         ("qwen3_5", "qwen3_5_moe"),
         fused=FUSED_SIBLINGS + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")),
@@ -224,9 +218,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         quantized=f"language model attention, DeltaNet, MLPs / {_MOE_ROUTED}, MTP layers",
     ),
     Architecture(
-        # vllm/model_executor/models/nemotron_h.py: mapper backbone -> model, embeddings -> embed_tokens;
-        # the router mixer.gate is an fp32 GateLinear; experts are non-gated (up, down).
-        # transformers conversion_mapping.py: backbone. -> model.
+        # vllm/model_executor/models/nemotron_h.py: the router mixer.gate is an fp32 GateLinear; experts
+        # are non-gated (up, down). Renames: its mapper, and transformers' conversion_mapping.py.
         "Nemotron-H",
         ("nemotron_h",),
         keep=(Keep(r"\.mixer\.gate$", ROUTER),),
@@ -236,8 +229,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         quantized=f"Mamba2 in_proj/out_proj, attention, MLPs, {_MOE_ROUTED} (up, down)",
     ),
     Architecture(
-        # vllm/model_executor/models/falcon_h1.py: attention at model.layers.N.{q,k,v,o}_proj, Mamba at
-        # model.{L+N}.mixer.*: checkpoint names do not reach them through its mapper.
         "Falcon-H1",
         ("falcon_h1",),
         vllm_name_fn=_falcon_h1_vllm_name,
@@ -245,8 +236,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="ignore list also in vLLM's own module names (its module tree differs from the checkpoint's)",
     ),
     Architecture(
-        # vllm/layers/mamba/mamba_mixer.py: MambaMixer builds in_proj, x_proj, dt_proj and out_proj without
-        # the quant config. jamba.py mapper: .self_attn. -> .
+        # vllm/layers/mamba/mamba_mixer.py: MambaMixer builds its projections without the quant config.
         "Jamba",
         ("jamba",),
         keep=(Keep(r"\.mamba\.(in_proj|x_proj|dt_proj|out_proj)$", "Mamba mixer (vLLM builds it unquantized)"),),
@@ -255,9 +245,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="Mamba mixers stay BF16",
     ),
     Architecture(
-        # transformers conversion_mapping.py "granitemoe": input_linear [E, 2I, H], output_linear [E, H, I];
-        # vLLM's granitemoe.py loads per-expert 2-D. transformers merges no per-expert weights of this family
-        # and reads fused FP8 experts as their codes: no FP8 expert layout loads in both.
+        # transformers conversion_mapping.py "granitemoe" merges no per-expert weights and reads fused FP8
+        # experts as their codes; vLLM's granitemoe.py loads per-expert 2-D: no FP8 layout loads in both.
         "GraniteMoE",
         ("granitemoe", "granitemoeshared", "granitemoehybrid"),
         keep=(Keep(r"\.router\.layer$", ROUTER),),
@@ -265,8 +254,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             gate_up_down(r".+\.block_sparse_moe", (OUT_IN,), gate_up="input_linear.weight", down="output_linear.weight")
         ),
         transformers_names=((r"\.router\.layer$", ".router"),),
-        # granitemoehybrid.py builds its Mamba2 mixer as `self.mamba` with the prefix `.mixer`, the name
-        # its quant config matches against the ignore list
+        # granitemoehybrid.py builds its Mamba2 mixer `self.mamba` under the prefix `.mixer`
         vllm_names=((r"\.router\.layer$", ".gate"), (r"\.mamba\.", ".mixer.")),
         quantized=f"attention, shared MLP, {_MOE_ROUTED}",
         notes="fused experts [E, 2*inter, hidden] split per expert, as vLLM loads them; transformers loads "
@@ -293,8 +281,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="experts [E*inter, hidden] stay BF16",
     ),
     Architecture(
-        # vllm/model_executor/models/qwen3_vl_moe.py reads the released [E, H, 2I] whatever the shapes;
-        # transformers saves [E, 2I, H] and transposes on load by shape.
+        # vllm/model_executor/models/qwen3_vl_moe.py reads [E, H, 2I] as released; transformers saves [E, 2I, H].
         "Qwen3-VL-MoE",
         ("qwen3_vl_moe",),
         experts=Experts(
@@ -320,9 +307,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         quantized=f"language model attention, dense MLP, per-layer projections, {_MOE_ROUTED}",
     ),
     _multimodal(
-        # vllm/model_executor/models/qwen2_5_vl.py: the vision tower is built with the quant config, so
-        # every tower linear must be listed. transformers: visual. -> model.visual., model. ->
-        # model.language_model.
+        # vllm/model_executor/models/qwen2_5_vl.py builds the vision tower with the quant config, so every
+        # tower linear must be listed.
         "Qwen2.5-VL",
         ("qwen2_5_vl",),
         transformers_names=(
@@ -333,9 +319,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     _multimodal("Qwen3-VL", ("qwen3_vl",), vllm_names=_QWEN_VL_VLLM),
     Architecture(
-        # transformers conversion_mapping.py "mllama": the legacy names load under model.* (the vision
-        # tower at model.vision_model.*), which is how compressed-tensors matches the ignore list there.
-        # vLLM removed MllamaForConditionalGeneration in 0.10.2 (model_executor/models/registry.py).
+        # transformers conversion_mapping.py "mllama": the legacy names load under model.*, and
+        # compressed-tensors matches the ignore list there. vLLM: model_executor/models/registry.py.
         "Mllama",
         ("mllama",),
         transformers_names=_LLAVA_TRANSFORMERS[:2] + ((r"^(vision_model|multi_modal_projector)\b", r"model.\1"),),
@@ -348,8 +333,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _multimodal("Gemma-3", ("gemma3",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal("Llava", ("llava",), transformers_names=_LLAVA_TRANSFORMERS, vllm_names=_LLAVA_VLLM),
     _multimodal(
-        # vllm/model_executor/models/mistral3.py: its mapper renames `.weight_scale_inv` to `.weight_scale`,
-        # which the fp8 format's block layers do not have.
+        # vllm/model_executor/models/mistral3.py: hf_to_vllm_mapper renames `.weight_scale_inv`.
         "Mistral-3",
         ("mistral3",),
         transformers_names=_LLAVA_TRANSFORMERS,

@@ -1,5 +1,4 @@
-"""Batches: the plan's units cut to a memory budget, a batch being what the device holds at once; and the
-output runs, where in the output shards each of a batch's outputs goes."""
+"""Batches, the units cut to what the device holds at once; and runs, where in the shards their outputs go."""
 
 from __future__ import annotations
 
@@ -14,14 +13,12 @@ KEPT_PIECE_BYTES = 256 << 20
 
 
 def resident_bytes(tensors: list[TensorPlan]) -> int:
-    """What a batch of `tensors` holds at its peak: its input, or its outputs when they are larger
-    (dequantized weights are 2 or 4 times their FP8 codes)."""
+    """A batch's peak: its input, or its outputs when larger (dequantized weights are 2-4x their codes)."""
     return max(sum(info.nbytes for info in unique_inputs(tensors)), sum(t.out_bytes for t in tensors if t.computed))
 
 
 def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
-    """Split units over the memory budget between atoms. A large kept tensor is copied piece by piece, and a
-    fused expert tensor over the budget read a range of whole experts at a time, each piece a batch."""
+    """Units split between atoms to fit `max_resident`; large kept and fused expert tensors go in pieces."""
     piece_bytes = min(max_resident, KEPT_PIECE_BYTES)
     batches = []
     for unit in units:
@@ -65,8 +62,7 @@ def row_ranges(info: TensorInfo, max_bytes: int) -> list[tuple[int, TensorInfo]]
 
 
 def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
-    """A kept tensor over `max_bytes` as ranges of whole rows, so memory does not grow with the vocabulary
-    (kept tensors are only checked and copied)."""
+    """A kept tensor over `max_bytes` as ranges of whole rows, so memory does not grow with the vocabulary."""
     info = t.source
     if t.action is not Action.KEEP or t.cut or info.nbytes <= max_bytes or not info.shape or info.shape[0] < 2:
         return [t]
@@ -74,8 +70,7 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
 
 
 def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:
-    """The outputs cut from one fused expert tensor, by ranges of whole experts whose (contiguous) slice of
-    the source is at most `max_bytes` (at least one expert)."""
+    """The outputs cut from one fused expert tensor, by ranges of whole experts of at most `max_bytes`."""
     info = atom[0].source
     if info.nbytes <= max_bytes or any(t.cut.expert is None for t in atom):
         return [atom]
@@ -91,8 +86,8 @@ def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPla
 
 @dataclass(frozen=True)
 class Run:
-    """Where bytes [at, at + nbytes) of output tensor `name` go: shard `shard` from file offset `start`
-    (header included). A kept tensor copied in pieces has one run per piece."""
+    """Bytes [at, at + nbytes) of output `name` go to shard `shard` from file offset `start` (header
+    included); a kept tensor copied in pieces has one run per piece."""
 
     shard: int
     start: int
@@ -102,7 +97,6 @@ class Run:
 
 
 def output_runs(plan: Plan, tensors: list[TensorPlan]) -> list[Run]:
-    """The runs `tensors`' outputs fill, in file order."""
     runs = []
     for t in tensors:
         for name, _, _ in t.outputs():

@@ -1,5 +1,4 @@
-"""build_plan, a pure function of (headers, config.json, options): decide every tensor (rules.py), say how
-each output is made, lay the outputs out in shards, list the modules engines must leave unquantized."""
+"""build_plan: every tensor decided (rules.py), how each output is made, shards, ignore list, fingerprint."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from .family import GENERIC, Architecture, config_value, mtp_layers
 from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
 from .rules import decide, experts_of, is_linear_weight, module_of
 
-# config.json's dtype names -> the safetensors dtype of a dequantized weight
 MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
@@ -63,9 +61,8 @@ def build_plan(source: Source, options: Options) -> Plan:
 
 
 def check_layers(source: Source) -> None:
-    """Refuse weights with a gap in a stack of layers, or fewer layers than config.json's num_hidden_layers
-    (a shard left out of a download): the output would load with layers randomly initialised. More layers
-    are fine (DeepSeek's MTP layer follows the decoder's)."""
+    """Refuse a gap in a stack of layers, or fewer than num_hidden_layers (a shard left out of a download):
+    the output would load with layers randomly initialised. More are fine (DeepSeek's MTP layer)."""
     stacks: dict[str, set[int]] = {}
     for t in source.tensors:
         if m := LAYER_PATTERN.match(t.name):
@@ -100,7 +97,7 @@ def describe_numbers(numbers: list[int]) -> str:
 
 
 def fingerprint(source: Source, options: Options) -> str:
-    """Identifies the output: same fingerprint, same bytes. Covers tool version, options and layout."""
+    """Same fingerprint, same output bytes."""
     listed = [options.scheme, options.format, options.ignore, options.max_shard_size, options.target_tp]
     # Each addition only when set, so the defaults keep earlier fingerprints.
     if options.scale_format != ScaleFormat.FLOAT:
@@ -122,8 +119,7 @@ def fingerprint(source: Source, options: Options) -> str:
 
 
 def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
-    """How decision `d` is made. An FP8 source weight kept in high precision is dequantized; one that stays
-    FP8 passes through or is requantized, its static activation scale going with it in the tensor scheme."""
+    """How decision `d` is made; an FP8 source's weight is dequantized, passed through or requantized."""
     fp8_weight = quant.weights.get(d.source.name) if quant else None
     if fp8_weight is None and not d.quantize:
         return d
@@ -149,7 +145,7 @@ def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Option
 
 
 def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], options: Options) -> list[str]:
-    """What becomes of an FP8 source's extras that the output cannot say the same way."""
+    """An FP8 source's extras the output cannot say the same way."""
     if quant is None:
         return []
     notes = []
@@ -196,7 +192,7 @@ def ignore_list(plans: list[TensorPlan], arch: Architecture, config: dict, fmt: 
 
 def module_names(name: str, arch: Architecture, config: dict) -> list[str]:
     """The module of output `name` as the checkpoint, transformers and vLLM name it (transformers holds
-    per-expert weights fused, or, Llama-4, under the checkpoint's own names)."""
+    per-expert weights fused, or under the checkpoint's own names)."""
     module = module_of(name)
     return [module, arch.vllm_name(module, config)] if experts_of(name) else arch.names(module, config)
 
@@ -204,8 +200,7 @@ def module_names(name: str, arch: Architecture, config: dict) -> list[str]:
 def scheme_groups(
     plans: list[TensorPlan], arch: Architecture, config: dict, options: Options
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """A recipe's schemes besides the default (whose config group targets "Linear"), each with the modules
-    quantized in it as the checkpoint, transformers and vLLM name them."""
+    """A recipe's schemes besides the default (whose config group targets "Linear"), with their modules."""
     if not options.recipe:
         return ()
     every, by_scheme = set(), {}
@@ -219,8 +214,7 @@ def scheme_groups(
 
 def compact_targets(names: set[str], every: set[str]) -> list[str]:
     """`names` as config targets (a MoE has thousands of experts): names alike but for their numbers and
-    last part (`layers.(0|1).mlp.experts.(0|1).(gate_proj|up_proj)`) as one `re:` pattern where it matches
-    exactly them among `every` module, else by last part, else each name."""
+    last part as one `re:` pattern where it matches exactly them among `every`, else by last part, else each."""
     targets = []
     for members in _alike(names, last_too=True):
         if pattern := _exact_pattern(members, every):
@@ -241,8 +235,7 @@ def _alike(names, last_too: bool) -> list[list[str]]:
 
 
 def _exact_pattern(members: list[str], every: set[str]) -> str | None:
-    """An `re:` target matching just `members` among `every`, or None; part by part, each varying part as
-    the alternatives members hold (so it matches their product)."""
+    """An `re:` target matching just `members` among `every` (the product of their varying parts), or None."""
     split = [m.split(".") for m in members]
     if len(members) < 2 or len({len(parts) for parts in split}) > 1:
         return None
@@ -266,7 +259,6 @@ def kept_expert_blocks(plans: list[TensorPlan], arch: Architecture) -> list[str]
 
 
 def architecture_notes(arch: Architecture | None, source: Source) -> list[str]:
-    """What the registry knows (or not) about this model, for the user."""
     config = source.config
     if arch is None:
         return [

@@ -1,5 +1,4 @@
-"""What an entry of the architecture registry (architectures.py) holds, and the Caveats of the warnings:
-code that acts on a warning reads its Caveat, never its wording."""
+"""What a registry entry holds, and the warnings' Caveats (code reads a warning's Caveat, never its text)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ FUSED_SIBLINGS = (
     ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA fused_qkv_a_proj
 )
 
-# Reasons for keeping a module that the generic rules (rules.py) and the registry both give.
+# Keep reasons that both the generic rules and the registry give.
 ROUTER = "MoE router"
 TOWER = "vision/audio tower or projector"
 
@@ -72,20 +71,18 @@ class Limit(Scoped):
 
 @dataclass(frozen=True)
 class ExpertTensor:
-    """One projection of all experts of a MoE layer in one source tensor. `stored`: the orientations this
-    family's checkpoints come in, the released one first (the config's sizes tell them apart; where both
-    fit, the released one). `members` share the output axis, concatenated or `interleaved`."""
+    """One projection of all experts of a MoE layer in one source tensor; where the config's sizes fit both
+    `stored` orientations, the first (the released one) is taken."""
 
     pattern: str  # regex over the tensor name; group "block" is the MoE block module
     members: tuple[str, ...]  # per-expert module names ({block}.experts.{e}.{member}), in order along the output axis
     stored: tuple[str, ...]  # IN_OUT and/or OUT_IN
-    interleaved: bool = False
+    interleaved: bool = False  # members alternate along the output axis instead of being concatenated
 
 
 @dataclass(frozen=True)
 class Experts:
-    """Fused MoE experts: written one 2-D weight per expert in nn.Linear orientation (the layout engines load
-    for FP8), or kept as they are, with the reason."""
+    """Fused MoE experts, written as one nn.Linear weight per expert (what engines load for FP8) or kept."""
 
     tensors: tuple[ExpertTensor, ...]
     count: tuple[str, ...] = ("num_local_experts",)  # config keys (dotted paths) with the number of experts
@@ -120,7 +117,6 @@ class Architecture:
         return self.vllm_name_fn(module, config) if self.vllm_name_fn else module
 
     def names(self, module: str, config: dict) -> list[str]:
-        """The module as the checkpoint, transformers and vLLM name it (each once)."""
         return list(dict.fromkeys([module, _renamed(module, self.transformers_names), self.vllm_name(module, config)]))
 
     def expert_tensor(self, name: str) -> tuple[ExpertTensor, str] | None:

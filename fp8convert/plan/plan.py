@@ -18,8 +18,6 @@ LAYER_PATTERN = re.compile(r"^(.*?\.(?:layers|layer|h|blocks|block)\.\d+)\.")
 
 
 class Action(enum.Enum):
-    """What is done to the source to make an output tensor."""
-
     KEEP = "keep"  # the source bytes (or a cut of them) unchanged
     QUANTIZE = "quantize"  # FP8 or FP4 codes and their scales from a high-precision weight
     DEQUANTIZE = "dequantize"  # a high-precision weight from FP8 codes and scale: float32(q) * scale, cast once
@@ -32,8 +30,8 @@ COMPUTED = (Action.QUANTIZE, Action.REQUANTIZE, Action.DEQUANTIZE)
 
 @dataclass(frozen=True)
 class Cut:
-    """Where one expert's one member lies, in nn.Linear orientation [out, in], inside a fused MoE tensor.
-    Every step is a view, so the outputs cut from one source tensor share one read of it."""
+    """One expert's one member, as nn.Linear [out, in], inside a fused MoE tensor. Every step is a view, so
+    the outputs cut from one source tensor share one read of it."""
 
     expert: int | None = None  # index on the source's first axis (all experts of a layer)
     transpose: bool = False  # the source stores [in, out] (used as x @ W): transpose to [out, in]
@@ -42,7 +40,6 @@ class Cut:
     interleaved: bool = False  # members alternate row by row (gpt-oss) instead of being concatenated
 
     def apply(self, w):
-        """This cut of `w`, the whole source tensor, as a view; with `expert` None the expert axis is kept."""
         if self.expert is not None:
             w = w[self.expert]
         if self.transpose:
@@ -63,7 +60,6 @@ class Cut:
         return tuple(shape)
 
     def across_experts(self) -> Cut:
-        """The same cut for every expert at once (the expert axis kept)."""
         return replace(self, expert=None)
 
     def describe(self, source: str) -> str:
@@ -80,8 +76,7 @@ class TensorPlan:
     """One output tensor (and its scale, when quantized) and how it is made from the source."""
 
     name: str  # the output tensor's name
-    inputs: tuple[TensorInfo, ...]  # source tensors it is made from: the weight, then (FP8 sources) its
-    # scale, then the static activation scale carried to the output
+    inputs: tuple[TensorInfo, ...]  # the weight, then (FP8 sources) its scale, then a static activation scale
     action: Action
     reason: str | None  # why it stays in high precision (None when quantized)
     group: str | None  # fused group: members share one scale in the tensor scheme, one global scale in NVFP4
@@ -102,17 +97,15 @@ class TensorPlan:
 
     @property
     def source_packed(self) -> bool:
-        """The source weight is FP4: X.weight_packed, two values a byte."""
         return self.source.dtype == "U8" and self.source.name.endswith(".weight_packed")
 
     @property
     def source_scale(self) -> TensorInfo | None:
-        """An FP8 or FP4 source weight's scale."""
         return self.inputs[1] if self.source.dtype == FP8 or self.source_packed else None
 
     @property
     def quantize(self) -> bool:
-        """The output is FP8: quantized here, requantized, or passed through from an FP8 source."""
+        """The output is FP8 (or FP4)."""
         return self.action in (Action.QUANTIZE, Action.REQUANTIZE, Action.PASS)
 
     @property
@@ -139,14 +132,12 @@ class TensorPlan:
 
     @property
     def in_bytes(self) -> int:
-        """Bytes of the source this output is made from (all of them unless it is a cut)."""
         if not self.cut:
             return sum(info.nbytes for info in self.inputs)
         return math.prod(self.shape) * DTYPE_SIZES[self.source.dtype]
 
     @property
     def dtype(self) -> str:
-        """The dtype of the main output."""
         if self.action is Action.KEEP:
             return self.source.dtype
         if self.action is Action.DEQUANTIZE:
@@ -155,11 +146,11 @@ class TensorPlan:
 
     @property
     def written_names(self) -> list[str]:
-        """The names of a quantized weight's outputs in the order the quantizer makes them."""
+        """A quantized weight's outputs in the order the quantizer makes them."""
         return [self.name, self.scale_name] + ([self.global_scale_name] if self.global_scale_name else [])
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every output tensor this plan produces."""
+        """(name, dtype, shape) of every output tensor."""
         outputs = [(self.name, self.dtype, (self.shape[0], self.shape[1] // 2) if self.packed else self.shape)]
         if self.quantize:
             outputs.append((self.scale_name, self.scale_dtype, self.scale_shape))
@@ -175,7 +166,7 @@ class TensorPlan:
 
 
 def unique_inputs(tensors: list[TensorPlan]) -> list[TensorInfo]:
-    """The source tensors `tensors` read, each once, in order (outputs cut from one source share it)."""
+    """The source tensors `tensors` read, each once (outputs cut from one source share it)."""
     return list({info.name: info for t in tensors for info in t.inputs}.values())
 
 
@@ -196,7 +187,6 @@ class Unit:
 
     @property
     def files(self) -> list[str]:
-        """The source files it reads, sorted (an FP8 weight's scale may lie in another one)."""
         return sorted({info.file for t in self.tensors for info in t.inputs})
 
     def atoms(self) -> list[list[TensorPlan]]:
@@ -257,7 +247,7 @@ class Plan:
         return any(t.input_scale_name for t in self.tensors)
 
     def quantization_config(self) -> dict | None:
-        """The output's quantization_config; None for a dequantized output (it has none)."""
+        """The output's quantization_config; None for a dequantized output."""
         o = self.options
         if o.dequantize:
             return None
@@ -284,7 +274,7 @@ def natural_key(text: str) -> list:
 
 
 def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
-    """One unit per decoder layer, one per tensor outside the layers; natural name order."""
+    """One unit per decoder layer, one per tensor outside the layers."""
     by_label: dict[str, list[TensorPlan]] = {}
     for t in tensors:
         m = LAYER_PATTERN.match(t.name)
@@ -295,8 +285,8 @@ def group_into_units(tensors: list[TensorPlan]) -> list[Unit]:
 
 
 def lay_out_shards(units: list[Unit], max_shard_size: int) -> tuple[list[Shard], dict[str, int]]:
-    """The output shards with complete headers, and each output's shard. Shards break between units, and
-    in a unit larger than a shard between its atoms."""
+    """The shards with complete headers, and each output's shard. Shards break between units, and in a unit
+    larger than a shard between its atoms."""
     layout: list[list[tuple[int, list[TensorPlan]]]] = [[]]
     used = 0
     for ui, unit in enumerate(units):

@@ -1,5 +1,5 @@
-"""Which tensors become FP8, which stay in high precision (and why), and which share a scale: the generic
-rules, plus each registered family's own. A "module" is a tensor name without its trailing ".weight"."""
+"""Which tensors become FP8, which stay in high precision and why, which share a scale. A "module" is a
+tensor name without its trailing ".weight"."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
 from .family import GENERIC, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
 from .plan import Action, Cut, TensorPlan
 
-# Leaves named like an embedding: "embed" in the leaf, or GPT-2's token and position tables.
-EMBEDDING_LEAVES = {"wte", "wpe"}
+EMBEDDING_LEAVES = {"wte", "wpe"}  # GPT-2's tables; any leaf with "embed" is one too
 HEAD_LEAVES = {"lm_head", "embed_out", "score", "classifier", "output"}
 # MoE routers: tiny, precision-critical, and some engines build them without FP8 support.
 ROUTER_LEAVES = {"router", "shared_expert_gate", "e_score_correction_bias"}
@@ -51,7 +50,7 @@ class UnsupportedLayout(FP8ConvertError):
 
 
 def default_keep_reason(info: TensorInfo, arch: Architecture, fmt: str, scheme: str) -> str | None:
-    """Why a tensor stays in high precision by default, or None. UnsupportedLayout: a weight of more than 2 dims."""
+    """Why a tensor stays in high precision by default, or None; UnsupportedLayout for a >2-D weight."""
     if info.dtype not in FLOAT_SOURCE_DTYPES and info.dtype != FP8:
         return f"{info.dtype}, not a dtype fp8convert quantizes (BF16, F16, F32)"
     if len(info.shape) < 2:
@@ -98,7 +97,7 @@ def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
 
 
 def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...]) -> str | None:
-    """The vLLM fused layer a weight belongs to, e.g. 'model.layers.0.self_attn.q_proj/k_proj/v_proj'."""
+    """A weight's vLLM fused layer, e.g. 'model.layers.0.self_attn.q_proj/k_proj/v_proj'."""
     module = module_of(name)
     parent, _, leaf = module.rpartition(".")
     group = next((g for g in fused if leaf in g), None)
@@ -106,7 +105,7 @@ def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...]) -> str | None
 
 
 def experts_of(name: str) -> str | None:
-    """The experts module (e.g. `model.layers.1.mlp.experts`) a per-expert weight belongs to, or None."""
+    """A per-expert weight's experts module (e.g. `model.layers.1.mlp.experts`), or None."""
     m = PER_EXPERT.match(module_of(name))
     return m.group("experts") if m else None
 
@@ -114,14 +113,12 @@ def experts_of(name: str) -> str | None:
 def decision(
     name: str, source: TensorInfo, reason: str | None, group: str | None = None, cut: Cut | None = None, scheme=None
 ):
-    """An output tensor quantized in `scheme` (no reason to keep it) or kept, made from `source` (or a cut)."""
     action = Action.KEEP if reason else Action.QUANTIZE
     return TensorPlan(name, (source,), action, reason, group, cut=cut, scheme=scheme)
 
 
 def scheme_of(module: str, options: Options, used: set[str]) -> str:
-    """The scheme a recipe gives `module`: its rules' (which must agree), else --scheme; adds the rules'
-    patterns that matched to `used`."""
+    """The scheme a recipe gives `module`: its matching rules' (which must agree), else --scheme."""
     hits = {pattern: scheme for pattern, scheme in options.recipe if matches_pattern(module, pattern)}
     if len(set(hits.values())) > 1:
         rules = ", ".join(f"{p}={s}" for p, s in hits.items())
@@ -133,8 +130,8 @@ def scheme_of(module: str, options: Options, used: set[str]) -> str:
 def expert_cuts(
     info: TensorInfo, layout: ExpertTensor, experts: str, arch: Architecture, config: dict
 ) -> list[tuple[str, Cut]]:
-    """(output name, cut) of every expert's every member in a fused expert tensor, in nn.Linear orientation,
-    which the registry and the config's sizes tell (never the shape alone); a tensor that fits none is refused."""
+    """(output name, cut) of every expert's every member in a fused expert tensor. The orientation comes
+    from the registry and the config's sizes, never the shape alone."""
     count = config_value(config, *arch.experts.count)
     width = config_value(config, *arch.experts.width)
     hidden = config_value(config, "hidden_size", "d_model")
@@ -160,8 +157,8 @@ def expert_cuts(
 def decide(
     tensors: list[TensorInfo], config: dict, options: Options, arch: Architecture, quant: SourceQuantization | None
 ) -> tuple[list[TensorPlan], list[str], list[str]]:
-    """(decisions in source order, notes, warnings). An FP8 source's scales are inputs of their weights, its
-    FP8 weights are decided like high-precision ones, and what it kept in high precision stays as it is."""
+    """(decisions in source order, notes, warnings). An FP8 source's scales are inputs of their weights, and
+    what it kept in high precision stays so."""
     companions = quant.companions() if quant else set()
     if options.dequantize:  # every FP8 weight becomes high precision, every other tensor is kept
         kept = [t for t in tensors if t.name not in companions]
@@ -241,9 +238,8 @@ def _unsplit_kept(decisions: list[TensorPlan], arch: Architecture, options: Opti
 
 
 def _one_layer_sets(decisions: list[TensorPlan]) -> list[str]:
-    """vLLM runs a fused set (q/k/v, gate/up) as one GEMM and a MoE layer's experts as one FusedMoE, each in
-    one scheme and all FP8 or all high precision: a recipe that splits a set is refused, naming its members;
-    where some members are kept, all are (in place). The notes say which sets."""
+    """vLLM runs a fused set (q/k/v, gate/up) or a MoE layer's experts as one layer in one scheme, all FP8 or
+    all high precision: a recipe that splits a set is refused; where some members are kept, all are."""
     notes = []
     sets = ((lambda d: d.group, "fused set", "all of"), (lambda d: experts_of(d.name), "experts of", "every expert of"))
     for key_of, what, every in sets:

@@ -20,7 +20,7 @@ PINNED_HOST_BYTES = 9 * (32 << 20)  # pinned read chunks of 32 MiB: 8 reader thr
 EXPERT = re.compile(r"\.experts\.\d+\.")
 FUSED_BLOCK_RULE = f"needs every member but the last to have an output size divisible by {BLOCK}"
 
-# Where transformers cannot load an output of any family (the registry's limits add each family's own).
+# Where transformers cannot load an output of any family (the registry adds each family's own).
 LIMITS = (
     Limit(
         Caveat.TRANSFORMERS_CANNOT_LOAD,
@@ -38,9 +38,8 @@ LIMITS = (
         schemes=(Scheme.BLOCK,),
         experts=True,
     ),
-    # transformers 5.24 (integrations/compressed_tensors.py, CompressedTensorsDequantize) decodes E8M0
-    # scales only through the compressor of dense layers; its expert merge multiplies codes by the raw
-    # [out, in/32] bytes and fails on the shapes.
+    # transformers 5.24 integrations/compressed_tensors.py: CompressedTensorsDequantize decodes E8M0 only for
+    # dense layers; its expert merge multiplies codes by the raw [out, in/32] bytes and fails on the shapes.
     Limit(
         Caveat.TRANSFORMERS_CANNOT_LOAD,
         "transformers cannot load MXFP8 MoE experts (its compressed-tensors expert path does not decode per-group "
@@ -49,8 +48,7 @@ LIMITS = (
         schemes=(Scheme.MXFP8,),
         experts=True,
     ),
-    # transformers 5.25 (integrations/compressed_tensors.py) merges NVFP4 experts through a module holding
-    # weight_packed and weight_scale only: their weight_global_scale never divides (transformers #48371).
+    # transformers 5.25 integrations/compressed_tensors.py merges NVFP4 experts without weight_global_scale.
     Limit(
         Caveat.TRANSFORMERS_MISREADS,
         "transformers dequantizes NVFP4 MoE experts without their global scale (transformers issue #48371): the "
@@ -73,8 +71,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str) -> dict:
 
 
 def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
-    """Combinations that some consumer will refuse or read wrongly (see the README's table); a mixed
-    recipe's schemes each over their own tensors."""
+    """Combinations some consumer will refuse or read wrongly, each recipe scheme over its own tensors."""
     if plan.options.dequantize:  # no FP8 left
         return []
     fmt, arch = plan.options.format, plan.architecture
@@ -92,9 +89,8 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     if arch:
         warnings += limits(arch.limits)
     if arch and arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
-        # transformers' conversion mapping has no rule merging this family's per-expert weights, so it
-        # reports them as unexpected and leaves its fused expert parameters as initialised; its fused
-        # path reads FP8 expert codes without their scales, so no FP8 layout loads in both.
+        # transformers' conversion mapping merges no per-expert weights of this family, and its fused path
+        # reads FP8 expert codes without their scales: no FP8 layout loads in both.
         elsewhere = arch.experts.transformers_loads_split
         warnings.append(
             PlanWarning(
@@ -111,7 +107,6 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
 
 
 def plan_warnings(plan: Plan) -> list[str]:
-    """What did not happen as asked, then where the output will not load."""
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
@@ -181,7 +176,7 @@ def _unloadable_mamba2_in_proj(tensors: list, quantized: list) -> list[tuple[str
 
 
 def refuse_unloadable(plan: Plan) -> None:
-    """Raise where vLLM cannot load this output even at TP 1 (fused block groups that break its rule)."""
+    """Refuse an output vLLM cannot load even at TP 1 (fused block groups that break its rule)."""
     if plan.options.dequantize or Scheme.BLOCK not in plan.options.schemes:
         return
     block = [t for t in plan.tensors if t.scheme == Scheme.BLOCK]
@@ -189,10 +184,9 @@ def refuse_unloadable(plan: Plan) -> None:
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 
 
-# Which GPUs vLLM 0.33 runs each layout on (its kernel selection: CompressedTensorsW8A8Fp8 and the fp8
-# format's GEMMs need SM89, with weight-only Marlin kernels from SM75; MXFP8 GEMMs (FlashInfer) need SM100,
-# Marlin serves MXFP8 weight-only from SM75; DeepGEMM runs on SM90, SM100 and SM120).
-VLLM_GPUS = {  # by --scale-format, or the MXFP8 and FP4 schemes
+# Which GPUs vLLM 0.33's kernel selection runs each layout on (CompressedTensorsW8A8Fp8, FlashInfer MXFP8,
+# Marlin, DeepGEMM), by --scale-format, or the MXFP8 and FP4 schemes.
+VLLM_GPUS = {
     ScaleFormat.FLOAT: "FP8 GEMMs on SM89 and later (Ada, Hopper, Blackwell), weight-only Marlin kernels from SM75",
     Scheme.MXFP8: "MXFP8 GEMMs on Blackwell (SM100 and later), weight-only Marlin kernels (BF16 activations) on SM75 "
     "to SM90, Hopper included",
@@ -207,8 +201,7 @@ VLLM_GPUS = {  # by --scale-format, or the MXFP8 and FP4 schemes
 
 
 def load_table(plan: Plan, warnings: list[PlanWarning], cannot: str | None) -> dict[str, str]:
-    """Which engines (and, for vLLM, which GPUs) load this output: one line per consumer; `cannot`: why
-    transformers cannot."""
+    """Which engines (and, for vLLM, which GPUs) load this output; `cannot`: why transformers cannot."""
     options = plan.options
     if options.dequantize:  # a plain high-precision checkpoint: every consumer loads it
         return {}
@@ -284,7 +277,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
 
 
 def split_experts(plan: Plan) -> list[str]:
-    """One line per fused expert tensor written one weight per expert: where the outputs come from."""
+    """Where the outputs of each fused expert tensor written one weight per expert come from."""
     cuts: dict[str, list] = {}
     for t in plan.tensors:
         if t.cut:
@@ -297,7 +290,7 @@ def split_experts(plan: Plan) -> list[str]:
 
 
 def mtp_summary(plan: Plan) -> str | None:
-    """Where the next-token-prediction layers are and what became of them (None: the family has none)."""
+    """Where the MTP layers are and what became of them (None: the family has none)."""
     arch, names = plan.architecture, [t.name for t in plan.source.tensors]
     if arch is None or not arch.mtp:
         return None

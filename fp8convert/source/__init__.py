@@ -1,7 +1,58 @@
-"""Stage 1, source: what the checkpoint holds (a local directory or a Hub repo), from headers alone.
+"""Stage 1, source: what the checkpoint holds, read from headers alone. SRC names a local directory, or a
+Hub repo id (owner/name) when no such directory exists."""
 
-checkpoint.py  the Source dataclass, the checks every source passes, a local directory
-hub.py         a Hub repo: pinned commit, remote headers, downloads into the cache
-streaming.py   --stream-download: a few source shards on disk at a time
-resolve.py     what SRC names (a directory or a repo id), and the source a run or a manifest needs
-"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import FP8ConvertError
+from ..options import REPO_ID, HubAccess
+from .checkpoint import Source, open_local
+from .hub import fetch_from_hub, hub_source, resolve_repo, source_from_repo
+from .streaming import NoFetcher, StreamingFetcher
+
+
+def looks_like_repo_id(src: str) -> bool:
+    return bool(REPO_ID.match(src)) and not Path(src).exists()
+
+
+def open_source(src: str | Path, hub: HubAccess, download: bool = True) -> Source:
+    """The checkpoint: a local directory, or a Hub repo downloaded into the huggingface_hub cache (only
+    the files a conversion reads), or without `download` its layout alone, from remote headers."""
+    text = str(src)
+    if looks_like_repo_id(text):
+        return hub_source(text, hub, download)
+    if not Path(text).exists():
+        raise FP8ConvertError(f"{text}: no such directory, and not a Hub repo id (owner/name)")
+    if hub.revision:
+        raise FP8ConvertError(f"--revision applies to Hub repo ids, but {text} is a local directory")
+    return open_local(Path(text))
+
+
+def plan_source(src: str | Path, hub: HubAccess) -> Source:
+    return open_source(src, hub, download=False)
+
+
+def run_source(
+    src: str | Path, hub: HubAccess, stream_to: Path | None, shared: bool
+) -> tuple[Source, NoFetcher | StreamingFetcher]:
+    """A conversion's source and the fetcher that brings its shards. `stream_to` (--stream-download): a
+    Hub repo's shards arrive there as the run needs them, from `fetcher.start(order)` on. `shared` (one
+    worker of several): a Hub repo is planned from its headers, and each worker fetches the shards it reads."""
+    if stream_to is not None:
+        repo = resolve_repo(str(src), hub)  # the small files go to the cache
+        return source_from_repo(repo, stream_to), StreamingFetcher(repo, stream_to)
+    return open_source(src, hub, download=not shared), NoFetcher()
+
+
+def recorded_source(state: dict, hub: HubAccess) -> Source:
+    """The source a manifest records, under the label the model card names: its local directory, or the
+    Hub repo at the recorded commit from its headers, with the small files finalize reads fetched."""
+    if state.get("source_path"):
+        return open_local(Path(state["source_path"]), label=state["source"])
+    if not looks_like_repo_id(state["source"]):
+        raise FP8ConvertError(f"{state['source']}: the manifest's source is neither a directory nor a Hub repo id")
+    source = hub_source(state["source"], replace(hub, revision=state.get("revision")), download=False)
+    fetch_from_hub(source, [], hub)
+    return source

@@ -1,6 +1,5 @@
-"""What a source checkpoint is, wherever it lives: its shards, tensors, config and side files, the checks
-every source passes (local directory or Hub repo alike), and `open_local` for a local directory. Reads
-headers, never tensor data."""
+"""What a source checkpoint is wherever it lives, the checks every source passes, and `open_local` for a
+local directory. Reads headers, never tensor data."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class Source:
 
 
 def is_copied_file(name: str) -> bool:
-    """Top-level non-weight files travel with the model: tokenizer, chat template, generation config,
-    processor configs, remote-code .py files, license."""
+    """Top-level non-weight files travel with the model (tokenizer, chat template, remote code, license)."""
     return (
         "/" not in name
         and not name.startswith(".")
@@ -52,8 +50,7 @@ def is_copied_file(name: str) -> bool:
 
 
 def parse_index(text: str | bytes, where: str) -> dict[str, str]:
-    """The `weight_map` of a safetensors index (tensor name -> shard file); every file name must stay
-    inside the checkpoint directory."""
+    """The `weight_map` of a safetensors index; every file name must stay inside the checkpoint directory."""
     try:
         weight_map = json.loads(text)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
@@ -130,7 +127,7 @@ def load_config(root: Path) -> dict:
 
 
 def collect_tensors(headers: dict[str, dict], index_map: dict[str, str] | None, where: str) -> list[TensorInfo]:
-    """Merge per-file headers; a tensor named twice, or where the index says it is not, is an error."""
+    """Merge per-file headers; a tensor named twice, or not where the index says, is refused."""
     seen: dict[str, TensorInfo] = {}
     for file in sorted(headers):
         for name, info in headers[file].items():

@@ -1,8 +1,6 @@
-"""A source on the Hugging Face Hub: a repo id pinned to one commit, read from its shards' headers
-(HTTP Range requests: planning and `inspect` download no weights) or downloaded into the shared
-huggingface_hub cache (a rerun re-uses every finished file and resumes a partial one). Every request
-goes through hub_calls (timeouts, bounded retries, one error line naming the repo).
-"""
+"""A source on the Hugging Face Hub: a repo id pinned to one commit, read from its shards' headers (HTTP
+Range requests: planning and `inspect` download no weights) or downloaded into the shared huggingface_hub
+cache (a rerun re-uses every finished file and resumes a partial one)."""
 
 from __future__ import annotations
 
@@ -44,8 +42,8 @@ class RemoteRepo:
     card: str | None = None  # the source's README.md, read for the model card
 
     def call(self, fn, *args, then=CHECK_AND_RERUN, needed_bytes=None, retryable=is_transient, **kwargs):
-        """A huggingface_hub call with timeouts and bounded retries (of failures `retryable` accepts); any
-        failure becomes one FP8ConvertError line naming the repo (`then`, `needed_bytes`: see hub_error)."""
+        """A huggingface_hub call with timeouts and bounded retries; any failure becomes one FP8ConvertError
+        line naming the repo (`then`, `needed_bytes`: see hub_error)."""
         try:
             return with_retries(fn, *args, retryable=retryable, **kwargs)
         except FP8ConvertError:
@@ -54,8 +52,8 @@ class RemoteRepo:
             raise hub_error(self.repo_id, e, self.hub.revision, then=then, needed_bytes=needed_bytes) from e
 
     def download(self, filename: str, local_dir: Path | None = None, weights: bool = False) -> Path:
-        """One file at the pinned commit, into the shared cache or `local_dir`; a partial file resumes.
-        `weights`: a shard, which a rerun resumes (said when the download fails)."""
+        """One file at the pinned commit, into the shared cache or `local_dir`. `weights`: a shard, which a
+        rerun resumes (said when the download fails)."""
         size = self.sizes.get(filename)
         path = Path(
             self.call(
@@ -84,9 +82,8 @@ class RemoteRepo:
 
 
 def resolve_repo(repo_id: str, hub: HubAccess) -> RemoteRepo:
-    """The commit `hub.revision` points to with the size of every file in it (one API call), and the files
-    a conversion needs, from that listing and the small index: unusable repos (no config, pickle only, an
-    index naming absent shards) are refused before any big download."""
+    """The commit `hub.revision` points to, its files' sizes (one API call) and the files a conversion needs:
+    unusable repos (no config, pickle only, an index naming absent shards) are refused before any download."""
     with also_no_folder(repo_id):
         info = RemoteRepo(repo_id, "", {}, hub).call(
             hf.HfApi(token=hub.token).model_info, repo_id, revision=hub.revision, files_metadata=True
@@ -141,8 +138,7 @@ def _read_range(url: str, headers: dict, start: int, length: int) -> bytes:
 
 
 def remote_header(repo: RemoteRepo, filename: str) -> dict[str, TensorInfo]:
-    """One shard's safetensors header over HTTP Range requests, validated exactly as a local one
-    (offsets absolute: 8 + header length + data_offsets begin; the file size from the repo listing)."""
+    """One shard's safetensors header over HTTP Range requests, validated exactly as a local one."""
     from huggingface_hub.utils import build_hf_headers
 
     url, headers = hf.hf_hub_url(repo.repo_id, filename, revision=repo.sha), build_hf_headers(token=repo.hub.token)
@@ -166,9 +162,8 @@ def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
 
 
 def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
-    """A Source from the Hub. `download`: only the files a conversion reads (no .bin, no original/
-    folder) into the cache; else the layout alone, from the shards' headers, rooted at the cache snapshot
-    a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
+    """`download`: only the files a conversion reads, into the cache; else the layout alone, rooted at the
+    cache snapshot a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if not constants.HF_HUB_OFFLINE:
@@ -197,8 +192,7 @@ def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
 
 
 def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
-    """The small files, then `shards`, biggest first, into the cache snapshot; returns it. Files the
-    cache already holds for this commit cost no request, and a partial one resumes."""
+    """The small files, then `shards`, biggest first, into the cache snapshot; returns it."""
     for name in ["config.json", INDEX_NAME, repo.card, *repo.side_files]:
         if name in repo.sizes:
             repo.download(name)

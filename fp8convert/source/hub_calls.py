@@ -59,7 +59,7 @@ def _bound_timeouts(request) -> None:
 
 
 def causes(error: BaseException):
-    """The error and every exception it was raised from, outermost first."""
+    """The error and every exception it was raised from."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -112,8 +112,7 @@ def download_is_retryable(error: BaseException) -> bool:
 
 
 def with_retries(fn, *args, retryable=is_transient, **kwargs):
-    """fn(*args, **kwargs), tried again after failures `retryable` accepts, up to FP8CONVERT_HUB_RETRIES
-    times with a doubling wait; anything else is raised at once."""
+    """fn(*args, **kwargs), retried on failures `retryable` accepts, with a doubling wait."""
     install_timeouts()
     retries = max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int))
     wait = max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float))

@@ -1,5 +1,5 @@
 """--stream-download: source shards on demand, a few on disk at a time, for models larger than the disk.
-A source whose files are on disk already gets `NoFetcher`, so the pipeline has one code path for both."""
+A source already on disk gets `NoFetcher`, so the pipeline has one code path for both."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from ..options import HubAccess
-from .checkpoint import Source
-from .hub import RemoteRepo, resolve_repo, source_from_repo
+from .hub import RemoteRepo
 from .hub_calls import hub_error
 
 
@@ -30,14 +28,10 @@ class NoFetcher(contextlib.nullcontext):
 
 class StreamingFetcher(contextlib.AbstractContextManager):
     """At most `keep` source shards on disk: a background thread downloads them into `download_dir` (not
-    the shared cache) in the order `start(order)` gives, after the small side files.
-
-    `need(files)` blocks until they are on disk and raises a download's failure (a failed or released file
-    asked for again is tried again); `done_reading(files)`: no later batch reads them, so their slots free
-    once the batches in flight are written; `release(files)`: those are written, delete the files. Leaving
-    the context after a finished run deletes the folder; after a failure the finished files stay for the
-    rerun, which also resumes a partial one.
-    """
+    the shared cache) in the order `start(order)` gives, after the small side files. `need(files)` blocks
+    until they are on disk (a failed or released file is tried again); `done_reading(files)`: no later batch
+    reads them, so their slots free up soon; `release(files)`: delete them. A finished run deletes the
+    folder; after a failure the finished files stay for the rerun."""
 
     def __init__(self, repo: RemoteRepo, download_dir: str | Path, keep: int = 2):
         self.repo, self.dir, self.keep = repo, Path(download_dir), max(1, int(keep))
@@ -57,8 +51,7 @@ class StreamingFetcher(contextlib.AbstractContextManager):
         self.close(remove=exc_type is None)
 
     def start(self, order: list[str] | None = None) -> None:
-        """`order`: the shards in the order `need` first asks for them. Comes after the output directory is
-        prepared (that may clear it); leftovers of an earlier run that are still wanted are kept."""
+        """`order`: the shards in the order `need` first asks for them. Runs after OUT is prepared (may clear it)."""
         if self._started:
             return
         if order is not None:
@@ -112,7 +105,7 @@ class StreamingFetcher(contextlib.AbstractContextManager):
             self._cond.notify_all()
 
     def close(self, remove: bool = False) -> None:
-        """Stop the download thread; `remove`: delete the download directory (after a finished run)."""
+        """Stop the download thread; `remove`: delete the download directory."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -178,13 +171,6 @@ class StreamingFetcher(contextlib.AbstractContextManager):
         (self.dir / ".cache" / "huggingface" / "download" / f"{name}.metadata").unlink(missing_ok=True)
 
 
-def streaming_source(repo_id: str, download_dir: Path, hub: HubAccess) -> tuple[Source, StreamingFetcher]:
-    """The remote Source rooted at `download_dir` (in OUT's work folder), and the fetcher that fills it.
-    Nothing is written there until `fetcher.start(order)`."""
-    repo = resolve_repo(repo_id, hub)  # the small files go to the cache
-    return source_from_repo(repo, download_dir), StreamingFetcher(repo, download_dir)
-
-
 def need_order(batches) -> list[str]:
-    """Shards in the order a list of batches (anything with `.tensors` of TensorPlan) first reads them."""
+    """Shards in the order `batches` first read them."""
     return list(dict.fromkeys(info.file for batch in batches for t in batch.tensors for info in t.inputs))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..options import AUTO, HubAccess, Settings, python_spelling
-from ..source.resolve import open_source
+from ..source import open_source
 from .report import VerifyFailed, VerifyReport, record_in_card, render
 from .structure import check_config, check_manifest_and_side_files, pair_tensors
 
