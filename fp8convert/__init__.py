@@ -1,9 +1,6 @@
 """fp8convert: offline BF16 -> FP8 (e4m3) checkpoint conversion with memory that does not grow with the model.
 
-The package is the pipeline: source/ (what the checkpoint holds) -> plan/ (what becomes of each tensor,
-where each byte goes) -> run/ (read, quantize, write) -> output/ (manifest, finalize, card), with
-formats/ for the output formats, cluster/ for several processes, and api.py, the Python API the cli/
-is a thin layer over.
+The pipeline runs source/ -> plan/ -> run/ -> output/; api.py is the Python API, and cli/ a thin layer over it.
 """
 
 import importlib

@@ -1,6 +1,5 @@
-"""The `fp8convert` program (and `python -m fp8convert`). The command line is imported here, inside a
-handler, so that Ctrl-C while Python is still importing it (a few tenths of a second) ends like Ctrl-C
-anywhere else: one line and exit 130, not a traceback."""
+"""The `fp8convert` program. The CLI is imported inside a handler so that Ctrl-C during that import (a few
+tenths of a second) ends as anywhere else: one line and exit 130, not a traceback."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The Python API. The CLI is a thin layer over these functions; tests and other tools call them too.
+"""The Python API; the CLI is a thin layer over it.
 
     plan = fp8convert.make_plan("./Llama-3.1-8B", scheme="channel")        # headers only
     report = fp8convert.quantize("./Llama-3.1-8B", "./out", scheme="channel")
@@ -87,8 +87,7 @@ class FinalizeReport:
 
 @python_spelling
 def make_plan(src: str | Path, settings: Settings | None = None, **overrides) -> Plan:
-    """Plan a conversion from headers and config alone; reads no tensor data (a Hub repo id is planned
-    from remote headers)."""
+    """Plan a conversion from headers and config alone (a Hub repo id's remote headers); reads no tensor data."""
     settings = Settings.of(settings, **overrides)
     return build_plan(plan_source(src, settings.hub), settings.options)
 
@@ -127,9 +126,9 @@ def quantize(
     out_dir = Path(out)
     stream_to = out_dir / WORK_DIR / DOWNLOAD_DIR if settings.stream_download else None
     source, fetcher = run_source(src, settings.hub, stream_to, shared=spec.count > 1)
-    # While the plan is made (seconds, for tens of thousands of tensors), the disk pulls the checkpoint
-    # into the page cache in file order, the pipeline's order: only for one worker (each of several reads
-    # its share) on a fresh OUT (a resumed one may have its first shards done, or be refused).
+    # While the plan is made (seconds, for tens of thousands of tensors), the disk pulls the checkpoint into
+    # the page cache in the pipeline's order: only for one worker (each of several reads its share) on a
+    # fresh OUT (a resumed one may have its first shards done, or be refused).
     alone_on_fresh_out = spec.count == 1 and not devices and _fresh(out_dir)
     head = _prefetcher(source.root, source.tensors, settings) if alone_on_fresh_out else None
     # The head start's reads are joined on leaving, refused or not (a thread still reading as the
@@ -152,8 +151,7 @@ def quantize(
             todo = spec.owned(len(the_plan.shards)) - done
             if devices:
                 lock.share()  # the workers it starts, one per device, hold it shared too
-            # the units an earlier run wrote in this share's partial shards, checked against their bytes
-            # (with --devices, each device's worker checks its own)
+            # units an earlier run wrote in this share's partial shards (with --devices, each worker checks its own)
             written = {} if devices else written_in(the_plan, out_dir, todo)
             check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
             Manifest(out_dir).claim(the_plan, settings.base_model)
@@ -283,7 +281,6 @@ def _quantize_here(
     started: float,
     report: Report,
 ) -> None:
-    """This process writes its share of the shards (all of them when it is the only worker)."""
     units = the_plan.units_in(todo, written)
     report.units = len(the_plan.units_in(todo))
     report.units_resumed = report.units - len(units)
@@ -348,9 +345,8 @@ def _quantize_here(
 
 
 def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1) -> Prefetcher | None:
-    """The page-cache read-ahead of `tensors`, in their order; None with --prefetch 0 or a streamed source
-    (its shards arrive as needed). `workers`: how many processes converting shares of this model share
-    this machine's memory (WorkerSpec.sharing), which --prefetch auto divides."""
+    """The page-cache read-ahead of `tensors`; None with --prefetch 0 or a streamed source (its shards arrive
+    as needed). --prefetch auto is divided among the `workers` on this machine (WorkerSpec.sharing)."""
     if not settings.prefetch or settings.stream_download:
         return None
     return Prefetcher(
@@ -359,8 +355,8 @@ def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1)
 
 
 def check_free_space(the_plan: Plan, out_dir: Path, todo: set[int], streamed_bytes: int, written: int) -> None:
-    """The output shards still to write, but the bytes of their partial files that are `written`, plus
-    the source shards a streamed download keeps at once."""
+    """Refuse when the shards still to write (less their `written` bytes), plus the streamed source shards
+    kept at once, would not fit."""
     needed = sum(the_plan.shards[i].size for i in todo) - written + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:
@@ -372,10 +368,9 @@ def check_free_space(the_plan: Plan, out_dir: Path, todo: set[int], streamed_byt
 
 @python_spelling
 def finalize_output(out: str | Path, *, token: str | None = None, cache_dir: str | None = None) -> FinalizeReport:
-    """Finish an output whose shards several workers wrote: rebuild the plan from what the manifest
-    records (headers only), refused if it is not the workers' plan or the source changed, check every
-    shard's size and header bytes, then write side files, card, index and config.json (the same bytes
-    again on a complete output)."""
+    """Finish an output whose shards several workers wrote: rebuild the plan from the manifest (headers only;
+    refused if it is not the workers' plan or the source changed), check every shard's size and header, then
+    write side files, card, index and config.json (the same bytes again on a complete output)."""
     started = time.monotonic()
     out_dir = Path(out)
     the_plan = recorded_plan(out_dir, HubAccess(token=token, cache_dir=cache_dir))

@@ -73,9 +73,8 @@ def make_demo_model(path: str | Path, seed: int = 0, shards: int = 2) -> Path:
 
 
 def demo_source(path: str | Path) -> Path:
-    """The demo checkpoint at `path`: written there when `path` is new or empty, kept when it holds the
-    demo already (an earlier `demo` into the same folder), refused, with nothing written, when it holds
-    anything else: the demo's file names are common ones (config.json, model-00001-of-00002.safetensors)."""
+    """The demo checkpoint at `path`: written when `path` is new or empty, kept when it holds the demo
+    already, else refused: the demo's file names are common ones (config.json, model-00001-of-00002...)."""
     path = Path(path)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return make_demo_model(path)

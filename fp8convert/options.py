@@ -87,8 +87,7 @@ def parse_size(value: int | str, what: str = "size") -> int:
 
 @dataclass(frozen=True)
 class HubAccess:
-    """How a Hub source is reached: its revision (branch, tag or commit; None: main), the token (None:
-    HF_TOKEN or the saved login) and the download cache (None: huggingface_hub's)."""
+    """How a Hub source is reached; None takes huggingface_hub's default (main, HF_TOKEN or login, its cache)."""
 
     revision: str | None = None
     token: str | None = None
@@ -187,8 +186,7 @@ def did_you_mean(text: str, names) -> str:
 
 
 def one_of(value: str, option: str, choices: tuple[str, ...], aliases: dict[str, str] | None = None) -> str:
-    """`value` as one of `choices`, in any case (`aliases` maps other names to a choice), else a usage
-    error that offers the close match."""
+    """`value` as one of `choices` (or `aliases`' keys), in any case; else a usage error offering a close match."""
     names = {c: c for c in choices} | (aliases or {})
     text = str(value).strip().lower()
     if text not in names:
@@ -202,9 +200,8 @@ def parse_scheme(value: str) -> str:
 
 
 def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
-    """A recipe's rules as (pattern, scheme) pairs, from a mapping, pairs or 'PATTERN=SCHEME' texts. A
-    pattern is what --ignore takes: an exact module name or prefix, a glob, or an `re:` regex. `where`:
-    the recipe file they come from, for the errors (else they name --scheme)."""
+    """A recipe's rules as (pattern, scheme) pairs, from a mapping, pairs or 'PATTERN=SCHEME' texts; a pattern
+    is what --ignore takes. Errors name `where` (the recipe file), else --scheme."""
     parsed = []
     for rule in rules.items() if isinstance(rules, dict) else rules:
         if isinstance(rule, str):  # the scheme follows the last '=': 're:.*experts.*=nvfp4a16'
@@ -226,8 +223,7 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
 
 
 def regex_error(pattern: str) -> str | None:
-    """Why an ignore entry's `re:` pattern does not compile (None when it does, or is no regex): for
-    --ignore and for the ignore list of a checkpoint's quantization_config alike."""
+    """Why an `re:` ignore pattern (--ignore's, or a source's quantization_config's) does not compile, else None."""
     if not pattern.startswith("re:"):
         return None
     try:
@@ -291,8 +287,7 @@ def keyword_spelling(message: str) -> str:
 
 
 def python_spelling(function):
-    """For the API's entry points: an FP8ConvertError leaving `function` names keywords, not flags,
-    unless the CLI called it."""
+    """For the API's entry points: an FP8ConvertError leaving `function` names keywords, unless the CLI called it."""
 
     @functools.wraps(function)
     def call(*args, **kwargs):

@@ -30,9 +30,8 @@ def push(
     token: str | None = None,
     create_pr: bool = False,
 ) -> str:
-    """Upload a complete output directory to `repo_id` (created if needed), with a model card (generated
-    when missing) naming `repo_id`: the commit URL, or with `create_pr` the pull request's. The upload is
-    resumable: rerunning an interrupted push skips what already arrived."""
+    """Upload a complete output to `repo_id` (created if needed) with a model card naming it (generated when
+    missing); returns the commit URL, or with `create_pr` the pull request's. Rerunning resumes an upload."""
     from huggingface_hub import HfApi
 
     out = Path(out)
@@ -78,8 +77,7 @@ def push(
 
 
 def retarget_card(text: str, repo_id: str) -> str:
-    """A generated card with its examples naming `repo_id` instead of where it was written; cards without
-    the mark are left alone."""
+    """A generated card with its examples naming `repo_id`; a card without the mark is left alone."""
     m = re.search(r"^" + re.escape(TARGET_MARK).replace(r"\{\}", "(.+?)") + r"\n?\Z", text, re.M)
     if not m:
         return text

@@ -1,6 +1,4 @@
-"""Command-line interface: a thin layer over fp8convert's Python API. How a command ends is decided in
-one place, `main` (with cli/_failures.py); the `fp8convert` program is `run`: main, then the process ends
-without tearing torch down."""
+"""The command line: `main` decides how every command ends (with _failures.py); `run` is the program."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ for function in (quantize, dequantize, inspect, demo, verify, push, finalize, ba
     app.command(cls=Command)(function)
 
 
-# What Python itself exits with when it cannot flush stdout at exit.
-FLUSH_FAILED_EXIT = 120
+FLUSH_FAILED_EXIT = 120  # what Python itself exits with when it cannot flush stdout at exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The program: main(), then exit with its code. Once torch is loaded or loading, the exit skips the
-    interpreter's teardown: unloading torch takes a second or so after every output is fsynced, and a
-    teardown beside an import in progress can abort. main() has closed its files and joined its threads;
-    only the streams are flushed here, and a failed flush fails the exit as Python's would."""
+    """main(), then exit with its code. Once torch is loaded or loading, skip the interpreter's teardown:
+    unloading torch takes a second or so, and a teardown beside an import in progress can abort. main() has
+    closed its files and joined its threads, so only the streams are flushed, a failed flush failing the exit."""
     rc = main(argv)
     if "torch" not in sys.modules and not torch_starting():
         sys.exit(rc)

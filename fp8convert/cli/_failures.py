@@ -1,10 +1,6 @@
-"""How a command that fails ends: one line on stderr, an exit code, and with --json an error object.
-
-fp8convert's own errors already are one line, with their own exit code. Everything else is said in one
-line by `describe` (exit 1) instead of ending in a traceback; FP8CONVERT_DEBUG=1 prints the traceback as
-well. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) stop a command the same way: one line
-saying what a rerun does for that command, exit 130 or 143.
-"""
+"""How a failed command ends: one line on stderr (FP8CONVERT_DEBUG=1 adds the traceback), an exit code, and
+with --json an error object. Ctrl-C and SIGTERM (how Slurm and Kubernetes stop a job) end alike: a line
+saying what a rerun does, exit 130 or 143."""
 
 from __future__ import annotations
 
@@ -79,10 +75,8 @@ def describe(error: BaseException) -> tuple[str, int]:
 
 
 def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
-    """Print the failure and return its exit code. A command line the parser refused (unknown option or
-    command, missing argument, bad number): its usage lines on stderr as click prints them, exit 2. Any
-    other: the traceback (FP8CONVERT_DEBUG=1), then one `error:` line on stderr. With --json, when the
-    command printed no JSON of its own, an error object on stdout as well."""
+    """Print the failure and return its exit code: click's usage lines for a command line it refused (exit 2),
+    else one `error:` line; with --json, also an error object on stdout unless the command printed its own."""
     if isinstance(error, typer.TyperException):
         error.show()
         line, code = " ".join(error.format_message().split()), error.exit_code
@@ -101,7 +95,6 @@ def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
 # ------------------------------------------------------------------------------- stopping
 
 RESUME = "rerun the same command to resume"
-# What a rerun does, by command: said when the command is interrupted or terminated.
 RERUN = {
     "quantize": RESUME,
     "dequantize": RESUME,
@@ -122,10 +115,9 @@ def stop_line(command: str | None, terminated: bool) -> str:
 
 @contextlib.contextmanager
 def stop_on_sigterm():
-    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so that every cleanup Ctrl-C runs
-    runs too (threads stopped, partial shards left for a rerun, the finalize claim released). Signal
-    handlers can only be set in the main thread: elsewhere this does nothing. The state's `received` tells
-    the caller which signal stopped it."""
+    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so every cleanup of Ctrl-C runs too
+    (threads stopped, partial shards kept, the finalize claim released); `received` says it was SIGTERM.
+    Only the main thread can set signal handlers: elsewhere this does nothing."""
     state = SimpleNamespace(received=False)
 
     def handle(signum, frame):

@@ -1,5 +1,4 @@
-"""What the commands share: their options, declared once in OPTIONS; the help conventions (-h, usage
-`SRC OUT`, no type placeholders after flags); how parameters become Settings; JSON output on stdout."""
+"""What the commands share: their options (OPTIONS, declared once), help conventions, Settings, JSON output."""
 
 from __future__ import annotations
 
@@ -41,9 +40,8 @@ class Group(_NoHelpPlaceholder, TyperGroup):
 
 
 def option(kind, usage: str, help: str, default=None, **extra) -> tuple:
-    """(type, default) of an option of type `kind`, written as its usage reads: '--scheme tensor|channel',
-    '--quiet -q'. A last word that is no flag names the value; without one the option is a flag, off by
-    default."""
+    """(type, default) of an option, written as its usage reads: '--scheme tensor|channel', '--quiet -q'. A
+    last word that is no flag names the value; without one the option is a flag, off by default."""
     *names, value = usage.split()
     if value.startswith("-"):
         names, value = [*names, value], ""
@@ -58,9 +56,8 @@ def argument(kind, metavar: str, help: str, default=inspect.Parameter.empty) -> 
 
 
 def command(names: str):
-    """Give the decorated command the parameters `names`, in this order (the help's): each is the one the
-    function annotates with option() or argument(), or, where it does not, the one of that name in OPTIONS.
-    The function takes them as keywords."""
+    """Give the command the parameters `names`, in the help's order, as keywords: the function's own option()
+    or argument() annotation where it has one, else the one of that name in OPTIONS."""
 
     def decorate(function):
         own = inspect.signature(function, eval_str=True).parameters
@@ -209,10 +206,8 @@ def hub_token(given: str | None = None) -> str | None:
 
 
 def settings_from(params: dict, **values) -> Settings:
-    """The Settings a command's parameters name by field name, with `values` on top. A parameter left at
-    None, or a flag left off, takes the field's default, so without --write-unloadable
-    $FP8CONVERT_WRITE_UNLOADABLE still decides; the token is --token, else $HF_TOKEN; --scheme, --recipe
-    and --ignore give what `scheme_keywords` says."""
+    """The Settings a command's parameters name, with `values` on top. A parameter left at None, or a flag
+    left off, takes the field's default: without --write-unloadable, $FP8CONVERT_WRITE_UNLOADABLE decides."""
     given = {k: v for k, v in params.items() if k in SETTING_NAMES and v is not None and v is not False}
     if "scheme" in params:
         given |= scheme_keywords(params["scheme"], params.get("recipe"), params.get("ignore"))
@@ -236,8 +231,7 @@ def scheme_keywords(schemes: list[str] | str | None, recipe: Path | None, ignore
 
 
 def read_recipe(path: Path) -> dict:
-    """A recipe file (TOML, or YAML for .yaml/.yml) as the keywords it sets: `recipe` from its `schemes`
-    (module pattern -> scheme), `ignore` (optional, as --ignore) and `scheme` (optional, the default)."""
+    """A recipe file (TOML, or YAML for .yaml/.yml) as Settings keywords: `recipe` from its `schemes` table."""
     import tomllib  # here: only --recipe needs them
 
     import yaml

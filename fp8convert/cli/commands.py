@@ -1,5 +1,4 @@
-"""The commands, each a thin layer over the Python API. A command's parameters are named by `command`:
-the shared options of _options.OPTIONS, and those the function declares itself."""
+"""The commands, each a thin layer over the Python API; `command` (_options.py) names their parameters."""
 
 from __future__ import annotations
 
@@ -81,7 +80,6 @@ def dequantize(src, out, json_out, quiet, push_to_hub, private, **settings):
 
 
 def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to: str | None, private: bool) -> None:
-    """Run a quantize or dequantize, print what it did, push it if asked."""
     if private and not push_to:
         raise UsageError("--private applies only with --push-to-hub REPO_ID")
     if push_to and not REPO_ID.match(push_to):
@@ -244,9 +242,8 @@ def demo(
     text_to = sys.stderr if json_out else sys.stdout
     print(f"built demo model {src}", file=text_to)
     _convert(str(src), directory / "fp8", settings, json_out, None, False)
-    # Building the model imported torch before the conversion, which then records no start-up pages (a
-    # caller's process maps much else); this process is the program's own, so it leaves the record, and
-    # the first real conversion on this device starts torch as every later one does.
+    # Building the model imported torch first, so the conversion recorded no start-up pages (a caller's
+    # process maps much else); this process is the program's own, so it records them for later runs.
     warmup.record(warmup.record_path(device))
     print(next_steps(src, directory / "fp8", scheme, format), file=text_to)
 

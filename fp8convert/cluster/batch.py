@@ -1,7 +1,5 @@
 """Batch conversion: many models from one jobs file (TOML `[[job]]` tables with an optional `[defaults]`,
-or JSON lines: docs/cluster.md), one after another or one per Slurm array task. The whole file is validated
-before any job starts; a finished output is skipped, a failed job does not stop the others.
-"""
+or JSON lines: docs/cluster.md), one after another or one per Slurm array task."""
 
 from __future__ import annotations
 
@@ -229,8 +227,7 @@ def run_batch(
     cache_dir: str | None = None,
     on_plan: Callable[[Job, Plan], None] | None = None,
 ) -> list[JobResult]:
-    """Validate the jobs file, then run its jobs in order (or only job `task_index`, by default the Slurm
-    array task's)."""
+    """Validate the jobs file, then run its jobs in order (or only job `task_index`, default the array task's)."""
     jobs = read_jobs(path)
     task_index = task_index_from_env() if task_index is None else task_index
     if task_index is not None:

@@ -39,8 +39,7 @@ def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
 
 
 def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
-    """`settings` and the devices its --devices names, checked on this machine; one device is no split
-    (it becomes --device), no devices None."""
+    """`settings` and the devices its --devices names, checked here; None for no split (one becomes --device)."""
     if not settings.devices:
         return settings, None
     devices = parse_devices(settings.devices)
@@ -57,8 +56,7 @@ def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
 
 def run_on_devices(target: Callable, src: str, out: str, settings: Settings, spec: WorkerSpec, devices: list) -> list:
     """target(src, out, settings) in one spawned process per device (so importable by name): their Reports.
-    Each child's settings are these with its device, its part of worker `spec`'s shards, no finalize, and
-    no --overwrite (the parent has already replaced OUT; a worker of several may not)."""
+    Children get no --overwrite: the parent has already replaced OUT, and a worker of several may not."""
     children = [
         replace(settings, device=d, devices=None, worker=spec.split(len(devices), i), finalize=False, overwrite=False)
         for i, d in enumerate(devices)

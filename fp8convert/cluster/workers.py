@@ -1,11 +1,10 @@
 """Splitting one conversion over several processes: which worker am I, which shards are mine, who finalizes.
 
-Every worker computes the same plan on its own; worker K of N writes the shards with index % N == K and
-reads only their tensors. Workers share nothing but OUT: a shard gets its final name only once complete,
-so whoever finds every shard there can finalize, and finalizing twice writes the same bytes. torchrun and
-multi-task srun are detected always (N copies of one command would collide), Slurm arrays and Kubernetes
-indexed Jobs only with --worker auto (an array also runs different models: batch).
-"""
+Every worker computes the same plan; worker K of N writes the shards with index % N == K. Workers share
+nothing but OUT: a shard gets its final name only once complete, so whoever finds every shard there can
+finalize, and finalizing twice writes the same bytes. torchrun and multi-task srun are detected always
+(N copies of one command would collide), Slurm arrays and Kubernetes indexed Jobs only with --worker auto
+(an array also runs different models: batch)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class WorkerSpec:
 
     @property
     def sharing(self) -> int:
-        """The workers that share this machine's memory and cores, this one included: what the prefetch
-        window is divided by."""
+        """The workers on this machine, this one included: what the prefetch window is divided by."""
         return min(self.on_this_machine or self.count, self.count)
 
     def owned(self, shard_count: int) -> set[int]:
@@ -186,9 +184,8 @@ def barrier() -> None:
 
 
 def claim_finalize(out_dir: Path) -> bool:
-    """Become the one worker that finalizes now: a claim file, created only where none is, naming host and
-    pid. False when another worker holds the claim (it is finalizing); a claim left by a dead worker (its
-    pid gone on this host, or older than STALE_CLAIM_S) is taken over."""
+    """Become the one worker that finalizes now (a claim file naming host and pid); False while another holds
+    it. A claim left by a dead worker (its pid gone on this host, or older than STALE_CLAIM_S) is taken over."""
     path = Path(out_dir) / WORK_DIR / CLAIM
     for _ in range(2):
         try:
@@ -223,8 +220,8 @@ def release_finalize(out_dir: Path) -> None:
 
 
 def finalize_share(plan: Plan, out_dir: Path, spec: WorkerSpec, progress: bool) -> bool:
-    """Finalize once this worker's shards are written, when it may: alone, as torchrun's rank 0 after the
-    barrier, or as the worker that finds every shard present and takes the claim. Whether OUT is complete."""
+    """Finalize when this worker may: alone, as torchrun's rank 0 after the barrier, or as the worker that
+    finds every shard present and takes the claim. Whether OUT is complete."""
     if spec.count > 1 and spec.launcher == "torchrun":
         log(f"worker {spec.text}: shards written; waiting for the other ranks", progress)
         barrier()

@@ -30,8 +30,7 @@ SCHEME_TEXT = {
     "mxfp4a16": "MXFP4: 4-bit E2M1 values packed two a byte, one power-of-two scale per 32 consecutive inputs of "
     "each row, stored as its E8M0 exponent byte (uint8)",
 }
-# What the card calls the weights, by scheme (FP8 for every other one)
-WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}
+WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}  # what the card calls the weights; FP8 for other schemes
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
     ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
@@ -319,16 +318,13 @@ def use_section(info: dict, where: str) -> list[str]:
     return lines
 
 
-def verification_section(figures: dict) -> list[str]:
+def with_verification(text: str, figures: dict) -> str:
+    """The card with its "## Verification" section set to `figures` (replaced, else put before "## Reproduce",
+    else at the end)."""
     lines = ["## Verification", "", "Dequantized weights compared with the source (`fp8convert verify`):", ""]
     lines += ["| measure | value |", "|---|---|"]
-    return lines + [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
-
-
-def with_verification(text: str, figures: dict) -> str:
-    """The card with its "## Verification" section set to `figures` (replaced if there is one, else put
-    before "## Reproduce", else at the end)."""
-    section = "\n".join(verification_section(figures)) + "\n\n"
+    lines += [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
+    section = "\n".join(lines) + "\n\n"
     text = re.sub(r"^## Verification\n.*?(?=^## |^<!-- fp8convert card|\Z)", "", text, flags=re.M | re.S)
     if m := re.search(r"^## Reproduce$", text, re.M):
         return text[: m.start()] + section + text[m.start() :]

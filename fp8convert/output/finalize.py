@@ -1,10 +1,9 @@
-"""The output directory: whose files it holds, refusing to clobber, resuming, and finishing.
+"""Preparing OUT (whose files it holds, refusals, resume) and finishing it.
 
 A shard gets its final name only by a rename after fsync, so a final-named shard of the planned size is
 finished: a rerun (or another worker) skips it. config.json and the index are written last, so their
 presence means complete. The manifest lists the names a conversion writes at OUT's top level; anything
-else there is the user's and never deleted: a command that would replace it is refused instead. A
-manifest whose run wrote nothing yet claims nothing: a run of another plan starts afresh there.
+else there is the user's and never deleted: a command that would replace it is refused instead.
 """
 
 from __future__ import annotations
@@ -64,9 +63,8 @@ def prepare_output(
         try:
             check_same_conversion(state, plan, out_dir)
         except PlanMismatchError:
-            # Another conversion's, but its run wrote nothing to keep (no output, no unit of a partial
-            # shard) and no other run writes here (the lock is this run's alone): start afresh (files the
-            # user added stay).
+            # Another conversion's, but it wrote nothing to keep (no output, no unit of a partial shard) and
+            # no other run writes here (the lock is this run's alone): start afresh, the user's files kept.
             outputs = state.get("outputs")
             if not (
                 lock.count == 1
@@ -122,8 +120,7 @@ def check_same_conversion(state: dict, plan: Plan, out_dir: Path) -> None:
 
 
 def recorded_plan(out_dir: Path, hub: HubAccess) -> Plan:
-    """The workers' plan again, from what the manifest records (headers only); refused when the source no
-    longer gives that plan or its bytes changed."""
+    """The workers' plan rebuilt from the manifest (headers only); refused when the source no longer gives it."""
     if not out_dir.is_dir():
         raise FP8ConvertError(f"{out_dir}: no such output directory")
     manifest = Manifest(out_dir)
@@ -232,8 +229,7 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     total_size = sum(t.nbytes for s in plan.shards for t in s.tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(out_dir / INDEX_NAME, json_bytes(index))
-    # the source's config.json (key order kept) with the output's quantization_config (none when
-    # dequantized) in place of the source's own, and without the old name compression_config
+    # the source's config.json, key order kept, without compression_config (quantization_config's old name)
     config = {k: v for k, v in plan.source.config.items() if k != "compression_config"}
     if (quantization := plan.quantization_config()) is None:
         config.pop("quantization_config", None)

@@ -1,11 +1,10 @@
-"""One writer per share of OUT at a time.
+"""One writer per share of OUT at a time: two runs writing one output could take each other's shards for
+finished (or delete them) and leave an output that looks complete but is not, so a second is refused.
 
-Two runs writing one output at once would take each other's shards for finished (or delete them) and
-could leave an output that looks complete but is not, so a second run is refused before it changes
-anything. A run that writes every shard (one worker; `finalize`) holds OUT/.fp8convert/lock exclusively;
-a worker of several holds it shared and its own share's lock-K-of-N exclusively. The locks are flock()s,
-which the kernel drops when the process dies however it dies; a file system without locks (some network
-mounts), or a read-only one, gets none.
+A run that writes every shard (one worker; `finalize`) holds OUT/.fp8convert/lock exclusively; a worker of
+several holds it shared and its own share's lock-K-of-N exclusively. The locks are flock()s, which the
+kernel drops however the process dies; a file system without locks (some network mounts), or a read-only
+one, gets none.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ def is_lock_file(name: str) -> bool:
 
 
 class OutputLock:
-    """The locks of worker `index` of `count`'s share of OUT (count 1: the whole output), taken by
-    `acquire` and dropped by `release` (or on leaving a `with`)."""
+    """The locks of worker `index` of `count`'s share of OUT (count 1: the whole output)."""
 
     def __init__(self, out_dir: Path, index: int = 0, count: int = 1):
         self.out_dir, self.index, self.count = Path(out_dir), index, count

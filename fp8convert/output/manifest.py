@@ -1,8 +1,7 @@
-"""OUT/.fp8convert/manifest.json, its one reader and writer: what this output is a conversion of, so a
-rerun can resume it, a worker can join it and `finalize` can rebuild its plan. Besides the plan's
-fingerprint (names, shapes and offsets, not values) it records the source's bytes' identity and what
-the fingerprint was made of, so a refusal can say what changed.
-"""
+"""OUT/.fp8convert/manifest.json: what this output is a conversion of, so a rerun can resume it, a worker
+join it and `finalize` rebuild its plan. Besides the plan's fingerprint (names, shapes and offsets, not
+values) it records the source's bytes' identity and what the fingerprint was made of, so a refusal can say
+what changed."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ def plan_change(state: dict, plan: Plan) -> str:
         for key in OPTION_NAMES
         if (key in state or key == "recipe") and (was := state.get(key)) != (is_ := now.get(key))
     ]
-    if not diffs:  # the config.json keys and the shards whose tensor lists differ from the recorded ones
-        # (manifests written before these were recorded have neither: then nothing is said)
+    if not diffs:  # the config.json keys and shards that differ (an older manifest records neither)
         was = state.get("config")
         if isinstance(was, dict) and (keys := differing(was, now["config"])):
             shown = ", ".join(
@@ -172,8 +170,8 @@ def differing(was: dict, now: dict) -> list[str]:
 
 
 def source_change(state: dict, source: Source) -> str | None:
-    """How the source's bytes differ from what the recorded run read, or None when they do not (or the
-    manifest predates the record)."""
+    """How the source's bytes differ from what the recorded run read; None when they do not (or the manifest
+    does not record them)."""
     if source.revision is not None:
         was = state.get("revision")
         if was and was != source.revision:
