@@ -34,7 +34,7 @@ from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
 from .run.writer import ShardWriter
-from .source import looks_like_repo_id, plan_source, run_source
+from .source import looks_like_repo_id, open_source, run_source
 from .source.hub import fetch_from_hub
 from .source.streaming import need_order
 from .units import format_size
@@ -89,7 +89,7 @@ class FinalizeReport:
 def make_plan(src: str | Path, settings: Settings | None = None, **overrides) -> Plan:
     """Plan a conversion from headers and config alone (a Hub repo id's remote headers); reads no tensor data."""
     settings = Settings.of(settings, **overrides)
-    return build_plan(plan_source(src, settings.hub), settings.options)
+    return build_plan(open_source(src, settings.hub, download=False), settings.options)
 
 
 @python_spelling

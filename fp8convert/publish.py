@@ -13,8 +13,7 @@ from .options import REPO_ID, python_spelling
 from .output.card import TARGET_MARK, make_card, read_source_card
 from .output.finalize import check_output_complete
 from .output.manifest import WORK_DIR, Manifest
-from .source.hub import CARD_NAME
-from .source.hub_calls import hub_error, with_retries
+from .source.hub import CARD_NAME, hub_error, with_retries
 
 UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
 RESUME_PUSH = "rerun the same push to resume it (files that arrived are not sent again)"

@@ -16,7 +16,7 @@ from pathlib import Path
 # Belt and braces: nothing here may reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Hub requests that fail on the network are retried (source/hub_calls.py); the tests' fake Hub answers
+# Hub requests that fail on the network are retried (source/hub.py); the tests' fake Hub answers
 # at once, so the waits between attempts need not be a second.
 os.environ.setdefault("FP8CONVERT_HUB_RETRY_WAIT", "0.01")
 # The tiny models' fused layers (k/v of 32 rows) end mid-block, so vLLM cannot load their block-FP8

@@ -19,7 +19,7 @@ import typer
 
 from ..errors import FP8ConvertError
 from ..options import DEFAULT_MAX_RESIDENT
-from ..source.hub_calls import is_network_error
+from ..source.hub import is_network_error
 from ..units import format_size, size_option
 
 DEBUG_ENV = "FP8CONVERT_DEBUG"

@@ -89,10 +89,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         in an output also MXFP8) or FP4, and dynamic, absent or static per-tensor input activations. A source
         must hold what fp8convert reads (no MXFP8, KV-cache scheme, zero points or uncompressed weights); an
         output lists these in `unkept` instead, for verify to report."""
-        fp4_formats = tuple(WRITTEN_FORMAT[s] for s in FP4_ARGS)
-        readable = (*FP8_FORMATS, *fp4_formats, "mixed-precision", None) + (
-            () if source else (WRITTEN_FORMAT["mxfp8"],)
-        )
+        readable = [*FP8_FORMATS, *WRITTEN_FORMAT.values(), "mixed-precision", None]
+        if source:
+            readable.remove(WRITTEN_FORMAT["mxfp8"])
         groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
         for fmt in [qc.get("format")] + [g["format"] for g in groups.values() if g.get("format")]:
             if fmt not in readable:

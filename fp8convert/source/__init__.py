@@ -30,10 +30,6 @@ def open_source(src: str | Path, hub: HubAccess, download: bool = True) -> Sourc
     return open_local(Path(text))
 
 
-def plan_source(src: str | Path, hub: HubAccess) -> Source:
-    return open_source(src, hub, download=False)
-
-
 def run_source(
     src: str | Path, hub: HubAccess, stream_to: Path | None, shared: bool
 ) -> tuple[Source, NoFetcher | StreamingFetcher]:

@@ -10,14 +10,13 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from .hub import RemoteRepo
-from .hub_calls import hub_error
+from .hub import CARD_NAME, RemoteRepo, hub_error
 
 
 class NoFetcher(contextlib.nullcontext):
     """The fetcher of a source already on disk: every file is there, nothing is ever deleted."""
 
-    def start(self, order: list[str] | None = None) -> None: ...
+    def start(self, order: list[str]) -> None: ...
     def need(self, files: list[str]) -> None: ...
     def done_reading(self, files: list[str]) -> None: ...
     def release(self, files: list[str]) -> None: ...
@@ -35,7 +34,6 @@ class StreamingFetcher(contextlib.AbstractContextManager):
 
     def __init__(self, repo: RemoteRepo, download_dir: str | Path, keep: int = 2):
         self.repo, self.dir, self.keep = repo, Path(download_dir), max(1, int(keep))
-        self.order = list(repo.shards)
         self.state = dict.fromkeys(repo.shards, "pending")  # | downloading | present | released | failed
         self.errors: dict[str, FP8ConvertError] = {}
         self.events: list[tuple[str, str]] = []  # ("download" | "release", file), in order: for tests, logs
@@ -45,20 +43,18 @@ class StreamingFetcher(contextlib.AbstractContextManager):
         self._drop_on_arrival: set[str] = set()  # released while downloading
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._closed = self._started = False
+        self._closed = False
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(remove=exc_type is None)
 
-    def start(self, order: list[str] | None = None) -> None:
+    def start(self, order: list[str]) -> None:
         """`order`: the shards in the order `need` first asks for them. Runs after OUT is prepared (may clear it)."""
-        if self._started:
-            return
-        if order is not None:
-            self.order = list(order)
+        self.order = list(order)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for name in self.repo.side_files + ([self.repo.card] if self.repo.card else []):
-            self.repo.download(name, local_dir=self.dir, weights=True)
+        for name in [*self.repo.side_files, CARD_NAME]:
+            if name in self.repo.sizes:
+                self.repo.download(name, local_dir=self.dir, weights=True)
         for f in self.state:
             path = self.dir / f
             if path.is_file() and path.stat().st_size == self.repo.sizes.get(f):
@@ -67,12 +63,10 @@ class StreamingFetcher(contextlib.AbstractContextManager):
                     self._note_present()
                 else:
                     self._delete(f)
-        self._started = True
         self._thread = threading.Thread(target=self._loop, name="fp8convert-fetch", daemon=True)
         self._thread.start()
 
     def need(self, files: list[str]) -> None:
-        self.start()
         with self._cond:
             for f in files:
                 if self.state[f] in ("failed", "released"):

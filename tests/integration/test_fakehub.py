@@ -32,7 +32,7 @@ from huggingface_hub.errors import (
 )
 from safetensors.torch import save_file
 
-from fp8convert.source.hub_calls import http_module
+from fp8convert.source.hub import http_module
 
 try:
     from fakehub import FakeHub, fake_hub  # noqa: F401  (fake_hub is a fixture)
