@@ -34,8 +34,7 @@ from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
 from .run.writer import ShardWriter
-from .source import looks_like_repo_id, open_source, run_source
-from .source.hub import fetch_from_hub
+from .source import fetch_from_hub, looks_like_repo_id, open_source, run_source
 from .source.streaming import need_order
 from .units import format_size
 

@@ -1,15 +1,21 @@
-"""Stage 1, source: what the checkpoint holds, read from headers alone. SRC names a local directory, or a
-Hub repo id (owner/name) when no such directory exists."""
+"""Stage 1, source: what the checkpoint holds, read from headers alone, and a Hub repo's files brought into
+the huggingface_hub cache. SRC names a local directory, or a Hub repo id (owner/name) when no such
+directory exists."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
 
+import huggingface_hub as hf  # cheap: the package loads its HTTP client only when used
+from huggingface_hub import constants
+
 from ..errors import FP8ConvertError
 from ..options import REPO_ID, HubAccess
+from ..safetensors_io import INDEX_NAME
 from .checkpoint import Source, open_local
-from .hub import fetch_from_hub, hub_source, resolve_repo, source_from_repo
+from .hub import CARD_NAME, COMMIT_SHA, RemoteRepo, also_no_folder, parallel, resolve_repo, source_from_repo
 from .streaming import NoFetcher, StreamingFetcher
 
 
@@ -52,3 +58,52 @@ def recorded_source(state: dict, hub: HubAccess) -> Source:
     source = hub_source(state["source"], replace(hub, revision=state.get("revision")), download=False)
     fetch_from_hub(source, [], hub)
     return source
+
+
+def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
+    """`download`: only the files a conversion reads, into the cache; else the layout alone, rooted at the
+    cache snapshot a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if not constants.HF_HUB_OFFLINE:
+        repo = resolve_repo(repo_id, hub)
+        if download:
+            return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
+        return source_from_repo(repo, repo.snapshot_dir())
+    with also_no_folder(repo_id):
+        try:
+            root = hf.snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)
+        except LocalEntryNotFoundError as e:
+            at = f" at {hub.revision}" if hub.revision else ""
+            raise FP8ConvertError(
+                f"{repo_id}: HF_HUB_OFFLINE is set and the download cache "
+                f"({hub.cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
+                "HF_HUB_OFFLINE to download it"
+            ) from e
+    return open_local(Path(root), label=repo_id, revision=Path(root).name)
+
+
+def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
+    """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
+    and the small files finalize reads; offline, the source is the cached snapshot itself."""
+    if source.revision is not None and not constants.HF_HUB_OFFLINE:
+        _fetch(resolve_repo(source.label, replace(hub, revision=source.revision)), shards)
+
+
+def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
+    """The small files, then `shards`, biggest first, into the cache snapshot; returns it."""
+    for name in ["config.json", INDEX_NAME, CARD_NAME, *repo.side_files]:
+        if name in repo.sizes:
+            repo.download(name)
+    shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
+    parallel(lambda name: repo.download(name, weights=True), shards)
+    snapshot = repo.snapshot_dir()
+    # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
+    # snapshot: the files were fetched by commit, which records no ref.
+    ref = repo.hub.revision or "main"
+    if not COMMIT_SHA.match(ref) and snapshot.parent.name == "snapshots":
+        path = snapshot.parent.parent / "refs" / ref
+        with contextlib.suppress(OSError):  # only offline reruns need it
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(repo.sha)
+    return snapshot

@@ -19,7 +19,7 @@ import re
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import huggingface_hub as hf  # cheap: the package loads its HTTP client only when used
@@ -30,7 +30,7 @@ from ..formats.sources import read_source_quantization
 from ..options import HubAccess, env_number
 from ..safetensors_io import INDEX_NAME, TensorInfo, header_length, parse_header
 from ..units import format_size
-from .checkpoint import Source, collect_tensors, is_copied_file, load_config, open_local, parse_index, shard_files
+from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
 
 UPLOAD_READ_TIMEOUT_S = 300.0  # an upload's answer: a commit the Hub may take minutes to make
 MAX_RETRY_WAIT_S = 8.0
@@ -342,55 +342,6 @@ def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
     tensors = collect_tensors(headers, repo.index_map, repo.repo_id)
     quant = read_source_quantization(config, tensors, repo.repo_id, repo.side_files)
     return Source(Path(root), list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant)
-
-
-def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
-    """`download`: only the files a conversion reads, into the cache; else the layout alone, rooted at the
-    cache snapshot a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    if not constants.HF_HUB_OFFLINE:
-        repo = resolve_repo(repo_id, hub)
-        if download:
-            return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
-        return source_from_repo(repo, repo.snapshot_dir())
-    with also_no_folder(repo_id):
-        try:
-            root = hf.snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)
-        except LocalEntryNotFoundError as e:
-            at = f" at {hub.revision}" if hub.revision else ""
-            raise FP8ConvertError(
-                f"{repo_id}: HF_HUB_OFFLINE is set and the download cache "
-                f"({hub.cache_dir or constants.HF_HUB_CACHE}) holds no copy of it{at}; unset "
-                "HF_HUB_OFFLINE to download it"
-            ) from e
-    return open_local(Path(root), label=repo_id, revision=Path(root).name)
-
-
-def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
-    """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
-    and the small files finalize reads; offline, the source is the cached snapshot itself."""
-    if source.revision is not None and not constants.HF_HUB_OFFLINE:
-        _fetch(resolve_repo(source.label, replace(hub, revision=source.revision)), shards)
-
-
-def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
-    """The small files, then `shards`, biggest first, into the cache snapshot; returns it."""
-    for name in ["config.json", INDEX_NAME, CARD_NAME, *repo.side_files]:
-        if name in repo.sizes:
-            repo.download(name)
-    shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
-    parallel(lambda name: repo.download(name, weights=True), shards)
-    snapshot = repo.snapshot_dir()
-    # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
-    # snapshot: the files were fetched by commit, which records no ref.
-    ref = repo.hub.revision or "main"
-    if not COMMIT_SHA.match(ref) and snapshot.parent.name == "snapshots":
-        path = snapshot.parent.parent / "refs" / ref
-        with contextlib.suppress(OSError):  # only offline reruns need it
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(repo.sha)
-    return snapshot
 
 
 def parallel(fn, items: list) -> list:
