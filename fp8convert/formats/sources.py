@@ -94,7 +94,7 @@ class SourceQuantization:
 
 
 def read_source_quantization(
-    config: dict, tensors: list[TensorInfo], where: str, files: list[str] = ()
+    config: dict, tensors: list[TensorInfo], where: str, files: list[str]
 ) -> SourceQuantization | None:
     """None for a high-precision checkpoint, the FP8 layout of an FP8 one, else refused. `files`: its other
     top-level files (ModelOpt keeps its config in hf_quant_config.json)."""

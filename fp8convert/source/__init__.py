@@ -61,8 +61,7 @@ def recorded_source(state: dict, hub: HubAccess) -> Source:
 
 
 def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
-    """`download`: only the files a conversion reads, into the cache; else the layout alone, rooted at the
-    cache snapshot a download fills. With HF_HUB_OFFLINE set, the cached snapshot of an earlier download."""
+    """Rooted at the cache snapshot a download fills; with HF_HUB_OFFLINE set, an earlier download's."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if not constants.HF_HUB_OFFLINE:

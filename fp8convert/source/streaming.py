@@ -33,7 +33,7 @@ class StreamingFetcher(contextlib.AbstractContextManager):
     folder; after a failure the finished files stay for the rerun."""
 
     def __init__(self, repo: RemoteRepo, download_dir: str | Path, keep: int = 2):
-        self.repo, self.dir, self.keep = repo, Path(download_dir), max(1, int(keep))
+        self.repo, self.dir, self.keep = repo, Path(download_dir), keep
         self.state = dict.fromkeys(repo.shards, "pending")  # | downloading | present | released | failed
         self.errors: dict[str, FP8ConvertError] = {}
         self.events: list[tuple[str, str]] = []  # ("download" | "release", file), in order: for tests, logs
