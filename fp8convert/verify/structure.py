@@ -226,11 +226,7 @@ class Pairing:
             return []
         reason = default_keep_reason(info, self.arch, fmt.format, fmt.scheme) if fmt and len(info.shape) == 2 else None
         if fmt and is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
-            self.report.fail(
-                name,
-                f"kept in high precision, but {module_of(name)} is not in the ignore list "
-                "(engines would expect FP8 weights for it)",
-            )
+            self.report.fail(name, not_ignored(name, "kept in high precision"))
         differs = f"kept in high precision, but its bytes differ from {want.where if want.cut else 'the source'}"
         return [Pair("kept", name, info, [got], want.cut, differs=differs)]
 
@@ -267,11 +263,7 @@ class Pairing:
                     "of that shape)",
                 )
             if fmt is not None and not fmt.ignores(module_of(name)):
-                report.fail(
-                    name,
-                    f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
-                    "(engines would expect FP8 weights for it)",
-                )
+                report.fail(name, not_ignored(name, f"dequantized to {got.dtype}"))
             return [Pair("dequantized", name, weight.weight, [got], fp8=weight)] if readable else []
         report.tensors_quantized += 1
         scale = self.take(fmt.scale_name(name))
@@ -311,6 +303,10 @@ class Pairing:
             self.report.fail(name, what + ("" if source_scale else " (the source has none)"))
             return []
         return [Pair("carried", name, source_scale, [got], differs=what)]
+
+
+def not_ignored(name: str, done: str) -> str:
+    return f"{done}, but {module_of(name)} is not in the ignore list (engines would expect FP8 weights for it)"
 
 
 def structure_problems(
