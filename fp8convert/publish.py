@@ -15,9 +15,6 @@ from .output.finalize import check_output_complete
 from .output.manifest import WORK_DIR, Manifest
 from .source.hub import CARD_NAME, hub_error, with_retries
 
-UPLOAD_IGNORE = [WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
-RESUME_PUSH = "rerun the same push to resume it (files that arrived are not sent again)"
-
 
 @python_spelling
 def push(
@@ -65,11 +62,12 @@ def push(
             revision=revision,
             create_pr=create_pr,
             commit_message=commit_message or f"{what} made with fp8convert",
-            ignore_patterns=list(UPLOAD_IGNORE),
+            ignore_patterns=[WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"],
             delete_patterns=stale or None,
         )
     except Exception as e:
-        raise hub_error(repo_id, e, revision, then=RESUME_PUSH) from e
+        resume = "rerun the same push to resume it (files that arrived are not sent again)"
+        raise hub_error(repo_id, e, revision, then=resume) from e
     if create_pr and getattr(info, "pr_url", None):
         return info.pr_url
     return getattr(info, "commit_url", None) or str(info)

@@ -48,15 +48,17 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
         if pair.kind == "kept" and outputs[0].dtype.is_floating_point and not all_finite(outputs[0]):
             return Found((pair.name, "contains NaN or Inf"))
         return Found()
+    # the source's values: an FP8 or FP4 weight's float32(q) * scale (None for a bad scale), else as read
+    w = source_values(sources, r0, source_scheme) if pair.fp8 else sources[0]
     if pair.kind == "dequantized":
-        wrong = count_wrong(sources, outputs[0], r0, source_scheme)
-        return Found((pair.fp8.scale.name, SOURCE_SCALE_NOT_FINITE)) if wrong is None else Found(wrong=wrong)
-    w = sources[0] if pair.cut is None else cut_of(pair.cut, sources[0])
+        if w is None:
+            return Found((pair.fp8.scale.name, SOURCE_SCALE_NOT_FINITE))
+        return Found(wrong=count_wrong(w, outputs[0]))
+    if pair.cut is not None:
+        w = cut_of(pair.cut, w)
     fmt = pair.fmt
     if pair.kind == "fp4":
         packed, scale, *global_scale = outputs
-        if pair.fp8 is not None:
-            w = source_values(*sources, r0, source_scheme)
         g = global_scale[0] if global_scale else None
         sums = None if w is None else fp4_sums(w, packed, scale, g, fmt.scheme)
         if sums is None:
@@ -65,13 +67,12 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
     q, scale = outputs
     values = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()  # MXFP8: E8M0 bytes
     found = Found(scale_ok=finite_positive(values))
-    if pair.fp8 is not None:  # the source's values are float32(q) * scale; its codes and scale may pass
+    if pair.fp8 is not None:  # its codes and scale may pass through
         codes, source_scale = sources
         found.same_codes = pair.may_pass and identical(codes, q)
         if r0 == 0:
             found.same_scale = pair.may_pass and identical(source_scale, scale)
             found.scale_pow2 = not found.scale_ok or bool(powers_of_two(values).all())
-        w = source_values(codes, source_scale, r0, source_scheme)
         found.source_scale_ok = w is not None
     if found.scale_ok and fmt.scheme == "tensor":
         found.scale_value = values.reshape(-1)[0].item()
@@ -85,14 +86,8 @@ def cut_of(cut: Cut, piece):
     return cut.apply(piece) if cut.expert is None else cut.across_experts().apply(piece)[0]
 
 
-def count_wrong(sources: list, stored, r0: int, source_scheme: str) -> int | None:
-    """Elements not (float32(q) * scale) rounded once to their dtype; None for a bad source scale."""
-    if source_scheme in FP4_SCHEMES:
-        values = fp4_source_values(source_scheme, *sources)
-    else:
-        values = source_values(*sources, r0, source_scheme)
-    if values is None:
-        return None
+def count_wrong(values, stored) -> int:
+    """Elements of `stored` that are not `values` rounded once to their dtype."""
     size = stored.element_size()
     a = values.to(stored.dtype).contiguous().view(torch.uint8).reshape(-1)
     b = stored.contiguous().view(torch.uint8).reshape(-1)
@@ -277,15 +272,17 @@ def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
     )
 
 
-def fp4_source_values(scheme: str, packed, scale, global_scale=None):
-    if fp4_divisors(scale, global_scale, scheme) is None:
-        return None
-    return fp4.dequantize(packed, scale, None if global_scale is None else global_scale.reshape(1), scheme)
-
-
-def source_values(codes, scale, r0: int, source_scheme: str):
-    """float32(q) * scale, or None when the scale is not finite and positive everywhere."""
-    s = scale_as_stored(scale, source_scheme)
+def source_values(sources: list, r0: int, scheme: str):
+    """The source weight's values (rows r0..): float32(q) * scale, or FP4 codes times their group's divisor;
+    None where a scale is not finite and positive."""
+    if scheme in FP4_SCHEMES:
+        packed, scale, *global_scale = sources
+        g = global_scale[0] if global_scale else None
+        if fp4_divisors(scale, g, scheme) is None:
+            return None
+        return fp4.dequantize(packed, scale, None if g is None else g.reshape(1), scheme)
+    codes, scale = sources
+    s = scale_as_stored(scale, scheme)
     if not finite_positive(s):
         return None
-    return dequantize(codes, tile_scale(s, r0, r0 + codes.shape[0], source_scheme), source_scheme)
+    return dequantize(codes, tile_scale(s, r0, r0 + codes.shape[0], scheme), scheme)

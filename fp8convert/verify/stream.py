@@ -92,14 +92,12 @@ def check_shared_scales(pairs: list[Pair], arch: Architecture, report: VerifyRep
                 f"{key}: fused members have different per-tensor scales; vLLM re-quantizes "
                 "them to the largest (a second rounding)"
             )
-    as_double = functools.partial(torch.tensor, dtype=torch.float64)  # the arithmetic of Python's floats
-    for members in tensor_scales.values():
         measured = [p for p in members if not p.passed_through]
         if not measured:
             continue
         scale, amax = max(p.first.scale_value for p in measured), max(p.sums.amax for p in measured)
-        if not oversized(as_double(scale), as_double(amax)):
-            continue
+        if not oversized(torch.tensor(scale, dtype=torch.float64), torch.tensor(amax, dtype=torch.float64)):
+            continue  # compared in float64: the arithmetic of Python's floats
         whose = "its" if len(members) == 1 else "its fused group's"
         for p in members:
             report.fail(
@@ -154,8 +152,7 @@ def read_batches(reads, roots: tuple[Path, Path], device, budget: int, progress:
 
         ahead = start(0)
         for i, group in enumerate(groups):
-            current, ahead = ahead, None
-            ahead = start(i + 1)  # read while this batch is checked
+            current, ahead = ahead, start(i + 1)  # read the next batch while this one is checked
             for pending in current:
                 pending.wait_all()
             for p, batches in zip(prefetchers, sides):

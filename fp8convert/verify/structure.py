@@ -174,13 +174,11 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
     for want in expected_outputs(source, pairing.arch, outputs, report):
         fp8_weight = source.quant.weights.get(want.info.name) if source.quant and not want.cut else None
         name = fp8_weight.name if fp8_weight else want.name  # an FP4 source's X.weight_packed: X.weight
-        got = outputs.get(name)
         tensor_fmt = fmt.for_module(module_of(name)) if fmt else None  # a mixed recipe's scheme for it
-        packed = outputs.get(name + "_packed")
-        if got is None and packed and tensor_fmt and tensor_fmt.scheme in FP4_SCHEMES:
-            pairing.accounted.add(packed.name)
-            pairs += pairing.quantized("fp4", want, packed, tensor_fmt, fp8_weight)
+        if name not in outputs and name + "_packed" in outputs and tensor_fmt and tensor_fmt.scheme in FP4_SCHEMES:
+            pairs += pairing.quantized("fp4", want, pairing.take(name + "_packed"), tensor_fmt, fp8_weight)
             continue
+        got = pairing.take(name)
         if got is None:
             file = layout.placed_in.get(name)
             if file in layout.unreadable:
@@ -189,9 +187,7 @@ def pair_tensors(source: Source, out: Path, fmt: QuantizationConfig | None, repo
                 report.fail(name, f"missing from the output ({want.where})")
             else:
                 report.fail(name, "source tensor missing from the output")
-            continue
-        pairing.accounted.add(name)
-        if got.dtype == FP8 and fmt is None:
+        elif got.dtype == FP8 and fmt is None:
             report.fail(name, "still FP8, but the output has no quantization_config")
         elif fp8_weight is not None:
             pairs += pairing.fp8_weight(fp8_weight, got, tensor_fmt)
@@ -213,10 +209,10 @@ class Pairing:
     arch: Architecture
     accounted: set[str] = field(default_factory=set)
 
-    def scale_of(self, name: str, fmt: QuantizationConfig) -> TensorInfo | None:
-        """Accounted for whether it is there or not."""
-        self.accounted.add(fmt.scale_name(name))
-        return self.outputs.get(fmt.scale_name(name))
+    def take(self, name: str) -> TensorInfo | None:
+        """The output tensor `name`, accounted for whether it is there or not."""
+        self.accounted.add(name)
+        return self.outputs.get(name)
 
     def kept(self, want: Expected, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
         name, info = want.name, want.info
@@ -230,11 +226,7 @@ class Pairing:
             return []
         reason = default_keep_reason(info, self.arch, fmt.format, fmt.scheme) if fmt and len(info.shape) == 2 else None
         if fmt and is_linear_weight(name, want.shape, info.dtype, reason) and not fmt.ignores(module_of(name)):
-            self.report.fail(
-                name,
-                f"kept in high precision, but {module_of(name)} is not in the ignore list "
-                "(engines would expect FP8 weights for it)",
-            )
+            self.report.fail(name, not_ignored(name, "kept in high precision"))
         differs = f"kept in high precision, but its bytes differ from {want.where if want.cut else 'the source'}"
         return [Pair("kept", name, info, [got], want.cut, differs=differs)]
 
@@ -243,51 +235,19 @@ class Pairing:
     ) -> list[Pair]:
         """FP8 codes and scale, or FP4 packed codes, group scales and (NVFP4) global scale."""
         self.report.tensors_quantized += 1
-        scale = self.scale_of(want.name, fmt)
-        problems = self.structure_problems(want, got, fmt, fp8_weight is not None, kind == "fp4")
+        scale = self.take(fmt.scale_name(want.name))
+        problems = structure_problems(want, got, scale, fmt, fp8_weight is not None, kind == "fp4")
         outputs = [got, scale]
         if kind == "fp4" and fmt.scheme == Scheme.NVFP4A16:
-            global_name = want.name + "_global_scale"
-            self.accounted.add(global_name)
-            global_scale = self.outputs.get(global_name)
+            global_scale = self.take(want.name + "_global_scale")
             if global_scale is None or (global_scale.dtype, global_scale.shape) != ("F32", (1,)):
                 found = f"is {global_scale.dtype} {list(global_scale.shape)}" if global_scale else "is missing"
-                problems.append(f"its global scale {global_name} {found}, expected F32 [1]")
+                problems.append(f"its global scale {want.name}_global_scale {found}, expected F32 [1]")
             outputs.append(global_scale)
         if problems:
             self.report.fail(want.name, "; ".join(problems))
             return []
         return [Pair(kind, want.name, want.info, outputs, want.cut, fp8=fp8_weight, fmt=fmt)]
-
-    def structure_problems(
-        self, want: Expected, got: TensorInfo, fmt: QuantizationConfig, fp8_source: bool, packed: bool
-    ) -> list[str]:
-        """`packed`: FP4 codes, two a byte."""
-        info, shape = want.info, want.shape
-        scale_name = fmt.scale_name(want.name)
-        scale = self.outputs.get(scale_name)
-        problems = []
-        if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
-            problems.append(
-                f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D float weight)"
-            )
-        elif packed and (got.dtype, got.shape) != ("U8", (shape[0], shape[1] // 2)):
-            problems.append(
-                f"packed as {got.dtype} {list(got.shape)}, but FP4 codes of the source ({want.where}) "
-                f"{list(shape)} are U8 {[shape[0], shape[1] // 2]}"
-            )
-        elif not packed and got.shape != shape:
-            problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
-        if fmt.ignores(module_of(want.name)):
-            problems.append(f"quantized, but the ignore list names {module_of(want.name)}")
-        if scale is None:
-            problems.append(f"its scale {scale_name} is missing")
-        elif scale.dtype != fmt.scale_dtype() or (not problems and scale.shape not in fmt.scale_shapes(shape)):
-            problems.append(
-                f"scale {scale_name} is {scale.dtype} {list(scale.shape)}, expected "
-                f"{fmt.scale_dtype()} {shapes_text(fmt.scale_shapes(shape))}"
-            )
-        return problems
 
     def fp8_weight(self, weight: FP8Weight, got: TensorInfo, fmt: QuantizationConfig | None) -> list[Pair]:
         """Dequantized, passed through or requantized, with its static activation scale if it has one."""
@@ -303,14 +263,10 @@ class Pairing:
                     "of that shape)",
                 )
             if fmt is not None and not fmt.ignores(module_of(name)):
-                report.fail(
-                    name,
-                    f"dequantized to {got.dtype}, but {module_of(name)} is not in the ignore list "
-                    "(engines would expect FP8 weights for it)",
-                )
+                report.fail(name, not_ignored(name, f"dequantized to {got.dtype}"))
             return [Pair("dequantized", name, weight.weight, [got], fp8=weight)] if readable else []
         report.tensors_quantized += 1
-        scale = self.scale_of(name, fmt)
+        scale = self.take(fmt.scale_name(name))
         pairs = self.activation_scale(weight)
         may_pass = (
             scale is not None
@@ -320,7 +276,7 @@ class Pairing:
         if not may_pass and scale is not None and scale.dtype != fmt.scale_dtype():
             report.fail(name, not_requantized(scale.name, scale.dtype, fmt))
             return pairs
-        problems = self.structure_problems(Expected(name, weight.weight), got, fmt, fp8_source=True, packed=False)
+        problems = structure_problems(Expected(name, weight.weight), got, scale, fmt, fp8_source=True, packed=False)
         if not may_pass and problems:
             report.fail(name, "; ".join(problems))
             return pairs
@@ -341,10 +297,42 @@ class Pairing:
         name = weight.weight.name.removesuffix(".weight") + ".input_scale"
         if name not in self.outputs:
             return []
-        self.accounted.add(name)
-        got, source_scale = self.outputs[name], weight.input_scale
+        got, source_scale = self.take(name), weight.input_scale
         what = "not the source's static activation scale"
         if source_scale is None or (got.dtype, got.nbytes) != (source_scale.dtype, source_scale.nbytes):
             self.report.fail(name, what + ("" if source_scale else " (the source has none)"))
             return []
         return [Pair("carried", name, source_scale, [got], differs=what)]
+
+
+def not_ignored(name: str, done: str) -> str:
+    return f"{done}, but {module_of(name)} is not in the ignore list (engines would expect FP8 weights for it)"
+
+
+def structure_problems(
+    want: Expected, got: TensorInfo, scale: TensorInfo | None, fmt: QuantizationConfig, fp8_source: bool, packed: bool
+) -> list[str]:
+    """What is wrong with a quantized output's dtype, shape and scale. `packed`: FP4 codes, two a byte."""
+    info, shape, module = want.info, want.shape, module_of(want.name)
+    problems = []
+    if (info.dtype not in FLOAT_SOURCE_DTYPES and not fp8_source) or len(shape) != 2:
+        problems.append(
+            f"quantized, but the source ({want.where}) is {info.dtype} {list(shape)} (FP8 needs a 2-D float weight)"
+        )
+    elif packed and (got.dtype, got.shape) != ("U8", (shape[0], shape[1] // 2)):
+        problems.append(
+            f"packed as {got.dtype} {list(got.shape)}, but FP4 codes of the source ({want.where}) "
+            f"{list(shape)} are U8 {[shape[0], shape[1] // 2]}"
+        )
+    elif not packed and got.shape != shape:
+        problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
+    if fmt.ignores(module):
+        problems.append(f"quantized, but the ignore list names {module}")
+    if scale is None:
+        problems.append(f"its scale {fmt.scale_name(want.name)} is missing")
+    elif scale.dtype != fmt.scale_dtype() or (not problems and scale.shape not in fmt.scale_shapes(shape)):
+        problems.append(
+            f"scale {scale.name} is {scale.dtype} {list(scale.shape)}, expected "
+            f"{fmt.scale_dtype()} {shapes_text(fmt.scale_shapes(shape))}"
+        )
+    return problems
