@@ -200,7 +200,7 @@ OPTIONS = {
 QUIET_REPORT = option(bool, "--quiet -q", "No progress output (the result, warnings and errors are still printed).")
 
 
-def hub_token(given: str | None = None) -> str | None:
+def hub_token(given: str | None) -> str | None:
     """The Hub token: --token, else HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
     return given or os.environ.get("HF_TOKEN") or None
 
@@ -252,12 +252,9 @@ def read_recipe(path: Path) -> dict:
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
     keywords = {"recipe": parse_recipe(doc["schemes"], f"--recipe {path}"), "ignore": tuple(ignore)}
-    if not doc.get("scheme"):
-        return keywords
-    try:
-        return keywords | {"scheme": parse_scheme(doc["scheme"])}
-    except UsageError as e:
-        raise UsageError(f"--recipe {path}: scheme {doc['scheme']!r}: {str(e).split(': ', 1)[1]}") from None
+    if doc.get("scheme"):
+        keywords["scheme"] = parse_scheme(doc["scheme"], f"--recipe {path}: scheme")
+    return keywords
 
 
 printed = SimpleNamespace(json=False)  # whether the command printed its JSON document: main() then prints no error
