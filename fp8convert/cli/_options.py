@@ -28,11 +28,8 @@ class _NoHelpPlaceholder:
 class Command(_NoHelpPlaceholder, TyperCommand):
     def collect_usage_pieces(self, ctx) -> list[str]:
         """The usage line names arguments as SRC OUT (typer prints {src} {out})."""
-        pieces = [self.options_metavar]
-        for param in self.get_params(ctx):
-            if param.param_type_name == "argument":
-                pieces.append(param.metavar if param.required else f"[{param.metavar}]")
-        return pieces
+        arguments = [p for p in self.get_params(ctx) if p.param_type_name == "argument"]
+        return [self.options_metavar, *(p.metavar if p.required else f"[{p.metavar}]" for p in arguments)]
 
 
 class Group(_NoHelpPlaceholder, TyperGroup):
