@@ -117,6 +117,10 @@ class Options:
             recipe=parse_recipe(self.recipe),
             format=one_of(self.format, "--format", FORMATS),
             scale_format=one_of(self.scale_format, "--scale-format", SCALE_FORMATS),
+            ignore=tuple(self.ignore),
+            max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
+            target_tp=parse_target_tp(self.target_tp),
+            dtype=parse_dtype(self.dtype),
         )
         if self.dequantize and self.scale_format != "float":
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
@@ -137,13 +141,6 @@ class Options:
                 f"--scale-format ue8m0 applies to --scheme block only, got --scheme {other}"
                 + (f" ({other[:5].upper()} scales are powers of two already)" if other[:2] == "mx" else "")
             )
-        _set(
-            self,
-            ignore=tuple(self.ignore),
-            max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
-            target_tp=parse_target_tp(self.target_tp),
-            dtype=parse_dtype(self.dtype),
-        )
         if self.dtype and not self.dequantize:
             raise UsageError(
                 f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "
@@ -194,9 +191,9 @@ def one_of(value: str, option: str, choices: tuple[str, ...], aliases: dict[str,
     return names[text]
 
 
-def parse_scheme(value: str) -> str:
+def parse_scheme(value: str, option: str = "--scheme") -> str:
     """A --scheme as fp8convert names it: 'channel' for 'channel', 'Channel' or 'FP8_DYNAMIC'."""
-    return one_of(value, "--scheme", SCHEMES, SCHEME_ALIASES)
+    return one_of(value, option, SCHEMES, SCHEME_ALIASES)
 
 
 def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
@@ -338,18 +335,15 @@ class Settings(Options):
             )
         if self.max_resident:
             _set(self, max_resident=parse_size(self.max_resident, "--max-resident"))
-        prefetch = str(self.prefetch).strip()
-        if prefetch in ("0", "") or prefetch.lower() == AUTO:
-            _set(self, prefetch=0 if prefetch in ("0", "") else AUTO)
-        else:
-            _set(self, prefetch=parse_size(self.prefetch, "--prefetch"))
+        prefetch = str(self.prefetch).strip().lower()
+        window = AUTO if prefetch == AUTO else 0 if prefetch in ("0", "") else parse_size(self.prefetch, "--prefetch")
+        _set(self, prefetch=window)
         if isinstance(self.devices, list):
             _set(self, devices=tuple(self.devices))
         if self.base_model is not None and not REPO_ID.match(self.base_model):
             raise UsageError(f"--base-model {self.base_model}: not a Hub repo id (owner/name)")
         if self.write_unloadable is None:
-            unloadable = os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0")
-            _set(self, write_unloadable=unloadable)
+            _set(self, write_unloadable=os.environ.get("FP8CONVERT_WRITE_UNLOADABLE", "").strip() not in ("", "0"))
 
     @property
     def options(self) -> Options:

@@ -51,8 +51,8 @@ def _disk_full_line(error: OSError) -> str:
 
 def describe(error: BaseException) -> tuple[str, int]:
     """(one line, exit code) for any exception a command raised."""
-    if isinstance(error, FP8ConvertError):
-        return " ".join(str(error).split()), error.exit_code
+    if isinstance(error, FP8ConvertError):  # its message is one line already
+        return str(error), error.exit_code
     if type(error).__name__ == "OutOfMemoryError" and type(error).__module__.startswith("torch"):
         line = f"CUDA out of memory ({_first_line(error)}); {_smaller_batch(error)}"
     elif isinstance(error, MemoryError):
@@ -95,10 +95,7 @@ def report(error: BaseException, json_wanted: bool, json_printed: bool) -> int:
 # ------------------------------------------------------------------------------- stopping
 
 RESUME = "rerun the same command to resume"
-RERUN = {
-    "quantize": RESUME,
-    "dequantize": RESUME,
-    "demo": RESUME,
+RERUN = dict.fromkeys(("quantize", "dequantize", "demo"), RESUME) | {
     "batch": f"{RESUME} (finished jobs are skipped)",
     "finalize": "rerun the same command to finish",
     "push": "rerun the same push to resume the upload",

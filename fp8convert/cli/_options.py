@@ -28,11 +28,8 @@ class _NoHelpPlaceholder:
 class Command(_NoHelpPlaceholder, TyperCommand):
     def collect_usage_pieces(self, ctx) -> list[str]:
         """The usage line names arguments as SRC OUT (typer prints {src} {out})."""
-        pieces = [self.options_metavar]
-        for param in self.get_params(ctx):
-            if param.param_type_name == "argument":
-                pieces.append(param.metavar if param.required else f"[{param.metavar}]")
-        return pieces
+        arguments = [p for p in self.get_params(ctx) if p.param_type_name == "argument"]
+        return [self.options_metavar, *(p.metavar if p.required else f"[{p.metavar}]" for p in arguments)]
 
 
 class Group(_NoHelpPlaceholder, TyperGroup):
@@ -200,7 +197,7 @@ OPTIONS = {
 QUIET_REPORT = option(bool, "--quiet -q", "No progress output (the result, warnings and errors are still printed).")
 
 
-def hub_token(given: str | None = None) -> str | None:
+def hub_token(given: str | None) -> str | None:
     """The Hub token: --token, else HF_TOKEN, else None (huggingface_hub then uses the saved login)."""
     return given or os.environ.get("HF_TOKEN") or None
 
@@ -252,12 +249,9 @@ def read_recipe(path: Path) -> dict:
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
     keywords = {"recipe": parse_recipe(doc["schemes"], f"--recipe {path}"), "ignore": tuple(ignore)}
-    if not doc.get("scheme"):
-        return keywords
-    try:
-        return keywords | {"scheme": parse_scheme(doc["scheme"])}
-    except UsageError as e:
-        raise UsageError(f"--recipe {path}: scheme {doc['scheme']!r}: {str(e).split(': ', 1)[1]}") from None
+    if doc.get("scheme"):
+        keywords["scheme"] = parse_scheme(doc["scheme"], f"--recipe {path}: scheme")
+    return keywords
 
 
 printed = SimpleNamespace(json=False)  # whether the command printed its JSON document: main() then prints no error

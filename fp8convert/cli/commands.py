@@ -75,8 +75,7 @@ def dequantize(src, out, json_out, quiet, push_to_hub, private, **settings):
 
       fp8convert inspect ./Qwen3-8B-FP8 --dequantize          # the plan, without reading weights
     """
-    settings = settings_from(settings, dequantize=True, progress=not quiet)
-    _convert(src, out, settings, json_out, push_to_hub, private)
+    _convert(src, out, settings_from(settings, dequantize=True, progress=not quiet), json_out, push_to_hub, private)
 
 
 def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to: str | None, private: bool) -> None:
@@ -237,7 +236,7 @@ def demo(
     from ..demo import demo_source, next_steps  # imports torch
     from ..run import warmup
 
-    settings = settings_from({"scheme": scheme, "format": format, "device": device}, overwrite=True, progress=True)
+    settings = Settings(scheme=scheme, format=format, device=device, overwrite=True, progress=True)
     src = demo_source(directory / "source")
     text_to = sys.stderr if json_out else sys.stdout
     print(f"built demo model {src}", file=text_to)
@@ -382,8 +381,7 @@ def batch(
         print_json(batch_mod.summary(results))
     else:
         print(batch_mod.render(results))
-    failed = [r for r in results if r.status == "failed"]
-    if failed:
+    if failed := [r for r in results if r.status == "failed"]:
         raise FP8ConvertError(
             f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: "
             f"{batch_mod.result_title(failed[0])}: {failed[0].error})"
