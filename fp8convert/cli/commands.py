@@ -40,7 +40,7 @@ def quantize(src, out, json_out, quiet, push_to_hub, private, **settings):
 
       fp8convert quantize ./Qwen3-8B ./Qwen3-8B-MXFP8 --scheme mxfp8                # Blackwell MXFP8
 
-      fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --scheme 're:.*mlp.experts.*=nvfp4a16'
+      fp8convert quantize ./Qwen3-30B-A3B ./out --scheme block --scheme 're:.*mlp.experts.\\*=nvfp4a16'
 
       fp8convert quantize ./dsv3 ./dsv3-fp8 --format fp8 --scheme block --scale-format ue8m0
 
