@@ -10,6 +10,12 @@ class FP8ConvertError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+def first_line(error: BaseException) -> str:
+    """An outside error's own words for a one-line message: its first line, or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class PlanMismatchError(FP8ConvertError):
     """The output directory holds work from a different plan (or different files)."""
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import typer
 
-from ..errors import FP8ConvertError
+from ..errors import FP8ConvertError, first_line
 from ..options import DEFAULT_MAX_RESIDENT
 from ..source.hub import is_network_error
 from ..units import format_size, size_option
@@ -25,11 +25,6 @@ from ..units import format_size, size_option
 DEBUG_ENV = "FP8CONVERT_DEBUG"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 SIGINT_EXIT = 130
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _smaller_batch(error: BaseException) -> str:
@@ -54,21 +49,21 @@ def describe(error: BaseException) -> tuple[str, int]:
     if isinstance(error, FP8ConvertError):  # its message is one line already
         return str(error), error.exit_code
     if type(error).__name__ == "OutOfMemoryError" and type(error).__module__.startswith("torch"):
-        line = f"CUDA out of memory ({_first_line(error)}); {_smaller_batch(error)}"
+        line = f"CUDA out of memory ({first_line(error)}); {_smaller_batch(error)}"
     elif isinstance(error, MemoryError):
         line = f"out of host memory ({type(error).__name__}); {_smaller_batch(error)}, or free memory"
     elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         line = _disk_full_line(error)
     elif is_network_error(error):  # before OSError: a refused connection is an OSError too
-        line = f"network error ({type(error).__name__}: {_first_line(error)}); check the connection and rerun"
+        line = f"network error ({type(error).__name__}: {first_line(error)}); check the connection and rerun"
     elif isinstance(error, OSError) and error.filename:
         where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
-        line = f"{where}: {error.strerror or _first_line(error)}"
+        line = f"{where}: {error.strerror or first_line(error)}"
     elif isinstance(error, OSError):
-        line = f"{error.strerror or _first_line(error)} ({type(error).__name__})"
+        line = f"{error.strerror or first_line(error)} ({type(error).__name__})"
     else:
         return (
-            f"unexpected {type(error).__name__}: {_first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
+            f"unexpected {type(error).__name__}: {first_line(error)} (run with {DEBUG_ENV}=1 to see where; "
             "please report it)"
         ), 1
     return " ".join(line.split()), 1

@@ -25,7 +25,7 @@ from pathlib import Path
 import huggingface_hub as hf  # cheap: the package loads its HTTP client only when used
 from huggingface_hub import constants
 
-from ..errors import FP8ConvertError
+from ..errors import FP8ConvertError, first_line
 from ..formats.sources import read_source_quantization
 from ..options import HubAccess, env_number
 from ..safetensors_io import INDEX_NAME, TensorInfo, header_length, parse_header
@@ -147,11 +147,6 @@ def with_retries(fn, *args, retryable=is_transient, **kwargs):
         wait = min(MAX_RETRY_WAIT_S, wait * 2)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _tries(error: BaseException) -> str:
     attempts = getattr(error, "attempts", 1)
     return f", {attempts} attempts" if attempts > 1 else ""
@@ -171,7 +166,7 @@ def hub_error(
         "HF_TOKEN or --token)",
         errors.RepositoryNotFoundError: "repository not found (or private: log in, or set HF_TOKEN or --token)",
         errors.RevisionNotFoundError: f"revision {revision or ''} not found".replace("  ", " "),
-        errors.RemoteEntryNotFoundError: f"file not found on the Hub ({_first_line(error)})",
+        errors.RemoteEntryNotFoundError: f"file not found on the Hub ({first_line(error)})",
         errors.OfflineModeIsEnabled: "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download",
     }
     if kind := next((k for k in known if isinstance(error, k)), None):
@@ -180,22 +175,22 @@ def hub_error(
     if any(isinstance(e, (http.TimeoutException, TimeoutError)) for e in causes(error)):
         return FP8ConvertError(
             f"{repo_id}: the Hub did not answer within {float(constants.HF_HUB_DOWNLOAD_TIMEOUT):g} s{_tries(error)} "
-            f"({_first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets the wait)"
+            f"({first_line(error)}); {then} (HF_HUB_DOWNLOAD_TIMEOUT sets the wait)"
         )
     if is_network_error(error) or isinstance(error, errors.LocalEntryNotFoundError):
         cause = next((e for e in causes(error) if e is not error and is_network_error(e)), error)
         return FP8ConvertError(
             f"{repo_id}: cannot reach the Hub (network error{_tries(error)}: "
-            f"{type(cause).__name__}: {_first_line(cause)}); {then}"
+            f"{type(cause).__name__}: {first_line(cause)}); {then}"
         )
     status = http_status(error)
     by_status = {
         401: "the Hub refused the credentials (401); check HF_TOKEN or --token, or run hf auth login",
-        403: f"access denied (403); the token may lack write or read permission ({_first_line(error)})",
+        403: f"access denied (403); the token may lack write or read permission ({first_line(error)})",
     }
     if status is not None:
         return FP8ConvertError(
-            f"{repo_id}: {by_status.get(status) or f'Hub request failed{_tries(error)} ({_first_line(error)})'}"
+            f"{repo_id}: {by_status.get(status) or f'Hub request failed{_tries(error)} ({first_line(error)})'}"
         )
     if isinstance(error, OSError):  # not the network: the disk the download cache lives on
         where = error.filename or constants.HF_HUB_CACHE
@@ -206,10 +201,10 @@ def hub_error(
                 "(or --cache-dir) elsewhere, then rerun (finished downloads are kept)"
             )
         return FP8ConvertError(
-            f"{where}: cannot write the download cache ({error.strerror or _first_line(error)}); "
+            f"{where}: cannot write the download cache ({error.strerror or first_line(error)}); "
             "fix it or point HF_HUB_CACHE (or --cache-dir) elsewhere"
         )
-    return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {_first_line(error)})")
+    return FP8ConvertError(f"{repo_id}: Hub operation failed ({type(error).__name__}: {first_line(error)})")
 
 
 @dataclass
