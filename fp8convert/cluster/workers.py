@@ -1,5 +1,5 @@
-"""Splitting one conversion over several processes: which worker am I, which shards are mine, who finalizes,
-and --devices, one process per device of this machine.
+"""Splitting one conversion over several processes: which worker am I, which shards are mine, who finalizes;
+with --devices, one spawned worker process per device of this machine splits this worker's shards.
 
 Every worker computes the same plan; worker K of N writes the shards with index % N == K. Workers share
 nothing but OUT: a shard gets its final name only once complete, so whoever finds every shard there can
@@ -166,12 +166,6 @@ def device_for(spec: WorkerSpec, device: str) -> str:
     return f"cuda:{spec.local_rank % count}"
 
 
-# ------------------------------------------------------------------ --devices
-# One spawned worker process per device of this machine, splitting this worker's shards. A child gets the
-# parent's Settings whole, with only its device and worker slot changed, so every option reaches it by
-# construction. The children never finalize; the parent does once they all succeeded.
-
-
 def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
     """'cuda:0,cuda:1' / ['cuda:0', 'cuda:1'] / 'all' (every CUDA device); 'cpu' entries too (several CPU
     workers, mostly for tests). Bare 'cuda' is refused: say which GPU."""
@@ -211,7 +205,9 @@ def split_settings(settings: Settings) -> tuple[Settings, list[str] | None]:
 
 def run_on_devices(target: Callable, src: str, out: str, settings: Settings, spec: WorkerSpec, devices: list) -> list:
     """target(src, out, settings) in one spawned process per device (so importable by name): their Reports.
-    Children get no --overwrite: the parent has already replaced OUT, and a worker of several may not."""
+    A child gets the parent's Settings whole, with only its device and worker slot changed, so every option
+    reaches it by construction. Children never finalize (the parent does once they all succeeded), and get
+    no --overwrite: the parent has already replaced OUT, and a worker of several may not."""
     children = [
         replace(settings, device=d, devices=None, worker=spec.split(len(devices), i), finalize=False, overwrite=False)
         for i, d in enumerate(devices)

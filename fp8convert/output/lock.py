@@ -35,8 +35,6 @@ class OutputLock:
 
     def acquire(self) -> None:
         """Take the locks (making OUT's work folder); refused when another run holds one of them."""
-        if self.fds:
-            return
         work = self.out_dir / WORK_DIR
         try:
             work.mkdir(parents=True, exist_ok=True)

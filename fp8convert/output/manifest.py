@@ -77,7 +77,6 @@ class Manifest:
 
     def mark_complete(self, plan: Plan) -> None:
         state = self.read() or new_manifest(plan)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json_bytes({**state, "complete": True}))
 
 
