@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cluster import devices as device_split
 from .cluster import workers
 from .errors import FP8ConvertError
 from .options import HubAccess, Settings, python_spelling
@@ -120,7 +119,7 @@ def quantize(
     started = time.monotonic()
     settings = Settings.of(settings, **overrides)  # bad options fail before any I/O
     spec = workers.resolve_worker(settings.worker)
-    settings, devices = device_split.split_settings(settings)
+    settings, devices = workers.split_settings(settings)
     _refuse_conflicts(src, settings, spec, devices)
     out_dir = Path(out)
     stream_to = out_dir / WORK_DIR / DOWNLOAD_DIR if settings.stream_download else None
@@ -253,7 +252,7 @@ def _quantize_on_devices(
         + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""),
         settings.progress,
     )
-    reports = device_split.run_on_devices(_device_worker, src, str(out_dir), settings, spec, devices)
+    reports = workers.run_on_devices(_device_worker, src, str(out_dir), settings, spec, devices)
     report.device = ",".join(r.device for r in reports)
     report.shards_written = sum(r.shards_written for r in reports)
     report.units, report.units_resumed = sum(r.units for r in reports), sum(r.units_resumed for r in reports)

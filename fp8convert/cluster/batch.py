@@ -17,8 +17,7 @@ from ..files import json_bytes, read_json_object, write_atomic
 from ..options import REPO_ID, SETTING_NAMES, Settings
 from ..output.manifest import WORK_DIR
 from ..units import plural
-from .devices import parse_devices
-from .workers import env_int, log
+from .workers import env_int, log, parse_devices
 
 if TYPE_CHECKING:
     from ..plan.plan import Plan

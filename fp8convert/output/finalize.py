@@ -215,7 +215,8 @@ def finished_shards(plan: Plan, out_dir: Path) -> set[int]:
 
 def finalize(plan: Plan, out_dir: Path) -> None:
     """Copy side files, then write the card, the index and config.json last: their presence means complete."""
-    if missing := [s.name for s in plan.shards if s.index not in finished_shards(plan, out_dir)]:
+    done = finished_shards(plan, out_dir)
+    if missing := [s.name for s in plan.shards if s.index not in done]:
         raise FP8ConvertError(
             f"{out_dir / missing[0]}: missing or incomplete ({len(missing)} of "
             f"{len(plan.shards)} shards); rerun the conversion to finish it"
@@ -243,14 +244,14 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     fsync_dir(out_dir)
 
 
-def check_shards(the_plan: Plan, out_dir: Path) -> None:
+def check_shards(plan: Plan, out_dir: Path) -> None:
     """Every planned shard present, of the planned size, starting with the planned header bytes."""
-    if missing := [s for s in the_plan.shards if not (out_dir / s.name).is_file()]:
+    if missing := [s for s in plan.shards if not (out_dir / s.name).is_file()]:
         raise FP8ConvertError(
-            f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(the_plan.shards)} "
+            f"{out_dir / missing[0].name}: missing ({len(missing)} of {len(plan.shards)} "
             "shards); run the workers that own them (the same quantize command) first"
         )
-    for shard in the_plan.shards:
+    for shard in plan.shards:
         path = out_dir / shard.name
         if (size := path.stat().st_size) != shard.size:
             raise FP8ConvertError(

@@ -35,8 +35,6 @@ class OutputLock:
 
     def acquire(self) -> None:
         """Take the locks (making OUT's work folder); refused when another run holds one of them."""
-        if self.fds:
-            return
         work = self.out_dir / WORK_DIR
         try:
             work.mkdir(parents=True, exist_ok=True)
@@ -70,7 +68,9 @@ class OutputLock:
     def share(self) -> None:
         """Hold the whole output's lock shared from now on, so that the workers this run starts (--devices)
         can join; refused if another run took it meanwhile (flock converts by dropping and retaking)."""
-        for fd in self.fds if self.count == 1 else []:  # a worker holds it shared already
+        if self.count > 1:  # a worker holds it shared already
+            return
+        for fd in self.fds:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError as e:

@@ -77,7 +77,6 @@ class Manifest:
 
     def mark_complete(self, plan: Plan) -> None:
         state = self.read() or new_manifest(plan)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json_bytes({**state, "complete": True}))
 
 
@@ -89,7 +88,7 @@ def source_files(source: Source) -> dict | None:
     files = {}
     for name in source.files:
         try:
-            st = os.stat(Path(source.root) / name)
+            st = os.stat(source.root / name)
             files[name] = [st.st_size, st.st_mtime_ns]
         except OSError:
             files[name] = None
@@ -107,7 +106,7 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
         "version": __version__,
         "fingerprint": plan.fingerprint,
         "source": source.label,
-        "source_path": str(Path(source.root).resolve()) if source.revision is None else None,
+        "source_path": str(source.root.resolve()) if source.revision is None else None,
         "revision": source.revision,
         "source_files": source_files(source),
         **plan.options.record(),  # what finalize_output rebuilds the plan from (Options.from_record)
@@ -181,7 +180,7 @@ def source_change(state: dict, source: Source) -> str | None:
     for name, stat in (source_files(source) if recorded else {}).items():
         if recorded.get(name) != stat:
             if stat is None:
-                return f"{Path(source.root) / name} is gone"
+                return f"{source.root / name} is gone"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stat[1] / 1e9))
-            return f"{Path(source.root) / name} changed since the output was started (modified {when})"
+            return f"{source.root / name} changed since the output was started (modified {when})"
     return None

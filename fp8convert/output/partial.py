@@ -14,6 +14,7 @@ from pathlib import Path
 from queue import SimpleQueue
 
 from ..files import fsync_dir, write_atomic
+from ..plan.batches import output_runs
 from ..plan.plan import Plan, Shard
 
 RECORD_SUFFIX = ".units"
@@ -33,19 +34,14 @@ def unit_spans(plan: Plan, shard: Shard) -> dict[int, list[tuple[int, int]]]:
     merged (a unit has a range per dtype size: wider dtypes come first in a shard)."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for ui in shard.units:
-        ranges = sorted(
-            (len(shard.header) + placed.offset, len(shard.header) + placed.offset + placed.nbytes)
-            for t in plan.units[ui].tensors
-            for name, _, _ in t.outputs()
-            if (placed := shard.tensors.get(name)) is not None
-        )
-        merged: list[tuple[int, int]] = []
-        for start, end in ranges:
-            if merged and merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], end)
+        merged = spans[ui] = []
+        for run in output_runs(plan, plan.units[ui].tensors):
+            if run.shard != shard.index:
+                continue
+            if merged and merged[-1][1] == run.start:
+                merged[-1] = (merged[-1][0], run.start + run.nbytes)
             else:
-                merged.append((start, end))
-        spans[ui] = merged
+                merged.append((run.start, run.start + run.nbytes))
     return spans
 
 

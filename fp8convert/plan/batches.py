@@ -22,13 +22,15 @@ def make_batches(units: list[Unit], max_resident: int) -> list[Batch]:
     piece_bytes = min(max_resident, KEPT_PIECE_BYTES)
     batches = []
     for unit in units:
-        atoms: list[tuple[list[TensorPlan], bool]] = []  # (atom, whether it is a piece)
+        atoms: list[tuple[list[TensorPlan], bool]] = []  # (atom, whether it is a piece of one)
         for atom in unit.atoms():
             if atom[0].cut:
                 pieces = expert_pieces(atom, max_resident)
+            elif len(atom) == 1:
+                pieces = [[piece] for piece in kept_pieces(atom[0], piece_bytes)]
             else:
-                pieces = [[piece] for piece in kept_pieces(atom[0], piece_bytes)] if len(atom) == 1 else []
-            atoms += [(piece, True) for piece in pieces] if len(pieces) > 1 else [(atom, False)]
+                pieces = [atom]
+            atoms += [(piece, len(pieces) > 1) for piece in pieces]
         if resident_bytes(unit.tensors) <= max_resident and not any(split for _, split in atoms):
             batches.append(Batch(unit.label, [t for atom, _ in atoms for t in atom]))
             continue

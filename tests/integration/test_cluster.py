@@ -18,8 +18,7 @@ from tiny_ckpt import cli_subprocess, looks_complete, tree_bytes
 from fp8convert import api
 from fp8convert.cli import main
 from fp8convert.cluster.batch import read_jobs, task_index_from_env
-from fp8convert.cluster.devices import parse_devices
-from fp8convert.cluster.workers import WorkerSpec, detect_worker, resolve_worker
+from fp8convert.cluster.workers import WorkerSpec, detect_worker, parse_devices, resolve_worker
 from fp8convert.demo import make_demo_model
 from fp8convert.errors import FP8ConvertError
 
