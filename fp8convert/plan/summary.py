@@ -86,7 +86,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
         ]
 
     warnings = limits(LIMITS)
-    block = by_scheme.get(Scheme.BLOCK, [])
+    block = by_scheme.get(Scheme.BLOCK, [])  # readers assume whole 128x128 tiles, and vLLM one grid per fused layer
     if odd := [t.name for t in block if t.shape[0] % BLOCK or t.shape[1] % BLOCK]:
         odd = f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]})"
         if fmt == Format.FP8:
