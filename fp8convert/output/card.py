@@ -133,8 +133,9 @@ def make_card(
 ) -> str:
     """The README.md of a converted checkpoint, from its Plan or a describe()-like dict. The examples name
     `repo_id`, else `out_dir` (`push` later puts the repo id there)."""
-    info = plan_or_info
-    if not isinstance(info, dict):  # a Plan: its summary plus what the reproduce command needs
+    if isinstance(plan_or_info, dict):
+        info = plan_or_info
+    else:  # a Plan: its summary plus what the reproduce command needs
         plan = plan_or_info
         info = {
             **describe(plan, 1 << 30, "cpu"),
