@@ -84,18 +84,6 @@ SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
-def card_info(plan) -> dict:
-    """describe() of a Plan, plus what the reproduce command needs (a local directory has no revision)."""
-    return {
-        **describe(plan, 1 << 30, "cpu"),
-        "ignore_patterns": list(plan.options.ignore),
-        "max_shard_size": plan.options.max_shard_size,
-        "revision": plan.source.revision,
-        "root": str(plan.source.root),
-        "dtype": plan.options.dtype,
-    }
-
-
 def reproduce_command(info: dict, target: str, base_model: str | None) -> str:
     """The quantize (or dequantize) command line, sizes written as a user types them ('2GB', not 2000000000)."""
     source, dtype, size = str(info["source"]), info.get("dtype"), info.get("max_shard_size")
@@ -143,9 +131,20 @@ def make_card(
     out_dir: str | Path | None = None,
     base_model: str | None = None,
 ) -> str:
-    """The README.md of a converted checkpoint, from its Plan or a card_info()-like dict. The examples name
+    """The README.md of a converted checkpoint, from its Plan or a describe()-like dict. The examples name
     `repo_id`, else `out_dir` (`push` later puts the repo id there)."""
-    info = plan_or_info if isinstance(plan_or_info, dict) else card_info(plan_or_info)
+    if isinstance(plan_or_info, dict):
+        info = plan_or_info
+    else:  # a Plan: its summary plus what the reproduce command needs
+        plan = plan_or_info
+        info = {
+            **describe(plan, 1 << 30, "cpu"),
+            "ignore_patterns": list(plan.options.ignore),
+            "max_shard_size": plan.options.max_shard_size,
+            "revision": plan.source.revision,  # None for a local directory
+            "root": str(plan.source.root),
+            "dtype": plan.options.dtype,
+        }
     source = str(info["source"])
     dequantized = bool(info.get("dequantize"))
     name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]

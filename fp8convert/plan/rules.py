@@ -11,6 +11,7 @@ from ..errors import FP8ConvertError, UsageError
 from ..formats.sources import SourceQuantization
 from ..options import GROUP_SIZE, Options, Scheme
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, TensorInfo
+from ..units import listed
 from .family import GENERIC, IN_OUT, OUT_IN, ROUTER, TOWER, Architecture, ExpertTensor, config_value
 from .plan import Action, Cut, TensorPlan
 
@@ -62,8 +63,7 @@ def default_keep_reason(info: TensorInfo, arch: Architecture, fmt: str, scheme: 
     # Fused 3-D expert tensors (gpt-oss, Llama-4 `experts.gate_up_proj`) carry no ".weight" suffix.
     if not info.name.endswith(".weight") and not (len(info.shape) > 2 and "experts" in parts):
         return "not a weight (bias or buffer)"
-    reason = next((k.reason for k in arch.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None)
-    if reason:
+    if reason := next((k.reason for k in arch.keep if k.covers(fmt, scheme) and re.search(k.pattern, module)), None):
         return reason
     leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
     if TOWER_PARTS.intersection(parts):
@@ -202,10 +202,9 @@ def decide(
             reason = f"--ignore {hit}"
         decisions.append(decision(info.name, info, reason, group, scheme=scheme))
     if unsupported:
-        more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
         family = f"model_type {config.get('model_type')!r}" + ("" if arch is not GENERIC else ", not in the registry")
         raise UnsupportedLayout(
-            f"tensor {', '.join(unsupported[:3])}{more}: more than 2-D, and fp8convert has no layout for it "
+            f"tensor {listed(unsupported)}: more than 2-D, and fp8convert has no layout for it "
             f"({family}: it converts fused 3-D experts only of the architectures it lists); keep them in high "
             "precision with --ignore"
         )

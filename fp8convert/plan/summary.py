@@ -10,7 +10,7 @@ from ..errors import FP8ConvertError
 from ..options import BLOCK, Format, ScaleFormat, Scheme
 from ..units import format_size, plural
 from .batches import make_batches
-from .family import MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
+from .family import GENERIC, MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
 
@@ -74,7 +74,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     """Combinations some consumer will refuse or read wrongly, each recipe scheme over its own tensors."""
     if plan.options.dequantize:  # no FP8 left
         return []
-    fmt, arch = plan.options.format, plan.architecture
+    fmt, arch = plan.options.format, plan.architecture or GENERIC
     by_scheme = {s: [t for t in plan.tensors if t.quantize and t.scheme == s] for s in plan.options.schemes}
 
     def limits(table: tuple[Limit, ...]) -> list[PlanWarning]:
@@ -85,10 +85,20 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
             if x.covers(fmt, scheme) and (x.experts is False or any(EXPERT.search(t.name) for t in quantized))
         ]
 
-    warnings = limits(LIMITS) + block_warnings(fmt, by_scheme.get(Scheme.BLOCK, []))
-    if arch:
-        warnings += limits(arch.limits)
-    if arch and arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
+    warnings = limits(LIMITS)
+    block = by_scheme.get(Scheme.BLOCK, [])  # readers assume whole 128x128 tiles, and vLLM one grid per fused layer
+    if odd := [t.name for t in block if t.shape[0] % BLOCK or t.shape[1] % BLOCK]:
+        odd = f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]})"
+        if fmt == Format.FP8:
+            what = "transformers infers the block size from the scale grid and dequantizes these wrongly"
+            warnings.append(PlanWarning(Caveat.TRANSFORMERS_MISREADS, f"{odd}: {what}"))
+        else:
+            what = "transformers cannot load these (needs both dims divisible by 128)"
+            warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD, f"{odd}: {what}"))
+    if why := unloadable_fused_groups(fmt, block):
+        warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
+    warnings += limits(arch.limits)
+    if arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
         # transformers' conversion mapping merges no per-expert weights of this family, and its fused path
         # reads FP8 expert codes without their scales: no FP8 layout loads in both.
         elsewhere = arch.experts.transformers_loads_split
@@ -108,21 +118,6 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
 
 def plan_warnings(plan: Plan) -> list[str]:
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
-
-
-def block_warnings(fmt: str, quantized: list) -> list[PlanWarning]:
-    warnings = []
-    if odd := [t.name for t in quantized if t.shape[0] % BLOCK or t.shape[1] % BLOCK]:
-        odd = f"{len(odd)} quantized weights have a dim not divisible by {BLOCK} (e.g. {odd[0]})"
-        if fmt == Format.FP8:
-            what = "transformers infers the block size from the scale grid and dequantizes these wrongly"
-            warnings.append(PlanWarning(Caveat.TRANSFORMERS_MISREADS, f"{odd}: {what}"))
-        else:
-            what = "transformers cannot load these (needs both dims divisible by 128)"
-            warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD, f"{odd}: {what}"))
-    if why := unloadable_fused_groups(fmt, quantized):
-        warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
-    return warnings
 
 
 def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
