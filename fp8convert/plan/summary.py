@@ -95,7 +95,8 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
         else:
             what = "transformers cannot load these (needs both dims divisible by 128)"
             warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD, f"{odd}: {what}"))
-    if why := unloadable_fused_groups(fmt, block):
+    # all of the block scheme's tensors: the Mamba2 rule reads the shapes of kept ones (dt_bias, out_proj)
+    if why := unloadable_fused_groups(fmt, [t for t in plan.tensors if t.scheme == Scheme.BLOCK]):
         warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
     warnings += limits(arch.limits)
     if arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:

@@ -126,6 +126,9 @@ def test_mamba2_in_proj_vllm_cannot_load_in_blocks_is_refused(fmt, tmp_path):
     assert "vLLM cannot load model.layers.0.mamba.in_proj" in text and "[256, 256, 16, 16, 16]" in text
     assert "channel or tensor" in text and r"'re:.*\.mamba\.in_proj$'" in text
     run_quantize(src, tmp_path / "ignored", format=fmt, scheme="block", ignore=(r"re:.*\.mamba\.in_proj$",))
+    forced = run_quantize(src, tmp_path / "forced", format=fmt, scheme="block", write_unloadable=True)
+    assert any("vLLM cannot load model.layers.0.mamba.in_proj" in w for w in forced.warnings), forced.warnings
+    assert "vLLM cannot load model.layers.0.mamba.in_proj" in (tmp_path / "forced" / "README.md").read_text()
 
 
 def test_mamba2_in_proj_on_block_boundaries_is_written(tmp_path):
