@@ -159,9 +159,8 @@ def quantize_steps(
         if source_scheme in FP4_SCHEMES:
             w = dequantized_fp4(tensors).to(dtype)
         else:
-            scales = [src.checked_scale(t) for t in tensors]
-            stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
-            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype)
+            scales = torch.stack([scale_as_stored(src.checked_scale(t), source_scheme) for t in tensors])
+            w = dequantize_to(src.stack(tensors), scales, source_scheme, dtype)
         if not all_finite(w):
             t = next(t for t, values in zip(tensors, w) if not all_finite(values))
             raise FP8ConvertError(
