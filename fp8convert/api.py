@@ -31,7 +31,7 @@ from .plan.plan import Action, Plan, unique_inputs
 from .plan.summary import plan_warnings, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
-from .run.warmup import PAGES_WAIT_S, cuda_missing, start_torch
+from .run.warmup import PAGES_WAIT_S, TorchStart, torch_has_cuda
 from .run.writer import ShardWriter
 from .source import fetch_from_hub, looks_like_repo_id, open_source, run_source
 from .source.streaming import need_order
@@ -150,7 +150,9 @@ def quantize(
             if devices:
                 lock.share()  # the workers it starts, one per device, hold it shared too
             # units an earlier run wrote in this share's partial shards (with --devices, each worker checks its own)
-            written = {} if devices else written_in(the_plan, out_dir, todo)
+            written = (
+                {} if devices else {i: written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]) for i in todo}
+            )
             check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
             Manifest(out_dir).claim(the_plan, settings.base_model)
             if devices:
@@ -191,7 +193,7 @@ def _refuse_conflicts(src, settings: Settings, spec: workers.WorkerSpec, devices
         )
     if settings.stream_download and not looks_like_repo_id(str(src)):
         raise FP8ConvertError(f"--stream-download applies to Hub repo ids; {src} is local")
-    if cuda_missing(settings.device):
+    if settings.device.startswith("cuda") and not torch_has_cuda():
         raise FP8ConvertError(
             f"--device {settings.device}: CUDA is not available on this machine (the installed torch is a CPU build)"
         )
@@ -263,11 +265,6 @@ def _quantize_on_devices(
         report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
 
 
-def written_in(the_plan: Plan, out_dir: Path, todo: set[int]) -> dict[int, set[int]]:
-    shards = ((i, written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i])) for i in sorted(todo))
-    return {i: units for i, units in shards if units}
-
-
 def _quantize_here(
     the_plan: Plan,
     out_dir: Path,
@@ -300,7 +297,7 @@ def _quantize_here(
             the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}), settings.hub
         )
     device = workers.device_for(spec, settings.device)
-    warmup = start_torch(device)
+    warmup = TorchStart(device)
     command = "dequantize" if settings.dequantize else "quantize"
     bar = Progress(
         sum(u.in_bytes for u in units), f"{command} {label}", enabled=settings.progress, plain=spec.count > 1
@@ -323,7 +320,7 @@ def _quantize_here(
         warmup.join()
         from .run.pipeline import convert
 
-        result = convert(
+        report.stage_seconds, report.device, report.peak_device_bytes = convert(
             the_plan,
             units,
             writer,
@@ -336,8 +333,7 @@ def _quantize_here(
             started=started,
         )
         warmup.record_pages()
-        report.stage_seconds, report.device = result.stage_seconds, result.device
-        report.peak_device_bytes, report.shards_written = result.peak_device_bytes, len(todo)
+        report.shards_written = len(todo)
         if settings.finalize:  # before the fetcher leaves: a streamed source's side files are in its folder
             report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
 

@@ -157,7 +157,7 @@ def main() -> int:
                 writer.allocator.join()
                 print(f"  {'allocate':<10} {time.perf_counter() - t0:7.3f} s  (before the timer)", flush=True)
             t0 = time.perf_counter()
-            result = convert(
+            stage_seconds, _, peak_bytes = convert(
                 plan,
                 plan.units,
                 writer,
@@ -167,7 +167,7 @@ def main() -> int:
                 Progress(nbytes, "profile", enabled=False),
             )
         line(name, time.perf_counter() - t0)
-        return result
+        return stage_seconds, peak_bytes
 
     readers, _ = device_module.io_threads(dev.type)
     for _ in range(args.repeat):
@@ -175,9 +175,9 @@ def main() -> int:
             time_reads(plan, batches, BatchReader(plan.source.root, dev, threads=readers), sync, line)
         if args.no_pipeline:
             continue
-        result = timed_pipeline("pipeline")
-        peak = f", peak device {result.peak_device_bytes / 2**30:.2f} GiB" if result.peak_device_bytes else ""
-        print(f"             stages {result.stage_seconds}{peak}", flush=True)
+        stage_seconds, peak_bytes = timed_pipeline("pipeline")
+        peak = f", peak device {peak_bytes / 2**30:.2f} GiB" if peak_bytes else ""
+        print(f"             stages {stage_seconds}{peak}", flush=True)
         # the same without the output medium: bytes still leave the device, the writes do nothing
         real = writer_module.pwrite_all, writer_module.write_mapped
         writer_module.pwrite_all = writer_module.write_mapped = lambda fd, data, offset: None

@@ -39,11 +39,11 @@ def budget_for(dev: torch.device, max_resident: int | None) -> int:
     return max_resident or DEFAULT_MAX_RESIDENT[dev.type]
 
 
-def io_threads(device_type: str, cores: int | None = None) -> tuple[int, int]:
+def io_threads(device_type: str) -> tuple[int, int]:
     """(reader, writer) threads: with a GPU, 8 and 8 keep the disk busy; on the CPU quantizing needs the cores."""
     if device_type != "cpu":
         return 8, 8
-    cores = cores or usable_cores()
+    cores = usable_cores()
     return io_share(cores), 1 if cores <= 4 else 2
 
 
@@ -51,7 +51,7 @@ def quantizing_threads(torch_threads: int, cores: int, environ=os.environ) -> in
     """Above 4 cores, the cores less the readers': a torch thread waiting for a core holds up the rest."""
     if environ.get("OMP_NUM_THREADS"):
         return None
-    spared = io_threads("cpu", cores)[0] if cores > 4 else 0
+    spared = io_share(cores) if cores > 4 else 0  # the CPU's readers
     return max(1, min(torch_threads, cores - spared))
 
 

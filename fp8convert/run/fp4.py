@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..options import GROUP_SIZE, Scheme
-from .numerics import FP8_DTYPE, FP8_MAX, e8m0_to_float, refuse_unwritable
+from .numerics import FP8_DTYPE, FP8_MAX, e8m0_to_float, group_amax, refuse_unwritable
 
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -36,12 +36,6 @@ def _below(value: float) -> float:
 # |v| > edge counts up one index; ties at 0.25, 1.25, 2.5 and 5 round down, at 0.75, 1.75 and 3.5 up (to
 # the even E2M1 value): those edges move to the float32 just below them.
 INDEX_EDGES = (0.25, _below(0.75), 1.25, _below(1.75), 2.5, _below(3.5), 5.0)
-
-
-def group_amax(w: torch.Tensor, size: int) -> torch.Tensor:
-    """max |w| in float32 per `size` consecutive inputs of a row: [..., out, in / size]."""
-    groups = w.unflatten(-1, (w.shape[-1] // size, size))
-    return torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg()).float()
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:

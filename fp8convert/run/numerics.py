@@ -45,14 +45,19 @@ def all_finite(values: torch.Tensor) -> bool:
     return not values.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
 
 
+def group_amax(w: torch.Tensor, size: int) -> torch.Tensor:
+    """max |w| in float32 per `size` consecutive inputs of a row: [..., out, in / size]."""
+    groups = w.unflatten(-1, (w.shape[-1] // size, size))
+    return torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg()).float()
+
+
 def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """Largest |w| in float32 per tensor, row, 32-group or 128x128 block: no full-size |w|, NaN propagates."""
+    if scheme == "mxfp8":
+        return group_amax(w, MX_GROUP)
     if scheme == "tensor":
         dims = (-2, -1)
     elif scheme == "channel":
-        dims = (-1,)
-    elif scheme == "mxfp8":  # [..., out, in/32, 32] -> [..., out, in/32]
-        w = w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP))
         dims = (-1,)
     else:
         out, inp = w.shape[-2:]
@@ -156,9 +161,7 @@ def dequantize_to(
 ) -> torch.Tensor:
     """(float32(q) * scale).to(dtype) with scale_as_stored's scales: one float32 product rounded once, as
     DeepSeek's and transformers' dequantizers compute it. On a CPU by table lookup: the same bytes, faster."""
-    if cpu_path is None:
-        cpu_path = q.device.type == "cpu"
-    if cpu_path:
+    if cpu_path or (cpu_path is None and q.device.type == "cpu"):
         return _dequantize_by_table(q, scale, scheme, dtype)
     return dequantize(q, scale, scheme).to(dtype)
 

@@ -11,7 +11,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -62,13 +61,6 @@ class BatchOutput:
             raise AssertionError(f"{len(self.left)} outputs of the batch were never produced")
 
 
-@dataclass
-class RunResult:
-    stage_seconds: dict
-    device: str
-    peak_device_bytes: int | None
-
-
 def convert(
     plan: Plan,
     units: list[Unit],
@@ -81,8 +73,9 @@ def convert(
     read_threads: int | None = None,
     on_read: Callable[[int], None] = lambda nbytes: None,
     started: float | None = None,
-) -> RunResult:
-    """`fetcher` brings streamed source shards; `on_read(nbytes)` is told after each batch is read."""
+) -> tuple[dict, str, int | None]:
+    """(stage seconds, device, peak device bytes or None). `fetcher` brings streamed source shards;
+    `on_read(nbytes)` is told after each batch is read."""
     started = time.monotonic() if started is None else started
     dev = resolve_device(device)
     torch.empty(1, device=dev)  # start CUDA now, so its cost shows in "startup", not in the first batch
@@ -108,7 +101,7 @@ def convert(
         **{k: round(v, 3) for k, v in seconds.items()},
         "pipeline": round(time.monotonic() - torch_ready, 3),
     }
-    return RunResult(seconds, str(dev), peak)
+    return seconds, str(dev), peak
 
 
 def last_use(uses_left: Counter, files: list[str]) -> list[str]:
@@ -176,14 +169,13 @@ class Pipeline:
         self.to_writer.put((batch, feed))
         t0 = time.monotonic()
         assembled = BatchOutput(runs)
-        options = self.plan.options
         keep_buf = False  # whether a run's bytes are a view of the read buffer (which then lives until written)
         buf_ptr = pending.buf.untyped_storage().data_ptr()
         for outputs in quantize_steps(
             batch,
             pending.buf,
             pending.offsets,
-            scale_format=options.scale_format,
+            scale_format=self.plan.options.scale_format,
             source_scheme=self.plan.source_scheme,
             root=self.reader.root,
             pending=pending,

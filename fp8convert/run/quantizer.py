@@ -159,9 +159,8 @@ def quantize_steps(
         if source_scheme in FP4_SCHEMES:
             w = dequantized_fp4(tensors).to(dtype)
         else:
-            scales = [src.checked_scale(t) for t in tensors]
-            stacked_scales = torch.stack([scale_as_stored(s, source_scheme) for s in scales])
-            w = dequantize_to(src.stack(tensors), stacked_scales, source_scheme, dtype)
+            scales = torch.stack([scale_as_stored(src.checked_scale(t), source_scheme) for t in tensors])
+            w = dequantize_to(src.stack(tensors), scales, source_scheme, dtype)
         if not all_finite(w):
             t = next(t for t, values in zip(tensors, w) if not all_finite(values))
             raise FP8ConvertError(
@@ -200,19 +199,12 @@ def quantize_steps(
     def single(t: TensorPlan) -> list[Output]:
         if t.action is Action.PASS:
             return passed_through(t)
-        if t.cut:  # a cut is a strided view: written as a contiguous copy
-            values = src.output(t)
-            if t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(values):
-                raise FP8ConvertError(f"{src.where(t)} contains NaN or Inf; refusing to copy it")
-            return [(t.name, values.contiguous(), t.at)]
-        raw = src.raw(t.source)
-        if (
-            t.name.endswith(".weight")
-            and t.source.dtype in FLOAT_SOURCE_DTYPES
-            and not all_finite(raw.view(torch_dtype(t.source.dtype)))
-        ):
+        values = src.output(t)
+        checked = t.cut or t.name.endswith(".weight")
+        if checked and t.source.dtype in FLOAT_SOURCE_DTYPES and not all_finite(values):
             raise FP8ConvertError(f"{src.where(t)} contains NaN or Inf; refusing to copy it")
-        return [(t.name, raw, t.at)]
+        # a cut is a strided view: written as a contiguous copy
+        return [(t.name, values.contiguous() if t.cut else src.raw(t.source), t.at)]
 
     def stacked(chunk: list[list[TensorPlan]]) -> list[Output]:
         action = chunk[0][0].action

@@ -5,6 +5,7 @@ own pinned staging chunk and stream (host memory stays threads x chunk).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -85,7 +86,7 @@ class PendingRead:
             job.result()
 
 
-class BatchReader:
+class BatchReader(contextlib.AbstractContextManager):
     def __init__(self, root: Path, device: torch.device, threads: int = 8, chunk_bytes: int = 32 << 20):
         self.root, self.device, self.chunk = Path(root), device, chunk_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fp8convert-read")
@@ -99,9 +100,6 @@ class BatchReader:
         CUDA's caching allocator reuses device memory itself)."""
         if buf.device.type == "cpu" and (self.spare is None or buf.untyped_storage().nbytes() > self.spare.numel()):
             self.spare = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
-
-    def __enter__(self) -> BatchReader:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True)

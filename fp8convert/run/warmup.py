@@ -71,9 +71,6 @@ class TorchStart:
             pass
 
 
-start_torch = TorchStart
-
-
 def torch_starting() -> bool:
     return any(t.name == TORCH_THREAD and t.is_alive() for t in threading.enumerate())
 
@@ -86,11 +83,6 @@ def torch_has_cuda() -> bool:
         return False
     folders = spec.submodule_search_locations if spec else None
     return any((Path(folder) / "lib" / "libtorch_cuda.so").exists() for folder in folders or [])
-
-
-def cuda_missing(device: str) -> bool:
-    """Whether `device` asks for CUDA that the installed torch lacks (the run will be refused)."""
-    return device.startswith("cuda") and not torch_has_cuda()
 
 
 def cuda_device_count() -> int:

@@ -118,22 +118,16 @@ class ShardWriter:
         # per shard: (start, end, unit) of the units still to write, by start; each one's bytes left
         self.unit_ranges: dict[int, list[tuple[int, int, int]]] = {}
         self.unit_left: dict[int, Counter] = {}
-        for s in plan.shards:
-            if s.index in skip_shards:
-                continue
-            skip = self.written.get(s.index, ())
-            ranges = sorted(
-                (a, b, ui) for ui, spans in self.recorder.spans[s.index].items() if ui not in skip for a, b in spans
-            )
-            self.unit_ranges[s.index] = ranges
-            self.unit_left[s.index] = Counter()
-            for a, b, ui in ranges:
-                self.unit_left[s.index][ui] += b - a
+        for index, spans in self.recorder.spans.items():
+            if index not in skip_shards:
+                todo = {ui: unit for ui, unit in spans.items() if ui not in self.written.get(index, ())}
+                self.unit_ranges[index] = sorted((a, b, ui) for ui, unit in todo.items() for a, b in unit)
+                self.unit_left[index] = Counter({ui: sum(b - a for a, b in unit) for ui, unit in todo.items()})
         self.unit_lock = threading.Lock()  # the two above; never held while waiting
         self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}  # bytes to write
         self.fds: dict[int, int] = {}
         self.reserved: set[int] = set()  # shards whose blocks are all allocated
-        self.file_system_maps: bool | None = None  # asked once
+        self.file_system_maps = maps_writes(self.work_dir)
         self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
         self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
         self.lock = threading.Lock()  # the bookkeeping above, shared by the threads that call write()
@@ -217,8 +211,6 @@ class ShardWriter:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
             mapped = MAPPED_WRITES and self.threads >= MAPPED_MIN_THREADS and index in self.reserved
-            if mapped and self.file_system_maps is None:
-                self.file_system_maps = maps_writes(self.work_dir)
             copy = write_mapped if mapped and self.file_system_maps and not host.readonly else pwrite_all
             future = self.pool.submit(self._write_host, index, copy, fd, host, offset)
             self.pending.setdefault(index, []).append(future)
@@ -242,15 +234,14 @@ class ShardWriter:
         for ui in done:
             self.recorder.unit_written(index, ui, fd)
 
-    def pin_ring(self) -> None:
-        """Pin the ring while the first batch is read (pinning is slow), no larger than the bytes left fill."""
-        with self.lock:
-            left = sum(self.remaining.values())
-        self._grow_ring(min(self.threads + 1, -(-left // self.chunk)))
-
-    def _grow_ring(self, size: int) -> None:
+    def pin_ring(self, size: int | None = None) -> None:
+        """Pinned staging buffers up to `size`; by default the ring while the first batch is read (pinning is
+        slow), no larger than the bytes left fill."""
         import torch
 
+        if size is None:
+            with self.lock:
+                size = min(self.threads + 1, -(-sum(self.remaining.values()) // self.chunk))
         while len(self.ring) < size:
             self.ring.append((torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True), None))
 
@@ -266,7 +257,7 @@ class ShardWriter:
             n = min(self.chunk, raw.numel() - start)
             slot = self.next_slot
             self.next_slot = (slot + 1) % (self.threads + 1)
-            self._grow_ring(slot + 1)  # a buffer pin_ring left out
+            self.pin_ring(slot + 1)  # a buffer left out at first
             staging, busy = self.ring[slot]
             if busy is not None:
                 busy.result()  # the buffer's previous write must finish before it is refilled
