@@ -7,8 +7,8 @@ through the CLI and record a SHA-256 of every output file (the work folder `.fp8
 
 Checkpoints: the test suite's tiny models (tests/support/tiny_models.py), the demo model, and with --bench the
 2-layer benchmark checkpoints of scripts/anchor/make_ckpt.py (a few GB each; built once and kept in
---work). Outputs go to fixed paths under --work, so the model cards (which name them) compare too.
-Exits 1 when --compare finds a difference.
+--work). The model cards and refusal lines name paths under --work; they are hashed with that folder
+written as `<work>`, so digests made in two folders compare. Exits 1 when --compare finds a difference.
 """
 
 from __future__ import annotations
@@ -77,15 +77,18 @@ def build_sources(work: Path, bench: bool) -> dict[str, Path]:
     return sources
 
 
-def digest_dir(path: Path) -> dict[str, str]:
+def digest_dir(path: Path, work: Path) -> dict[str, str]:
     out = {}
     for f in sorted(path.rglob("*")):
         rel = f.relative_to(path).as_posix()
         if f.is_file() and not rel.startswith(".fp8convert"):
             h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(block)
+            if rel == "README.md":  # the card names the source and output paths
+                h.update(f.read_bytes().replace(str(work).encode(), b"<work>"))
+            else:
+                with open(f, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 24), b""):
+                        h.update(block)
             out[rel] = h.hexdigest()
     return out
 
@@ -123,7 +126,11 @@ def main() -> int:
                 capture_output=True,
                 text=True,
             )
-            results[key] = digest_dir(out) if run.returncode == 0 else {"error": run.stderr.strip().splitlines()[-1]}
+            if run.returncode:
+                last = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+                results[key] = {"error": last.replace(str(args.work), "<work>")}
+            else:
+                results[key] = digest_dir(out, args.work)
             print(
                 f"{key}: {len(results[key])} files" if run.returncode == 0 else f"{key}: {results[key]['error']}",
                 flush=True,
