@@ -55,8 +55,12 @@ def recorded_source(state: dict, hub: HubAccess) -> Source:
         return open_local(Path(state["source_path"]), label=state["source"])
     if not looks_like_repo_id(state["source"]):
         raise FP8ConvertError(f"{state['source']}: the manifest's source is neither a directory nor a Hub repo id")
-    source = hub_source(state["source"], replace(hub, revision=state.get("revision")), download=False)
-    fetch_from_hub(source, [], hub)
+    hub = replace(hub, revision=state.get("revision"))
+    if constants.HF_HUB_OFFLINE:
+        return hub_source(state["source"], hub, download=False)
+    repo = resolve_repo(state["source"], hub)
+    source = source_from_repo(repo, repo.snapshot_dir())
+    _fetch(repo, [])
     return source
 
 

@@ -748,6 +748,17 @@ def test_rerun_after_the_branch_moved_is_refused(fake_hub, tiny_repo, tmp_path, 
     assert json.loads((out / ".fp8convert" / "manifest.json").read_text())["revision"] == new
 
 
+def test_finalize_of_a_hub_source_asks_the_hub_once(fake_hub, tiny_repo, tmp_path, capsys):
+    """finalize rebuilds the plan from the recorded commit: one model_info call, not one per step."""
+    out = tmp_path / "out"
+    for k in range(2):
+        api.quantize(REPO, out, device="cpu", finalize=False, worker=f"{k}/2")
+    fake_hub.requests.clear()
+    assert main(["finalize", str(out)]) == 0
+    assert len(fake_hub.requests_to("/api/models/")) == 1
+    assert (out / "model.safetensors.index.json").exists()
+
+
 # --------------------------------------------------------------------------- --token, --cache-dir, --create-pr
 
 
