@@ -50,9 +50,9 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
         return Found()
     # the source's values: an FP8 or FP4 weight's float32(q) * scale (None for a bad scale), else as read
     w = source_values(sources, r0, source_scheme) if pair.fp8 else sources[0]
+    if w is None and pair.kind in ("dequantized", "fp4"):  # an FP8 output reports it with its own checks
+        return Found((pair.fp8.scale.name, SOURCE_SCALE_NOT_FINITE))
     if pair.kind == "dequantized":
-        if w is None:
-            return Found((pair.fp8.scale.name, SOURCE_SCALE_NOT_FINITE))
         return Found(wrong=count_wrong(w, outputs[0]))
     if pair.cut is not None:
         w = cut_of(pair.cut, w)
@@ -60,7 +60,7 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
     if pair.kind == "fp4":
         packed, scale, *global_scale = outputs
         g = global_scale[0] if global_scale else None
-        sums = None if w is None else fp4_sums(w, packed, scale, g, fmt.scheme)
+        sums = fp4_sums(w, packed, scale, g, fmt.scheme)
         if sums is None:
             return Found((pair.name, f"scale {pair.outputs[1].name} or its global scale is not finite and positive"))
         return Found(sums=sums, global_value=None if g is None else g.float().reshape(-1)[0].item())

@@ -434,3 +434,21 @@ def test_verify_catches_a_requantized_code_off_the_grid(fp8_source, tmp_path):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     report = verify(src, out)
     assert not report.ok and any(name in f and "not the nearest e4m3" in f for f in report.failures)
+
+
+def test_verify_of_an_fp4_output_names_the_source_scale_that_is_not_finite(fp8_source, tmp_path):
+    """Where the FP8 source's own scale is bad, the failure names that scale, not the output's."""
+    src = tmp_path / "src"
+    shutil.copytree(fp8_source("qwen3-native-block-bf16"), src)
+    out = tmp_path / "out"
+    run_quantize(src, out, scheme="nvfp4a16")
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    shard = src / read_json(src / "model.safetensors.index.json")["weight_map"][name]
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    tensors[name] = tensors[name].clone().fill_(float("inf"))
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    report = verify(src, out)
+    assert not report.ok
+    assert any(name in f and "source's scale is not finite" in f for f in report.failures), report.failures
