@@ -13,11 +13,11 @@ from .batches import make_batches
 from .family import GENERIC, MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
+from .rules import experts_of
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30  # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20  # interpreter + torch on CPU, roughly
 PINNED_HOST_BYTES = 9 * (32 << 20)  # pinned read chunks of 32 MiB: 8 reader threads and one more
-EXPERT = re.compile(r"\.experts\.\d+\.")
 FUSED_BLOCK_RULE = f"needs every member but the last to have an output size divisible by {BLOCK}"
 
 # Where transformers cannot load an output of any family (the registry adds each family's own).
@@ -82,7 +82,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
             PlanWarning(x.caveat, x.text)
             for scheme, quantized in by_scheme.items()
             for x in table
-            if x.covers(fmt, scheme) and (x.experts is False or any(EXPERT.search(t.name) for t in quantized))
+            if x.covers(fmt, scheme) and (x.experts is False or any(experts_of(t.name) for t in quantized))
         ]
 
     warnings = limits(LIMITS)
@@ -128,7 +128,7 @@ def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
     quantized = [t for t in tensors if t.quantize]
     fused: dict[str, list] = {}
     for t in quantized:
-        if t.group and not EXPERT.search(t.name):
+        if t.group and not experts_of(t.name):
             fused.setdefault(t.group, []).append(t)
     broken = []  # (module, what it is, why, how to keep it)
     for group, members in fused.items():
