@@ -33,7 +33,7 @@ from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress
 from .run.warmup import PAGES_WAIT_S, TorchStart, torch_has_cuda
 from .run.writer import ShardWriter
-from .source import fetch_from_hub, looks_like_repo_id, open_source, run_source
+from .source import looks_like_repo_id, open_source, run_source
 from .source.streaming import need_order
 from .units import format_size
 
@@ -293,9 +293,7 @@ def _quantize_here(
             settings.progress,
         )
         # a Hub source planned from its headers: this worker downloads the shards it reads
-        fetch_from_hub(
-            the_plan.source, sorted({i.file for u in units for t in u.tensors for i in t.inputs}), settings.hub
-        )
+        fetcher.fetch(sorted({i.file for u in units for t in u.tensors for i in t.inputs}))
     device = workers.device_for(spec, settings.device)
     warmup = TorchStart(device)
     command = "dequantize" if settings.dequantize else "quantize"

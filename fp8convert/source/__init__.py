@@ -4,7 +4,6 @@ directory exists."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,9 +12,8 @@ from huggingface_hub import constants
 
 from ..errors import FP8ConvertError
 from ..options import REPO_ID, HubAccess
-from ..safetensors_io import INDEX_NAME
 from .checkpoint import Source, open_local
-from .hub import CARD_NAME, COMMIT_SHA, RemoteRepo, also_no_folder, parallel, resolve_repo, source_from_repo
+from .hub import also_no_folder, resolve_repo, source_from_repo
 from .streaming import NoFetcher, StreamingFetcher
 
 
@@ -45,6 +43,9 @@ def run_source(
     if stream_to is not None:
         repo = resolve_repo(str(src), hub)  # the small files go to the cache
         return source_from_repo(repo, stream_to), StreamingFetcher(repo, stream_to)
+    if shared and looks_like_repo_id(str(src)) and not constants.HF_HUB_OFFLINE:
+        repo = resolve_repo(str(src), hub)
+        return source_from_repo(repo, repo.snapshot_dir()), NoFetcher(repo)
     return open_source(src, hub, download=not shared), NoFetcher()
 
 
@@ -60,7 +61,7 @@ def recorded_source(state: dict, hub: HubAccess) -> Source:
         return hub_source(state["source"], hub, download=False)
     repo = resolve_repo(state["source"], hub)
     source = source_from_repo(repo, repo.snapshot_dir())
-    _fetch(repo, [])
+    repo.fetch([])
     return source
 
 
@@ -71,7 +72,7 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
     if not constants.HF_HUB_OFFLINE:
         repo = resolve_repo(repo_id, hub)
         if download:
-            return open_local(_fetch(repo, repo.shards), label=repo_id, revision=repo.sha)
+            return open_local(repo.fetch(repo.shards), label=repo_id, revision=repo.sha)
         return source_from_repo(repo, repo.snapshot_dir())
     with also_no_folder(repo_id):
         try:
@@ -84,29 +85,3 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
                 "HF_HUB_OFFLINE to download it"
             ) from e
     return open_local(Path(root), label=repo_id, revision=Path(root).name)
-
-
-def fetch_from_hub(source: Source, shards: list[str], hub: HubAccess) -> None:
-    """Complete the cache snapshot a remote Source is rooted at with `shards` (the ones a worker reads)
-    and the small files finalize reads; offline, the source is the cached snapshot itself."""
-    if source.revision is not None and not constants.HF_HUB_OFFLINE:
-        _fetch(resolve_repo(source.label, replace(hub, revision=source.revision)), shards)
-
-
-def _fetch(repo: RemoteRepo, shards: list[str]) -> Path:
-    """The small files, then `shards`, biggest first, into the cache snapshot; returns it."""
-    for name in ["config.json", INDEX_NAME, CARD_NAME, *repo.side_files]:
-        if name in repo.sizes:
-            repo.download(name)
-    shards = sorted(dict.fromkeys(shards), key=lambda n: -(repo.sizes.get(n) or 0))
-    parallel(lambda name: repo.download(name, weights=True), shards)
-    snapshot = repo.snapshot_dir()
-    # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
-    # snapshot: the files were fetched by commit, which records no ref.
-    ref = repo.hub.revision or "main"
-    if not COMMIT_SHA.match(ref) and snapshot.parent.name == "snapshots":
-        path = snapshot.parent.parent / "refs" / ref
-        with contextlib.suppress(OSError):  # only offline reruns need it
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(repo.sha)
-    return snapshot

@@ -259,6 +259,24 @@ class RemoteRepo:
         """Where the shared cache keeps this commit's files."""
         return self.download("config.json").parent
 
+    def fetch(self, shards: list[str]) -> Path:
+        """The small files, then `shards`, biggest first, into the cache snapshot; returns it."""
+        for name in ["config.json", INDEX_NAME, CARD_NAME, *self.side_files]:
+            if name in self.sizes:
+                self.download(name)
+        shards = sorted(dict.fromkeys(shards), key=lambda n: -(self.sizes.get(n) or 0))
+        parallel(lambda name: self.download(name, weights=True), shards)
+        snapshot = self.snapshot_dir()
+        # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
+        # snapshot: the files were fetched by commit, which records no ref.
+        ref = self.hub.revision or "main"
+        if not COMMIT_SHA.match(ref) and snapshot.parent.name == "snapshots":
+            path = snapshot.parent.parent / "refs" / ref
+            with contextlib.suppress(OSError):  # only offline reruns need it
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(self.sha)
+        return snapshot
+
 
 def resolve_repo(repo_id: str, hub: HubAccess) -> RemoteRepo:
     """The commit `hub.revision` points to, its files' sizes (one API call) and the files a conversion needs:

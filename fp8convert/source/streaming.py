@@ -14,7 +14,16 @@ from .hub import CARD_NAME, RemoteRepo, hub_error
 
 
 class NoFetcher(contextlib.nullcontext):
-    """The fetcher of a source already on disk: every file is there, nothing is ever deleted."""
+    """The fetcher of a source on disk, whose files are never deleted: all there, or (`repo`: one worker of
+    several, planned from a Hub repo's headers) the ones `fetch` brings into the download cache."""
+
+    def __init__(self, repo: RemoteRepo | None = None):
+        super().__init__()
+        self.repo = repo
+
+    def fetch(self, shards: list[str]) -> None:
+        if self.repo is not None:
+            self.repo.fetch(shards)
 
     def start(self, order: list[str]) -> None: ...
     def need(self, files: list[str]) -> None: ...

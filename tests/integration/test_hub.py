@@ -748,6 +748,25 @@ def test_rerun_after_the_branch_moved_is_refused(fake_hub, tiny_repo, tmp_path, 
     assert json.loads((out / ".fp8convert" / "manifest.json").read_text())["revision"] == new
 
 
+def test_hub_workers_ask_the_hub_once_each_and_an_offline_run_finds_their_downloads(
+    fake_hub, tiny_repo, tmp_path, monkeypatch
+):
+    """Each worker of a shared run plans from the headers and downloads its own shards: one model_info
+    call each, and the branch recorded in the cache, so an offline run by branch name finds the files."""
+    from huggingface_hub import constants
+
+    out = tmp_path / "out"
+    for k in range(2):
+        start = len(fake_hub.requests)
+        api.quantize(REPO, out, device="cpu", finalize=False, worker=f"{k}/2")
+        assert len([r for r in fake_hub.requests[start:] if "/api/models/" in r.path]) == 1
+    api.quantize(REPO, tmp_path / "online", device="cpu")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    start = len(fake_hub.requests)
+    api.quantize(REPO, tmp_path / "offline", device="cpu")
+    assert same_conversion(tmp_path / "offline", tmp_path / "online") and len(fake_hub.requests) == start
+
+
 def test_finalize_of_a_hub_source_asks_the_hub_once(fake_hub, tiny_repo, tmp_path, capsys):
     """finalize rebuilds the plan from the recorded commit: one model_info call, not one per step."""
     out = tmp_path / "out"
