@@ -151,7 +151,9 @@ def quantize(
                 lock.share()  # the workers it starts, one per device, hold it shared too
             # units an earlier run wrote in this share's partial shards (with --devices, each worker checks its own)
             written = (
-                {} if devices else {i: written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]) for i in todo}
+                {}
+                if devices
+                else {i: u for i in todo if (u := written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]))}
             )
             check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
             Manifest(out_dir).claim(the_plan, settings.base_model)

@@ -100,9 +100,9 @@ class UnitRecorder:
     thread of its own (reading back and fsyncing take time). Failures only lose lines: the rerun writes
     those units again."""
 
-    def __init__(self, plan: Plan, work_dir: Path):
-        self.plan, self.work_dir = plan, Path(work_dir)
-        self.spans = {s.index: unit_spans(plan, s) for s in plan.shards}
+    def __init__(self, plan: Plan, work_dir: Path, spans: dict[int, dict[int, list[tuple[int, int]]]]):
+        """`spans`: unit_spans of the shards this run writes."""
+        self.plan, self.work_dir, self.spans = plan, Path(work_dir), spans
         self.queue: SimpleQueue = SimpleQueue()
         self.lock = threading.Lock()  # a line is never added once its shard is finished
         self.finished: set[int] = set()

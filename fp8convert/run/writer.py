@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..files import fsync_dir
-from ..output.partial import UnitRecorder, partial_path, record_path
+from ..output.partial import UnitRecorder, partial_path, record_path, unit_spans
 from ..plan.batches import Run
 from ..plan.plan import Plan
 
@@ -114,15 +114,15 @@ class ShardWriter:
         self.plan, self.out_dir, self.work_dir = plan, Path(out_dir), Path(work_dir)
         self.chunk, self.threads = chunk_bytes, threads
         self.written = {index: units for index, units in (written or {}).items() if units}
-        self.recorder = UnitRecorder(plan, work_dir)
+        spans = {s.index: unit_spans(plan, s) for s in plan.shards if s.index not in skip_shards}
+        self.recorder = UnitRecorder(plan, work_dir, spans)
         # per shard: (start, end, unit) of the units still to write, by start; each one's bytes left
         self.unit_ranges: dict[int, list[tuple[int, int, int]]] = {}
         self.unit_left: dict[int, Counter] = {}
-        for index, spans in self.recorder.spans.items():
-            if index not in skip_shards:
-                todo = {ui: unit for ui, unit in spans.items() if ui not in self.written.get(index, ())}
-                self.unit_ranges[index] = sorted((a, b, ui) for ui, unit in todo.items() for a, b in unit)
-                self.unit_left[index] = Counter({ui: sum(b - a for a, b in unit) for ui, unit in todo.items()})
+        for index, shard_spans in spans.items():
+            todo = {ui: unit for ui, unit in shard_spans.items() if ui not in self.written.get(index, ())}
+            self.unit_ranges[index] = sorted((a, b, ui) for ui, unit in todo.items() for a, b in unit)
+            self.unit_left[index] = Counter({ui: sum(b - a for a, b in unit) for ui, unit in todo.items()})
         self.unit_lock = threading.Lock()  # the two above; never held while waiting
         self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}  # bytes to write
         self.fds: dict[int, int] = {}
