@@ -95,8 +95,7 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
         else:
             what = "transformers cannot load these (needs both dims divisible by 128)"
             warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD, f"{odd}: {what}"))
-    # all of the block scheme's tensors: the Mamba2 rule reads the shapes of kept ones (dt_bias, out_proj)
-    if why := unloadable_fused_groups(fmt, [t for t in plan.tensors if t.scheme == Scheme.BLOCK]):
+    if why := unloadable(plan):
         warnings.append(PlanWarning(Caveat.VLLM_CANNOT_LOAD, why))
     warnings += limits(arch.limits)
     if arch.experts and any(t.cut for t in plan.tensors) and fmt not in arch.experts.transformers_loads_split:
@@ -121,11 +120,12 @@ def plan_warnings(plan: Plan) -> list[str]:
     return plan.warnings + [w.text for w in compatibility_warnings(plan)]
 
 
-def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
-    """Why vLLM cannot load the block-FP8 fused layers among `tensors` at any TP size, or None: it loads each
-    member at its row offset in one weight with one 128x128 scale grid, so every member but the last must
-    end on a block boundary. MoE experts follow vLLM's MoE rules instead (parallel.py)."""
-    quantized = [t for t in tensors if t.quantize]
+def unloadable(plan: Plan) -> str | None:
+    """Why vLLM cannot load the plan's block-FP8 fused layers at any TP size, or None: it loads each member
+    at its row offset in one weight with one 128x128 scale grid, so every member but the last must end on
+    a block boundary. MoE experts follow vLLM's MoE rules instead (parallel.py)."""
+    quantized = [t for t in plan.tensors if t.quantize and t.scheme == Scheme.BLOCK]
+    fmt = plan.options.format
     fused: dict[str, list] = {}
     for t in quantized:
         if t.group and not experts_of(t.name):
@@ -139,7 +139,7 @@ def unloadable_fused_groups(fmt: str, tensors: list) -> str | None:
             why = f"its fused block GEMM {FUSED_BLOCK_RULE}, and these do not (e.g. {e.name} {list(e.shape)})"
             keep = f"the group in high precision with --ignore 're:.*\\.({leaves.replace('/', '|')})$'"
             broken.append((group, "group", why, keep))
-    broken = broken or _unloadable_mamba2_in_proj(tensors, quantized)
+    broken = broken or _unloadable_mamba2_in_proj(plan.tensors, quantized)
     if not broken:
         return None
     module, kind, why, keep = broken[0]
@@ -175,8 +175,7 @@ def refuse_unloadable(plan: Plan) -> None:
     """Refuse an output vLLM cannot load even at TP 1 (fused block groups that break its rule)."""
     if plan.options.dequantize or Scheme.BLOCK not in plan.options.schemes:
         return
-    block = [t for t in plan.tensors if t.scheme == Scheme.BLOCK]
-    if why := unloadable_fused_groups(plan.options.format, block):
+    if why := unloadable(plan):
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 
 

@@ -131,6 +131,16 @@ def test_mamba2_in_proj_vllm_cannot_load_in_blocks_is_refused(fmt, tmp_path):
     assert "vLLM cannot load model.layers.0.mamba.in_proj" in (tmp_path / "forced" / "README.md").read_text()
 
 
+def test_mamba2_in_proj_given_blocks_by_a_recipe_is_refused(tmp_path):
+    """The rule reads dt_bias's and out_proj's shapes, which a recipe leaves in another scheme."""
+    import zoo
+
+    src = zoo.make("granitemoehybrid", tmp_path / "src", config_overrides={**_GRANITE_HYBRID, "mamba_d_state": 16})
+    with pytest.raises(fp8convert_module().FP8ConvertError) as ei:
+        run_quantize(src, tmp_path / "out", scheme="channel", recipe={r"re:.*\.in_proj$": "block"})
+    assert "vLLM cannot load model.layers.0.mamba.in_proj" in str(ei.value), ei.value
+
+
 def test_mamba2_in_proj_on_block_boundaries_is_written(tmp_path):
     import zoo
 
