@@ -84,7 +84,7 @@ def digest_dir(path: Path, work: Path) -> dict[str, str]:
         if f.is_file() and not rel.startswith(".fp8convert"):
             h = hashlib.sha256()
             if rel == "README.md":  # the card names the source and output paths
-                h.update(f.read_bytes().replace(str(work).encode(), b"<work>"))
+                h.update(f.read_bytes().replace(f"{work}/".encode(), b"<work>/"))
             else:
                 with open(f, "rb") as fh:
                     for block in iter(lambda: fh.read(1 << 24), b""):
@@ -101,6 +101,7 @@ def main() -> int:
     ap.add_argument("--compare", type=Path)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    args.work = args.work.resolve()  # the path the cards and messages name, replaced whole
     results = {}
     for name, src in build_sources(args.work, args.bench).items():
         for scheme, fmt in COMBOS:
@@ -128,7 +129,7 @@ def main() -> int:
             )
             if run.returncode:
                 last = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
-                results[key] = {"error": last.replace(str(args.work), "<work>")}
+                results[key] = {"error": last.replace(f"{args.work}/", "<work>/")}
             else:
                 results[key] = digest_dir(out, args.work)
             print(
