@@ -7,7 +7,9 @@ shaped [1], [out, 1] or [ceil(out/128), ceil(in/128)].
 5.24 read it: X.weight_scale U8 [out, in / 32], the E8M0 byte of the scale 2^(byte - 127) of each 32 inputs
 of a row; never F8_E8M0 (vLLM's parameter is uint8 and copies by value). vLLM takes its MXFP8 path
 (`CompressedTensorsConfig._is_mxfp8`) on the weights' args alone, and without scale_dtype it is no FP8
-scheme it knows; the args models forbid unknown keys, so only these are written. Never read as a source.
+scheme it knows; the args models forbid unknown keys, so only these are written. Its dense layer needs
+in % 32 == 0 (per TP rank for row-parallel layers), and transformers' MoE expert path fails on it
+(summary.compatibility_warnings warns of both). Never read as a source.
 
 "nvfp4-pack-quantized" and "mxfp4-pack-quantized" (weight-only FP4, the NVFP4A16 and MXFP4A16 presets):
 X.weight_packed U8 [out, in / 2], X.weight_scale F8_E4M3 [out, in / 16] or U8 [out, in / 32], and for

@@ -36,7 +36,8 @@ class FP8Config(QuantizationConfig):
 
     @classmethod
     def from_dict(cls, qc: dict, where: str, source: bool = False) -> FP8Config:
-        """As vLLM and transformers read it, a source and an output alike: block iff `weight_block_size`."""
+        """As vLLM and transformers read it, a source and an output alike: block iff `weight_block_size`; the
+        skip list under both `ignored_layers` and `modules_to_not_convert` (each engine reads one)."""
         if qc.get("fmt") not in E4M3_FMTS:
             raise FP8ConvertError(
                 f"{where}: quantization_config fmt {qc.get('fmt')!r} is not e4m3 (fp8convert reads "
