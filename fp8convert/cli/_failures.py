@@ -19,7 +19,7 @@ import typer
 
 from ..errors import FP8ConvertError, first_line
 from ..options import DEFAULT_MAX_RESIDENT
-from ..source.hub import is_network_error
+from ..source.hub import CHECK_AND_RERUN, is_network_error
 from ..units import format_size, size_option
 
 DEBUG_ENV = "FP8CONVERT_DEBUG"
@@ -55,7 +55,7 @@ def describe(error: BaseException) -> tuple[str, int]:
     elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         line = _disk_full_line(error)
     elif is_network_error(error):  # before OSError: a refused connection is an OSError too
-        line = f"network error ({type(error).__name__}: {first_line(error)}); check the connection and rerun"
+        line = f"network error ({type(error).__name__}: {first_line(error)}); {CHECK_AND_RERUN}"
     elif isinstance(error, OSError) and error.filename:
         where = f"{error.filename} -> {error.filename2}" if error.filename2 else error.filename
         line = f"{where}: {error.strerror or first_line(error)}"

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..errors import FP8ConvertError, UsageError
+from ..errors import FP8ConvertError, UsageError, first_line
 from ..options import FORMATS, SCALE_FORMATS, SCHEMES, SETTING_NAMES, Settings, parse_recipe, parse_scheme
 
 
@@ -240,7 +240,7 @@ def read_recipe(path: Path) -> dict:
     except OSError as e:
         raise UsageError(f"--recipe {path}: cannot read it ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise UsageError(f"--recipe {path}: not valid {language} ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"--recipe {path}: not valid {language} ({first_line(e)})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("schemes"), dict) or not doc["schemes"]:
         raise UsageError(f"--recipe {path}: expected a `schemes` table of module pattern = scheme")
     if unknown := sorted(set(doc) - {"scheme", "schemes", "ignore"}):

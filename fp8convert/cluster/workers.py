@@ -172,9 +172,9 @@ def parse_devices(devices: str | list[str] | tuple[str, ...]) -> list[str]:
     items = devices.split(",") if isinstance(devices, str) else list(devices)
     items = [d.strip() for d in items if d.strip()]
     if items == ["all"]:
-        import torch
+        from ..run.warmup import cuda_device_count
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = cuda_device_count()
         if not count:
             raise FP8ConvertError("--devices all: no CUDA device on this machine")
         return [f"cuda:{i}" for i in range(count)]

@@ -182,14 +182,13 @@ class Pipeline:
         ):
             self._raise_writer_error()
             completed = assembled.put_all(outputs)
-            if completed:
-                ready = None
-                if self.device.type == "cuda":  # the writer's stream waits for this point of ours
-                    ready = torch.cuda.Event()
-                    ready.record(torch.cuda.current_stream(self.device))
-                for run, data in completed:
-                    keep_buf = keep_buf or (bool(data.numel()) and data.untyped_storage().data_ptr() == buf_ptr)
-                    feed.put((run, data, ready))
+            ready = None
+            if self.device.type == "cuda":  # the writer's stream waits for this point of ours
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            for run, data in completed:
+                keep_buf = keep_buf or (bool(data.numel()) and data.untyped_storage().data_ptr() == buf_ptr)
+                feed.put((run, data, ready))
             del completed, outputs  # the writer drops each run once written: nothing else may hold it
         assembled.check_complete()
         pending.wait_all()  # (every step waited for its inputs: this only raises what a read left behind)

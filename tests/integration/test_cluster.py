@@ -448,6 +448,11 @@ def test_parse_devices():
     for bad in ("cuda", "", "gpu:0", "cuda:x"):
         with pytest.raises(FP8ConvertError, match="--devices"):
             parse_devices(bad)
+    if torch.cuda.is_available():
+        assert parse_devices("all") == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    else:
+        with pytest.raises(FP8ConvertError, match="--devices all: no CUDA device"):
+            parse_devices("all")
 
 
 # ---------------------------------------------------------------- batch
