@@ -117,10 +117,6 @@ class Options:
             recipe=parse_recipe(self.recipe),
             format=one_of(self.format, "--format", FORMATS),
             scale_format=one_of(self.scale_format, "--scale-format", SCALE_FORMATS),
-            ignore=tuple(self.ignore),
-            max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
-            target_tp=parse_target_tp(self.target_tp),
-            dtype=parse_dtype(self.dtype),
         )
         if self.dequantize and self.scale_format != "float":
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
@@ -141,6 +137,13 @@ class Options:
                 f"--scale-format ue8m0 applies to --scheme block only, got --scheme {other}"
                 + (f" ({other[:5].upper()} scales are powers of two already)" if other[:2] == "mx" else "")
             )
+        _set(  # after the scheme and format checks, whose errors come first
+            self,
+            ignore=tuple(self.ignore),
+            max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
+            target_tp=parse_target_tp(self.target_tp),
+            dtype=parse_dtype(self.dtype),
+        )
         if self.dtype and not self.dequantize:
             raise UsageError(
                 f"--dtype applies to dequantize only (quantize writes FP8 weights and keeps the "

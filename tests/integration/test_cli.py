@@ -213,6 +213,13 @@ def test_every_wrong_command_line_exits_2(tmp_path, capsys, args):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_command_line_wrong_twice_names_the_scheme_and_format_first(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src")
+    args = ["--format", "fp8", "--scheme", "channel", "--max-shard-size", "5XB"]
+    line = usage_error(*run(capsys, "quantize", src, tmp_path / "out", *args))
+    assert "--format fp8 has no per-channel scheme" in line, line
+
+
 @pytest.mark.parametrize("args", [["--scheme", "chanel"], ["--shceme", "channel"], ["--worst", "3"]])
 def test_a_usage_error_with_json_prints_the_error_object(tmp_path, capsys, args):
     """Whether fp8convert or the option parser refuses the command line: exit 2 and, with --json, the
