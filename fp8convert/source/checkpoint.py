@@ -60,7 +60,6 @@ def parse_index(text: str | bytes, where: str) -> dict[str, str]:
     for name in set(weight_map.values()):
         if (
             not isinstance(name, str)
-            or not name
             or name.startswith(("/", "\\"))
             or ":" in name[:3]
             or posixpath.normpath(name) != name

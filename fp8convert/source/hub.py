@@ -1,12 +1,7 @@
 """fp8convert and the Hugging Face Hub: every request with timeouts, bounded retries and one line for a
 failure; a source repo pinned to one commit, read from its shards' headers (HTTP Range requests: planning
 and `inspect` download no weights) or downloaded into the shared huggingface_hub cache (a rerun re-uses
-every finished file and resumes a partial one).
-
-huggingface_hub's client has no timeout of its own (`model_info` waits forever on a server that never
-answers), so every request of its shared client gets one, or keeps its own where shorter. The environment
-variables that set them: docs/usage.md.
-"""
+every finished file and resumes a partial one)."""
 
 from __future__ import annotations
 
@@ -50,8 +45,9 @@ NETWORK_ERRNOS = {
 
 @functools.cache
 def install_timeouts() -> None:
-    """Once per process (the first Hub call is the main thread's): wrap the client factory, a user's own
-    included, so every request carries them."""
+    """huggingface_hub's client has no timeout of its own (`model_info` waits forever on a server that never
+    answers): once per process (the first Hub call is the main thread's), wrap its client factory, a user's own
+    included, so every request gets them (their variables: docs/usage.md)."""
     from huggingface_hub.utils import _http
 
     base = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
@@ -65,7 +61,7 @@ def install_timeouts() -> None:
 
 
 def _bound_timeouts(request) -> None:
-    """A request hook: connect and read timeouts, none longer than the limits."""
+    """A request hook: the limits, or a request's own timeouts where shorter."""
     connect, read = float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
     if request.method not in ("GET", "HEAD"):
         read = max(read, UPLOAD_READ_TIMEOUT_S)
@@ -221,8 +217,7 @@ class RemoteRepo:
     side_files: list[str] = field(default_factory=list)  # copied into the output (tokenizer, chat template, ...)
 
     def call(self, fn, *args, then=CHECK_AND_RERUN, needed_bytes=None, retryable=is_transient, **kwargs):
-        """A huggingface_hub call with timeouts and bounded retries; any failure becomes one FP8ConvertError
-        line naming the repo (`then`, `needed_bytes`: see hub_error)."""
+        """with_retries(fn, ...); any failure becomes hub_error's one line naming the repo."""
         try:
             return with_retries(fn, *args, retryable=retryable, **kwargs)
         except FP8ConvertError:
@@ -259,14 +254,18 @@ class RemoteRepo:
         """Where the shared cache keeps this commit's files."""
         return self.download("config.json").parent
 
+    def download_small_files(self, local_dir: Path | None = None, weights: bool = False) -> None:
+        """The side files and model card: with config.json and the index (resolve_repo's), all an output reads."""
+        for name in [*self.side_files, CARD_NAME]:
+            if name in self.sizes:
+                self.download(name, local_dir, weights)
+
     def fetch(self, shards: list[str]) -> Path:
         """The small files, then `shards`, biggest first, into the cache snapshot; returns it."""
-        for name in ["config.json", INDEX_NAME, CARD_NAME, *self.side_files]:
-            if name in self.sizes:
-                self.download(name)
+        snapshot = self.snapshot_dir()
+        self.download_small_files()
         shards = sorted(dict.fromkeys(shards), key=lambda n: -(self.sizes.get(n) or 0))
         parallel(lambda name: self.download(name, weights=True), shards)
-        snapshot = self.snapshot_dir()
         # Record branch -> commit (refs/<branch>) as huggingface_hub does, so an offline rerun finds this
         # snapshot: the files were fetched by commit, which records no ref.
         ref = self.hub.revision or "main"

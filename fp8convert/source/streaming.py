@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import FP8ConvertError
-from .hub import CARD_NAME, RemoteRepo, hub_error
+from .hub import RemoteRepo, hub_error
 
 
 class NoFetcher(contextlib.nullcontext):
@@ -61,9 +61,7 @@ class StreamingFetcher(contextlib.AbstractContextManager):
         """`order`: the shards in the order `need` first asks for them. Runs after OUT is prepared (may clear it)."""
         self.order = list(order)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for name in [*self.repo.side_files, CARD_NAME]:
-            if name in self.repo.sizes:
-                self.repo.download(name, local_dir=self.dir, weights=True)
+        self.repo.download_small_files(self.dir, weights=True)
         for f in self.state:
             path = self.dir / f
             if path.is_file() and path.stat().st_size == self.repo.sizes.get(f):
@@ -120,8 +118,6 @@ class StreamingFetcher(contextlib.AbstractContextManager):
     def disk_bytes_needed(self) -> int:
         """Disk the streamed shards may need at once (the `keep` largest)."""
         return sum(sorted((self.repo.sizes.get(f) or 0 for f in self.state), reverse=True)[: self.keep])
-
-    # -- background thread
 
     def _on_disk(self, f: str) -> bool:
         return self.state[f] in ("downloading", "present")
