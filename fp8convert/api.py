@@ -147,14 +147,13 @@ def quantize(
         report = _new_report(the_plan, out_dir, settings, spec, done, complete)
         if not complete:  # else an earlier run of this plan finished it
             todo = spec.owned(len(the_plan.shards)) - done
+            written = {}  # units an earlier run wrote in this share's partial shards
             if devices:
-                lock.share()  # the workers it starts, one per device, hold it shared too
-            # units an earlier run wrote in this share's partial shards (with --devices, each worker checks its own)
-            written = (
-                {}
-                if devices
-                else {i: u for i in todo if (u := written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]))}
-            )
+                lock.share()  # the workers it starts, one per device, hold it shared too and check their own
+            else:
+                for i in todo:
+                    if units := written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]):
+                        written[i] = units
             check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
             Manifest(out_dir).claim(the_plan, settings.base_model)
             if devices:
@@ -349,8 +348,7 @@ def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1)
 
 
 def check_free_space(the_plan: Plan, out_dir: Path, todo: set[int], streamed_bytes: int, written: int) -> None:
-    """Refuse when the shards still to write (less their `written` bytes), plus the streamed source shards
-    kept at once, would not fit."""
+    """Refuse when the shards left to write (less `written` bytes) plus the streamed shards held at once won't fit."""
     needed = sum(the_plan.shards[i].size for i in todo) - written + streamed_bytes
     free = shutil.disk_usage(out_dir).free
     if free < needed:

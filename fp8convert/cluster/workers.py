@@ -88,7 +88,7 @@ def tasks_per_node(env) -> int | None:
     $SLURM_TASKS_PER_NODE), written like '8(x4)' or '2(x3),1'; None where neither can be read."""
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         counts = [re.fullmatch(r"(\d+)(\(x\d+\))?", part.strip()) for part in env.get(name, "").split(",")]
-        if counts and all(counts):
+        if all(counts):
             return max(int(match.group(1)) for match in counts)
     return None
 

@@ -119,11 +119,9 @@ class UnitRecorder:
             record_path(self.work_dir, self.plan.shards[shard]).unlink(missing_ok=True)
 
     def start(self) -> None:
-        if self.thread.ident is None:  # not started yet
-            self.thread.start()
+        self.thread.start()
 
     def close(self) -> None:
-        self.start()
         self.queue.put(None)
         self.thread.join()
 
