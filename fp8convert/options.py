@@ -162,9 +162,9 @@ class Options:
 
     def record(self) -> dict:
         """The options as the manifest stores them: by field name, tuples as JSON lists."""
-        values = {f.name: getattr(self, f.name) for f in fields(Options)}
-        values.pop("recipe")  # only when set, so outputs without one record what they did before
-        values |= {"recipe": [list(rule) for rule in self.recipe]} if self.recipe else {}
+        values = {f.name: getattr(self, f.name) for f in fields(Options) if f.name != "recipe"}
+        if self.recipe:  # only when set: a manifest without the key means none, as older outputs' do
+            values["recipe"] = [list(rule) for rule in self.recipe]
         return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
 
     @classmethod
@@ -224,12 +224,11 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
 
 def regex_error(pattern: str) -> str | None:
     """Why an `re:` ignore pattern (--ignore's, or a source's quantization_config's) does not compile, else None."""
-    if not pattern.startswith("re:"):
-        return None
-    try:
-        re.compile(pattern[3:])
-    except re.error as e:
-        return str(e)
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            return str(e)
     return None
 
 

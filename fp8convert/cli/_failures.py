@@ -34,12 +34,11 @@ def _smaller_batch(error: BaseException) -> str:
 
 
 def _disk_full_line(error: OSError) -> str:
-    free = ""
-    directory = os.path.dirname(os.path.abspath(error.filename)) if error.filename else None
-    if directory and os.path.isdir(directory):
+    free = need = ""
+    if error.filename and os.path.isdir(directory := os.path.dirname(os.path.abspath(error.filename))):
         free = f" ({format_size(shutil.disk_usage(directory).free)} free there)"
-    needed = getattr(error, "bytes_needed", None)  # the writer notes it
-    need = f"; {format_size(needed)} more is needed" if needed else ""
+    if needed := getattr(error, "bytes_needed", None):  # the writer notes it
+        need = f"; {format_size(needed)} more is needed"
     where = error.filename or "a file"
     return f"{where}: no space left on the device{free}{need}; free space and rerun the same command to resume"
 

@@ -76,12 +76,11 @@ OPTIONS = {
     "scheme": option(
         list[str] | None,
         "--scheme " + "|".join(SCHEMES),
-        "Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 "
-        "block) or mxfp8 (a power-of-two scale per 32 inputs of each row); nvfp4a16 and mxfp4a16 write 4-bit "
-        "float weights with BF16 activations (mxfp8 and FP4: compressed-tensors only). llm-compressor's FP8, "
-        "FP8_DYNAMIC, FP8_BLOCK, MXFP8, NVFP4A16 and MXFP4A16 name them too. Repeat it as PATTERN=SCHEME "
-        "(a module pattern as --ignore takes) to give the modules it matches another scheme: a mixed recipe. "
-        "Default: tensor.",
+        "Scale granularity: tensor (one per weight), channel (one per output row), block (one per 128x128 block) "
+        "or mxfp8 (a power-of-two scale per 32 inputs of each row); nvfp4a16 and mxfp4a16 write 4-bit float "
+        "weights with BF16 activations (mxfp8 and FP4: compressed-tensors only). llm-compressor's FP8, FP8_DYNAMIC, "
+        "FP8_BLOCK, MXFP8, NVFP4A16 and MXFP4A16 name them too. Repeat it as PATTERN=SCHEME (a module pattern as "
+        "--ignore takes) to give the modules it matches another scheme: a mixed recipe. Default: tensor.",
     ),
     "recipe": option(
         Path | None,

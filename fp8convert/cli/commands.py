@@ -115,37 +115,37 @@ def summary_line(report: api.Report) -> str:
         return f"{out}: already complete (same plan); nothing to do"
     if not report.complete:
         return (
-            f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of "
-            f"{out} in {report.seconds:.1f}s on {report.device}; the worker that finds every shard written "
-            f"finalizes the output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every "
-            "worker is done"
+            f"worker {report.worker}: wrote {report.shards_written} of {plural(report.shards, 'shard')} of {out} in "
+            f"{report.seconds:.1f}s on {report.device}; the worker that finds every shard written finalizes the "
+            f"output (rank 0 under torchrun), or run `fp8convert finalize {out}` once every worker is done"
         )
     # written before this run began: by an earlier run of it, or (in a split) by the other workers
     before = f", {report.shards_resumed} already written" if report.shards_resumed else ""
     if report.units_resumed:  # in partial shards an earlier run left: the units it had written are kept
         before += f", resumed: {report.units_resumed} of {plural(report.units, 'unit')} already written"
     return (
-        f"wrote {out}: {plural(report.shards, 'shard')}{before}, {done_text(report)}, "
-        f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} in {report.seconds:.1f}s on "
-        f"{report.device}"
+        f"wrote {out}: {plural(report.shards, 'shard')}{before}, {done_text(report)}, {format_size(report.bytes_in)} "
+        f"-> {format_size(report.bytes_out)} in {report.seconds:.1f}s on {report.device}"
     )
 
 
 def done_text(report: api.Report) -> str:
     """What happened to the tensors, e.g. '120 FP8 weights dequantized, 35 kept'."""
+    kept = f"{report.tensors_kept} kept"
     if report.dequantize:
         kind = "FP4" if " FP4 weights" in (report.source_quantization or "") else "FP8"
-        return f"{plural(report.tensors_dequantized, kind + ' weight')} dequantized, {report.tensors_kept} kept"
-    parts = [f"{plural(report.tensors_quantized, 'tensor')} quantized"]
-    if report.source_quantization:
-        quantized_here = report.tensors_quantized - report.tensors_requantized - report.tensors_passed_through
-        parts = [
-            f"{plural(report.tensors_passed_through, 'FP8 weight')} passed through",
-            f"{report.tensors_requantized} requantized",
-        ]
-        parts += [f"{quantized_here} quantized"] if quantized_here else []
-        parts.append(f"{report.tensors_dequantized} dequantized")
-    return ", ".join(parts + [f"{report.tensors_kept} kept"])
+        return f"{plural(report.tensors_dequantized, kind + ' weight')} dequantized, {kept}"
+    if not report.source_quantization:
+        return f"{plural(report.tensors_quantized, 'tensor')} quantized, {kept}"
+    quantized_here = report.tensors_quantized - report.tensors_requantized - report.tensors_passed_through
+    parts = [
+        f"{plural(report.tensors_passed_through, 'FP8 weight')} passed through",
+        f"{report.tensors_requantized} requantized",
+        *([f"{quantized_here} quantized"] if quantized_here else []),
+        f"{report.tensors_dequantized} dequantized",
+        kept,
+    ]
+    return ", ".join(parts)
 
 
 # What `inspect --tensors` says becomes of a tensor, by action; {} is the plan's reason.
@@ -277,14 +277,13 @@ def verify(
         print_json(report.to_dict(worst))
     else:
         print(verify_mod.render(report, worst, every_problem))
-    if report.ok:
-        if problem := verify_mod.record_in_card(report, out):
-            print(f"warning: {problem}", file=sys.stderr)
-    else:
+    if not report.ok:
         causes = report.causes()
         raise verify_mod.VerifyFailed(
             f"{out}: verification failed, {plural(len(causes), 'problem')}; first: {causes[0]}"
         )
+    if problem := verify_mod.record_in_card(report, out):
+        print(f"warning: {problem}", file=sys.stderr)
 
 
 @command("out repo_id private revision commit_message create_pr token json_out")
