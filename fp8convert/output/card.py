@@ -44,6 +44,8 @@ ACTIVATIONS_TEXT = {
     ("fp8", "block"): "dynamic per-group (128) FP8",
 }
 DEFAULT_MAX_SHARD = Options().max_shard_size
+DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")  # a Hub cache snapshot directory
 # What the card's transformers snippet needs installed, by format (checked with transformers 5.24: the fp8
 # format needs accelerate even without a device_map; compressed-tensors needs only its own package).
 TRANSFORMERS_NEEDS = {"compressed-tensors": "transformers compressed-tensors", "fp8": "transformers accelerate"}
@@ -78,10 +80,6 @@ def split_front_matter(text: str | None) -> tuple[dict, str]:
     except yaml.YAMLError:
         data = {}
     return (data if isinstance(data, dict) else {}), text[m.end() :]
-
-
-SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
-DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 def reproduce_command(info: dict, target: str, base_model: str | None) -> str:
@@ -198,11 +196,6 @@ def introduction(info: dict, base_model: str | None) -> str:
             f"{'FP4' if ' FP4 weights' in str(info.get('source_quantization')) else 'FP8'} checkpoint {from_text}{at} "
             f"({info.get('source_quantization')}), converted offline with fp8convert {__version__}."
         )
-    activations = (
-        "Activations use the static per-tensor scales the source was calibrated with."
-        if info.get("static_activations")
-        else "Activations are quantized dynamically at run time, so no calibration data was used."
-    )
     names = weights_names(info)
     weights = " and ".join("FP8 (e4m3)" if w == "FP8" else f"{w} (4-bit E2M1)" for w in names) + " weights"
     weights += ", chosen by module (a mixed recipe)," if len(names) > 1 else ""
@@ -213,6 +206,10 @@ def introduction(info: dict, base_model: str | None) -> str:
             "The FP8 layers' activations are quantized dynamically at run time and the FP4 layers' stay in "
             "16 bits, so no calibration data was used."
         )
+    elif info.get("static_activations"):
+        activations = "Activations use the static per-tensor scales the source was calibrated with."
+    else:
+        activations = "Activations are quantized dynamically at run time, so no calibration data was used."
     return f"{weights} of {from_text}{at}, converted offline with fp8convert {__version__}. {activations}"
 
 

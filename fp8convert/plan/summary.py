@@ -102,15 +102,10 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
         # transformers' conversion mapping merges no per-expert weights of this family, and its fused path
         # reads FP8 expert codes without their scales: no FP8 layout loads in both.
         elsewhere = arch.experts.transformers_loads_split
-        warnings.append(
-            PlanWarning(
-                Caveat.TRANSFORMERS_CANNOT_LOAD,
-                f"transformers cannot load {arch.name}'s experts written one weight per expert"
-                + (f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else "")
-                + ": it loads the model without an error but with the experts randomly initialised; vLLM "
-                "serves this layout",
-            )
-        )
+        where = f" in the {fmt} format (it can in {', '.join(elsewhere)})" if elsewhere else ""
+        why = f"transformers cannot load {arch.name}'s experts written one weight per expert{where}: it loads the "
+        why += "model without an error but with the experts randomly initialised; vLLM serves this layout"
+        warnings.append(PlanWarning(Caveat.TRANSFORMERS_CANNOT_LOAD, why))
     for scheme, quantized in by_scheme.items():
         warnings += tp_warnings(quantized, plan.source.config, fmt, scheme, plan.options.target_tp)
     return list(dict.fromkeys(warnings))
@@ -125,7 +120,6 @@ def unloadable(plan: Plan) -> str | None:
     at its row offset in one weight with one 128x128 scale grid, so every member but the last must end on
     a block boundary. MoE experts follow vLLM's MoE rules instead (parallel.py)."""
     quantized = [t for t in plan.tensors if t.quantize and t.scheme == Scheme.BLOCK]
-    fmt = plan.options.format
     fused: dict[str, list] = {}
     for t in quantized:
         if t.group and not experts_of(t.name):
@@ -145,8 +139,8 @@ def unloadable(plan: Plan) -> str | None:
     module, kind, why, keep = broken[0]
     others = f" and {plural(len(broken) - 1, f'more {kind}')} like it" if len(broken) > 1 else ""
     return (
-        f"vLLM cannot load {module}{others} in the {fmt} format's block scheme: {why}; use --scheme channel or "
-        f"tensor, or keep {keep}"
+        f"vLLM cannot load {module}{others} in the {plan.options.format} format's block scheme: {why}; use "
+        f"--scheme channel or tensor, or keep {keep}"
     )
 
 
@@ -173,9 +167,7 @@ def _unloadable_mamba2_in_proj(tensors: list, quantized: list) -> list[tuple[str
 
 def refuse_unloadable(plan: Plan) -> None:
     """Refuse an output vLLM cannot load even at TP 1 (fused block groups that break its rule)."""
-    if plan.options.dequantize or Scheme.BLOCK not in plan.options.schemes:
-        return
-    if why := unloadable(plan):
+    if not plan.options.dequantize and Scheme.BLOCK in plan.options.schemes and (why := unloadable(plan)):
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
 
 
