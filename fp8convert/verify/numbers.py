@@ -58,12 +58,9 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
         w = cut_of(pair.cut, w)
     fmt = pair.fmt
     if pair.kind == "fp4":
-        packed, scale, *global_scale = outputs
-        g = global_scale[0] if global_scale else None
-        sums = fp4_sums(w, packed, scale, g, fmt.scheme)
-        if sums is None:
+        if (sums := fp4_sums(w, outputs, fmt.scheme)) is None:
             return Found((pair.name, f"scale {pair.outputs[1].name} or its global scale is not finite and positive"))
-        return Found(sums=sums, global_value=None if g is None else g.float().reshape(-1)[0].item())
+        return Found(sums=sums, global_value=outputs[2].item() if len(outputs) == 3 else None)  # F32 [1]
     q, scale = outputs
     values = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()  # MXFP8: E8M0 bytes
     found = Found(scale_ok=finite_positive(values))
@@ -110,12 +107,10 @@ def exact_sums(w, q, s) -> ErrorSums:
     return ErrorSums(w2, e2, bound2, off_grid)
 
 
-# `fast_sums`' buffers, allocated once a slab and reused by every tile (fresh temporaries cost page faults).
-SCRATCH_DTYPES = (torch.float32, torch.float32, torch.float64, torch.uint8, torch.int16, torch.float8_e4m3fn)
-
-
 def scratch_for(n: int, device) -> list:
-    return [torch.empty(n, dtype=dtype, device=device) for dtype in SCRATCH_DTYPES]
+    """`fast_sums`' buffers, allocated once a slab and reused by every tile (fresh temporaries cost page faults)."""
+    dtypes = (torch.float32, torch.float32, torch.float64, torch.uint8, torch.int16, torch.float8_e4m3fn)
+    return [torch.empty(n, dtype=dtype, device=device) for dtype in dtypes]
 
 
 def fast_sums(w, q, s, scratch: list | None = None) -> ErrorSums | None:
@@ -235,30 +230,27 @@ def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, 
     smallest = a > (FP8_MAX / 2) * s
     if scheme == "mxfp8":
         smallest |= s == 2.0**-127
-    off_rule = int((~(fits & smallest)).sum())
-    if not codes:
-        return off_rule, 0
-    inexact = int((quantize_with_scale(w, s, scheme).float() != q.float()).sum())  # as values: -0 == +0
-    return off_rule, inexact
+    inexact = int((quantize_with_scale(w, s, scheme).float() != q.float()).sum()) if codes else 0  # -0 == +0
+    return int((~(fits & smallest)).sum()), inexact
 
 
-def fp4_divisors(scale, global_scale, scheme: str):
-    """None where a scale or the global scale is not finite and positive."""
-    gs = None if global_scale is None else global_scale.float().reshape(1, 1)
-    d = fp4.divisors(scheme, scale, gs)
-    if not finite_positive(d) or (gs is not None and not finite_positive(gs)):
+def fp4_values(tensors: list, scheme: str):
+    """(E2M1 values [rows, groups, size], each group's divisor [rows, groups, 1]) of [packed codes, group
+    scales, NVFP4's global scale]; None where a scale or the global scale is not finite and positive."""
+    packed, scale, *global_scale = tensors
+    g = global_scale[0].float().reshape(1, 1) if global_scale else None
+    d = fp4.divisors(scheme, scale, g)
+    if not finite_positive(d) or (g is not None and not finite_positive(g)):
         return None
-    return d
+    return fp4.decode(packed).unflatten(-1, (-1, GROUP_SIZE[scheme])), d.unsqueeze(-1)
 
 
-def fp4_sums(w, packed, scale, global_scale, scheme: str) -> ErrorSums | None:
+def fp4_sums(w, outputs: list, scheme: str) -> ErrorSums | None:
     """The figures of an FP4 slab against its source values `w` [rows, in]; None for a bad scale."""
-    if (d := fp4_divisors(scale, global_scale, scheme)) is None:
+    if (values := fp4_values(outputs, scheme)) is None:
         return None
-    size = GROUP_SIZE[scheme]
-    d = d.unsqueeze(-1)
-    wf = w.float().unflatten(-1, (-1, size))
-    q = fp4.decode(packed).unflatten(-1, (-1, size))
+    q, d = values
+    wf = w.float().unflatten(-1, (-1, q.shape[-1]))
     x = (wf / d).clamp(-fp4.FP4_MAX, fp4.FP4_MAX)
     nearest = torch.stack([(x.abs() - v).abs() for v in fp4.E2M1_VALUES]).amin(dim=0)
     half_gap = torch.where(x.abs() < 2, 0.25, torch.where(x.abs() < 4, 0.5, 1.0))
@@ -276,11 +268,8 @@ def source_values(sources: list, r0: int, scheme: str):
     """The source weight's values (rows r0..): float32(q) * scale, or FP4 codes times their group's divisor;
     None where a scale is not finite and positive."""
     if scheme in FP4_SCHEMES:
-        packed, scale, *global_scale = sources
-        g = global_scale[0] if global_scale else None
-        if fp4_divisors(scale, g, scheme) is None:
-            return None
-        return fp4.dequantize(packed, scale, None if g is None else g.reshape(1), scheme)
+        values = fp4_values(sources, scheme)
+        return None if values is None else (values[0] * values[1]).flatten(-2)  # as fp4.dequantize
     codes, scale = sources
     s = scale_as_stored(scale, scheme)
     if not finite_positive(s):

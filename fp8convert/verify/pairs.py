@@ -20,9 +20,6 @@ from .report import ErrorSums, TensorCheck, VerifyReport
 CHUNK_ELEMENTS = 1 << 24  # elements per slab of a weight (one read of the stream)
 CHUNK_BYTES = 64 << 20  # bytes per piece when comparing kept tensors
 
-# One read of a pair: (first row, source pieces, output pieces).
-Piece = tuple[int, list[TensorInfo], list[TensorInfo]]
-
 SOURCE_SCALE_NOT_FINITE = "the source's scale is not finite and positive everywhere"
 
 
@@ -72,9 +69,9 @@ class Pair:
     global_value: float | None = None
     verdict: TensorCheck | None = None  # its figures, once every piece is in and no problem ends it first
 
-    def pieces(self) -> list[Piece]:
-        """A cut in one read; a kept tensor in pieces of CHUNK_BYTES ("rows" counted in bytes); a weight in
-        slabs of rows, scales whole but for FP4's group scales."""
+    def pieces(self) -> list[tuple[int, list[TensorInfo], list[TensorInfo]]]:
+        """(first row, source pieces, output pieces) of each read: a cut in one; a kept tensor in pieces of
+        CHUNK_BYTES ("rows" counted in bytes); a weight in slabs of rows, scales whole but for FP4's group scales."""
         if self.cut is not None:
             expert = self.cut.expert
             return [(0, [self.source if expert is None else first_axis_slice(self.source, expert, 1)], self.outputs)]

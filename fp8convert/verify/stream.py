@@ -114,22 +114,17 @@ def check_shared_scales(pairs: list[Pair], arch: Architecture, report: VerifyRep
             )
 
 
-def group_reads(reads: list[Read], budget: int) -> list[list[Read]]:
+def read_batches(reads, roots: tuple[Path, Path], device, budget: int, progress: Progress, prefetch: int) -> Iterator:
+    """Each batch a list of (read, source tensors, output tensors): views of buffers reused for a later
+    batch, so done with a batch means done with them."""
     groups: list[list[Read]] = []
     used = 0
     for read in reads:
-        if not groups or used + read.nbytes > budget:
+        if not groups or used + read.nbytes > max(1, budget // 2):
             groups.append([])
             used = 0
         groups[-1].append(read)
         used += read.nbytes
-    return groups
-
-
-def read_batches(reads, roots: tuple[Path, Path], device, budget: int, progress: Progress, prefetch: int) -> Iterator:
-    """Each batch a list of (read, source tensors, output tensors): views of buffers reused for a later
-    batch, so done with a batch means done with them."""
-    groups = group_reads(reads, max(1, budget // 2))
     # each batch's source and output pieces, under names unique within it (read k's j-th is "k.j")
     sides = [
         [
