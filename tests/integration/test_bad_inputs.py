@@ -172,6 +172,11 @@ def index_omits_tensor(src):
     return "model.layers.1.mlp.up_proj.weight", SHARD2
 
 
+def index_file_name_not_text(src):
+    rewrite_index(src, lambda ix: ix["weight_map"].update({"model.norm.weight": [SHARD2]}))
+    return INDEX, "model.norm.weight"
+
+
 def index_not_json(src):
     (src / INDEX).write_text("{not json")
     return INDEX
@@ -300,6 +305,7 @@ BROKEN = [
     index_names_absent_tensor,
     index_wrong_file,
     index_omits_tensor,
+    index_file_name_not_text,
     index_not_json,
     index_without_weight_map,
     config_missing,
