@@ -193,8 +193,8 @@ def _written_scheme(w: dict, where: str, schemes: dict[str, dict], scale_dtype_o
     """An output's MXFP8 or FP4 weights: the scheme whose args they hold where vLLM keys on them. A source
     may leave scale_dtype out (compressed-tensors wrote none before 0.13: strategy and group size decide)."""
     keys = ("num_bits", "strategy", "group_size", "symmetric")
+    dtype = str(w.get("scale_dtype")).removeprefix("torch.")
     for scheme, args in schemes.items():
-        dtype = str(w.get("scale_dtype")).removeprefix("torch.")
         dtype_ok = dtype == args["scale_dtype"].removeprefix("torch.") or (scale_dtype_optional and dtype == "None")
         if all(w.get(k) == args[k] for k in keys) and dtype_ok:
             return scheme

@@ -29,18 +29,14 @@ class QuantizationConfig:
     def schemes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys([self.scheme, *(scheme for scheme, _ in self.groups)]))
 
-    def scheme_of(self, module: str) -> str:
-        """The scheme engines give `module`: a group naming it exactly, else one whose `re:` target matches
-        it, else the default (vLLM and compressed-tensors rank matches so)."""
+    def for_module(self, module: str) -> QuantizationConfig:
+        """This config as engines apply it to `module`, in one scheme: a group's naming it exactly, else one's
+        whose `re:` target matches it, else the default (vLLM and compressed-tensors rank matches so)."""
         for exact in (True, False):
             for scheme, targets in self.groups:
                 if any(module == t if exact else t.startswith("re:") and re.match(t[3:], module) for t in targets):
-                    return scheme
-        return self.scheme
-
-    def for_module(self, module: str) -> QuantizationConfig:
-        """This config as it applies to `module`: one scheme."""
-        return replace(self, scheme=self.scheme_of(module), groups=()) if self.groups else self
+                    return replace(self, scheme=scheme, groups=())
+        return replace(self, groups=()) if self.groups else self
 
     @property
     def scale_format(self) -> str:

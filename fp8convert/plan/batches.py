@@ -74,7 +74,7 @@ def kept_pieces(t: TensorPlan, max_bytes: int) -> list[TensorPlan]:
 def expert_pieces(atom: list[TensorPlan], max_bytes: int) -> list[list[TensorPlan]]:
     """The outputs cut from one fused expert tensor, by ranges of whole experts of at most `max_bytes`."""
     info = atom[0].source
-    if info.nbytes <= max_bytes or any(t.cut.expert is None for t in atom):
+    if info.nbytes <= max_bytes:
         return [atom]
     return [
         [

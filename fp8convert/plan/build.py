@@ -37,7 +37,6 @@ def build_plan(source: Source, options: Options) -> Plan:
     arch = architecture_of(source.config)
     rules = arch or GENERIC
     decisions, notes, warnings = decide(source.tensors, source.config, options, rules, quant)
-    # a dequantized weight is written as --dtype, else the model's dtype (config.json), else BF16
     model_dtype = source.config.get("torch_dtype", source.config.get("dtype"))
     high_precision = options.dtype or MODEL_DTYPES.get(str(model_dtype), "BF16")
     plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
@@ -47,14 +46,13 @@ def build_plan(source: Source, options: Options) -> Plan:
     units = group_into_units(plans)
     shards, shard_of = lay_out_shards(units, options.max_shard_size)
     notes += architecture_notes(arch, source)
-    ignore = []
-    if not options.dequantize:  # a dequantized output has no FP8 left for engines to skip
-        if model_dtype == "float32":
-            notes.append(
-                "the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
-                "activations; consider serving with --dtype bfloat16"
-            )
-        ignore = ignore_list(plans, rules, source.config, options.format)
+    if model_dtype == "float32" and not options.dequantize:
+        notes.append(
+            "the model's dtype is float32: serving engines run FP8 kernels with bfloat16/float16 "
+            "activations; consider serving with --dtype bfloat16"
+        )
+    # a dequantized output has no FP8 left for engines to skip
+    ignore = [] if options.dequantize else ignore_list(plans, rules, source.config, options.format)
     groups = scheme_groups(plans, rules, source.config, options)
     key = fingerprint(source, options)
     return Plan(source, options, units, shards, shard_of, ignore, notes, key, arch, warnings, groups)
@@ -106,16 +104,9 @@ def fingerprint(source: Source, options: Options) -> str:
         listed += [options.dequantize, options.dtype]
     if options.recipe:
         listed.append(options.recipe)  # JSON writes tuples as lists
-    blob = json.dumps(
-        {
-            "tool": __version__,
-            "options": listed,
-            "tensors": [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors],
-            "config": source.config,
-        },
-        sort_keys=True,
-    ).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    tensors = [[t.name, t.dtype, list(t.shape), t.file, t.offset] for t in source.tensors]
+    blob = {"tool": __version__, "options": listed, "tensors": tensors, "config": source.config}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def tensor_plan(d: TensorPlan, quant: SourceQuantization | None, options: Options, high_precision: str) -> TensorPlan:
@@ -150,18 +141,14 @@ def source_notes(quant: SourceQuantization | None, plans: list[TensorPlan], opti
         return []
     notes = []
     without_scale = {t.source.name for t in plans if t.quantize and not t.input_scale_name}
-    dropped = sum(w.input_scale is not None for name, w in quant.weights.items() if name in without_scale)
-    if dropped:
+    if dropped := sum(w.input_scale is not None for name, w in quant.weights.items() if name in without_scale):
         notes.append(
             f"the source's static activation scales (input_scale) of {dropped} FP8 weights are not "
             f"carried: the {options.scheme} scheme's activations are dynamic (only the tensor scheme "
             "takes static per-tensor activation scales)"
         )
-    if (
-        quant.config.scale_fmt == ScaleFormat.UE8M0
-        and not options.dequantize
-        and options.scale_format == ScaleFormat.FLOAT
-    ):
+    ue8m0_dropped = quant.config.scale_fmt == ScaleFormat.UE8M0 and options.scale_format == ScaleFormat.FLOAT
+    if ue8m0_dropped and not options.dequantize:
         notes.append(
             "the source's scale_fmt 'ue8m0' is not written to the output: its stored scales are used as "
             "they are (transformers would round scales that are not powers of two under it; "
@@ -221,7 +208,7 @@ def compact_targets(names: set[str], every: set[str]) -> list[str]:
             targets.append(pattern)
             continue
         for same_leaf in _alike(members, last_too=False):
-            targets += [p] if (p := _exact_pattern(same_leaf, every)) else sorted(same_leaf, key=natural_key)
+            targets += [p] if (p := _exact_pattern(same_leaf, every)) else same_leaf
     return targets
 
 

@@ -45,11 +45,8 @@ def split_of(name: str, shape: tuple[int, int], config: dict) -> Split | None:
     modules = re.sub(r"\.\d+\.", ".*.", module)
     out, inp = shape
     if experts_of(name):
-        return Split(
-            re.sub(r"\.experts\.\*\.[^.]+$", ".experts", modules),
-            "expert intermediate",
-            inp if leaf in ("down_proj", "w2") else out,
-        )
+        experts = re.sub(r"\.experts\.\*\.[^.]+$", ".experts", modules)
+        return Split(experts, "expert intermediate", inp if leaf in ("down_proj", "w2") else out)
     if leaf in REPLICATED:
         return None
     if leaf in ROW_PARALLEL:
@@ -81,11 +78,10 @@ def problem(split: Split, tp: int, fmt: str, scheme: str, hidden: int) -> str | 
         return NOT_GROUPS.format(group, kind) if split.axis != "output" and size % group else None
     if scheme != Scheme.BLOCK or size % BLOCK == 0:
         return None
-    if split.axis == "expert intermediate":
-        if fmt == Format.FP8:
-            return None if math.gcd(BLOCK, size, hidden) >= MIN_REFINED_BLOCK else NOT_REFINED
-        return NOT_BLOCKS
-    return NOT_BLOCKS if tp > 1 else None
+    experts = split.axis == "expert intermediate"
+    if experts and fmt == Format.FP8:
+        return None if math.gcd(BLOCK, size, hidden) >= MIN_REFINED_BLOCK else NOT_REFINED
+    return NOT_BLOCKS if experts or tp > 1 else None
 
 
 def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tuple[int, ...]) -> list[PlanWarning]:
@@ -93,18 +89,17 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
     loads there only with vLLM's smaller fallback blocks, with the sizes that work and what to choose instead."""
     hidden = config_value(config, "hidden_size", "d_model") or BLOCK
     splits = {s for t in quantized if len(t.shape) == 2 and (s := split_of(t.name, t.shape, config))}
-    # splits of sibling modules with the same dim, as one: (parent, axis, size, heads) -> leaves
-    merged: dict[tuple, list[str]] = {}
+    # splits of sibling modules with the same dim, as one split of their parent -> the leaves
+    merged: dict[Split, list[str]] = {}
     for s in sorted(splits, key=lambda s: (s.modules, s.axis, s.size)):
         parent, _, leaf = s.modules.rpartition(".") if s.axis != "expert intermediate" else (s.modules, "", "")
-        merged.setdefault((parent, s.axis, s.size, s.heads), []).append(leaf)
+        merged.setdefault(Split(parent, s.axis, s.size, s.heads), []).append(leaf)
     warnings = []
-    for (parent, axis, size, heads), leaves in merged.items():
-        split = Split(parent, axis, size, heads)
-        modules = parent + (f".{'/'.join(leaves)}" if any(leaves) else "")
+    for split, leaves in merged.items():
+        modules = split.modules + (f".{'/'.join(leaves)}" if any(leaves) else "")
         failing = {tp: why for tp in sizes if (why := problem(split, tp, fmt, scheme, hidden))}
         ok = [tp for tp in sizes if tp not in failing]
-        experts = axis == "expert intermediate"
+        experts = split.axis == "expert intermediate"
         refined = [tp for tp in ok if scheme == Scheme.BLOCK and experts and per_rank(split, tp) % BLOCK]
         if not failing and not refined:
             continue
@@ -113,7 +108,7 @@ def tp_warnings(quantized: list, config: dict, fmt: str, scheme: str, sizes: tup
             tps = [tp for tp in failing if failing[tp] == why]
             ranks = "" if why == DOES_NOT_DIVIDE else f" ({', '.join(str(per_rank(split, tp)) for tp in tps)} per rank)"
             reasons.append(f"{why} at TP {', '.join(map(str, tps))}{ranks}")
-        text = f"vLLM splits the {axis} size {size} of {modules} across tensor-parallel ranks"
+        text = f"vLLM splits the {split.axis} size {split.size} of {modules} across tensor-parallel ranks"
         if reasons:
             text += ": " + "; ".join(reasons)
         if ok:

@@ -257,13 +257,10 @@ class Plan:
     def units_in(self, shards: set[int], written: dict[int, set[int]] | None = None) -> list[Unit]:
         """The units cut down to the tensors whose outputs land in `shards`, less those `written` says are
         written. An atom's outputs share one shard, so workers owning disjoint shards read no tensor twice."""
-        units = []
+        units, written = [], written or {}
         for ui, unit in enumerate(self.units):
-            kept = [
-                t
-                for t in unit.tensors
-                if (shard := self.shard_of[t.name]) in shards and ui not in (written or {}).get(shard, ())
-            ]
+            wanted = {shard for shard in shards if ui not in written.get(shard, ())}
+            kept = [t for t in unit.tensors if self.shard_of[t.name] in wanted]
             if kept:
                 units.append(unit if len(kept) == len(unit.tensors) else Unit(unit.label, kept))
         return units

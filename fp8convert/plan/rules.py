@@ -98,8 +98,7 @@ def shape_keep_reason(shape: tuple[int, int], scheme: str) -> str | None:
 
 def fused_group_key(name: str, fused: tuple[tuple[str, ...], ...]) -> str | None:
     """A weight's vLLM fused layer, e.g. 'model.layers.0.self_attn.q_proj/k_proj/v_proj'."""
-    module = module_of(name)
-    parent, _, leaf = module.rpartition(".")
+    parent, _, leaf = module_of(name).rpartition(".")
     group = next((g for g in fused if leaf in g), None)
     return f"{parent}.{'/'.join(group)}" if group else None
 
@@ -160,14 +159,12 @@ def decide(
     """(decisions in source order, notes, warnings). An FP8 source's scales are inputs of their weights, and
     what it kept in high precision stays so."""
     companions = quant.companions() if quant else set()
+    tensors = [t for t in tensors if t.name not in companions]
     if options.dequantize:  # every FP8 weight becomes high precision, every other tensor is kept
-        kept = [t for t in tensors if t.name not in companions]
-        return [decision(t.name, t, "dequantized" if t.name in quant.weights else SOURCE_KEPT) for t in kept], [], []
+        return [decision(t.name, t, "dequantized" if t.name in quant.weights else SOURCE_KEPT) for t in tensors], [], []
     decisions: list[TensorPlan] = []
     used_patterns, used_rules, unsupported = set(), set(), []
     for info in tensors:
-        if info.name in companions:
-            continue
         module = module_of(info.name)
         group = fused_group_key(info.name, arch.fused) if info.name.endswith(".weight") else None
         scheme = scheme_of(module, options, used_rules)
