@@ -118,21 +118,23 @@ class Options:
             format=one_of(self.format, "--format", FORMATS),
             scale_format=one_of(self.scale_format, "--scale-format", SCALE_FORMATS),
         )
-        if self.dequantize and self.scale_format != "float":
+        if self.dequantize and self.scale_format != ScaleFormat.FLOAT:
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
-        if self.format == "fp8" and self.scheme not in (Scheme.TENSOR, Scheme.BLOCK):
+        if self.format == Format.FP8 and self.scheme not in (Scheme.TENSOR, Scheme.BLOCK):
             what = {"channel": "per-channel", "mxfp8": "MXFP8"}.get(self.scheme, "FP4")
             raise UsageError(
                 f"--format fp8 has no {what} scheme (vLLM reads it from compressed-tensors checkpoints); use "
                 f"--scheme tensor or block, or --format compressed-tensors --scheme {self.scheme}"
             )
-        if self.recipe and (self.format == "fp8" or self.dequantize):
+        if self.recipe and (self.format == Format.FP8 or self.dequantize):
             raise UsageError(
                 "a recipe of several schemes needs --format compressed-tensors (one config group per scheme)"
-                if self.format == "fp8"
+                if self.format == Format.FP8
                 else "a recipe does not apply to dequantize: it writes no FP8 or FP4 weights"
             )
-        if self.scale_format == "ue8m0" and (other := next((s for s in self.schemes if s != "block"), None)):
+        if self.scale_format == ScaleFormat.UE8M0 and (
+            other := next((s for s in self.schemes if s != Scheme.BLOCK), None)
+        ):
             raise UsageError(
                 f"--scale-format ue8m0 applies to --scheme block only, got --scheme {other}"
                 + (f" ({other[:5].upper()} scales are powers of two already)" if other[:2] == "mx" else "")

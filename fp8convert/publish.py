@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .formats import CompressedTensorsConfig, QuantizationConfig, read_quantization_config
-from .options import REPO_ID, python_spelling
+from .options import REPO_ID, Scheme, python_spelling
 from .output.card import TARGET_MARK, make_card, read_source_card
 from .output.finalize import check_output_complete
 from .output.manifest import WORK_DIR, Manifest
@@ -92,7 +92,7 @@ def retarget_card(text: str, repo_id: str) -> str:
 def card_from_output(out: Path, declared: QuantizationConfig | None, repo_id: str | None = None) -> str:
     """A card for a complete output that has none, from its manifest and its config's `declared` format."""
     manifest = Manifest(out).read() or {}
-    declared = declared or CompressedTensorsConfig("tensor")
+    declared = declared or CompressedTensorsConfig(Scheme.TENSOR)
     source = manifest.get("source") or "unknown"
     source_card = read_source_card(source) if Path(source).is_dir() else None
     info = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
-from ..options import regex_error
+from ..options import ScaleFormat, Scheme, regex_error
 from .compressed_tensors import CompressedTensorsConfig
 from .config import QuantizationConfig
 from .fp8 import FP8Config
@@ -26,6 +26,6 @@ def read_quantization_config(config: dict, where: str) -> QuantizationConfig:
             raise FP8ConvertError(
                 f"{where}: quantization_config's ignore entry {pattern!r} is not a valid regular expression ({problem})"
             )
-    if declared.scale_format == "ue8m0" and declared.scheme != "block":
+    if declared.scale_format == ScaleFormat.UE8M0 and declared.scheme != Scheme.BLOCK:
         raise FP8ConvertError(f"{where}: scale_fmt ue8m0 with {declared.scheme} scales (it describes block scales)")
     return declared

@@ -22,21 +22,25 @@ vLLM reads it whatever the quant_method, the other readers ignore unknown top-le
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK, MX_GROUP
+from ..options import BLOCK, MX_GROUP, ScaleFormat, Scheme
 from .config import QuantizationConfig, declared_scale_fmt
 
 FLOAT_ARGS = {"num_bits": 8, "type": "float", "symmetric": True}
 MX_ARGS = FLOAT_ARGS | {"group_size": MX_GROUP, "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}
 # As the presets serialise; scale_dtype (read from compressed-tensors 0.13 on) picks MXFP4's E8M0 path.
 FP4_ARGS = {
-    "nvfp4a16": MX_ARGS
+    Scheme.NVFP4A16: MX_ARGS
     | {"num_bits": 4, "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
-    "mxfp4a16": MX_ARGS | {"num_bits": 4},
+    Scheme.MXFP4A16: MX_ARGS | {"num_bits": 4},
 }
-WRITTEN_FORMAT = {"mxfp8": "mxfp8-quantized", "nvfp4a16": "nvfp4-pack-quantized", "mxfp4a16": "mxfp4-pack-quantized"}
+WRITTEN_FORMAT = {
+    Scheme.MXFP8: "mxfp8-quantized",
+    Scheme.NVFP4A16: "nvfp4-pack-quantized",
+    Scheme.MXFP4A16: "mxfp4-pack-quantized",
+}
 # Dynamic activations per token, per 128-wide group or per tensor (what vLLM's MoE accepts for per-tensor
 # weights); static ones (an FP8 source's input_scale, carried in the tensor scheme) are per tensor.
-ACTIVATION_STRATEGY = {"tensor": "tensor", "channel": "token", "block": "group"}
+ACTIVATION_STRATEGY = {Scheme.TENSOR: "tensor", Scheme.CHANNEL: "token", Scheme.BLOCK: "group"}
 
 # Formats storing float8_e4m3fn codes and a scale; the others are named so a refusal says what they hold.
 FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -72,7 +76,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         mixed = bool(self.groups)
         groups = {}
         for i, (scheme, targets) in enumerate([(self.scheme, ("Linear",)), *self.groups]):
-            weights, activations = _group_args(scheme, self.static_activations and scheme == "tensor")
+            weights, activations = _group_args(scheme, self.static_activations and scheme == Scheme.TENSOR)
             group = {"targets": list(targets), "weights": weights, "input_activations": activations}
             groups[f"group_{i}"] = group | ({"format": WRITTEN_FORMAT.get(scheme, "float-quantized")} if mixed else {})
         config = {
@@ -83,7 +87,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             "ignore": list(self.ignore),
             "kv_cache_scheme": None,
         }
-        return config | ({"scale_fmt": "ue8m0"} if self.scale_format == "ue8m0" else {})
+        return config | ({"scale_fmt": "ue8m0"} if self.scale_format == ScaleFormat.UE8M0 else {})
 
     @classmethod
     def from_dict(cls, qc: dict, where: str, source: bool = False) -> CompressedTensorsConfig:
@@ -93,7 +97,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         output lists these in `unkept` instead, for verify to report."""
         readable = [*FP8_FORMATS, *WRITTEN_FORMAT.values(), "mixed-precision", None]
         if source:
-            readable.remove(WRITTEN_FORMAT["mxfp8"])
+            readable.remove(WRITTEN_FORMAT[Scheme.MXFP8])
         groups = {name: g for name, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
         for fmt in [qc.get("format")] + [g["format"] for g in groups.values() if g.get("format")]:
             if fmt not in readable:
@@ -127,7 +131,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             elif not source and (
                 w.get("strategy") == "group" or group.get("format", qc.get("format")) == "mxfp8-quantized"
             ):
-                scheme = _written_scheme(w, where, {"mxfp8": MX_ARGS})
+                scheme = _written_scheme(w, where, {Scheme.MXFP8: MX_ARGS})
             else:
                 scheme = _weight_strategy(name, w, where, source, unkept)
             strategies.add(scheme)
@@ -159,11 +163,11 @@ class CompressedTensorsConfig(QuantizationConfig):
 
 
 def _group_args(scheme: str, static: bool) -> tuple[dict, dict | None]:
-    if scheme == "mxfp8":
+    if scheme == Scheme.MXFP8:
         return dict(MX_ARGS), MX_ARGS | {"dynamic": True}
     if scheme in FP4_ARGS:
         return dict(FP4_ARGS[scheme]), None
-    block = scheme == "block"
+    block = scheme == Scheme.BLOCK
     weights = {"num_bits": 8, "type": "float", "strategy": scheme, "symmetric": True, "dynamic": False}
     weights |= {"group_size": None, "block_structure": [BLOCK, BLOCK] if block else None}
     activations = FLOAT_ARGS | {"dynamic": not static}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK, GROUP_SIZE
+from ..options import BLOCK, GROUP_SIZE, Format, Scheme
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,20 @@ class QuantizationConfig:
 
     def scale_name(self, weight: str) -> str:
         """fp8 names block scales `weight_scale_inv` (they multiply all the same), others `weight_scale`."""
-        return weight + ("_scale_inv" if self.format == "fp8" and self.scheme == "block" else "_scale")
+        return weight + ("_scale_inv" if self.format == Format.FP8 and self.scheme == Scheme.BLOCK else "_scale")
 
     def scale_dtype(self) -> str:
-        return {"mxfp8": "U8", "mxfp4a16": "U8", "nvfp4a16": "F8_E4M3"}.get(self.scheme, "F32")
+        return {Scheme.MXFP8: "U8", Scheme.MXFP4A16: "U8", Scheme.NVFP4A16: "F8_E4M3"}.get(self.scheme, "F32")
 
     def scale_shapes(self, shape: tuple[int, int], source: bool = False) -> list[tuple[int, ...]]:
         """The scale shapes a reader accepts for a weight of `shape`, the written one first. A per-tensor
         scale may be [] or [1] in fp8 (vLLM reads either) and in any source."""
         out, inp = shape
-        if self.scheme == "tensor":
-            return [(1,)] if self.format == "compressed-tensors" and not source else [(), (1,)]
+        if self.scheme == Scheme.TENSOR:
+            return [(1,)] if self.format == Format.COMPRESSED_TENSORS and not source else [(), (1,)]
         if self.scheme in GROUP_SIZE:
             return [(out, inp // GROUP_SIZE[self.scheme])]
-        return [{"channel": (out, 1), "block": (-(-out // BLOCK), -(-inp // BLOCK))}[self.scheme]]
+        return [{Scheme.CHANNEL: (out, 1), Scheme.BLOCK: (-(-out // BLOCK), -(-inp // BLOCK))}[self.scheme]]
 
     def ignores(self, module: str) -> bool:
         """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""

@@ -9,7 +9,7 @@ exact only for powers of two (never write scale_fmt over scales that are not).
 from __future__ import annotations
 
 from ..errors import FP8ConvertError
-from ..options import BLOCK
+from ..options import BLOCK, ScaleFormat, Scheme
 from .config import QuantizationConfig, declared_scale_fmt
 
 E4M3_FMTS = (None, "e4m3", "float8_e4m3fn")  # `fmt` spellings of e4m3 weights: DeepSeek's, MiniMax's
@@ -22,14 +22,14 @@ class FP8Config(QuantizationConfig):
     @property
     def source_scale_names(self) -> tuple[str, ...]:
         """Per tensor `weight_scale` (vLLM, AutoFP8) or `weight_scale_inv` (transformers, Mistral)."""
-        return ("weight_scale_inv",) if self.scheme == "block" else ("weight_scale", "weight_scale_inv")
+        return ("weight_scale_inv",) if self.scheme == Scheme.BLOCK else ("weight_scale", "weight_scale_inv")
 
     def to_dict(self) -> dict:
         config = {"quant_method": "fp8", "fmt": "e4m3"}
         config["activation_scheme"] = "static" if self.static_activations else "dynamic"
-        if self.scheme == "block":
+        if self.scheme == Scheme.BLOCK:
             config["weight_block_size"] = [BLOCK, BLOCK]
-        if self.scale_format == "ue8m0":
+        if self.scale_format == ScaleFormat.UE8M0:
             config["scale_fmt"] = "ue8m0"
         # vLLM reads ignored_layers; transformers reads modules_to_not_convert.
         return config | {"ignored_layers": list(self.ignore), "modules_to_not_convert": list(self.ignore)}
@@ -57,5 +57,5 @@ class FP8Config(QuantizationConfig):
                 "FP8 are not supported"
             )
         ignore = dict.fromkeys([*(qc.get("ignored_layers") or ()), *(qc.get("modules_to_not_convert") or ())])
-        scheme = "block" if block else "tensor"
+        scheme = Scheme.BLOCK if block else Scheme.TENSOR
         return cls(scheme, tuple(ignore), declared_scale_fmt(qc, where), activations == "static")

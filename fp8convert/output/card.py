@@ -11,44 +11,47 @@ from pathlib import Path
 import yaml
 
 from .._version import __version__
-from ..options import REPO_ID, Options
+from ..options import REPO_ID, Format, Options, Scheme
 from ..plan.summary import describe
 from ..units import format_size, plural, size_text
 
 # Fields copied from the source card's YAML header (license_name/link go with license "other").
 COPIED_FIELDS = ("license", "license_name", "license_link", "library_name", "pipeline_tag", "language")
 SCHEME_TEXT = {
-    "tensor": "per-tensor: one float32 scale per weight (members of a fused q/k/v or gate/up group share one "
+    Scheme.TENSOR: "per-tensor: one float32 scale per weight (members of a fused q/k/v or gate/up group share one "
     "scale, so engines that fuse them need no re-quantization)",
-    "channel": "per-channel: one float32 scale per output row",
-    "block": "block: one float32 scale per 128x128 weight block",
-    "mxfp8": "MXFP8: one power-of-two scale per 32 consecutive inputs of each row, stored as its E8M0 exponent "
+    Scheme.CHANNEL: "per-channel: one float32 scale per output row",
+    Scheme.BLOCK: "block: one float32 scale per 128x128 weight block",
+    Scheme.MXFP8: "MXFP8: one power-of-two scale per 32 consecutive inputs of each row, stored as its E8M0 exponent "
     "byte (uint8)",
-    "nvfp4a16": "NVFP4: 4-bit E2M1 values packed two a byte, one FP8 (e4m3) scale per 16 consecutive inputs of each "
-    "row and one float32 global scale per weight, shared by the members of a fused q/k/v or gate/up set (vLLM "
+    Scheme.NVFP4A16: "NVFP4: 4-bit E2M1 values packed two a byte, one FP8 (e4m3) scale per 16 consecutive inputs of "
+    "each row and one float32 global scale per weight, shared by the members of a fused q/k/v or gate/up set (vLLM "
     "runs each set as one GEMM with one global scale)",
-    "mxfp4a16": "MXFP4: 4-bit E2M1 values packed two a byte, one power-of-two scale per 32 consecutive inputs of "
+    Scheme.MXFP4A16: "MXFP4: 4-bit E2M1 values packed two a byte, one power-of-two scale per 32 consecutive inputs of "
     "each row, stored as its E8M0 exponent byte (uint8)",
 }
-WEIGHTS_NAME = {"nvfp4a16": "NVFP4", "mxfp4a16": "MXFP4"}  # what the card calls the weights; FP8 for other schemes
+WEIGHTS_NAME = {Scheme.NVFP4A16: "NVFP4", Scheme.MXFP4A16: "MXFP4"}  # what the card calls them; else FP8
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
-    ("compressed-tensors", "tensor"): "dynamic per-tensor FP8",
-    ("compressed-tensors", "channel"): "dynamic per-token FP8",
-    ("compressed-tensors", "block"): "dynamic per-group (128) FP8",
-    ("compressed-tensors", "mxfp8"): "dynamic MXFP8 (groups of 32) on GPUs with MXFP8 GEMMs (Blackwell); BF16 "
-    "with weight-only kernels on earlier GPUs",
-    ("compressed-tensors", "nvfp4a16"): "not quantized: 16-bit (weight-only quantization)",
-    ("compressed-tensors", "mxfp4a16"): "not quantized: 16-bit (weight-only quantization)",
-    ("fp8", "tensor"): "dynamic FP8",
-    ("fp8", "block"): "dynamic per-group (128) FP8",
+    (Format.COMPRESSED_TENSORS, Scheme.TENSOR): "dynamic per-tensor FP8",
+    (Format.COMPRESSED_TENSORS, Scheme.CHANNEL): "dynamic per-token FP8",
+    (Format.COMPRESSED_TENSORS, Scheme.BLOCK): "dynamic per-group (128) FP8",
+    (Format.COMPRESSED_TENSORS, Scheme.MXFP8): "dynamic MXFP8 (groups of 32) on GPUs with MXFP8 GEMMs (Blackwell); "
+    "BF16 with weight-only kernels on earlier GPUs",
+    (Format.COMPRESSED_TENSORS, Scheme.NVFP4A16): "not quantized: 16-bit (weight-only quantization)",
+    (Format.COMPRESSED_TENSORS, Scheme.MXFP4A16): "not quantized: 16-bit (weight-only quantization)",
+    (Format.FP8, Scheme.TENSOR): "dynamic FP8",
+    (Format.FP8, Scheme.BLOCK): "dynamic per-group (128) FP8",
 }
 DEFAULT_MAX_SHARD = Options().max_shard_size
 DTYPE_TEXT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")  # a Hub cache snapshot directory
 # What the card's transformers snippet needs installed, by format (checked with transformers 5.24: the fp8
 # format needs accelerate even without a device_map; compressed-tensors needs only its own package).
-TRANSFORMERS_NEEDS = {"compressed-tensors": "transformers compressed-tensors", "fp8": "transformers accelerate"}
+TRANSFORMERS_NEEDS = {
+    Format.COMPRESSED_TENSORS: "transformers compressed-tensors",
+    Format.FP8: "transformers accelerate",
+}
 # Marks a generated card and records the local path its examples use, so `push` can put the repo id there.
 TARGET_MARK = "<!-- fp8convert card; examples use: {} -->"
 
@@ -108,7 +111,7 @@ def transformers_support(fmt: str, scheme: str, cannot_load: str | None) -> tupl
     """Whether transformers loads this combination, and why not; `cannot_load`: the plan's own reason."""
     if cannot_load:
         return False, cannot_load
-    if fmt == "fp8" and scheme == "tensor":
+    if fmt == Format.FP8 and scheme == Scheme.TENSOR:
         return False, "transformers has no per-tensor `weight_scale` path for the fp8 format"
     return True, ""
 

@@ -98,7 +98,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                 r"\.self_attention\.query_key_value$",
                 "vLLM's Falcon loader regroups query_key_value rows per KV head, scales included, which 128-row "
                 "block scales cannot follow; --scheme channel or tensor quantizes it",
-                schemes=("block",),
+                schemes=(Scheme.BLOCK,),
             ),
         ),
         quantized="attention and MLP linears (query_key_value kept under --scheme block)",

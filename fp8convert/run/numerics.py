@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from ..options import BLOCK, MX_GROUP
+from ..options import BLOCK, MX_GROUP, ScaleFormat, Scheme
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -53,11 +53,11 @@ def group_amax(w: torch.Tensor, size: int) -> torch.Tensor:
 
 def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """Largest |w| in float32 per tensor, row, 32-group or 128x128 block: no full-size |w|, NaN propagates."""
-    if scheme == "mxfp8":
+    if scheme == Scheme.MXFP8:
         return group_amax(w, MX_GROUP)
-    if scheme == "tensor":
+    if scheme == Scheme.TENSOR:
         dims = (-2, -1)
-    elif scheme == "channel":
+    elif scheme == Scheme.CHANNEL:
         dims = (-1,)
     else:
         out, inp = w.shape[-2:]
@@ -66,7 +66,7 @@ def amax(w: torch.Tensor, scheme: str) -> torch.Tensor:
             w = torch.nn.functional.pad(w, (0, cols * BLOCK - inp, 0, rows * BLOCK - out))
         w = w.reshape(*w.shape[:-2], rows, BLOCK, cols, BLOCK)
         dims = (-3, -1)
-    keep = scheme in ("tensor", "channel")
+    keep = scheme in (Scheme.TENSOR, Scheme.CHANNEL)
     return torch.maximum(w.amax(dim=dims, keepdim=keep), w.amin(dim=dims, keepdim=keep).neg()).float()
 
 
@@ -93,9 +93,9 @@ def powers_of_two(values: torch.Tensor) -> torch.Tensor:
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> torch.Tensor:
     """A per-element scale that broadcasts against a weight of `shape` ([..., out, in])."""
-    if scheme == "mxfp8":
+    if scheme == Scheme.MXFP8:
         return scale.repeat_interleave(MX_GROUP, dim=-1)
-    if scheme != "block":
+    if scheme != Scheme.BLOCK:
         return scale
     out, inp = shape[-2:]
     return scale.repeat_interleave(BLOCK, dim=-2)[..., :out, :].repeat_interleave(BLOCK, dim=-1)[..., :inp]
@@ -106,7 +106,7 @@ def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> to
     if w.device.type == "cpu" and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
     # One pass from w's dtype to the float32 quotient (torch divides in the float32 result type).
-    if scheme == "mxfp8":  # each group of 32 divided by its scale, without a full-size scale tensor
+    if scheme == Scheme.MXFP8:  # each group of 32 divided by its scale, without a full-size scale tensor
         q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
     else:
         q = torch.div(w, expand_scale(scale, tuple(w.shape), scheme))
@@ -122,7 +122,7 @@ def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.T
     """Through one float32 tile in cache: a full-size quotient costs more in page faults than the division."""
     stack, out, inp = w.shape
     rows = max(1, CPU_TILE_BYTES * max(1, torch.get_num_threads() // 2) // (4 * inp))
-    if scheme == "block":  # a power of 2 <= 128, so no tile spans two rows of blocks
+    if scheme == Scheme.BLOCK:  # a power of 2 <= 128, so no tile spans two rows of blocks
         rows = 1 << min(7, rows.bit_length() - 1)
     tile = torch.empty(min(rows, out), inp, dtype=torch.float32)
     q = torch.empty(w.shape, dtype=FP8_DTYPE)
@@ -130,11 +130,11 @@ def _quantize_rows(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.T
         for r in range(0, out, rows):
             part = tile[: min(rows, out - r)]
             part.copy_(w[n, r : r + rows])
-            if scheme == "mxfp8":
+            if scheme == Scheme.MXFP8:
                 part.unflatten(-1, (inp // MX_GROUP, MX_GROUP)).div_(scale[n, r : r + rows].unsqueeze(-1))
-            elif scheme == "tensor":
+            elif scheme == Scheme.TENSOR:
                 part.div_(scale[n])
-            elif scheme == "channel":
+            elif scheme == Scheme.CHANNEL:
                 part.div_(scale[n, r : r + rows])
             else:
                 part.div_(scale[n, r // BLOCK].repeat_interleave(BLOCK)[:inp])
@@ -153,7 +153,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tenso
 def scale_as_stored(scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """An FP8 source's scale as float32 that broadcasts against its weight: [1, 1] per tensor, else as stored."""
     s = scale.to(torch.float32)
-    return s.reshape(1, 1) if scheme == "tensor" else s
+    return s.reshape(1, 1) if scheme == Scheme.TENSOR else s
 
 
 def dequantize_to(
@@ -176,9 +176,9 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
     tables = tables.reshape(count, -1)  # weight n's tables in row n, 256 entries each
     arange = functools.partial(torch.arange, dtype=torch.int32, device=q.device)
     offsets = None
-    if scheme == "channel":  # row r's table starts at r * 256
+    if scheme == Scheme.CHANNEL:  # row r's table starts at r * 256
         offsets = (arange(out) * 256).unsqueeze(1).expand(out, inp).contiguous()
-    elif scheme == "block":  # block (i, j)'s at (i * C + j) * 256
+    elif scheme == Scheme.BLOCK:  # block (i, j)'s at (i * C + j) * 256
         offsets = (arange(out) // BLOCK * (-(-inp // BLOCK) * 256)).unsqueeze(1) + arange(inp) // BLOCK * 256
     index = torch.empty(out, inp, dtype=torch.int32, device=q.device)
     result = torch.empty(codes.shape, dtype=dtype, device=q.device)
@@ -192,10 +192,10 @@ def _dequantize_by_table(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtyp
 
 def scales_from_amax(amax: torch.Tensor, scheme: str, scale_format: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
     """(scale as written, scale divided by): E8M0 bytes and their value for mxfp8, else one tensor twice."""
-    if scheme == "mxfp8":
+    if scheme == Scheme.MXFP8:
         stored = mx_scale_bytes(amax)
         return stored, e8m0_to_float(stored)
-    if scale_format == "ue8m0":  # the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e
+    if scale_format == ScaleFormat.UE8M0:  # the smallest 2^e with max(amax, 1e-4) <= 448 * 2^e
         floor = torch.full_like(amax, UE8M0_MIN_AMAX, dtype=torch.float32)
         scale = e8m0_to_float(mx_scale_bytes(torch.maximum(amax.float(), floor)))
         return scale, scale
@@ -225,8 +225,8 @@ def quantize_group(
     """(codes, scales as written) per member of a fused group (stacks [N, out, in]). In the tensor scheme
     members share the max amax: vLLM re-quantizes a fused layer to its largest scale."""
     amaxes = [amax(w, scheme) for w in members]
-    refuse_unwritable(amaxes, pow2=scheme == "mxfp8" or scale_format == "ue8m0")
-    if scheme == "tensor" and len(members) > 1:
+    refuse_unwritable(amaxes, pow2=scheme == Scheme.MXFP8 or scale_format == ScaleFormat.UE8M0)
+    if scheme == Scheme.TENSOR and len(members) > 1:
         shared = torch.stack(amaxes).amax(dim=0)
         amaxes = [shared] * len(members)
     pairs = [scales_from_amax(a, scheme, scale_format) for a in amaxes]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FP8ConvertError
-from ..options import FP4_SCHEMES
+from ..options import FP4_SCHEMES, ScaleFormat
 from ..plan.batches import Batch
 from ..plan.plan import Action, TensorPlan
 from ..safetensors_io import FLOAT_SOURCE_DTYPES, TensorInfo, torch_dtype
@@ -186,7 +186,7 @@ def quantize_steps(
     def passed_through(t: TensorPlan) -> list[Output]:
         """Into a ue8m0 output every scale must be a power of two: engines would not round them again."""
         scale = src.checked_scale(t)
-        if scale_format == "ue8m0" and not bool(powers_of_two(scale).all()):
+        if scale_format == ScaleFormat.UE8M0 and not bool(powers_of_two(scale).all()):
             raise FP8ConvertError(
                 f"{src.root / t.source_scale.file}: scale {t.source_scale.name} of FP8 weight "
                 f"{t.source.name} is not a power of two everywhere, though the source's config declares "

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE
+from ..options import BLOCK, FP4_SCHEMES, GROUP_SIZE, ScaleFormat, Scheme
 from ..plan.plan import Cut
 from ..run import fp4
 from ..run.numerics import (
@@ -71,10 +71,10 @@ def check_piece(pair: Pair, sources: list, outputs: list, r0: int, source_scheme
             found.same_scale = pair.may_pass and identical(source_scale, scale)
             found.scale_pow2 = not found.scale_ok or bool(powers_of_two(values).all())
         found.source_scale_ok = w is not None
-    if found.scale_ok and fmt.scheme == "tensor":
+    if found.scale_ok and fmt.scheme == Scheme.TENSOR:
         found.scale_value = values.reshape(-1)[0].item()
     if w is not None and found.scale_ok and not pair.requantized_problems:
-        powers = fmt.scheme == "mxfp8" or fmt.scale_format == "ue8m0"  # MXFP8 exponents, UE8M0 blocks
+        powers = fmt.scheme == Scheme.MXFP8 or fmt.scale_format == ScaleFormat.UE8M0  # MXFP8 exponents, UE8M0 blocks
         found.sums = measure_slab(w, q, values, r0, fmt.scheme, powers)
     return found
 
@@ -170,9 +170,9 @@ def identical(a, b) -> bool:
 
 def tile_scale(scale, r0: int, r1: int, scheme: str):
     """The stored scales of rows [r0, r1) (r0 on a block row)."""
-    if scheme == "tensor":
+    if scheme == Scheme.TENSOR:
         return scale.reshape(1, 1)
-    if scheme in ("channel", "mxfp8"):
+    if scheme in (Scheme.CHANNEL, Scheme.MXFP8):
         return scale[r0:r1]
     return scale[r0 // BLOCK : -(-r1 // BLOCK)]
 
@@ -186,7 +186,7 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
     piece on a GPU. `powers`: the scales are powers of two, checked exactly as well."""
     rows, cols = w.shape
     step = rows if w.device.type != "cpu" else max(1, TILE_ELEMENTS // max(cols, 1))
-    if scheme == "block":
+    if scheme == Scheme.BLOCK:
         step = max(BLOCK, step // BLOCK * BLOCK)
     sums = ErrorSums()
     scratch = scratch_for(min(rows, step) * cols, w.device)
@@ -199,7 +199,7 @@ def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> Err
         stored = tile_scale(scale, r0 + t0, r0 + t1, scheme)
         if powers:  # where fast_sums answered, every code is RNE(w / scale) byte for byte: none inexact
             tile.off_rule, tile.inexact = power_of_two_checks(w_tile.float(), q_tile, stored, scheme, fast is None)
-        elif scheme == "tensor":  # the scale may be a fused group's: stream.check_shared_scales
+        elif scheme == Scheme.TENSOR:  # the scale may be a fused group's: stream.check_shared_scales
             tile.amax = float(amax(w_tile, scheme)) if w_tile.numel() else 0.0
         else:
             tile.oversized = int(oversized(stored, amax(w_tile, scheme)).sum())
@@ -224,11 +224,11 @@ def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, 
     A <= 448 s (no code overflows) and A > 224 s (2^(e-1) would), A the group's amax or the block's floored
     at 1e-4 (DeepGEMM's clamp); MXFP8's lowest exponent (2^-127) needs only the first."""
     a = amax(w, scheme)
-    if scheme != "mxfp8":
+    if scheme != Scheme.MXFP8:
         a = torch.maximum(a, torch.full_like(a, UE8M0_MIN_AMAX))
     fits = powers_of_two(s) & (a <= FP8_MAX * s)
     smallest = a > (FP8_MAX / 2) * s
-    if scheme == "mxfp8":
+    if scheme == Scheme.MXFP8:
         smallest |= s == 2.0**-127
     inexact = int((quantize_with_scale(w, s, scheme).float() != q.float()).sum()) if codes else 0  # -0 == +0
     return int((~(fits & smallest)).sum()), inexact

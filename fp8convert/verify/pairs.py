@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from ..formats import QuantizationConfig
 from ..formats.sources import FP8Weight
-from ..options import BLOCK
+from ..options import BLOCK, ScaleFormat, Scheme
 from ..plan.batches import first_axis_slice
 from ..plan.plan import Cut
 from ..plan.rules import module_of
@@ -90,7 +90,9 @@ class Pair:
             sliced, whole = [self.source], [weight.scale] if weight else []
         out_sliced = 2 if self.kind == "fp4" else 1
         # slabs start on 128-row blocks where an FP8 block scale is taken a slab's rows at a time
-        whole_blocks = (weight is not None and not weight.packed) or (self.kind == "fp8" and self.fmt.scheme == "block")
+        whole_blocks = (weight is not None and not weight.packed) or (
+            self.kind == "fp8" and self.fmt.scheme == Scheme.BLOCK
+        )
         rows, cols = weight.shape if weight else self.source.shape
         return [
             (
@@ -154,7 +156,7 @@ class Pair:
                 return name, f"scale {scale.name} shaped {list(scale.shape)}, expected {shapes_text(shapes)}"
             if not first.scale_ok:
                 return name, not_finite
-            if fmt.scale_format == "ue8m0" and not first.scale_pow2:
+            if fmt.scale_format == ScaleFormat.UE8M0 and not first.scale_pow2:
                 return name, (
                     f"scale {scale.name} passed through from the source is not a power of two "
                     "everywhere, but the config says scale_fmt ue8m0"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import FP8ConvertError
 from ..files import write_atomic
-from ..options import FP4_SCHEMES
+from ..options import FP4_SCHEMES, GROUP_SIZE, Scheme
 from ..output.card import with_verification
 from ..output.manifest import Manifest
 from ..source.hub import CARD_NAME
@@ -41,7 +41,7 @@ class TensorCheck:
     oversized_scales: int = 0  # channel and block float scales above twice amax / 448 of theirs
 
     def problem(self, scheme: str) -> str:
-        unit = {"mxfp8": "group", "channel": "row", "nvfp4a16": "group", "mxfp4a16": "group"}.get(scheme, "block")
+        unit = "row" if scheme == Scheme.CHANNEL else "group" if scheme in GROUP_SIZE else "block"
         values = "E2M1" if scheme in FP4_SCHEMES else "e4m3"  # what a code is
         oversized = f"more than twice amax / 448 of their {unit} (codes lose precision, or round to zero)"
         counts = [
