@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated
@@ -256,9 +257,15 @@ def read_recipe(path: Path) -> dict:
 printed = SimpleNamespace(json=False)  # whether the command printed its JSON document: main() then prints no error
 
 
-def print_json(doc) -> None:
+def print_out(text: str, what: str = "output", stderr: bool = False) -> None:
+    """A command's result on stdout (`stderr`: there instead, beside a JSON document); a full disk under
+    `> out.txt` or a closed pipe is one error line naming stdout, not a file the conversion wrote."""
     try:
-        print(json.dumps(doc, indent=2))
-    except OSError as e:  # a full disk under `> report.json`, a closed pipe
-        raise FP8ConvertError(f"stdout: cannot write the JSON report ({e.strerror})") from e
+        print(text, file=sys.stderr if stderr else sys.stdout)
+    except OSError as e:
+        raise FP8ConvertError(f"stdout: cannot write the {what} ({e.strerror})") from e
+
+
+def print_json(doc) -> None:
+    print_out(json.dumps(doc, indent=2), "JSON report")
     printed.json = True

@@ -13,7 +13,7 @@ from ..errors import FP8ConvertError, UsageError
 from ..options import REPO_ID, SCHEMES, Settings
 from ..plan.summary import describe, plan_warnings, render
 from ..units import format_size, plural
-from ._options import QUIET_REPORT, argument, command, hub_token, option, print_json, settings_from
+from ._options import QUIET_REPORT, argument, command, hub_token, option, print_json, print_out, settings_from
 
 
 @command(
@@ -87,10 +87,10 @@ def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to: s
     if json_out:
         print_json(asdict(report))
     elif settings.progress:  # not -q
-        print(summary_line(report))
+        print_out(summary_line(report))
     if push_to and report.complete:
         url = publish.push(out, push_to, private=private, token=settings.token)
-        print(f"pushed {out} to {push_to}: {url}", file=sys.stderr if json_out else sys.stdout)
+        print_out(f"pushed {out} to {push_to}: {url}", stderr=json_out)
     elif push_to:
         print(
             f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
@@ -211,11 +211,11 @@ def inspect(
     if json_out:
         print_json(info)
         return
-    print(render(info))
+    print_out(render(info))
     for t in info.get("tensor_plan", []):
         what = ACTION_TEXT.get(t["action"], "keep ({})").format(t["reason"])
         origin = f"  <- {t['from']}" if t["from"] else ""
-        print(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
+        print_out(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
 
 @command("directory scheme format device json_out")
@@ -238,13 +238,12 @@ def demo(
 
     settings = Settings(scheme=scheme, format=format, device=device, overwrite=True, progress=True)
     src = demo_source(directory / "source")
-    text_to = sys.stderr if json_out else sys.stdout
-    print(f"built demo model {src}", file=text_to)
+    print_out(f"built demo model {src}", stderr=json_out)
     _convert(str(src), directory / "fp8", settings, json_out, None, False)
     # Building the model imported torch first, so the conversion recorded no start-up pages (a caller's
     # process maps much else); this process is the program's own, so it records them for later runs.
     warmup.record(warmup.record_path(device))
-    print(next_steps(src, directory / "fp8", scheme, format), file=text_to)
+    print_out(next_steps(src, directory / "fp8", scheme, format), stderr=json_out)
 
 
 @command("src out revision json_out worst every_problem device max_resident prefetch quiet token cache_dir")
@@ -276,7 +275,7 @@ def verify(
     if json_out:
         print_json(report.to_dict(worst))
     else:
-        print(verify_mod.render(report, worst, every_problem))
+        print_out(verify_mod.render(report, worst, every_problem))
     if not report.ok:
         causes = report.causes()
         raise verify_mod.VerifyFailed(
@@ -317,7 +316,7 @@ def push(
     if json_out:
         print_json({"out": str(out), "repo_id": repo_id, "revision": revision, "pull_request": create_pr, "url": url})
     else:
-        print(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
+        print_out(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
 
 
 @command("out json_out token cache_dir")
@@ -336,7 +335,7 @@ def finalize(out: argument(Path, "OUT", "An output directory whose shards worker
     if json_out:
         print_json(asdict(report))
     else:
-        print(
+        print_out(
             f"finalized {out}: {plural(report.shards, 'shard')}, {format_size(report.bytes_out)}, from {report.source}"
         )
 
@@ -379,7 +378,7 @@ def batch(
     if json_out:
         print_json(batch_mod.summary(results))
     else:
-        print(batch_mod.render(results))
+        print_out(batch_mod.render(results))
     if failed := [r for r in results if r.status == "failed"]:
         raise FP8ConvertError(
             f"{jobs}: {len(failed)} of {plural(len(results), 'job')} failed (first: "

@@ -404,6 +404,31 @@ def test_disk_full_says_how_much_is_free_and_needed(tmp_path, capsys, monkeypatc
     ), err
 
 
+class FullStdout(io.StringIO):
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["quantize", "{src}", "{out}"], ["inspect", "{src}"], ["verify", "{src}", "{ref}", "-q"], ["demo", "{demo}"]],
+)
+def test_a_result_that_cannot_reach_stdout_is_one_line_naming_stdout(tmp_path, capsys, monkeypatch, args):
+    """`> out.txt` on a full disk: the line names stdout (not "a file ... resume"), and the output is kept."""
+    src = make_demo_model(tmp_path / "src")
+    assert main(["quantize", str(src), str(tmp_path / "ref"), "-q", "--device", "cpu"]) == 0
+    paths = {"src": src, "out": tmp_path / "out", "ref": tmp_path / "ref", "demo": tmp_path / "demo"}
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", FullStdout())
+    rc = main([a.format(**paths) for a in args])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 1 and "Traceback" not in err, err
+    assert errors == ["error: stdout: cannot write the output (No space left on device)"], err
+    if args[0] == "quantize":
+        assert looks_complete(tmp_path / "out")
+
+
 def test_disk_full_while_writing_a_shard_says_free_and_needed(tmp_path, capsys, monkeypatch):
     """The shard writer's own full disk (pwrite failing with ENOSPC) reaches the same line: the partial
     shard named, the space free there and the bytes still to write."""
