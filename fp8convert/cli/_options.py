@@ -259,11 +259,11 @@ printed = SimpleNamespace(json=False)  # whether the command printed its JSON do
 
 def print_out(text: str, what: str = "output", stderr: bool = False) -> None:
     """A command's result on stdout (`stderr`: there instead, beside a JSON document); a full disk under
-    `> out.txt` or a closed pipe is one error line naming stdout, not a file the conversion wrote."""
+    `> out.txt` or a closed pipe is one error line naming the stream, not a file the conversion wrote."""
     try:
         print(text, file=sys.stderr if stderr else sys.stdout)
     except OSError as e:
-        raise FP8ConvertError(f"stdout: cannot write the {what} ({e.strerror})") from e
+        raise FP8ConvertError(f"{'stderr' if stderr else 'stdout'}: cannot write the {what} ({e.strerror})") from e
 
 
 def print_json(doc) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes, write_checkpoint
 
-from fp8convert import __version__, api
+from fp8convert import FP8ConvertError, __version__, api
 from fp8convert.cli import _failures, main
 from fp8convert.demo import make_demo_model
 from fp8convert.run.progress import Progress
@@ -404,7 +404,7 @@ def test_disk_full_says_how_much_is_free_and_needed(tmp_path, capsys, monkeypatc
     ), err
 
 
-class FullStdout(io.StringIO):
+class FullStream(io.StringIO):
     def write(self, text):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -419,7 +419,7 @@ def test_a_result_that_cannot_reach_stdout_is_one_line_naming_stdout(tmp_path, c
     assert main(["quantize", str(src), str(tmp_path / "ref"), "-q", "--device", "cpu"]) == 0
     paths = {"src": src, "out": tmp_path / "out", "ref": tmp_path / "ref", "demo": tmp_path / "demo"}
     capsys.readouterr()
-    monkeypatch.setattr(sys, "stdout", FullStdout())
+    monkeypatch.setattr(sys, "stdout", FullStream())
     rc = main([a.format(**paths) for a in args])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -427,6 +427,14 @@ def test_a_result_that_cannot_reach_stdout_is_one_line_naming_stdout(tmp_path, c
     assert errors == ["error: stdout: cannot write the output (No space left on device)"], err
     if args[0] == "quantize":
         assert looks_complete(tmp_path / "out")
+
+
+def test_a_line_meant_for_stderr_that_cannot_be_written_names_stderr(monkeypatch):
+    from fp8convert.cli._options import print_out
+
+    monkeypatch.setattr(sys, "stderr", FullStream())
+    with pytest.raises(FP8ConvertError, match=r"^stderr: cannot write the output \(No space left on device\)$"):
+        print_out("built demo model x", stderr=True)
 
 
 def test_disk_full_while_writing_a_shard_says_free_and_needed(tmp_path, capsys, monkeypatch):
