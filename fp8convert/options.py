@@ -121,7 +121,7 @@ class Options:
         if self.dequantize and self.scale_format != ScaleFormat.FLOAT:
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
         if self.format == Format.FP8 and self.scheme not in (Scheme.TENSOR, Scheme.BLOCK):
-            what = {"channel": "per-channel", "mxfp8": "MXFP8"}.get(self.scheme, "FP4")
+            what = {Scheme.CHANNEL: "per-channel", Scheme.MXFP8: "MXFP8"}.get(self.scheme, "FP4")
             raise UsageError(
                 f"--format fp8 has no {what} scheme (vLLM reads it from compressed-tensors checkpoints); use "
                 f"--scheme tensor or block, or --format compressed-tensors --scheme {self.scheme}"
