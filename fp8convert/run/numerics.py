@@ -103,15 +103,15 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], scheme: str) -> to
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """clamp(float32(w) / scale, -448, 448) cast to e4m3 (nearest even); `w` is left as it was."""
+    # Divided in float32, torch's result type of w and scale, in both paths; the plain one straight from w's dtype.
+    if (quotient := torch.result_type(w, scale)) != torch.float32:
+        raise AssertionError(f"quotient in {quotient}, not float32: scale {scale.dtype} {tuple(scale.shape)}")
     if w.device.type == "cpu" and w.dim() == 3:
         return _quantize_rows(w, scale, scheme)
-    # One pass from w's dtype to the float32 quotient (torch divides in the float32 result type).
     if scheme == Scheme.MXFP8:  # each group of 32 divided by its scale, without a full-size scale tensor
         q = torch.div(w.unflatten(-1, (w.shape[-1] // MX_GROUP, MX_GROUP)), scale.unsqueeze(-1)).flatten(-2)
     else:
         q = torch.div(w, expand_scale(scale, tuple(w.shape), scheme))
-    if q.dtype != torch.float32:
-        raise AssertionError(f"quotient in {q.dtype}, not float32: scale {scale.dtype} {tuple(scale.shape)}")
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

@@ -21,3 +21,11 @@ def test_tiled_cpu_quantizing_writes_the_plain_bytes(scheme, tile_bytes, monkeyp
     plain = torch.stack([numerics.quantize_with_scale(w[n], scale[n], scheme) for n in range(3)])  # 2-D: plain
     assert torch.equal(tiled.view(torch.uint8), plain.view(torch.uint8))
     assert bool(tiled.view(torch.uint8).ne(0).any())
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_scale_that_would_not_divide_in_float32_is_refused_on_either_path(stacked):
+    """A CPU stack goes through the float32 tile, a single weight through the plain division: both check."""
+    w, scale = torch.ones(2, 128, 128, dtype=torch.bfloat16), torch.ones(2, 1, 1, dtype=torch.float64)
+    with pytest.raises(AssertionError, match="not float32: scale torch.float64"):
+        numerics.quantize_with_scale(w if stacked else w[0], scale if stacked else scale[0], "tensor")
