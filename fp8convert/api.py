@@ -91,14 +91,6 @@ def make_plan(src: str | Path, settings: Settings | None = None, **overrides) ->
 
 
 @python_spelling
-def verify(src: str | Path, out: str | Path, **options):
-    """Check the FP8 checkpoint in `out` against its source (fp8convert.verify.verify takes the options)."""
-    from .verify import verify as verify_output
-
-    return verify_output(src, out, **options)
-
-
-@python_spelling
 def quantize(
     src: str | Path,
     out: str | Path,
