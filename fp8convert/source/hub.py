@@ -360,12 +360,16 @@ def remote_header(repo: RemoteRepo, filename: str) -> dict[str, TensorInfo]:
     return parse_header(raw, filename, data_start=8 + header_len, file_size=size)
 
 
-def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
-    config = load_config(repo.snapshot_dir())
+def source_from_repo(repo: RemoteRepo, root: Path | None = None) -> Source:
+    """The repo's checkpoint from its remote headers, rooted at `root`, else at the cache snapshot."""
+    snapshot = repo.snapshot_dir()
+    config = load_config(snapshot)
     headers = dict(zip(repo.shards, parallel(lambda f: remote_header(repo, f), repo.shards)))
     tensors = collect_tensors(headers, repo.index_map, repo.repo_id)
     quant = read_source_quantization(config, tensors, repo.repo_id, repo.side_files)
-    return Source(Path(root), list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant)
+    return Source(
+        root or snapshot, list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant
+    )
 
 
 def parallel(fn, items: list) -> list:
