@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -24,6 +23,7 @@ from ..options import Settings
 from ..output.finalize import finalize, finished_shards
 from ..output.manifest import WORK_DIR
 from ..plan.plan import Plan
+from ..run.progress import log
 from ..units import plural
 
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
@@ -235,12 +235,6 @@ def run_on_devices(target: Callable, src: str, out: str, settings: Settings, spe
         more = f" (and {plural(len(errors) - 1, 'more worker')} failed)" if len(errors) > 1 else ""
         raise FP8ConvertError(errors[0] + more)
     return reports
-
-
-def log(message: str, enabled: bool = True) -> None:
-    """A plain timestamped line on stderr (cluster logs are files, not terminals)."""
-    if enabled:
-        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def barrier() -> None:
