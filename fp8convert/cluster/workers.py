@@ -134,16 +134,16 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     return _checked(index, count, launcher, where, on_this_machine=1)  # each task is an allocation of its own
 
 
-def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
+def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None) -> WorkerSpec:
     """None: detect torchrun / multi-task srun, else one worker; 'auto': any launcher; 'K/N' or (K, N)."""
     if isinstance(worker, WorkerSpec):
         return worker
     if worker is None:
-        return detect_worker(env) or WorkerSpec()
+        return detect_worker() or WorkerSpec()
     if isinstance(worker, tuple):
         return _checked(worker[0], worker[1], "explicit", f"--worker {worker[0]}/{worker[1]}")
     if str(worker).strip().lower() == "auto":
-        return detect_worker(env, opt_in=True)
+        return detect_worker(opt_in=True)
     try:
         index, count = (int(p) for p in str(worker).strip().split("/"))
     except ValueError:
