@@ -30,7 +30,7 @@ from .plan.build import build_plan
 from .plan.plan import Action, Plan, unique_inputs
 from .plan.summary import plan_warnings, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
-from .run.progress import Progress
+from .run.progress import Progress, log
 from .run.warmup import PAGES_WAIT_S, TorchStart, torch_has_cuda
 from .run.writer import ShardWriter
 from .source import looks_like_repo_id, open_source, run_source
@@ -88,14 +88,6 @@ def make_plan(src: str | Path, settings: Settings | None = None, **overrides) ->
     """Plan a conversion from headers and config alone (a Hub repo id's remote headers); reads no tensor data."""
     settings = Settings.of(settings, **overrides)
     return build_plan(open_source(src, settings.hub, download=False), settings.options)
-
-
-@python_spelling
-def verify(src: str | Path, out: str | Path, **options):
-    """Check the FP8 checkpoint in `out` against its source (fp8convert.verify.verify takes the options)."""
-    from .verify import verify as verify_output
-
-    return verify_output(src, out, **options)
 
 
 @python_spelling
@@ -250,7 +242,7 @@ def _quantize_on_devices(
     the_plan: Plan, src: str, out_dir: Path, settings: Settings, spec: workers.WorkerSpec, devices: list, report: Report
 ) -> None:
     """One spawned worker process per device shares this worker's shards; then this process finalizes."""
-    workers.log(
+    log(
         f"{the_plan.source.label}: {len(devices)} worker processes ({', '.join(devices)})"
         + (f" sharing worker {spec.text}'s shards" if spec.count > 1 else ""),
         settings.progress,
@@ -282,12 +274,10 @@ def _quantize_here(
     report.units_resumed = report.units - len(units)
     label = the_plan.source.label + (f" [worker {spec.text}]" if spec.count > 1 else "")
     if report.units_resumed:
-        workers.log(
-            f"{label}: resumed: {report.units_resumed} of {report.units} units already written", settings.progress
-        )
+        log(f"{label}: resumed: {report.units_resumed} of {report.units} units already written", settings.progress)
     if spec.count > 1:
         hint = " (more workers than shards: a smaller --max-shard-size gives more shards)"
-        workers.log(
+        log(
             f"{the_plan.source.label}: worker {spec.text} ({spec.launcher}): {len(todo)} of "
             f"{len(the_plan.shards)} shards to write, {report.shards_resumed} already done"
             + (hint if spec.count > len(the_plan.shards) else ""),

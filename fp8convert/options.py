@@ -59,17 +59,6 @@ DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 
 
-def env_number(name: str, default, kind):
-    """An environment setting as `kind` (int, float), or `default` where it is unset or blank."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return kind(text)
-    except ValueError:
-        raise FP8ConvertError(f"${name}={text!r}: not a number") from None
-
-
 def parse_size(value: int | str, what: str = "size") -> int:
     """'5GB' -> 5_000_000_000 (decimal, as transformers' max_shard_size); '2GiB' is binary; ints pass."""
     if isinstance(value, int):

@@ -33,7 +33,7 @@ def push(
     out = Path(out)
     if not REPO_ID.match(repo_id):
         raise UsageError(f"{repo_id}: not a Hub repo id (owner/name)")
-    config = check_output_complete(out, "push")
+    config = check_output_complete(out)
     # a dequantized output has no quantization_config (its manifest says what it is)
     declared = read_quantization_config(config, str(out / "config.json")) if "quantization_config" in config else None
     card_path = out / CARD_NAME

@@ -16,8 +16,9 @@ from ..errors import FP8ConvertError
 from ..files import json_bytes, read_json_object, write_atomic
 from ..options import REPO_ID, SETTING_NAMES, Settings
 from ..output.manifest import WORK_DIR
+from ..run.progress import log
 from ..units import plural
-from .workers import env_int, log, parse_devices
+from .workers import env_int, parse_devices
 
 if TYPE_CHECKING:
     from ..plan.plan import Plan

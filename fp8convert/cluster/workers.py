@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -24,6 +23,7 @@ from ..options import Settings
 from ..output.finalize import finalize, finished_shards
 from ..output.manifest import WORK_DIR
 from ..plan.plan import Plan
+from ..run.progress import log
 from ..units import plural
 
 BARRIER_TIMEOUT_S = 24 * 3600  # a rank may wait that long for the slowest one before rank 0 finalizes
@@ -134,16 +134,16 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     return _checked(index, count, launcher, where, on_this_machine=1)  # each task is an allocation of its own
 
 
-def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None, env=None) -> WorkerSpec:
+def resolve_worker(worker: str | tuple[int, int] | WorkerSpec | None) -> WorkerSpec:
     """None: detect torchrun / multi-task srun, else one worker; 'auto': any launcher; 'K/N' or (K, N)."""
     if isinstance(worker, WorkerSpec):
         return worker
     if worker is None:
-        return detect_worker(env) or WorkerSpec()
+        return detect_worker() or WorkerSpec()
     if isinstance(worker, tuple):
         return _checked(worker[0], worker[1], "explicit", f"--worker {worker[0]}/{worker[1]}")
     if str(worker).strip().lower() == "auto":
-        return detect_worker(env, opt_in=True)
+        return detect_worker(opt_in=True)
     try:
         index, count = (int(p) for p in str(worker).strip().split("/"))
     except ValueError:
@@ -235,12 +235,6 @@ def run_on_devices(target: Callable, src: str, out: str, settings: Settings, spe
         more = f" (and {plural(len(errors) - 1, 'more worker')} failed)" if len(errors) > 1 else ""
         raise FP8ConvertError(errors[0] + more)
     return reports
-
-
-def log(message: str, enabled: bool = True) -> None:
-    """A plain timestamped line on stderr (cluster logs are files, not terminals)."""
-    if enabled:
-        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def barrier() -> None:

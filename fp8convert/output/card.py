@@ -125,15 +125,10 @@ def _fmt_value(value) -> str:
 
 
 def make_card(
-    plan_or_info,
-    source_card_text: str | None = None,
-    command: str | None = None,
-    repo_id: str | None = None,
-    out_dir: str | Path | None = None,
-    base_model: str | None = None,
+    plan_or_info, source_card_text: str | None = None, repo_id: str | None = None, base_model: str | None = None
 ) -> str:
     """The README.md of a converted checkpoint, from its Plan or a describe()-like dict. The examples name
-    `repo_id`, else `out_dir` (`push` later puts the repo id there)."""
+    `repo_id`, else ./NAME (`push` later puts the repo id there)."""
     if isinstance(plan_or_info, dict):
         info = plan_or_info
     else:  # a Plan: its summary plus what the reproduce command needs
@@ -153,8 +148,8 @@ def make_card(
         weights = info["scheme"].upper() if info.get("scheme") in WEIGHTS_NAME else "FP8"
         weights = "-".join(weights_names(info)) if info.get("recipe") else weights
         name = f"{name}-{info.get('dequantized_dtype') if dequantized else weights}"
-    where = repo_id or (str(out_dir) if out_dir is not None else f"./{name}")
-    cmd = command or reproduce_command(info, where, base_model)
+    where = repo_id or f"./{name}"
+    cmd = reproduce_command(info, where, base_model)  # the --base-model given, before the guesses below
     # --base-model, else a Hub source's repo id, else the repo of a Hub cache snapshot given as a directory
     # (the source card's own base_model names the source's parent)
     if not base_model and info.get("revision") and REPO_ID.match(source):

@@ -266,8 +266,8 @@ def check_shards(plan: Plan, out_dir: Path) -> None:
                 )
 
 
-def check_output_complete(out: str | Path, action: str = "push") -> dict:
-    """The output's config.json; refused (to `action`) for anything but a finished conversion: a complete
+def check_output_complete(out: str | Path) -> dict:
+    """The output's config.json; the push is refused for anything but a finished conversion: a complete
     manifest (when present), a quantization_config (unless dequantized), every shard the index names."""
     out = Path(out)
     if not out.is_dir():
@@ -275,8 +275,8 @@ def check_output_complete(out: str | Path, action: str = "push") -> dict:
     try:
         state = Manifest(out).read()
     except FP8ConvertError as e:
-        raise FP8ConvertError(f"{e}; refusing to {action}") from e
-    finish = f"rerun the same quantize command to finish it before you {action}"
+        raise FP8ConvertError(f"{e}; refusing to push") from e
+    finish = "rerun the same quantize command to finish it before you push"
     if state is not None and not state.get("complete"):
         raise FP8ConvertError(f"{out}: the conversion is not complete (manifest says so); {finish}")
     for name in ("config.json", INDEX_NAME):
@@ -286,15 +286,15 @@ def check_output_complete(out: str | Path, action: str = "push") -> dict:
         config = json.loads((out / "config.json").read_text())
         shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))
     except ValueError as e:
-        raise FP8ConvertError(f"{out}/config.json: unreadable ({e}); refusing to {action}") from e
+        raise FP8ConvertError(f"{out}/config.json: unreadable ({e}); refusing to push") from e
     dequantized = bool((state or {}).get("dequantize"))
     if not isinstance(config, dict) or ("quantization_config" not in config and not dequantized):
         raise FP8ConvertError(f"{out}/config.json: has no quantization_config; not an FP8 output")
     for name in shards:
         if not (out / name).is_file():
-            raise FP8ConvertError(f"{out / name}: missing (the index names it); refusing to {action}")
+            raise FP8ConvertError(f"{out / name}: missing (the index names it); refusing to push")
         try:
             read_header(str(out / name), name)  # a truncated or padded shard fails here
         except FP8ConvertError as e:
-            raise FP8ConvertError(f"{e}; refusing to {action}") from e  # the error names the shard's path
+            raise FP8ConvertError(f"{e}; refusing to push") from e  # the error names the shard's path
     return config

@@ -68,9 +68,15 @@ class Progress:
                 f"{self.label}: {format_size(self.done)} of {format_size(self.total)} ({pct:.0f}%), "
                 f"{format_size(rate)}/s, eta {eta:.0f}s"
             )
-            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}", file=self.stream, flush=True)
+            log(line, stream=self.stream)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+def log(message: str, enabled: bool = True, stream=None) -> None:
+    """A plain timestamped line on `stream`, else stderr (cluster logs are files, not terminals)."""
+    if enabled:
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}", file=stream or sys.stderr, flush=True)

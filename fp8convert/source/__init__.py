@@ -45,7 +45,7 @@ def run_source(
         return source_from_repo(repo, stream_to), StreamingFetcher(repo, stream_to)
     if shared and looks_like_repo_id(str(src)) and not constants.HF_HUB_OFFLINE:
         repo = resolve_repo(str(src), hub)
-        return source_from_repo(repo, repo.snapshot_dir()), NoFetcher(repo)
+        return source_from_repo(repo), NoFetcher(repo)
     return open_source(src, hub, download=not shared), NoFetcher()
 
 
@@ -60,7 +60,7 @@ def recorded_source(state: dict, hub: HubAccess) -> Source:
     if constants.HF_HUB_OFFLINE:
         return hub_source(state["source"], hub, download=False)
     repo = resolve_repo(state["source"], hub)
-    source = source_from_repo(repo, repo.snapshot_dir())
+    source = source_from_repo(repo)
     repo.fetch([])
     return source
 
@@ -73,7 +73,7 @@ def hub_source(repo_id: str, hub: HubAccess, download: bool) -> Source:
         repo = resolve_repo(repo_id, hub)
         if download:
             return open_local(repo.fetch(repo.shards), label=repo_id, revision=repo.sha)
-        return source_from_repo(repo, repo.snapshot_dir())
+        return source_from_repo(repo)
     with also_no_folder(repo_id):
         try:
             root = hf.snapshot_download(repo_id, revision=hub.revision, cache_dir=hub.cache_dir, local_files_only=True)

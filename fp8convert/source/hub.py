@@ -9,6 +9,7 @@ import contextlib
 import errno
 import functools
 import itertools
+import os
 import queue
 import re
 import threading
@@ -22,7 +23,7 @@ from huggingface_hub import constants
 
 from ..errors import FP8ConvertError, first_line
 from ..formats.sources import read_source_quantization
-from ..options import HubAccess, env_number
+from ..options import HubAccess
 from ..safetensors_io import INDEX_NAME, TensorInfo, header_length, parse_header
 from ..units import format_size
 from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
@@ -123,6 +124,17 @@ def download_is_retryable(error: BaseException) -> bool:
     has already retried a stalled or broken transfer five times, resuming it."""
     frames = traceback.walk_tb(error.__traceback__)
     return is_transient(error) and all(frame.f_code.co_name != "http_get" for frame, _ in frames)
+
+
+def env_number(name: str, default, kind):
+    """An environment setting as `kind` (int, float), or `default` where it is unset or blank."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise FP8ConvertError(f"${name}={text!r}: not a number") from None
 
 
 def with_retries(fn, *args, retryable=is_transient, **kwargs):
@@ -348,12 +360,16 @@ def remote_header(repo: RemoteRepo, filename: str) -> dict[str, TensorInfo]:
     return parse_header(raw, filename, data_start=8 + header_len, file_size=size)
 
 
-def source_from_repo(repo: RemoteRepo, root: Path) -> Source:
-    config = load_config(repo.snapshot_dir())
+def source_from_repo(repo: RemoteRepo, root: Path | None = None) -> Source:
+    """The repo's checkpoint from its remote headers, rooted at `root`, else at the cache snapshot."""
+    snapshot = repo.snapshot_dir()
+    config = load_config(snapshot)
     headers = dict(zip(repo.shards, parallel(lambda f: remote_header(repo, f), repo.shards)))
     tensors = collect_tensors(headers, repo.index_map, repo.repo_id)
     quant = read_source_quantization(config, tensors, repo.repo_id, repo.side_files)
-    return Source(Path(root), list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant)
+    return Source(
+        root or snapshot, list(repo.shards), tensors, config, list(repo.side_files), repo.repo_id, repo.sha, quant
+    )
 
 
 def parallel(fn, items: list) -> list:

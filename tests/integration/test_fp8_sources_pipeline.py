@@ -13,6 +13,7 @@ from tiny_ckpt import cli_subprocess, llama_tensors, looks_complete, tree_bytes,
 
 from fp8convert import api, publish
 from fp8convert.cli import main
+from fp8convert.verify import verify
 
 try:
     from fakehub import fake_hub  # noqa: F401  (a fixture)
@@ -148,7 +149,7 @@ def test_push_of_a_dequantized_output(fake_hub, fp8_src, tmp_path):
     publish.push(out, "fake-user/deq", token=fake_hub.token)
     repo = fake_hub.repo("fake-user/deq")
     assert any(c.title.startswith("checkpoint dequantized from FP8") for c in repo.commits.values())
-    assert api.verify(src, out).ok
+    assert verify(src, out).ok
 
 
 def test_batch_jobs_dequantize_and_requantize(fp8_src, tmp_path, capsys):

@@ -693,30 +693,30 @@ def test_make_card_fields_command_and_loading(tiny_ckpt):
 
     # fp8 per-tensor does not load in transformers: the card says so instead of giving a snippet.
     p2 = api.make_plan(tiny_ckpt, scheme="tensor", format="fp8")
-    body2 = make_card(p2, None, command="fp8convert quantize x y --format fp8")
-    meta2, body2 = split_front_matter(body2)
+    meta2, body2 = split_front_matter(make_card(p2, None))
     assert "base_model" not in meta2 and "license" not in meta2  # local source, no card
-    assert "Not loadable in transformers" in body2 and "fp8convert quantize x y --format fp8" in body2
+    assert "Not loadable in transformers" in body2
+    assert f"fp8convert quantize {tiny_ckpt} ./src-FP8 --scheme tensor --format fp8\n" in body2
 
     # A warning that transformers cannot load the output (here: dims of 64 under 128x128 blocks) makes
     # the card say so, with that warning as the reason.
     p3 = api.make_plan(tiny_ckpt, scheme="block", format="compressed-tensors")
-    body3 = split_front_matter(make_card(p3, None, command="fp8convert quantize x y --scheme block"))[1]
+    body3 = split_front_matter(make_card(p3, None))[1]
     assert "Not loadable in transformers: " in body3 and "dim not divisible by 128" in body3
     assert "from_pretrained" not in body3
 
 
 def test_card_examples_follow_the_push_target():
     info = {
-        "source": REPO,
+        "source": "/data/my model",
         "scheme": "channel",
         "format": "compressed-tensors",
         "kept": {},
         "ignore": ["lm_head"],
         "warnings": [],
     }
-    text = make_card(info, SOURCE_CARD, out_dir="/data/my out")
-    assert "vllm serve '/data/my out'\n" in text and 'from_pretrained("/data/my out"' in text
+    text = make_card(info, SOURCE_CARD)
+    assert "vllm serve './my model-FP8'\n" in text and 'from_pretrained("./my model-FP8"' in text
     pushed = retarget_card(text, "me/a")
     assert "vllm serve me/a\n" in pushed and 'from_pretrained("me/a"' in pushed and "--model-path me/a\n" in pushed
     assert retarget_card(pushed, "me/b").count("me/b") == 4 and "me/a" not in retarget_card(pushed, "me/b")

@@ -108,4 +108,4 @@ def test_the_pipeline_stages_are_packages():
     import fp8convert.verify
 
     assert fp8convert.plan.__name__ == "fp8convert.plan" and callable(fp8convert.make_plan)
-    assert fp8convert.verify.__name__ == "fp8convert.verify" and callable(fp8convert.api.verify)
+    assert fp8convert.verify.__name__ == "fp8convert.verify" and callable(fp8convert.verify.verify)
