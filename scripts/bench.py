@@ -622,11 +622,6 @@ ABLATIONS = {
     # no page-cache read-ahead: neither the head start while the plan is made nor the run's own
     "no-prefetch": "import sys; sys.argv += ['--prefetch', '0']\n",
 }
-# The same for mechanisms of the pipeline itself (--pipeline-ablation).
-PIPELINE_ABLATIONS = {
-    # every shard written with pwrite, never through a shared mapping
-    "no-mapped-writes": "import fp8convert.run.writer as w; w.MAPPED_WRITES = False\n",
-}
 ABLATED_CLI = "import sys; from fp8convert.cli import run; run(sys.argv[1:])"
 
 
@@ -708,11 +703,8 @@ def contenders(args) -> list[dict]:
                     warmup=[PY, "-c", f"import torch; torch.empty(1, device='{dev}')"],
                 )
             )
-        ablations = (ABLATIONS if args.startup_ablation else {}) | (
-            PIPELINE_ABLATIONS if args.pipeline_ablation else {}
-        )
-        if ablations:  # the same run with one mechanism switched off
-            for name, patch in ablations.items():
+        if args.startup_ablation:  # the same run with one mechanism switched off
+            for name, patch in ABLATIONS.items():
                 plan.append(
                     dict(
                         fp8,
@@ -1414,11 +1406,6 @@ def parse_args(argv=None):
         "--startup-ablation",
         action="store_true",
         help="also run fp8convert with each start-up mechanism switched off (ABLATIONS)",
-    )
-    p.add_argument(
-        "--pipeline-ablation",
-        action="store_true",
-        help="also run fp8convert with each pipeline mechanism switched off (PIPELINE_ABLATIONS)",
     )
     p.add_argument(
         "--warm-libs",

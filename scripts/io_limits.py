@@ -5,11 +5,8 @@ In 32 MB pieces, with 1..N threads:
   memory copy    from each thread's buffer into one large buffer already in memory: the host's own
                  bandwidth, which page-cache reads and tmpfs writes share;
   pread          a file already in the page cache (read once first), into reusable buffers;
-  pwrite         into one file, sparse (ftruncate) or with its blocks reserved first (fallocate), and
-                 into one file per thread (the kernel serialises buffered writes to one file);
-  mapped         copies into one reserved file through shared mappings, as fp8convert writes a shard
-                 from the GPU (fp8convert/run/writer.py: write_mapped), which the kernel does not serialise;
-                 and through one mapping of the whole file (no mmap and munmap per piece);
+  pwrite         into one file, sparse (ftruncate) or with its blocks reserved first (fallocate) and each
+                 piece's writeback started as fp8convert's writer does, and into one file per thread;
   O_DIRECT       (--direct) pwrites into one reserved file, bypassing the page cache;
   H2D / D2H      (--cuda) copies between pinned host buffers and the GPU, one stream per thread.
 Writes go to OUT_DIR (tmpfs for the pipeline's ceiling, a disk directory for a disk); on a disk each
@@ -32,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8convert.run.writer import start_writeback, write_mapped  # noqa: E402
+from fp8convert.run.writer import start_writeback  # noqa: E402
 
 CHUNK = 32 << 20
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -80,9 +77,9 @@ def reserve(fd: int, size: int) -> None:
         raise OSError(ctypes.get_errno(), "fallocate failed")
 
 
-def mapped_then_writeback(fd: int, buf, offset: int) -> None:
-    """A piece as the writer fills a shard from the GPU: copied through a mapping, then its writeback started."""
-    write_mapped(fd, buf, offset)
+def pwrite_then_writeback(fd: int, buf, offset: int) -> None:
+    """A piece as fp8convert's writer writes it: pwrite, then its writeback started."""
+    os.pwrite(fd, buf, offset)
     start_writeback(fd, offset, buf.nbytes)
 
 
@@ -101,18 +98,6 @@ def memory_copy_test(n: int, size: int, cuda: bool) -> None:
     target.close()
 
 
-def whole_file_mapping(fd: int, size: int):
-    """A write function that copies each piece through one shared mapping of the whole file, and its close."""
-    view = mmap.mmap(fd, size)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-    def write(fd: int, buf, offset: int) -> None:
-        ctypes.memmove(base + offset, ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf.nbytes)
-        start_writeback(fd, offset, buf.nbytes)
-
-    return write, view.close
-
-
 def write_test(
     out: Path,
     what: str,
@@ -122,8 +107,6 @@ def write_test(
     reserved: bool,
     cuda: bool,
     direct: bool = False,
-    mapped: bool = False,
-    one_mapping: bool = False,
 ) -> None:
     per_file = size // files // CHUNK * CHUNK
     paths = [out / f"io_limits.{i}" for i in range(files)]
@@ -133,16 +116,8 @@ def write_test(
         for fd in fds:
             reserve(fd, per_file) if reserved else os.ftruncate(fd, per_file)
         jobs = [(fds[i % files], (i // files) * CHUNK) for i in range(files * (per_file // CHUNK))]
-        unmap = None
-        if one_mapping:
-            write, unmap = whole_file_mapping(fds[0], per_file)
-        elif mapped:
-            write = mapped_then_writeback
-        else:
-            write = lambda fd, buf, offset: os.pwrite(fd, buf, offset)  # noqa: E731
+        write = (lambda fd, buf, offset: os.pwrite(fd, buf, offset)) if direct else pwrite_then_writeback
         seconds = in_threads(n, jobs, lambda buf, fd, offset: write(fd, buf, offset), cuda)
-        if unmap:
-            unmap()
         t0 = time.perf_counter()
         for fd in fds:
             os.fsync(fd)
@@ -181,8 +156,6 @@ def main() -> int:
         write_test(args.out, "pwrite, 1 file, sparse", n, 1, size, False, args.cuda)
         write_test(args.out, "pwrite, 1 file, reserved", n, 1, size, True, args.cuda)
         write_test(args.out, f"pwrite, {n} files, sparse", n, n, size, False, args.cuda)
-        write_test(args.out, "mapped, 1 file, reserved", n, 1, size, True, args.cuda, mapped=True)
-        write_test(args.out, "one mapping, 1 file, reserved", n, 1, size, True, args.cuda, one_mapping=True)
         if args.direct:
             write_test(args.out, "O_DIRECT pwrite, 1 file, reserved", n, 1, size, True, args.cuda, direct=True)
     if args.cuda:

@@ -84,11 +84,6 @@ def main() -> int:
         action="store_true",
         help="create each shard as its first bytes arrive, blocks unreserved (writer.PREALLOCATE)",
     )
-    ap.add_argument(
-        "--no-mapped-writes",
-        action="store_true",
-        help="write every shard with pwrite, never through mappings (writer.MAPPED_WRITES)",
-    )
     args = ap.parse_args()
 
     import torch
@@ -113,7 +108,6 @@ def main() -> int:
     from fp8convert.run import writer as writer_module
 
     writer_module.PREALLOCATE = not args.no_preallocate
-    writer_module.MAPPED_WRITES = not args.no_mapped_writes
     default_io = device_module.io_threads
     device_module.io_threads = pipeline_module.io_threads = lambda kind: (
         args.readers or default_io(kind)[0],
@@ -179,10 +173,10 @@ def main() -> int:
         peak = f", peak device {peak_bytes / 2**30:.2f} GiB" if peak_bytes else ""
         print(f"             stages {stage_seconds}{peak}", flush=True)
         # the same without the output medium: bytes still leave the device, the writes do nothing
-        real = writer_module.pwrite_all, writer_module.write_mapped
-        writer_module.pwrite_all = writer_module.write_mapped = lambda fd, data, offset: None
+        real = writer_module.pwrite_all
+        writer_module.pwrite_all = lambda fd, data, offset: None
         timed_pipeline("no-write")
-        writer_module.pwrite_all, writer_module.write_mapped = real
+        writer_module.pwrite_all = real
     shutil.rmtree(args.out, ignore_errors=True)
     return 0
 

@@ -1,7 +1,7 @@
 """Write stage: byte runs into partial shard files whose headers the plan fixed, every block reserved by an
 allocator thread from the start (a full disk shows at once). Runs land at their offsets in any order through
-a pool of threads, through shared mappings where that pays (the kernel serialises pwrites to one file); a
-shard's last byte gets it fsynced and renamed into place. Each unit fully written is recorded for a rerun.
+a pool of pwrite threads; a shard's last byte gets it fsynced and renamed into place. Each unit fully written
+is recorded for a rerun.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import bisect
 import ctypes
 import ctypes.util
 import errno
-import mmap
 import os
 import sys
 import threading
@@ -24,20 +23,13 @@ from ..output.partial import UnitRecorder, partial_path, record_path, unit_spans
 from ..plan.batches import Run
 from ..plan.plan import Plan
 
-# Switches for scripts/profile_stages.py: reserve every shard while torch loads; write reserved shards
-# through mappings once the pool has MAPPED_MIN_THREADS (one thread maps slower than pwrite, four beat it).
-PREALLOCATE = True
-MAPPED_WRITES = True
-MAPPED_MIN_THREADS = 4
-# Where writes through a mapping were measured faster than pwrite (statfs f_type); elsewhere (network and
-# parallel file systems above all, where each page fault can be a round trip) shards get pwrite.
-MAPPED_WRITE_FILE_SYSTEMS = {0x01021994: "tmpfs", 0xEF53: "ext4"}
+PREALLOCATE = True  # reserve every shard while torch loads (a switch for scripts/profile_stages.py)
 FALLOCATE_NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # the file then grows sparse
 SYNC_FILE_RANGE_WRITE = 2
 
 
 def _libc(name: str, *argtypes):
-    """A Linux libc call through ctypes (Python has none of these three); None elsewhere."""
+    """A Linux libc call through ctypes (Python has neither); None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -50,7 +42,6 @@ def _libc(name: str, *argtypes):
 
 _sync_file_range = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _fallocate = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-_statfs = _libc("statfs", ctypes.c_char_p, ctypes.c_void_p)
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -65,37 +56,16 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
 
 
-def reserve(fd: int, size: int) -> bool:
-    """Make the file `size` bytes long with its blocks allocated (True), or only set the size (False)."""
+def reserve(fd: int, size: int) -> None:
+    """Make the file `size` bytes long with its blocks allocated, or only set the size where the file system
+    cannot allocate ahead."""
     if _fallocate is not None and size:
         if _fallocate(fd, 0, 0, size) == 0:
-            return True
+            return
         err = ctypes.get_errno()
         if err not in FALLOCATE_NOT_SUPPORTED:
             raise OSError(err, os.strerror(err))
     os.ftruncate(fd, size)
-    return False
-
-
-def maps_writes(directory) -> bool:
-    if _statfs is None:
-        return False
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
-    if _statfs(os.fsencode(directory), buf) != 0:
-        return False
-    return ctypes.c_long.from_buffer(buf).value in MAPPED_WRITE_FILE_SYSTEMS
-
-
-def write_mapped(fd: int, data: memoryview, offset: int) -> None:
-    """Unlike pwrites, threads add up. Only into reserved blocks: a write fault that needs a block the disk
-    lacks kills the process (SIGBUS) where pwrite would get ENOSPC."""
-    if not data.nbytes:
-        return
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, offset + data.nbytes - start, offset=start) as view:  # shared, read-write
-        # addresses only: a ctypes object pointing into the mapping would keep it from closing
-        target = ctypes.addressof(ctypes.c_char.from_buffer(view, offset - start))
-        ctypes.memmove(target, ctypes.addressof(ctypes.c_char.from_buffer(data)), data.nbytes)  # GIL released
 
 
 class ShardWriter:
@@ -126,8 +96,6 @@ class ShardWriter:
         self.unit_lock = threading.Lock()  # the two above; never held while waiting
         self.remaining = {index: sum(left.values()) for index, left in self.unit_left.items()}  # bytes to write
         self.fds: dict[int, int] = {}
-        self.reserved: set[int] = set()  # shards whose blocks are all allocated
-        self.file_system_maps = maps_writes(self.work_dir)
         self.pool: ThreadPoolExecutor | None = None  # started by the first pooled write
         self.pending: dict[int, list[Future]] = {}  # shard -> writes in flight
         self.lock = threading.Lock()  # the bookkeeping above, shared by the threads that call write()
@@ -154,9 +122,8 @@ class ShardWriter:
             raise FP8ConvertError(f"{path}: cannot {'open' if keep else 'create'} ({e.strerror})") from e
         try:
             if not keep:
-                self._write_host(index, pwrite_all, fd, memoryview(shard.header), 0)
-            if reserve(fd, shard.size):
-                self.reserved.add(index)
+                self._write_host(index, fd, memoryview(shard.header), 0)
+            reserve(fd, shard.size)
         except OSError as e:
             os.close(fd)
             raise self._write_error(path, e, "write failed") from e
@@ -210,14 +177,12 @@ class ShardWriter:
         with self.lock:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp8convert-write")
-            mapped = MAPPED_WRITES and self.threads >= MAPPED_MIN_THREADS and index in self.reserved
-            copy = write_mapped if mapped and self.file_system_maps and not host.readonly else pwrite_all
-            future = self.pool.submit(self._write_host, index, copy, fd, host, offset)
+            future = self.pool.submit(self._write_host, index, fd, host, offset)
             self.pending.setdefault(index, []).append(future)
         return future
 
-    def _write_host(self, index: int, copy, fd: int, host: memoryview, offset: int) -> None:
-        copy(fd, host, offset)
+    def _write_host(self, index: int, fd: int, host: memoryview, offset: int) -> None:
+        pwrite_all(fd, host, offset)
         start_writeback(fd, offset, host.nbytes)
         end, done = offset + host.nbytes, []
         with self.unit_lock:

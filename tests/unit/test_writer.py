@@ -136,99 +136,18 @@ def test_same_bytes_with_and_without_reserved_blocks(tmp_path, monkeypatch, prea
     assert tree_bytes(out) == tree_bytes(reference)
 
 
-def test_write_mapped_puts_bytes_at_any_offset_and_nothing_else(tmp_path):
-    path = tmp_path / "file"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    try:
-        writer_module.reserve(fd, 3 * 4096 + 100)
-        data = bytearray(os.urandom(2 * 4096 + 7))
-        writer_module.write_mapped(fd, memoryview(data)[5:], 4093)  # across page edges, at neither end of the file
-        writer_module.write_mapped(fd, memoryview(data)[:0], 1)  # nothing to write: nothing written
-    finally:
-        os.close(fd)
-    content = path.read_bytes()
-    assert len(content) == 3 * 4096 + 100
-    assert content[4093 : 4093 + len(data) - 5] == bytes(data[5:])
-    assert content[:4093] == bytes(4093) and content[4093 + len(data) - 5 :] == bytes(len(content) - 4088 - len(data))
-
-
-def test_threads_writing_one_file_through_mappings_at_once(tmp_path):
-    """Eight threads fill one file in interleaved pieces; every byte lands where it belongs."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    piece, count = 12_345, 64
-    data = bytearray(os.urandom(piece * count))
-    path = tmp_path / "file"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    try:
-        writer_module.reserve(fd, len(data))
-        with ThreadPoolExecutor(8) as pool:
-            list(
-                pool.map(
-                    lambda i: writer_module.write_mapped(fd, memoryview(data)[i * piece : (i + 1) * piece], i * piece),
-                    range(count),
-                )
-            )
-    finally:
-        os.close(fd)
-    assert path.read_bytes() == bytes(data)
-
-
-def test_maps_writes_only_on_the_file_systems_measured(monkeypatch, tmp_path):
-    assert not writer_module.maps_writes("/proc")  # procfs
-    monkeypatch.setattr(writer_module, "_statfs", None)  # off Linux
-    assert not writer_module.maps_writes(tmp_path)
-
-
-def copies_made(monkeypatch) -> dict:
-    """Count the pool's writes by kind (the real functions still write)."""
-    counts = {"mapped": 0, "pwrite": 0}
-
-    def counting(kind, fn):
-        def wrapper(fd, data, offset):
-            counts[kind] += 1
-            return fn(fd, data, offset)
-
-        return wrapper
-
-    monkeypatch.setattr(writer_module, "write_mapped", counting("mapped", writer_module.write_mapped))
-    monkeypatch.setattr(writer_module, "pwrite_all", counting("pwrite", writer_module.pwrite_all))
-    return counts
-
-
-@pytest.mark.parametrize(
-    "writers, fallocate_works, file_system_maps, mapped",
-    [
-        (8, True, True, True),  # the GPU's writers, blocks reserved on tmpfs or ext4
-        (2, True, True, False),  # too few threads for mappings to pay
-        (8, False, True, False),  # blocks not reserved: a write fault could meet a full disk
-        (8, True, False, False),  # another file system
-    ],
-)
-def test_shards_are_written_through_mappings_only_where_it_pays_and_is_safe(
-    tmp_path, monkeypatch, writers, fallocate_works, file_system_maps, mapped
-):
-    """The same bytes either way; mappings are used only with enough writer threads, reserved
-    blocks and a file system measured faster that way."""
+def test_eight_writer_threads_write_the_bytes_of_one(tmp_path, monkeypatch):
+    """The GPU's pool of 8 writer threads, each run at its own offset of a shard: the bytes of a single thread."""
     from fp8convert.run import pipeline
 
     src = write_checkpoint(tmp_path / "src")
     reference = tmp_path / "reference"
-    monkeypatch.setattr(writer_module, "MAPPED_WRITES", False)
+    monkeypatch.setattr(pipeline, "io_threads", lambda kind: (1, 1))
     assert main(["quantize", str(src), str(reference), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
-    monkeypatch.setattr(writer_module, "MAPPED_WRITES", True)
-    monkeypatch.setattr(pipeline, "io_threads", lambda kind: (1, writers))
-    monkeypatch.setattr(writer_module, "maps_writes", lambda directory: file_system_maps)
-    if not fallocate_works:
-        monkeypatch.setattr(writer_module, "_fallocate", None)
-    counts = copies_made(monkeypatch)
+    monkeypatch.setattr(pipeline, "io_threads", lambda kind: (1, 8))
     out = tmp_path / "out"
     assert main(["quantize", str(src), str(out), "-q", "--device", "cpu", "--max-shard-size", SHARD_SIZE]) == 0
     assert tree_bytes(out) == tree_bytes(reference)
-    if mapped:
-        assert counts["mapped"] > 0
-    else:
-        assert counts["mapped"] == 0 and counts["pwrite"] > 0
 
 
 @pytest.mark.parametrize("chunk,expected", [(1 << 10, 9), (64 << 20, 1)])
