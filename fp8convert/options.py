@@ -59,6 +59,17 @@ DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 
 
+def env_number(env, name: str, default=None, kind=int):
+    """The environment variable `name` of `env` as `kind` (int or float); `default` where it is unset or empty."""
+    text = env.get(name, "")
+    if not text:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise FP8ConvertError(f"${name}={text!r}: not {'an integer' if kind is int else 'a number'}") from None
+
+
 def parse_size(value: int | str, what: str = "size") -> int:
     """'5GB' -> 5_000_000_000 (decimal, as transformers' max_shard_size); '2GiB' is binary; ints pass."""
     if isinstance(value, int):

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from ..errors import FP8ConvertError
 from ..files import json_bytes, read_json_object, write_atomic
-from ..options import REPO_ID, SETTING_NAMES, Settings
+from ..options import REPO_ID, SETTING_NAMES, Settings, env_number
 from ..output.manifest import WORK_DIR
 from ..run.progress import log
 from ..units import plural
-from .workers import env_int, parse_devices
+from .workers import parse_devices
 
 if TYPE_CHECKING:
     from ..plan.plan import Plan
@@ -167,7 +167,7 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
 def task_index_from_env(env=None) -> int | None:
     """The job of this Slurm array task: job N for task id N, whatever the array's first id and step, so
     `--array=3,7` reruns jobs 3 and 7 (None outside an array)."""
-    return env_int(os.environ if env is None else env, "SLURM_ARRAY_TASK_ID")
+    return env_number(os.environ if env is None else env, "SLURM_ARRAY_TASK_ID")
 
 
 def run_job(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import FP8ConvertError, UsageError
-from ..options import Settings
+from ..options import Settings, env_number
 from ..output.finalize import finalize, finished_shards
 from ..output.manifest import WORK_DIR
 from ..plan.plan import Plan
@@ -63,16 +63,6 @@ class WorkerSpec:
         return WorkerSpec(self.index + self.count * part, self.count * parts, "explicit", on_this_machine=here)
 
 
-def env_int(env, name: str, default: int | None = None) -> int | None:
-    value = env.get(name, "")
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise FP8ConvertError(f"${name}={value!r}: not an integer") from None
-
-
 def _checked(
     index: int, count: int, launcher: str, where: str, local_rank: int | None = None, on_this_machine: int | None = None
 ) -> WorkerSpec:
@@ -98,25 +88,26 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
     (--worker auto) also a Slurm array task or a Kubernetes indexed Job."""
     env = os.environ if env is None else env
     if env.get("RANK") and env.get("WORLD_SIZE"):
-        local, per_node = env_int(env, "LOCAL_RANK"), env_int(env, "LOCAL_WORLD_SIZE")
-        rank, size = env_int(env, "RANK"), env_int(env, "WORLD_SIZE")
+        local, per_node = env_number(env, "LOCAL_RANK"), env_number(env, "LOCAL_WORLD_SIZE")
+        rank, size = env_number(env, "RANK"), env_number(env, "WORLD_SIZE")
         return _checked(rank, size, "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node)
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    if env.get("SLURM_PROCID") and env_int(env, tasks_var, 0) > 1:
-        local, procid, tasks = env_int(env, "SLURM_LOCALID"), env_int(env, "SLURM_PROCID"), env_int(env, tasks_var)
+    if env.get("SLURM_PROCID") and env_number(env, tasks_var, 0) > 1:
+        local, procid = env_number(env, "SLURM_LOCALID"), env_number(env, "SLURM_PROCID")
+        tasks = env_number(env, tasks_var)
         return _checked(procid, tasks, "slurm", f"srun ($SLURM_PROCID/${tasks_var})", local, tasks_per_node(env))
     if not opt_in:
         return None
     if env.get("SLURM_ARRAY_TASK_ID"):
         if not env.get("SLURM_ARRAY_TASK_COUNT"):
             raise FP8ConvertError("Slurm array: $SLURM_ARRAY_TASK_COUNT is not set; pass --worker K/N")
-        step, first = env_int(env, "SLURM_ARRAY_TASK_STEP", 1), env_int(env, "SLURM_ARRAY_TASK_MIN", 0)
-        offset = env_int(env, "SLURM_ARRAY_TASK_ID") - first
+        step, first = env_number(env, "SLURM_ARRAY_TASK_STEP", 1), env_number(env, "SLURM_ARRAY_TASK_MIN", 0)
+        offset = env_number(env, "SLURM_ARRAY_TASK_ID") - first
         if step < 1 or offset % step:
             raise FP8ConvertError(
                 f"Slurm array: task {env['SLURM_ARRAY_TASK_ID']} is not on the array's grid; pass --worker K/N"
             )
-        index, count, launcher = offset // step, env_int(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array"
+        index, count, launcher = offset // step, env_number(env, "SLURM_ARRAY_TASK_COUNT"), "slurm-array"
         where = "Slurm array ($SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN of $SLURM_ARRAY_TASK_COUNT)"
     elif env.get("JOB_COMPLETION_INDEX"):
         if not env.get("JOB_COMPLETIONS"):
@@ -124,7 +115,7 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
                 "Kubernetes indexed Job: set JOB_COMPLETIONS in the pod's env to the Job's "
                 "completions, or pass --worker $JOB_COMPLETION_INDEX/N"
             )
-        index, count, launcher = env_int(env, "JOB_COMPLETION_INDEX"), env_int(env, "JOB_COMPLETIONS"), "k8s"
+        index, count, launcher = env_number(env, "JOB_COMPLETION_INDEX"), env_number(env, "JOB_COMPLETIONS"), "k8s"
         where = "Kubernetes indexed Job ($JOB_COMPLETION_INDEX of $JOB_COMPLETIONS)"
     else:
         raise FP8ConvertError(

@@ -23,7 +23,7 @@ from huggingface_hub import constants
 
 from ..errors import FP8ConvertError, first_line
 from ..formats.sources import read_source_quantization
-from ..options import HubAccess
+from ..options import HubAccess, env_number
 from ..safetensors_io import INDEX_NAME, TensorInfo, header_length, parse_header
 from ..units import format_size
 from .checkpoint import Source, collect_tensors, is_copied_file, load_config, parse_index, shard_files
@@ -126,22 +126,11 @@ def download_is_retryable(error: BaseException) -> bool:
     return is_transient(error) and all(frame.f_code.co_name != "http_get" for frame, _ in frames)
 
 
-def env_number(name: str, default, kind):
-    """An environment setting as `kind` (int, float), or `default` where it is unset or blank."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return kind(text)
-    except ValueError:
-        raise FP8ConvertError(f"${name}={text!r}: not a number") from None
-
-
 def with_retries(fn, *args, retryable=is_transient, **kwargs):
     """fn(*args, **kwargs), retried on failures `retryable` accepts, with a doubling wait."""
     install_timeouts()
-    retries = max(0, env_number("FP8CONVERT_HUB_RETRIES", 2, int))
-    wait = max(0.0, env_number("FP8CONVERT_HUB_RETRY_WAIT", 1.0, float))
+    retries = max(0, env_number(os.environ, "FP8CONVERT_HUB_RETRIES", 2))
+    wait = max(0.0, env_number(os.environ, "FP8CONVERT_HUB_RETRY_WAIT", 1.0, float))
     for attempt in itertools.count(1):
         try:
             return fn(*args, **kwargs)

@@ -396,7 +396,7 @@ def test_detect_worker(env, opt_in, expected):
         ({"JOB_COMPLETION_INDEX": "1"}, "JOB_COMPLETIONS"),
         ({"SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_TASK_COUNT"),
         ({"JOB_COMPLETION_INDEX": "3", "JOB_COMPLETIONS": "3"}, "not a valid split"),
-        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, r"^\$RANK='x': not an integer$"),
     ],
 )
 def test_detect_worker_errors(env, needle):

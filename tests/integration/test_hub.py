@@ -812,6 +812,17 @@ def test_a_push_that_fails_on_the_network_says_a_rerun_resumes_the_upload(fake_h
     assert "rerun the same push to resume it" in str(e.value) and "downloads" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "name, value, needle",
+    [("FP8CONVERT_HUB_RETRIES", "two", "not an integer"), ("FP8CONVERT_HUB_RETRY_WAIT", "soon", "not a number")],
+)
+def test_a_retry_setting_that_is_not_a_number_is_refused(monkeypatch, name, value, needle):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(FP8ConvertError) as e:
+        hub.with_retries(lambda: None)
+    assert str(e.value) == f"${name}={value!r}: {needle}"
+
+
 def test_cache_dir_option_holds_the_downloads(fake_hub, tiny_repo, tmp_path, capsys):
     from huggingface_hub import constants
 
