@@ -327,13 +327,13 @@ def _quantize_here(
             report.complete = workers.finalize_share(the_plan, out_dir, spec, settings.progress)
 
 
-def _prefetcher(root: Path, tensors: list, settings: Settings, workers: int = 1) -> Prefetcher | None:
+def _prefetcher(root: Path, tensors: list, settings: Settings, sharing: int = 1) -> Prefetcher | None:
     """The page-cache read-ahead of `tensors`; None with --prefetch 0 or a streamed source (its shards arrive
-    as needed). --prefetch auto is divided among the `workers` on this machine (WorkerSpec.sharing)."""
+    as needed). --prefetch auto is divided among the `sharing` workers on this machine (WorkerSpec.sharing)."""
     if not settings.prefetch or settings.stream_download:
         return None
     return Prefetcher(
-        root, tensors, window_for(settings.prefetch, workers), threads=settings.prefetch_threads or default_threads()
+        root, tensors, window_for(settings.prefetch, sharing), threads=settings.prefetch_threads or default_threads()
     )
 
 

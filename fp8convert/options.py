@@ -126,12 +126,12 @@ class Options:
                 f"--format fp8 has no {what} scheme (vLLM reads it from compressed-tensors checkpoints); use "
                 f"--scheme tensor or block, or --format compressed-tensors --scheme {self.scheme}"
             )
-        if self.recipe and (self.format == Format.FP8 or self.dequantize):
+        if self.recipe and self.format == Format.FP8:
             raise UsageError(
                 "a recipe of several schemes needs --format compressed-tensors (one config group per scheme)"
-                if self.format == Format.FP8
-                else "a recipe does not apply to dequantize: it writes no FP8 or FP4 weights"
             )
+        if self.recipe and self.dequantize:
+            raise UsageError("a recipe does not apply to dequantize: it writes no FP8 or FP4 weights")
         if self.scale_format == ScaleFormat.UE8M0 and (
             other := next((s for s in self.schemes if s != Scheme.BLOCK), None)
         ):

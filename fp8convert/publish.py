@@ -89,7 +89,7 @@ def retarget_card(text: str, repo_id: str) -> str:
     return body + "\n" + TARGET_MARK.format(repo_id) + "\n"
 
 
-def card_from_output(out: Path, declared: QuantizationConfig | None, repo_id: str | None = None) -> str:
+def card_from_output(out: Path, declared: QuantizationConfig | None, repo_id: str) -> str:
     """A card for a complete output that has none, from its manifest and its config's `declared` format."""
     manifest = Manifest(out).read() or {}
     declared = declared or CompressedTensorsConfig(Scheme.TENSOR)

@@ -211,10 +211,10 @@ def settings_from(params: dict, **values) -> Settings:
     return Settings(**{**given, **values, "token": hub_token(given.get("token"))})
 
 
-def scheme_keywords(schemes: list[str] | str | None, recipe: Path | None, ignore: list[str] | None) -> dict:
+def scheme_keywords(schemes: list[str] | None, recipe: Path | None, ignore: list[str] | None) -> dict:
     """The Settings keywords --scheme (a default and PATTERN=SCHEME rules), --recipe and --ignore give: the
     file's rules and patterns, then the command line's; a plain --scheme overrides the file's default."""
-    schemes = [schemes] if isinstance(schemes, str) else list(schemes or ())
+    schemes = schemes or []
     plain = [s for s in schemes if "=" not in s]
     if len(plain) > 1:
         raise UsageError(f"--scheme given twice ({', '.join(plain)}); rules are PATTERN=SCHEME")

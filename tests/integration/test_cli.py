@@ -147,7 +147,7 @@ def test_settings_from_takes_the_parameters_named_as_fields_and_leaves_the_unset
 
     monkeypatch.setenv("FP8CONVERT_WRITE_UNLOADABLE", "1")
     monkeypatch.setenv("HF_TOKEN", "from-env")
-    params = {"src": "s", "quiet": True, "scheme": "FP8_BLOCK", "ignore": None, "target_tp": [4, 2]}
+    params = {"src": "s", "quiet": True, "scheme": ["FP8_BLOCK"], "ignore": None, "target_tp": [4, 2]}
     settings = settings_from({**params, "write_unloadable": False, "token": None}, progress=True)
     assert (settings.scheme, settings.ignore, settings.target_tp) == ("block", (), (2, 4))
     assert settings.write_unloadable and settings.progress and settings.token == "from-env"
