@@ -72,10 +72,9 @@ def make_demo_model(path: str | Path, shards: int = 2) -> Path:
     return path
 
 
-def demo_source(path: str | Path) -> Path:
+def demo_source(path: Path) -> Path:
     """The demo checkpoint at `path`: written when `path` is new or empty, kept when it holds the demo
     already, else refused: the demo's file names are common ones (config.json, model-00001-of-00002...)."""
-    path = Path(path)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return make_demo_model(path)
     if path.is_dir():
