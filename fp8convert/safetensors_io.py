@@ -167,12 +167,10 @@ class OutputTensor:
 def layout_shard(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, dict[str, OutputTensor]]:
     """A shard's header bytes (JSON padded with spaces to a multiple of 8) and each tensor's place in its
     data: wider dtypes first, so every tensor is aligned to its element size."""
-    order = sorted(range(len(entries)), key=lambda i: -DTYPE_SIZES[entries[i][1]])  # stable: plan order kept
     placed: dict[str, OutputTensor] = {}
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     cursor = 0
-    for i in order:
-        name, dtype, shape = entries[i]
+    for name, dtype, shape in sorted(entries, key=lambda e: -DTYPE_SIZES[e[1]]):  # stable: plan order kept
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         placed[name] = OutputTensor(name, dtype, tuple(shape), cursor, nbytes)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
