@@ -266,10 +266,9 @@ def check_shards(plan: Plan, out_dir: Path) -> None:
                 )
 
 
-def check_output_complete(out: str | Path) -> dict:
+def check_output_complete(out: Path) -> dict:
     """The output's config.json; the push is refused for anything but a finished conversion: a complete
     manifest (when present), a quantization_config (unless dequantized), every shard the index names."""
-    out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")
     try:
