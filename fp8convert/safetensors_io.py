@@ -97,11 +97,11 @@ def _is_int(x) -> bool:
 
 
 def parse_header(
-    raw: bytes, label: str, data_start: int, file_size: int | None, where: str | None = None
+    raw: bytes, file: str, data_start: int, file_size: int | None, where: str | None = None
 ) -> dict[str, TensorInfo]:
     """Validate a header's JSON: a name given once (json would silently keep the last), known dtypes,
-    sizes that match shapes, offsets that tile the data. Errors name `where`, by default `label`."""
-    where = where or label
+    sizes that match shapes, offsets that tile the data. Errors name `where`, by default `file`."""
+    where = where or file
 
     def unique(pairs: list[tuple[str, object]]) -> dict:
         result = {}
@@ -137,7 +137,7 @@ def parse_header(
                 f"{where}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
                 f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}"
             )
-        tensors[name] = TensorInfo(name, dtype, shape, label, data_start + begin, end - begin)
+        tensors[name] = TensorInfo(name, dtype, shape, file, data_start + begin, end - begin)
         spans.append((begin, end, name))
     spans.sort()
     cursor = 0
