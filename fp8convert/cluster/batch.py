@@ -51,7 +51,7 @@ class JobResult:
     job: str
     source: str
     out: str
-    status: str  # done, skipped (already complete), failed
+    status: str  # done, skipped (already complete), partial (this worker's shards only), failed
     seconds: float
     gb_in: float = 0.0
     gb_out: float = 0.0
