@@ -33,8 +33,7 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     """Every output tensor and where it is, the index checked against the shards' headers."""
     layout = OutputLayout({}, {}, set())
     index_path = out / INDEX_NAME
-    indexed = index_path.is_file()
-    if indexed:
+    if indexed := index_path.is_file():
         try:
             layout.placed_in = parse_index(index_path.read_bytes(), INDEX_NAME)
         except FP8ConvertError as e:
