@@ -97,11 +97,11 @@ def _is_int(x) -> bool:
 
 
 def parse_header(
-    raw: bytes, label: str, data_start: int, file_size: int | None, where: str | None = None
+    raw: bytes, file: str, data_start: int, file_size: int | None, where: str | None = None
 ) -> dict[str, TensorInfo]:
     """Validate a header's JSON: a name given once (json would silently keep the last), known dtypes,
-    sizes that match shapes, offsets that tile the data. Errors name `where`, by default `label`."""
-    where = where or label
+    sizes that match shapes, offsets that tile the data. Errors name `where`, by default `file`."""
+    where = where or file
 
     def unique(pairs: list[tuple[str, object]]) -> dict:
         result = {}
@@ -137,7 +137,7 @@ def parse_header(
                 f"{where}: tensor {name} is {end - begin} bytes but its shape {list(shape)} "
                 f"and dtype {dtype} need {math.prod(shape) * DTYPE_SIZES[dtype]}"
             )
-        tensors[name] = TensorInfo(name, dtype, shape, label, data_start + begin, end - begin)
+        tensors[name] = TensorInfo(name, dtype, shape, file, data_start + begin, end - begin)
         spans.append((begin, end, name))
     spans.sort()
     cursor = 0
@@ -167,12 +167,10 @@ class OutputTensor:
 def layout_shard(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, dict[str, OutputTensor]]:
     """A shard's header bytes (JSON padded with spaces to a multiple of 8) and each tensor's place in its
     data: wider dtypes first, so every tensor is aligned to its element size."""
-    order = sorted(range(len(entries)), key=lambda i: -DTYPE_SIZES[entries[i][1]])  # stable: plan order kept
     placed: dict[str, OutputTensor] = {}
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     cursor = 0
-    for i in order:
-        name, dtype, shape = entries[i]
+    for name, dtype, shape in sorted(entries, key=lambda e: -DTYPE_SIZES[e[1]]):  # stable: plan order kept
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         placed[name] = OutputTensor(name, dtype, tuple(shape), cursor, nbytes)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}

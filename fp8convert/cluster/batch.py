@@ -51,7 +51,7 @@ class JobResult:
     job: str
     source: str
     out: str
-    status: str  # done, skipped (already complete), failed
+    status: str  # done, skipped (already complete), partial (this worker's shards only), failed
     seconds: float
     gb_in: float = 0.0
     gb_out: float = 0.0
@@ -171,11 +171,7 @@ def task_index_from_env(env=None) -> int | None:
 
 
 def run_job(
-    job: Job,
-    progress: bool = True,
-    token: str | None = None,
-    cache_dir: str | None = None,
-    on_plan: Callable[[Job, Plan], None] | None = None,
+    job: Job, progress: bool, token: str | None, cache_dir: str | None, on_plan: Callable[[Job, Plan], None] | None
 ) -> JobResult:
     """One job; a failure is recorded in the result, not raised (Ctrl-C still stops everything).
     `on_plan(job, plan)` is called before the job reads any data."""
@@ -183,7 +179,8 @@ def run_job(
 
     started = time.monotonic()
     result = JobResult(job.index, job.name, job.source, job.out, "failed", 0.0)
-    log(f"{job_title(job.index, job.name)}: {job.source} -> {job.out}", progress)
+    title = job_title(job.index, job.name)
+    log(f"{title}: {job.source} -> {job.out}", progress)
     try:
         report = api.quantize(
             job.source,
@@ -211,11 +208,7 @@ def run_job(
     except Exception as e:  # an unexpected failure in one job must not stop the others
         result.error = " ".join(f"{type(e).__name__}: {e}".split())
     result.seconds = time.monotonic() - started
-    log(
-        f"{job_title(job.index, job.name)}: {result.status} in {result.seconds:.1f}s"
-        + (f": {result.error}" if result.error else ""),
-        progress,
-    )
+    log(f"{title}: {result.status} in {result.seconds:.1f}s" + (f": {result.error}" if result.error else ""), progress)
     return result
 
 

@@ -92,9 +92,9 @@ def detect_worker(env=None, opt_in: bool = False) -> WorkerSpec | None:
         rank, size = env_number(env, "RANK"), env_number(env, "WORLD_SIZE")
         return _checked(rank, size, "torchrun", "torchrun ($RANK/$WORLD_SIZE)", local, per_node)
     tasks_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    if env.get("SLURM_PROCID") and env_number(env, tasks_var, 0) > 1:
+    tasks = env_number(env, tasks_var, 0) if env.get("SLURM_PROCID") else 0
+    if tasks > 1:
         local, procid = env_number(env, "SLURM_LOCALID"), env_number(env, "SLURM_PROCID")
-        tasks = env_number(env, tasks_var)
         return _checked(procid, tasks, "slurm", f"srun ($SLURM_PROCID/${tasks_var})", local, tasks_per_node(env))
     if not opt_in:
         return None

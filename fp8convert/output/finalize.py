@@ -266,10 +266,9 @@ def check_shards(plan: Plan, out_dir: Path) -> None:
                 )
 
 
-def check_output_complete(out: str | Path) -> dict:
+def check_output_complete(out: Path) -> dict:
     """The output's config.json; the push is refused for anything but a finished conversion: a complete
     manifest (when present), a quantization_config (unless dequantized), every shard the index names."""
-    out = Path(out)
     if not out.is_dir():
         raise FP8ConvertError(f"{out}: no such output directory")
     try:
@@ -284,9 +283,9 @@ def check_output_complete(out: str | Path) -> dict:
             raise FP8ConvertError(f"{out}: no {name}, so the conversion is not complete; {finish}")
     try:
         config = json.loads((out / "config.json").read_text())
-        shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))
     except ValueError as e:
         raise FP8ConvertError(f"{out}/config.json: unreadable ({e}); refusing to push") from e
+    shards = index_files(parse_index((out / INDEX_NAME).read_bytes(), str(out / INDEX_NAME)))
     dequantized = bool((state or {}).get("dequantize"))
     if not isinstance(config, dict) or ("quantization_config" not in config and not dequantized):
         raise FP8ConvertError(f"{out}/config.json: has no quantization_config; not an FP8 output")

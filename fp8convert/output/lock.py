@@ -9,6 +9,7 @@ one, gets none.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -26,7 +27,7 @@ def is_lock_file(name: str) -> bool:
     return name == LOCK or name.startswith(f"{LOCK}-")
 
 
-class OutputLock:
+class OutputLock(contextlib.AbstractContextManager):
     """The locks of worker `index` of `count`'s share of OUT (count 1: the whole output)."""
 
     def __init__(self, out_dir: Path, index: int = 0, count: int = 1):
@@ -81,9 +82,6 @@ class OutputLock:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-
-    def __enter__(self) -> OutputLock:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.release()

@@ -41,7 +41,7 @@ class Manifest:
             raise FP8ConvertError(f"{self.path}: not a JSON object")
         return state
 
-    def claim(self, plan: Plan, base_model: str | None = None) -> None:
+    def claim(self, plan: Plan, base_model: str | None) -> None:
         """Make OUT this conversion's once every check before writing has passed, so that a refused run
         leaves no claim behind. A resumed run's manifest (and its `base_model`) stands."""
         if not self.path.exists():

@@ -175,7 +175,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
         experts=Experts(
             gate_up_down(r".+\.feed_forward", (IN_OUT,)),
-            split_when_kept=(Format.COMPRESSED_TENSORS,),
             transformers_loads_split=(Format.COMPRESSED_TENSORS,),
         ),
         quantized=f"attention, shared expert, dense MLPs, {_MOE_ROUTED}",

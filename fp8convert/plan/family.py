@@ -88,8 +88,8 @@ class Experts:
     count: tuple[str, ...] = ("num_local_experts",)  # config keys (dotted paths) with the number of experts
     width: tuple[str, ...] = ("intermediate_size",)  # config keys with each expert's intermediate size
     kept: str | None = None  # why they stay as they are (no FP8 layout that loads)
-    split_when_kept: tuple[str, ...] = ()  # formats in which kept experts are still written per expert
-    transformers_loads_split: tuple[str, ...] = ()  # formats in which transformers loads per-expert FP8
+    # formats in which transformers reads experts one weight per expert (kept experts are split there too)
+    transformers_loads_split: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,9 @@ SOURCE_KEPT = "high precision in the FP8 source"
 
 
 def module_of(name: str) -> str:
-    for suffix in (".weight", ".weight_packed"):  # FP4 outputs' weights are X.weight_packed
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+    if name.endswith(".weight_packed"):  # an FP4 output's weight
+        return name.removesuffix(".weight_packed")
+    return name.removesuffix(".weight")
 
 
 def matches_pattern(module: str, pattern: str) -> bool:
@@ -182,7 +181,7 @@ def decide(
             layout, experts = fused_experts
             used_patterns.add(hit)
             reason = arch.experts.kept or (f"--ignore {hit}" if hit else None)
-            if reason and options.format not in arch.experts.split_when_kept:
+            if reason and options.format not in arch.experts.transformers_loads_split:
                 decisions.append(decision(info.name, info, reason, scheme=scheme))
                 continue
             decisions += [
@@ -215,7 +214,7 @@ def decide(
 def _unsplit_kept(decisions: list[TensorPlan], arch: Architecture, options: Options) -> list[TensorPlan]:
     """A fused expert tensor none of whose cuts is quantized stays whole, as released: split BF16 experts
     would only cost transformers the layout it reads."""
-    if arch.experts is None or options.format in arch.experts.split_when_kept:
+    if arch.experts is None or options.format in arch.experts.transformers_loads_split:
         return decisions
     whole = {d.source.name for d in decisions if d.cut} - {d.source.name for d in decisions if d.cut and d.quantize}
     # the reason the layer is kept, not "fused with ..." (those name cuts that are no longer written)

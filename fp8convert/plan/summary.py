@@ -63,7 +63,7 @@ def memory_estimate(plan: Plan, budget: int, device_type: str) -> dict:
     """Peak bytes: the device holds a batch plus float32 temporaries of the largest tensor; the host pinned
     chunks (CUDA) or the same as the device (CPU)."""
     batches = make_batches(plan.units, budget)
-    largest_batch = max((b.in_bytes + sum(t.out_bytes for t in b.tensors) for b in batches), default=0)
+    largest_batch = max((b.in_bytes + b.out_bytes for b in batches), default=0)
     largest_tensor = max((math.prod(t.shape) for t in plan.tensors if t.action in COMPUTED), default=0)
     device = largest_batch + 9 * largest_tensor  # float32 copy, expanded scales, codes
     host = CUDA_CONTEXT_HOST_BYTES + PINNED_HOST_BYTES if device_type == "cuda" else PYTHON_HOST_BYTES + device

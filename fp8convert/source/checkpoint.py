@@ -53,7 +53,7 @@ def parse_index(text: str | bytes, where: str) -> dict[str, str]:
     """The `weight_map` of a safetensors index; every file name must stay inside the checkpoint directory."""
     try:
         weight_map = json.loads(text)["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object of tensor names")
         if (bad := next((k for k, file in weight_map.items() if not isinstance(file, str)), None)) is not None:
             raise TypeError(f"{bad}: the file is {weight_map[bad]!r}, not a file name")
@@ -114,7 +114,7 @@ def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) 
 
 
 def load_config(root: Path) -> dict:
-    path = Path(root) / "config.json"
+    path = root / "config.json"
     if not path.is_file():
         raise FP8ConvertError(f"{path}: missing; fp8convert needs the model's config.json")
     try:

@@ -181,7 +181,7 @@ def slab_scale(scale, r0: int, r1: int, cols: int, scheme: str):
     return expand_scale(tile_scale(scale, r0, r1, scheme), (r1 - r0, cols), scheme)
 
 
-def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool = False) -> ErrorSums:
+def measure_slab(w, q, scale, r0: int, scheme: str, powers: bool) -> ErrorSums:
     """The figures of rows r0.. of a tensor (`scale`: all of it), a tile at a time in a CPU's caches, in one
     piece on a GPU. `powers`: the scales are powers of two, checked exactly as well."""
     rows, cols = w.shape
@@ -218,7 +218,7 @@ def oversized(scale, amax):
     return (scale > amax / FP8_MAX * OVERSIZE * (1 + FLOAT_SLACK)) & ~((amax == 0) & (scale == 1))
 
 
-def power_of_two_checks(w, q, s, scheme: str, codes: bool = True) -> tuple[int, int]:
+def power_of_two_checks(w, q, s, scheme: str, codes: bool) -> tuple[int, int]:
     """(scales off the rule, codes off RNE) for a slab with power-of-two scales; `codes` False: the codes
     are known to be RNE(w / scale). The rule, independent of how the quantizer computes it: s = 2^e with
     A <= 448 s (no code overflows) and A > 224 s (2^(e-1) would), A the group's amax or the block's floored

@@ -147,10 +147,10 @@ class VerifyReport:
             lines.append(f"{listed(names)}: {what}{so}")
         return lines
 
-    def worst(self, n: int = 10) -> list[TensorCheck]:
+    def worst(self, n: int) -> list[TensorCheck]:
         return sorted(self.tensors, key=lambda t: (t.ok, -_sortable(t.rel_error)))[:n]
 
-    def to_dict(self, worst: int = 10) -> dict:
+    def to_dict(self, worst: int) -> dict:
         """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan" (strict JSON)."""
         data = asdict(self)
         del data["tensors"], data["problems"]
@@ -162,7 +162,7 @@ def _sortable(x: float) -> float:
     return math.inf if math.isnan(x) else x
 
 
-def render(report: VerifyReport, worst: int = 10, every_problem: bool = False) -> str:
+def render(report: VerifyReport, worst: int, every_problem: bool) -> str:
     scheme = report.scheme or "?"
     what = f"{report.format or '?'} format, {scheme} scheme" + ("s" if "," in scheme else "")
     if report.format == "dequantized":

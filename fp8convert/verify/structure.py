@@ -31,15 +31,16 @@ class OutputLayout:
 
 def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     """Every output tensor and where it is, the index checked against the shards' headers."""
+    layout = OutputLayout({}, {}, set())
     index_path = out / INDEX_NAME
-    layout, index = OutputLayout({}, {}, set()), None  # index: the index file's JSON, None without one
-    if index_path.is_file():
+    if indexed := index_path.is_file():
         try:
             layout.placed_in = parse_index(index_path.read_bytes(), INDEX_NAME)
         except FP8ConvertError as e:
             report.fail(INDEX_NAME, str(e).removeprefix(f"{INDEX_NAME}: "))
             return layout
-        index, files = json.loads(index_path.read_text()), index_files(layout.placed_in)
+        declared_total = (json.loads(index_path.read_text()).get("metadata") or {}).get("total_size")
+        files = index_files(layout.placed_in)
     elif (out / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -62,20 +63,19 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
             total += info.nbytes
             if name in tensors:
                 report.fail(f"tensor {name}", f"appears twice: in {tensors[name].file} and {file}")
-            elif index is not None and weight_map.get(name) != file:
+            elif indexed and weight_map.get(name) != file:
                 report.fail(
                     file,
                     f"holds tensor {name}, which {INDEX_NAME} "
                     + (f"places in {weight_map[name]}" if name in weight_map else "does not list"),
                 )
             tensors[name] = info
-    if index is not None:
+    if indexed:
         for name, file in weight_map.items():
             if name not in tensors and file not in layout.unreadable:
                 report.fail(INDEX_NAME, f"names tensor {name} in {file}, but {file} does not hold it")
-        declared = (index.get("metadata") or {}).get("total_size")
-        if declared is not None and declared != total and not layout.unreadable:
-            report.fail(INDEX_NAME, f"metadata.total_size is {declared}, the shards hold {total} bytes")
+        if declared_total is not None and declared_total != total and not layout.unreadable:
+            report.fail(INDEX_NAME, f"metadata.total_size is {declared_total}, the shards hold {total} bytes")
         stray = sorted(p.name for p in out.glob("*.safetensors") if p.name not in files)
         if stray:
             report.warnings.append(f"{out}: safetensors files not in the index: {', '.join(stray)}")
