@@ -34,12 +34,13 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     layout = OutputLayout({}, {}, set())
     index_path = out / INDEX_NAME
     if indexed := index_path.is_file():
+        raw = index_path.read_bytes()
         try:
-            layout.placed_in = parse_index(index_path.read_bytes(), INDEX_NAME)
+            layout.placed_in = parse_index(raw, INDEX_NAME)
         except FP8ConvertError as e:
             report.fail(INDEX_NAME, str(e).removeprefix(f"{INDEX_NAME}: "))
             return layout
-        declared_total = (json.loads(index_path.read_text()).get("metadata") or {}).get("total_size")
+        declared_total = (json.loads(raw).get("metadata") or {}).get("total_size")
         files = index_files(layout.placed_in)
     elif (out / "model.safetensors").is_file():
         files = ["model.safetensors"]
