@@ -161,7 +161,7 @@ memcmp.restype, memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_
 def same_bytes(a, b) -> bool:
     if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
         return torch.equal(a, b)
-    return memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+    return a.numel() == b.numel() and memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
 
 
 def identical(a, b) -> bool:

@@ -29,3 +29,13 @@ def test_a_scale_that_would_not_divide_in_float32_is_refused_on_either_path(stac
     w, scale = torch.ones(2, 128, 128, dtype=torch.bfloat16), torch.ones(2, 1, 1, dtype=torch.float64)
     with pytest.raises(AssertionError, match="not float32: scale torch.float64"):
         numerics.quantize_with_scale(w if stacked else w[0], scale if stacked else scale[0], "tensor")
+
+
+def test_verify_byte_comparison_tells_a_shorter_tensor_from_a_prefix():
+    """The CPU memcmp must not read past the shorter tensor: here the bytes beyond it match."""
+    from fp8convert.verify.numbers import identical
+
+    whole = torch.zeros(16, dtype=torch.uint8)
+    assert identical(torch.zeros(16, dtype=torch.uint8), whole)
+    assert not identical(torch.zeros(16, dtype=torch.uint8), whole[:8])
+    assert not identical(torch.zeros(8, dtype=torch.uint8), whole)
