@@ -1,5 +1,6 @@
 """The CPU's row-tiled FP8 quantizing (a stack through one small float32 tile) writes the bytes of the
-plain whole-tensor arithmetic, in every scheme, with tiles that end inside a row of blocks and mid-weight."""
+plain whole-tensor arithmetic, in every scheme, with tiles that end inside a row of blocks and mid-weight;
+and verify's byte comparison of what it wrote."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from fp8convert.run import numerics
+from fp8convert.verify.numbers import identical
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block", "mxfp8"])
@@ -33,8 +35,6 @@ def test_a_scale_that_would_not_divide_in_float32_is_refused_on_either_path(stac
 
 def test_verify_byte_comparison_tells_a_shorter_tensor_from_a_prefix():
     """The CPU memcmp must not read past the shorter tensor: here the bytes beyond it match."""
-    from fp8convert.verify.numbers import identical
-
     whole = torch.zeros(16, dtype=torch.uint8)
     assert identical(torch.zeros(16, dtype=torch.uint8), whole)
     assert not identical(torch.zeros(16, dtype=torch.uint8), whole[:8])
