@@ -40,7 +40,11 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
         except FP8ConvertError as e:
             report.fail(INDEX_NAME, str(e).removeprefix(f"{INDEX_NAME}: "))
             return layout
-        declared_total = (json.loads(raw).get("metadata") or {}).get("total_size")
+        metadata = json.loads(raw).get("metadata") or {}
+        if not isinstance(metadata, dict):
+            report.fail(INDEX_NAME, f"metadata is {metadata!r}, not an object")
+            metadata = {}
+        declared_total = metadata.get("total_size")
         files = index_files(layout.placed_in)
     elif (out / "model.safetensors").is_file():
         files = ["model.safetensors"]

@@ -372,6 +372,9 @@ def test_index_inconsistent_fails(damaged):
     index["weight_map"][Q] = "model-00002-of-00002.safetensors"
     (out / INDEX).write_text(json.dumps(index))
     assert any("model-00002-of-00002.safetensors" in f for f in failing(src, out))
+    index["metadata"] = "oops"  # a failure, not a crash
+    (out / INDEX).write_text(json.dumps(index))
+    assert any("metadata is 'oops', not an object" in f for f in failing(src, out))
 
 
 def test_truncated_output_shard_fails(damaged, capsys):
