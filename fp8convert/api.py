@@ -317,7 +317,6 @@ def _quantize_here(
             settings.max_resident,
             fetcher,
             bar,
-            read_threads=settings.read_threads,
             on_read=prefetcher.advance if prefetcher else lambda nbytes: None,
             started=started,
         )

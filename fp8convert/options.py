@@ -317,7 +317,6 @@ class Settings(Options):
     max_resident: int | str | None = None  # device memory budget of one batch; None: the device type's default
     prefetch: int | str = AUTO  # page-cache read-ahead window; 0 turns it off; auto: prefetch.default_window
     prefetch_threads: int | None = None
-    read_threads: int | None = None
     overwrite: bool = False
     revision: str | None = None  # Hub sources: branch, tag or commit
     token: str | None = None  # Hub token; None: HF_TOKEN or the saved login

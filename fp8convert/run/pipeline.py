@@ -70,7 +70,6 @@ def convert(
     fetcher,
     progress: Progress,
     *,
-    read_threads: int | None = None,
     on_read: Callable[[int], None] = lambda nbytes: None,
     started: float | None = None,
 ) -> tuple[dict, str, int | None]:
@@ -88,7 +87,7 @@ def convert(
     writer.threads = writers
     try:
         with (
-            BatchReader(plan.source.root, dev, threads=read_threads or readers) as reader,
+            BatchReader(plan.source.root, dev, threads=readers) as reader,
             cpu_threads_for_quantizing() if dev.type == "cpu" else contextlib.nullcontext(),
         ):
             seconds = Pipeline(plan, batches, reader, writer, progress, fetcher, on_read).run()
