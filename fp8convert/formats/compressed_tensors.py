@@ -159,7 +159,8 @@ class CompressedTensorsConfig(QuantizationConfig):
             others = tuple((scheme, names) for scheme, names in targets if "Linear" not in names)
         scale_fmt = declared_scale_fmt(qc, where)
         ignore = tuple(qc.get("ignore") or ())
-        return cls(default, ignore, scale_fmt, any(static), tuple(unkept), groups=others)
+        targeted = tuple(t for _, names in targets for t in names)
+        return cls(default, ignore, scale_fmt, any(static), tuple(unkept), groups=others, targeted=targeted)
 
 
 def _group_args(scheme: str, static: bool) -> tuple[dict, dict | None]:

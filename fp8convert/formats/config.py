@@ -24,6 +24,7 @@ class QuantizationConfig:
     unkept: tuple[str, ...] = ()  # what it declares that loaders act on but fp8convert writes no tensor for
     # a mixed recipe's other config groups: (scheme, targets); `scheme` is the group targeting "Linear"
     groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    targeted: tuple[str, ...] = ("Linear",)  # every config group's targets (the fp8 format targets every linear)
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -58,6 +59,11 @@ class QuantizationConfig:
         if self.scheme in GROUP_SIZE:
             return [(out, inp // GROUP_SIZE[self.scheme])]
         return [{Scheme.CHANNEL: (out, 1), Scheme.BLOCK: (-(-out // BLOCK), -(-inp // BLOCK))}[self.scheme]]
+
+    def targets(self, module: str) -> bool:
+        """Whether a config group targets `module`, a linear layer: "Linear" names them all, else its exact name
+        or a matching `re:` pattern. Engines load a quantized weight no group targets as an unquantized layer."""
+        return any(t in ("Linear", module) or t.startswith("re:") and re.match(t[3:], module) for t in self.targeted)
 
     def ignores(self, module: str) -> bool:
         """Exact module name (vLLM's `prefix in ignored_layers`) or a compressed-tensors `re:` pattern."""

@@ -333,6 +333,8 @@ def structure_problems(
         problems.append(f"shape {list(got.shape)} differs from the source's ({want.where}) {list(shape)}")
     if fmt.ignores(module):
         problems.append(f"quantized, but the ignore list names {module}")
+    elif not fmt.targets(module):
+        problems.append("quantized, but no config group targets its module (engines would load it unquantized)")
     if scale is None:
         problems.append(f"its scale {fmt.scale_name(want.name)} is missing")
     elif scale.dtype != fmt.scale_dtype() or (not problems and scale.shape not in fmt.scale_shapes(shape)):

@@ -321,6 +321,18 @@ def test_ignore_list_must_match_the_tensors(damaged):
     assert any(f.startswith(Q) and "ignore list names" in f for f in failing(src, out))
 
 
+@pytest.mark.parametrize("targets", [[], ["Embedding"], ["re:.*down_proj$"]])
+def test_every_quantized_weight_must_be_targeted_by_a_config_group(damaged, targets):
+    """A config group no longer covering the FP8 weights (engines would load them as unquantized layers)."""
+    src, copy = damaged
+    out = copy()
+    edit_config(out, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(targets=targets))
+    failures = failing(src, out)
+    assert any(f.startswith(Q) and "no config group targets its module" in f for f in failures)
+    down_proj_targeted = targets == ["re:.*down_proj$"]
+    assert any(".mlp.down_proj.weight:" in f for f in failures) != down_proj_targeted
+
+
 def test_fp8_ignored_layers_checked(damaged):
     src, copy = damaged
     out = copy("fp8", "block")
