@@ -203,8 +203,9 @@ def parse_scheme(value: str, option: str = "--scheme") -> str:
 
 def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
     """A recipe's rules as (pattern, scheme) pairs, from a mapping, pairs or 'PATTERN=SCHEME' texts; a pattern
-    is what --ignore takes. Errors name `where` (the recipe file), else --scheme."""
-    parsed = []
+    is what --ignore takes; a pattern given twice must give one scheme. Errors name `where` (the recipe file),
+    else --scheme."""
+    parsed: dict[str, str] = {}
     for rule in rules.items() if isinstance(rules, dict) else rules:
         if isinstance(rule, str):  # the scheme follows the last '=': 're:.*experts.*=nvfp4a16'
             pattern, equals, scheme = rule.rpartition("=")
@@ -218,10 +219,12 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
         if problem := regex_error(pattern):
             raise UsageError(f"{said}: bad regular expression ({problem})")
         try:
-            parsed.append((str(pattern), parse_scheme(scheme)))
+            scheme = parse_scheme(scheme)
         except UsageError as e:
             raise UsageError(f"{said}: {str(e).split(': ', 1)[1]}") from None
-    return tuple(parsed)
+        if parsed.setdefault(str(pattern), scheme) != scheme:
+            raise UsageError(f"{said}: another rule gives {pattern} {parsed[str(pattern)]}; give a pattern one scheme")
+    return tuple(parsed.items())
 
 
 def regex_error(pattern: str) -> str | None:

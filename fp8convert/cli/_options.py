@@ -228,7 +228,8 @@ def scheme_keywords(schemes: list[str] | None, recipe: Path | None, ignore: list
 
 
 def read_recipe(path: Path) -> dict:
-    """A recipe file (TOML, or YAML for .yaml/.yml) as Settings keywords: `recipe` from its `schemes` table."""
+    """A recipe file (TOML, or YAML for .yaml/.yml) as Settings keywords: `recipe` from its `schemes` table, the
+    default `scheme` and `ignore` patterns, each optional."""
     import tomllib  # here: only --recipe needs them
 
     import yaml
@@ -241,14 +242,16 @@ def read_recipe(path: Path) -> dict:
         raise UsageError(f"--recipe {path}: cannot read it ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise UsageError(f"--recipe {path}: not valid {language} ({first_line(e)})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("schemes"), dict) or not doc["schemes"]:
-        raise UsageError(f"--recipe {path}: expected a `schemes` table of module pattern = scheme")
+    if not isinstance(doc, dict) or not doc:
+        raise UsageError(f"--recipe {path}: expected `scheme`, a `schemes` table or `ignore`")
     if unknown := sorted(set(doc) - {"scheme", "schemes", "ignore"}):
         raise UsageError(f"--recipe {path}: unknown key {unknown[0]!r} (known: scheme, schemes, ignore)")
+    if not isinstance(doc.get("schemes", {}), dict):
+        raise UsageError(f"--recipe {path}: expected a `schemes` table of module pattern = scheme")
     ignore = doc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise UsageError(f"--recipe {path}: `ignore` is a list of module patterns")
-    keywords = {"recipe": parse_recipe(doc["schemes"], f"--recipe {path}"), "ignore": tuple(ignore)}
+    keywords = {"recipe": parse_recipe(doc.get("schemes", {}), f"--recipe {path}"), "ignore": tuple(ignore)}
     if doc.get("scheme"):
         keywords["scheme"] = parse_scheme(doc["scheme"], f"--recipe {path}: scheme")
     return keywords

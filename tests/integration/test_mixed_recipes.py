@@ -189,6 +189,7 @@ def run_cli(capsys, *args) -> tuple[int, str]:
         (["re:.*self_attn\\.q_proj$=nvfp4a16"], "the recipe splits the fused set model.layers.0.self_attn.q_proj/"),
         (["re:.*experts\\.3\\..*=mxfp4a16"], "the recipe splits the experts of model.layers.0.mlp.experts"),
         ([f"{EXPERTS}=nvfp4a16", "re:.*experts\\.1\\..*=mxfp4a16"], "give it different schemes"),
+        ([f"{EXPERTS}=nvfp4a16", f"{EXPERTS}=mxfp4a16"], f"another rule gives {EXPERTS} nvfp4a16"),
         (["re:.*experts.*=nvfp4a16", "--format", "fp8"], "needs --format compressed-tensors"),
         (["re:.*experts.*=fp4"], "--scheme re:.*experts.*=fp4:"),
         (["re:.*(experts=nvfp4a16"], "bad regular expression"),
@@ -215,6 +216,8 @@ def cli_args(src, out, rules: list[str]) -> list:
     ("name", "text", "says"),
     [
         ("r.toml", "schemes = 3\n", "expected a `schemes` table"),
+        ("r.toml", "", "expected `scheme`, a `schemes` table or `ignore`"),
+        ("r.toml", 'scheme = "tensr"\n', "scheme 'tensr': expected one of"),
         ("r.toml", "[schemes\n", "not valid TOML"),
         ("r.yaml", "schemes: {a: [\n", "not valid YAML"),
         ("r.toml", 'scheme = "block"\nlayers = 1\n[schemes]\n"re:.*experts.*" = "nvfp4a16"\n', "unknown key 'layers'"),
@@ -258,6 +261,21 @@ def test_a_recipe_file_writes_the_bytes_of_the_command_line_rules(converted, moe
     )
     assert rc == 0, err
     assert tree_bytes(out) == tree_bytes(converted("block", "nvfp4a16"))
+
+
+def test_a_recipe_file_of_a_scheme_and_ignore_patterns_alone_writes_the_command_lines_bytes(
+    moe_source, tmp_path, capsys
+):
+    (tmp_path / "r.toml").write_text('scheme = "channel"\nignore = ["re:.*layers\\\\.0\\\\.self_attn.*"]\n')
+    rc, err = run_cli(capsys, "quantize", moe_source, tmp_path / "file", "-q", "--recipe", tmp_path / "r.toml")
+    assert rc == 0, err
+    flags = ["--scheme", "channel", "--ignore", "re:.*layers\\.0\\.self_attn.*"]
+    assert run_cli(capsys, "quantize", moe_source, tmp_path / "flags", "-q", *flags)[0] == 0
+    assert tree_bytes(tmp_path / "file") == tree_bytes(tmp_path / "flags")
+    assert (
+        "model.layers.0.self_attn.q_proj"
+        in read_json(tmp_path / "file" / "config.json")["quantization_config"]["ignore"]
+    )
 
 
 def test_a_rule_that_matches_nothing_is_warned_of(moe_source, tmp_path, capsys):
