@@ -23,7 +23,7 @@ from .cluster import workers
 from .errors import FP8ConvertError
 from .options import HubAccess, Settings, python_spelling
 from .output.finalize import check_shards, finalize, prepare_output, recorded_plan
-from .output.lock import OutputLock
+from .output.lock import LOCK, OutputLock
 from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest
 from .output.partial import written_bytes, written_units
 from .plan.build import build_plan
@@ -119,8 +119,8 @@ def quantize(
     # While the plan is made (seconds, for tens of thousands of tensors), the disk pulls the checkpoint into
     # the page cache in the pipeline's order: only for one worker (each of several reads its share) on a
     # fresh OUT (a resumed one may have its first shards done, or be refused).
-    alone_on_fresh_out = spec.count == 1 and not devices and _fresh(out_dir)
-    head = _prefetcher(source.root, source.tensors, settings) if alone_on_fresh_out else None
+    existed, fresh = out_dir.exists(), spec.count == 1 and _fresh(out_dir)
+    head = _prefetcher(source.root, source.tensors, settings) if fresh and not devices else None
     # The head start's reads are joined on leaving, refused or not (a thread still reading as the
     # interpreter exits fails with a traceback); the lock is held while this run writes OUT.
     with head or contextlib.nullcontext(), OutputLock(out_dir, spec.index, spec.count) as lock:
@@ -146,7 +146,12 @@ def quantize(
                 for i in todo:
                     if units := written_units(the_plan, out_dir / WORK_DIR, the_plan.shards[i]):
                         written[i] = units
-            check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
+            try:
+                check_free_space(the_plan, out_dir, todo, fetcher.disk_bytes_needed(), written_bytes(the_plan, written))
+            except FP8ConvertError:
+                if fresh:  # refused before claiming it: OUT is left as it was
+                    _unmake(out_dir, existed)
+                raise
             Manifest(out_dir).claim(the_plan, settings.base_model)
             if devices:
                 _quantize_on_devices(the_plan, str(src), out_dir, settings, spec, devices, report)
@@ -199,6 +204,19 @@ def _fresh(out_dir: Path) -> bool:
         return True
     except OSError:  # not a directory, or unreadable: prepare_output refuses it
         return False
+
+
+def _unmake(out_dir: Path, existed: bool) -> None:
+    """Remove what this run made in a fresh OUT, its lock first (still held, so no other run took it), then
+    the folders, each only if empty: never what another process put there meanwhile."""
+    work = out_dir / WORK_DIR
+    with contextlib.suppress(OSError):
+        (work / LOCK).unlink()
+        with contextlib.suppress(OSError):
+            (work / DOWNLOAD_DIR).rmdir()
+        work.rmdir()
+        if not existed:
+            out_dir.rmdir()
 
 
 def _new_report(
