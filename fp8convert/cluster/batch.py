@@ -101,14 +101,21 @@ def read_jobs(path: str | Path) -> list[Job]:
         _check_keys(defaults, f"{path}: [defaults]", not_here=("source", "out", "name"))
     if not raw:
         raise FP8ConvertError(f"{path}: no jobs")
-    jobs = [_job(path, i, entry, defaults) for i, entry in enumerate(raw)]
+    jobs, problems = [], []  # each job's first problem, so that one run of the command names them all
+    for i, entry in enumerate(raw):
+        try:
+            jobs.append(_job(path, i, entry, defaults))
+        except FP8ConvertError as e:
+            problems.append(str(e).removeprefix(f"{path}: "))
     seen: dict[str, Job] = {}
     for job in jobs:
         if (first := seen.setdefault(os.path.abspath(job.out), job)) is not job:
-            raise FP8ConvertError(
-                f"{path}: {job_title(job.index, job.name)} writes to {job.out}, as "
-                f"{job_title(first.index, first.name)} does"
-            )
+            title = job_title(first.index, first.name)
+            problems.append(f"{job_title(job.index, job.name)} writes to {job.out}, as {title} does")
+    if problems:
+        raise FP8ConvertError(
+            f"{path}: " + (f"{len(problems)} problems: " if len(problems) > 1 else "") + "; ".join(problems)
+        )
     return jobs
 
 

@@ -562,6 +562,16 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
             ["job 1 writes to o, as job 0 does"],
         ),
         "types.toml": ('[[job]]\nsource = "a"\nout = "b"\nprivate = "yes"\n', ["job 0", "private"]),
+        "several.toml": (  # one line names every job's problem
+            '[[job]]\nsource = "a"\nout = "b"\nschme = "block"\n[[job]]\nsource = "a"\n'
+            '[[job]]\nsource = "a"\nout = "c"\nformat = "fp8"\nscheme = "channel"\n'
+            '[[job]]\nsource = "a"\nout = "o"\n[[job]]\nsource = "a"\nout = "o"\n',
+            [
+                "4 problems: job 0: unknown key 'schme'",
+                "; job 1: missing 'out'; job 2: --format fp8",
+                "; job 4 writes to o",
+            ],
+        ),
         "push.toml": ('[[job]]\nsource = "a"\nout = "b"\npush_to_hub = "not a repo"\n', ["job 0", "push_to_hub"]),
         "defaults.toml": ('[defaults]\nout = "x"\n[[job]]\nsource = "a"\nout = "b"\n', ["[defaults]", "out"]),
         "empty.toml": ("", ["no jobs"]),
