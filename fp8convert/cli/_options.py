@@ -269,6 +269,7 @@ def print_out(text: str, what: str = "output", stderr: bool = False) -> None:
         raise FP8ConvertError(f"{'stderr' if stderr else 'stdout'}: cannot write the {what} ({e.strerror})") from e
 
 
-def print_json(doc) -> None:
-    print_out(json.dumps(doc, indent=2), "JSON report")
+def print_json(doc: dict) -> None:
+    """A command's JSON document; "ok" leads it, true unless the document says otherwise (verify, batch)."""
+    print_out(json.dumps({"ok": True, **doc}, indent=2), "JSON report")
     printed.json = True

@@ -256,4 +256,4 @@ def render(results: list[JobResult]) -> str:
 
 def summary(results: list[JobResult]) -> dict:
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "partial", "failed")}
-    return {"jobs": [asdict(r) for r in results], **counts}
+    return {"ok": not counts["failed"], "jobs": [asdict(r) for r in results], **counts}

@@ -308,7 +308,7 @@ def test_json_lists_warnings_under_warnings_not_notes(tmp_path, capsys):
     for command in (["quantize", src, tmp_path / "out", "-q", "--device", "cpu"], ["inspect", src]):
         rc, out, err = run(capsys, *command, *args)
         doc = json.loads(out)
-        assert rc == 0 and IGNORE_WARNING in doc["warnings"], doc["warnings"]
+        assert rc == 0 and doc["ok"] is True and IGNORE_WARNING in doc["warnings"], doc["warnings"]
         assert any(w.startswith("transformers cannot load compressed-tensors block scales") for w in doc["warnings"])
         assert not any("--ignore" in n for n in doc["notes"]), doc["notes"]
         assert f"warning: {IGNORE_WARNING}" in err or command[0] == "inspect", err
@@ -317,7 +317,8 @@ def test_json_lists_warnings_under_warnings_not_notes(tmp_path, capsys):
 def test_demo_takes_json(tmp_path, capsys):
     rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu", "--json")
     doc = json.loads(out)
-    assert rc == 0 and doc["out_dir"] == str(tmp_path / "d" / "fp8") and doc["complete"] is True, (out, err)
+    assert rc == 0 and doc["ok"] is True and doc["out_dir"] == str(tmp_path / "d" / "fp8"), (out, err)
+    assert doc["complete"] is True
     assert doc["tensors_quantized"] == 28 and "built demo model" in err
     assert looks_complete(tmp_path / "d" / "fp8")
 

@@ -500,7 +500,7 @@ def test_batch_goes_on_after_a_failure(ref, tmp_path, capsys, monkeypatch):
     assert rc == 1
     summary = json.loads(stdout)
     assert [j["status"] for j in summary["jobs"]] == ["skipped", "failed", "skipped"]
-    assert summary["failed"] == 1 and summary["skipped"] == 2
+    assert summary["failed"] == 1 and summary["skipped"] == 2 and summary["ok"] is False
     assert "no-such-model" in summary["jobs"][1]["error"]
 
 
@@ -549,7 +549,7 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
     assert [j.source for j in read_jobs(good)] == [str(src)]
     rc, stdout, err = run_cli(capsys, "batch", good, "-q", "--json")
     assert rc == 0, err
-    assert json.loads(stdout)["done"] == 1
+    assert json.loads(stdout)["done"] == 1 and json.loads(stdout)["ok"] is True
     bad = {
         "unknown.toml": ('[[job]]\nsource = "a"\nout = "b"\nschme = "block"\n', ["job 0", "schme"]),
         "no_out.toml": ('[[job]]\nname = "m"\nsource = "a"\n', ["job 0 (m)", "'out'"]),
