@@ -146,9 +146,9 @@ def parse_header(
             raise FP8ConvertError(f"{where}: tensor {name} overlaps another or leaves a gap in the data")
         cursor = end
     if file_size is not None and data_start + cursor != file_size:
-        what = "truncated" if data_start + cursor > file_size else "has trailing bytes"
+        what = "is truncated" if data_start + cursor > file_size else "has trailing bytes"
         raise FP8ConvertError(
-            f"{where}: file is {what} (header describes {data_start + cursor} bytes, file has {file_size})"
+            f"{where}: file {what} (header describes {data_start + cursor} bytes, file has {file_size})"
         )
     return tensors
 

@@ -108,12 +108,15 @@ def read_source_quantization(
         for t in tensors:
             if t.dtype.startswith("F8") or t.name.endswith((*FOREIGN_SUFFIXES, *SCALE_SUFFIXES, ".input_scale")):
                 raise FP8ConvertError(
-                    f"{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
+                    f"{where}/{t.file}: tensor {t.name} ({t.dtype}) shows the model is already quantized, but "
                     "config.json has no quantization_config saying how; fp8convert needs a "
                     "BF16/FP16/FP32 source or an FP8 one with its quantization_config"
                 )
         return None
-    weights = match_fp4(declared, tensors) if declared.scheme in FP4_SCHEMES else match_scales(declared, tensors)
+    try:
+        weights = match_fp4(declared, tensors) if declared.scheme in FP4_SCHEMES else match_scales(declared, tensors)
+    except FP8ConvertError as e:  # each begins with the shard's name
+        raise FP8ConvertError(f"{where}/{e}") from None
     if not weights:
         raise FP8ConvertError(
             f"{where}/config.json: declares {declared.format} quantization, but no tensor is "

@@ -115,10 +115,12 @@ def shard_files(names: list[str], index_map: dict[str, str] | None, where: str) 
 
 def load_config(root: Path) -> dict:
     path = root / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FP8ConvertError(f"{path}: missing; fp8convert needs the model's config.json")
     try:
         config = json.loads(path.read_text())
+    except OSError as e:  # a directory, unreadable
+        raise FP8ConvertError(f"{path}: cannot read ({e.strerror})") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FP8ConvertError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(config, dict):
@@ -127,22 +129,24 @@ def load_config(root: Path) -> dict:
 
 
 def collect_tensors(headers: dict[str, dict], index_map: dict[str, str] | None, where: str) -> list[TensorInfo]:
-    """Merge per-file headers; a tensor named twice, or not where the index says, is refused."""
+    """Merge per-file headers; a tensor named twice, or not where the index says, is refused. `where`: the
+    checkpoint (its directory, or a Hub repo id)."""
     seen: dict[str, TensorInfo] = {}
     for file in sorted(headers):
         for name, info in headers[file].items():
             if name in seen:
-                raise FP8ConvertError(f"tensor {name} appears twice: in {seen[name].file} and {file}")
+                raise FP8ConvertError(f"{where}: tensor {name} appears twice: in {seen[name].file} and {file}")
             seen[name] = info
+    index = f"{where}/{INDEX_NAME}"
     if index_map is not None:
         for name, file in index_map.items():
             if name not in seen:
-                raise FP8ConvertError(f"{INDEX_NAME}: names tensor {name} in {file}, but no shard holds it")
+                raise FP8ConvertError(f"{index}: names tensor {name} in {file}, but no shard holds it")
             if seen[name].file != file:
-                raise FP8ConvertError(f"{INDEX_NAME}: says tensor {name} is in {file}, but it is in {seen[name].file}")
+                raise FP8ConvertError(f"{index}: says tensor {name} is in {file}, but it is in {seen[name].file}")
         for name, info in seen.items():
             if name not in index_map:
-                raise FP8ConvertError(f"{INDEX_NAME}: does not list tensor {name} found in {info.file}")
+                raise FP8ConvertError(f"{index}: does not list tensor {name} found in {info.file}")
     if not seen:
         raise FP8ConvertError(f"{where}: holds no tensors ({', '.join(sorted(headers))} empty)")
     return sorted(seen.values(), key=lambda t: (t.file, t.offset))
@@ -168,7 +172,7 @@ def open_local(root: Path, label: str | None = None, revision: str | None = None
         path = root / name
         if not path.is_file():
             if index_map is not None and not path.exists() and not path.is_symlink():
-                raise FP8ConvertError(f"{INDEX_NAME}: names {name}, which does not exist in {root}")
+                raise FP8ConvertError(f"{index}: names {name}, which does not exist")
             raise FP8ConvertError(f"{path}: {NOT_A_FILE}, so it cannot be read as a shard")
         headers[name] = read_header(str(path), name)
     tensors = collect_tensors(headers, index_map, str(root))

@@ -175,7 +175,7 @@ def render(report: VerifyReport, worst: int, every_problem: bool) -> str:
     ]
     if report.tensors:
         lines.append(f"  relative error max {report.max_rel_error:.4g}, SNR min {report.min_snr_db:.1f} dB")
-        lines.append("  worst tensors:")
+        lines += ["  worst tensors:"] if worst else []
         for t in report.worst(worst):
             lines.append(
                 f"    {t.name:<60} rel {t.rel_error:.4g} (bound {t.bound:.4g})  SNR {t.snr_db:6.1f} dB"

@@ -50,7 +50,7 @@ def truncated_shard(src):
 def trailing_bytes(src):
     with open(src / SHARD2, "ab") as f:
         f.write(b"\0" * 8)
-    return SHARD2, "trailing"
+    return str(src / SHARD2), "file has trailing bytes"
 
 
 def corrupt_header_json(src):
@@ -131,12 +131,12 @@ def named_twice_in_two_shards(src):
     os.remove(src / INDEX)  # without an index every *.safetensors is read
     extra = {"model.layers.0.mlp.up_proj.weight": torch.zeros(16, 16, dtype=torch.bfloat16)}
     save_file(extra, str(src / "extra.safetensors"))
-    return "model.layers.0.mlp.up_proj.weight", "twice"
+    return (f"{src}: tensor model.layers.0.mlp.up_proj.weight appears twice",)  # which checkpoint: a batch has many
 
 
 def index_names_missing_file(src):
     rewrite_index(src, lambda ix: ix["weight_map"].update({"model.norm.weight": "model-00009-of-00009.safetensors"}))
-    return "model-00009-of-00009.safetensors", "does not exist"
+    return (f"{src / INDEX}: names model-00009-of-00009.safetensors, which does not exist",)
 
 
 def index_dotdot(src):
@@ -156,7 +156,7 @@ def index_absolute(src):
 
 def index_names_absent_tensor(src):
     rewrite_index(src, lambda ix: ix["weight_map"].update({"model.layers.1.ghost.weight": SHARD2}))
-    return "model.layers.1.ghost.weight", SHARD2
+    return str(src / INDEX), "model.layers.1.ghost.weight", SHARD2
 
 
 def index_wrong_file(src):
@@ -164,12 +164,12 @@ def index_wrong_file(src):
         src,
         lambda ix: ix["weight_map"].update({"model.layers.1.mlp.up_proj.weight": "model-00001-of-00003.safetensors"}),
     )
-    return "model.layers.1.mlp.up_proj.weight", "model-00001-of-00003.safetensors", SHARD2
+    return str(src / INDEX), "model.layers.1.mlp.up_proj.weight", "model-00001-of-00003.safetensors", SHARD2
 
 
 def index_omits_tensor(src):
     rewrite_index(src, lambda ix: ix["weight_map"].pop("model.layers.1.mlp.up_proj.weight"))
-    return "model.layers.1.mlp.up_proj.weight", SHARD2
+    return str(src / INDEX), "model.layers.1.mlp.up_proj.weight", SHARD2
 
 
 def index_file_name_not_text(src):
@@ -190,6 +190,12 @@ def index_without_weight_map(src):
 def config_missing(src):
     os.remove(src / "config.json")
     return "config.json"
+
+
+def config_is_a_directory(src):
+    os.remove(src / "config.json")
+    (src / "config.json").mkdir()
+    return str(src / "config.json"), "cannot read"
 
 
 def config_not_json(src):
@@ -309,6 +315,7 @@ BROKEN = [
     index_not_json,
     index_without_weight_map,
     config_missing,
+    config_is_a_directory,
     config_not_json,
     fp8_config_without_fp8_tensors,
     already_quantized_tensors,
@@ -329,6 +336,7 @@ BROKEN = [
 def test_broken_source_is_refused_before_any_output(tmp_path, capsys, breaker):
     src = write_checkpoint(tmp_path / "src")
     names = breaker(src)
+    names = (names,) if isinstance(names, str) else names  # one name, not its letters
     out = tmp_path / "out"
     rc, err = run_cli(capsys, "quantize", src, out, "-q")
     assert_refused(rc, err, out, *names)
