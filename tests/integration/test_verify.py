@@ -138,6 +138,8 @@ def test_good_conversion_verifies(made, capsys, fmt, scheme):
     assert errors == sorted(errors, reverse=True) and errors[0] == report.max_rel_error
     assert main(["verify", str(src), str(out)]) == 0
     assert "OK" in capsys.readouterr().out
+    assert main(["verify", str(src), str(out), "--worst", "0"]) == 0
+    assert "worst tensors" not in capsys.readouterr().out  # no heading over an empty list
 
 
 def test_subnormal_allowance_in_the_bound(tmp_path):
