@@ -141,7 +141,7 @@ class Options:
             )
         _set(  # after the scheme and format checks, whose errors come first
             self,
-            ignore=tuple(self.ignore),
+            ignore=(self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore),  # one pattern alone
             max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
             target_tp=parse_target_tp(self.target_tp),
             dtype=parse_dtype(self.dtype),
@@ -250,7 +250,9 @@ def parse_dtype(value: str | None) -> str | None:
 
 
 def parse_target_tp(sizes) -> tuple[int, ...]:
-    """Sorted distinct tensor-parallel sizes; each a positive integer (text is accepted: the CLI)."""
+    """Sorted distinct tensor-parallel sizes, each a positive integer (text is accepted: the CLI), or one alone."""
+    if isinstance(sizes, (int, str)):
+        sizes = [sizes]
     try:
         values = sorted({int(v) for v in sizes})
     except (TypeError, ValueError):

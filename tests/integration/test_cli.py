@@ -154,6 +154,14 @@ def test_settings_from_takes_the_parameters_named_as_fields_and_leaves_the_unset
     assert settings_from({"token": "given"}).token == "given"
 
 
+def test_the_api_takes_one_ignore_pattern_or_one_tp_size_alone(tmp_path):
+    """ignore="re:..." is one pattern (it was read letter by letter: '*' kept every weight), target_tp=3 one size."""
+    plan = api.make_plan(write_checkpoint(tmp_path / "src"), ignore="re:.*down_proj$", target_tp=3)
+    assert plan.options.ignore == ("re:.*down_proj$",) and plan.options.target_tp == (3,)
+    kept = {t.name for t in plan.tensors if not t.quantize and t.name.endswith("_proj.weight")}
+    assert kept and all(name.endswith("down_proj.weight") for name in kept), kept
+
+
 def test_units_helpers():
     assert [plural(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert format_size(6_320_000) == "6.32 MB" and format_size(999) == "999 B"
