@@ -135,6 +135,8 @@ def make_card(
         plan = plan_or_info
         info = {
             **describe(plan, 1 << 30, "cpu"),
+            # a local source as an absolute path: the card's command then works from any folder
+            **({"source": str(plan.source.root.resolve())} if plan.source.revision is None else {}),
             "ignore_patterns": list(plan.options.ignore),
             "max_shard_size": plan.options.max_shard_size,
             "revision": plan.source.revision,  # None for a local directory

@@ -853,6 +853,10 @@ def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
     assert (
         main(["quantize", str(tiny_ckpt), str(tmp_path / "o3"), "-q", "--base-model", "not a repo"]) == 2
     )  # a usage error
+    # a source named relative to the working folder: the card names it so that its command works from anywhere
+    monkeypatch.chdir(tiny_ckpt.parent)
+    assert main(["quantize", tiny_ckpt.name, str(tmp_path / "o5"), "-q"]) == 0
+    assert f"fp8convert quantize {tiny_ckpt.resolve()} ./" in (tmp_path / "o5" / "README.md").read_text()
     snapshot = tmp_path / "hub" / "models--acme--cached" / "snapshots" / ("a" * 40)
     snapshot.parent.mkdir(parents=True)
     tiny_ckpt.rename(snapshot)
