@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats import QuantizationConfig, read_quantization_config
 from ..formats.sources import FP8Weight
-from ..options import FP4_SCHEMES, Scheme
+from ..options import CONFIG_DTYPE_KEYS, CONFIG_DTYPES, FP4_SCHEMES, Scheme
 from ..output.manifest import Manifest
 from ..plan.architectures import architecture_of
 from ..plan.family import GENERIC, Architecture
@@ -104,6 +104,10 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
         report.fail(str(config_path), promise)
     rest = {k: v for k, v in config.items() if k != "quantization_config"}
     source_rest = {k: v for k, v in source.config.items() if k not in ("quantization_config", "compression_config")}
+    if dequantized:  # `dequantize --dtype` names the dtype it wrote
+        for key in CONFIG_DTYPE_KEYS:
+            if key in rest and rest[key] != source_rest.get(key) and rest[key] in CONFIG_DTYPES.values():
+                source_rest[key] = rest[key]
     if rest != source_rest:
         keys = sorted(k for k in set(rest) | set(source_rest) if rest.get(k) != source_rest.get(k))
         report.fail(

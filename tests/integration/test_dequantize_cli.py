@@ -158,3 +158,17 @@ def test_batch_dequantize_job_into_a_foreign_folder_keeps_it(fp8_src, tmp_path, 
     )
     rc, _, err = run(capsys, "batch", jobs, "-q")
     assert rc == 1 and "keep.txt" in err and tree_bytes(theirs) == {"keep.txt": b"k"}, err
+
+
+def test_dequantize_to_another_dtype_says_so_in_config_json(fp8_src, tmp_path, capsys):
+    """transformers loads a model in config.json's dtype: an fp32 dequantize that still said bfloat16 was
+    rounded back to BF16 on load. verify accepts the new name and nothing else in its place."""
+    from fp8convert.verify import verify
+
+    out = tmp_path / "out"
+    rc, _, err = run(capsys, "dequantize", fp8_src, out, "-q", "--device", "cpu", "--dtype", "fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert rc == 0 and config["torch_dtype"] == "float32" and "quantization_config" not in config, err
+    assert verify(fp8_src, out, device="cpu").ok
+    (out / "config.json").write_text(json.dumps(config | {"torch_dtype": "int8"}))
+    assert any("torch_dtype" in f for f in verify(fp8_src, out, device="cpu").failures)
