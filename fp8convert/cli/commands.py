@@ -11,7 +11,7 @@ from .. import verify as verify_mod
 from ..cluster import batch as batch_mod
 from ..errors import FP8ConvertError, UsageError
 from ..options import REPO_ID, SCHEMES, Settings
-from ..plan.summary import describe, plan_warnings, render
+from ..plan.summary import describe, plan_warnings, refuse_unloadable, render
 from ..units import format_size, plural
 from ._options import QUIET_REPORT, argument, command, hub_token, option, print_json, print_out, settings_from
 
@@ -193,6 +193,11 @@ def inspect(
     info = describe(the_plan, budget_for(dev, settings.max_resident), dev.type)
     if given and given != settings.scheme and not dequantize:  # an alias or another case: say which it means
         info["scheme_given"] = given
+    try:
+        if not settings.write_unloadable:
+            refuse_unloadable(the_plan)
+    except FP8ConvertError:  # its reason is among the warnings already
+        info["warnings"].append("quantize refuses to write this (vLLM cannot load it); --write-unloadable writes it")
     if tensors:
         info["tensor_plan"] = [
             {

@@ -76,7 +76,7 @@ def test_the_refusal_names_the_way_out_and_the_opt_in_writes_it(tmp_path):
     assert any("vLLM cannot load" in w for w in report.warnings)
 
 
-def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys):
+def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys, monkeypatch):
     from fp8convert.cli import main
 
     src = write_checkpoint(tmp_path / "src", llama_tensors(**NARROW_KV))
@@ -100,6 +100,12 @@ def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys):
         == 0
     )
     assert (tmp_path / "b" / "config.json").exists()
+    # inspect says beforehand that quantize will refuse it, unless told to write it
+    refuses = "warning     quantize refuses to write this (vLLM cannot load it); --write-unloadable writes it"
+    assert main(["inspect", str(src), "--scheme", "block"]) == 0 and refuses in capsys.readouterr().out
+    monkeypatch.setenv("FP8CONVERT_WRITE_UNLOADABLE", "1")
+    assert main(["inspect", str(src), "--scheme", "block"]) == 0 and "quantize refuses" not in capsys.readouterr().out
+    assert main(["inspect", str(src), "--scheme", "channel"]) == 0 and "quantize refuses" not in capsys.readouterr().out
 
 
 # Granite-4.0-H at 128-wide sizes: one Mamba2 layer (in_proj quantized: 560 or 784 rows), one attention
