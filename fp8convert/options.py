@@ -122,6 +122,8 @@ class Options:
         )
         if self.dequantize and self.scale_format != ScaleFormat.FLOAT:
             raise UsageError("--scale-format does not apply to dequantize: it writes no FP8 scales")
+        if self.dequantize and (self.scheme, self.format) != (Scheme.TENSOR, Format.COMPRESSED_TENSORS):
+            raise UsageError("--scheme and --format do not apply to dequantize: it writes no FP8 weights")
         if self.format == Format.FP8 and self.scheme not in (Scheme.TENSOR, Scheme.BLOCK):
             what = {Scheme.CHANNEL: "per-channel", Scheme.MXFP8: "MXFP8"}.get(self.scheme, "FP4")
             raise UsageError(

@@ -367,12 +367,15 @@ def test_mxfp8_checkpoints_are_refused_as_sources(tmp_path, capsys):
         assert_refused(rc, err, out, "config.json", "'mxfp8-quantized'", "does not read as a source")
 
 
-def test_dequantize_takes_no_scale_format():
+def test_dequantize_takes_no_scale_format_scheme_or_format():
     from fp8convert import Settings
     from fp8convert.errors import FP8ConvertError
 
     with pytest.raises(FP8ConvertError, match="^scale_format does not apply to dequantize"):
         Settings(dequantize=True, scheme="block", scale_format="ue8m0")
+    for given in ({"scheme": "channel"}, {"format": "fp8"}):  # the CLI's dequantize has neither option
+        with pytest.raises(FP8ConvertError, match="^scheme and format do not apply to dequantize"):
+            Settings(dequantize=True, **given)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["copier", "pipeline"])
