@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shlex
 from dataclasses import replace
 
 from ..errors import FP8ConvertError, UsageError
@@ -205,7 +206,8 @@ def decide(
             "precision with --ignore"
         )
     unused = [pattern for pattern in options.ignore if pattern not in used_patterns]
-    warnings = [f"--ignore {pattern!r} matched no weight that would otherwise be quantized" for pattern in unused]
+    # quoted for a shell, as typed (repr would double a regex's backslashes)
+    warnings = [f"--ignore {shlex.quote(p)} matched no weight that would otherwise be quantized" for p in unused]
     warnings += [f"--scheme {p}={s} matched no module" for p, s in options.recipe if p not in used_rules]
     notes = _one_layer_sets(decisions)
     return _unsplit_kept(decisions, arch, options), notes, warnings
