@@ -55,8 +55,7 @@ TARGET_TP = (1, 2, 4, 8)  # tensor-parallel sizes checked against vLLM's splitti
 # --dtype of dequantized weights: its spellings -> the safetensors dtype written
 DTYPE_NAMES = dict.fromkeys(("bf16", "bfloat16"), "BF16") | dict.fromkeys(("fp16", "float16", "half"), "F16")
 DTYPE_NAMES |= dict.fromkeys(("fp32", "float32", "float"), "F32")
-CONFIG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # config.json's names for them
-CONFIG_DTYPE_KEYS = ("torch_dtype", "dtype")  # transformers 4's key, and 5's
+CONFIG_DTYPE_KEYS = ("torch_dtype", "dtype")  # config.json's dtype (torch's name): transformers 4's key, and 5's
 DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Hub repo id, owner/name
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from ..errors import FP8ConvertError, PlanMismatchError
 from ..files import fsync_dir, json_bytes, write_atomic
-from ..options import CONFIG_DTYPE_KEYS, CONFIG_DTYPES, HubAccess, Options
+from ..options import CONFIG_DTYPE_KEYS, HubAccess, Options
 from ..plan.build import build_plan
 from ..plan.plan import Plan
-from ..safetensors_io import INDEX_NAME, read_header
+from ..safetensors_io import DTYPES, INDEX_NAME, read_header
 from ..source import recorded_source
 from ..source.checkpoint import index_files, parse_index
 from ..units import listed
@@ -235,7 +235,7 @@ def finalize(plan: Plan, out_dir: Path) -> None:
     if (quantization := plan.quantization_config()) is None:
         config.pop("quantization_config", None)
         if plan.options.dtype:  # dequantized to another dtype: transformers loads the model in the one named here
-            config |= {k: CONFIG_DTYPES[plan.options.dtype] for k in CONFIG_DTYPE_KEYS if k in config}
+            config |= {k: DTYPES[plan.options.dtype][1] for k in CONFIG_DTYPE_KEYS if k in config}
     else:
         config["quantization_config"] = quantization
     write_atomic(out_dir / "config.json", json_bytes(config))

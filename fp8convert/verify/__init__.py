@@ -10,7 +10,7 @@ from ..errors import FP8ConvertError
 from ..options import AUTO, HubAccess, Settings, python_spelling
 from ..source import open_source
 from .report import VerifyFailed, VerifyReport, record_in_card, render
-from .structure import check_config, check_manifest_and_side_files, pair_tensors
+from .structure import check_config, check_manifest_and_side_files, check_renamed_dtype, pair_tensors
 
 __all__ = ["VerifyFailed", "VerifyReport", "record_in_card", "render", "verify"]
 
@@ -38,10 +38,11 @@ def verify(
         raise FP8ConvertError(f"{out}: not a directory")
     report = VerifyReport(str(src), str(out))
     check_manifest_and_side_files(source, out, report)
-    readable, fmt = check_config(source, out, report)
+    readable, fmt, renamed_dtype = check_config(source, out, report)
     if readable:
         report.format, report.scheme = (fmt.format, ", ".join(fmt.schemes)) if fmt else ("dequantized", None)
         pairs = pair_tensors(source, out, fmt, report)
+        check_renamed_dtype(renamed_dtype, pairs, out, report)
         from .stream import check_data  # torch and the reader: only once the structure could be read
 
         check_data(source, out, pairs, report, settings)

@@ -10,13 +10,13 @@ from pathlib import Path
 from ..errors import FP8ConvertError
 from ..formats import QuantizationConfig, read_quantization_config
 from ..formats.sources import FP8Weight
-from ..options import CONFIG_DTYPE_KEYS, CONFIG_DTYPES, FP4_SCHEMES, Scheme
+from ..options import CONFIG_DTYPE_KEYS, FP4_SCHEMES, Scheme
 from ..output.manifest import Manifest
 from ..plan.architectures import architecture_of
 from ..plan.family import GENERIC, Architecture
 from ..plan.plan import Cut
 from ..plan.rules import UnsupportedLayout, default_keep_reason, expert_cuts, is_linear_weight, module_of
-from ..safetensors_io import FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
+from ..safetensors_io import DTYPES, FLOAT_SOURCE_DTYPES, FP8, INDEX_NAME, TensorInfo, read_header
 from ..source.checkpoint import Source, index_files, parse_index
 from .pairs import Pair, not_requantized, shapes_text
 from .report import VerifyReport
@@ -87,8 +87,11 @@ def read_output_layout(out: Path, report: VerifyReport) -> OutputLayout:
     return layout
 
 
-def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool, QuantizationConfig | None]:
-    """config.json must be the source's plus a readable quantization_config (none when dequantized)."""
+def check_config(
+    source: Source, out: Path, report: VerifyReport
+) -> tuple[bool, QuantizationConfig | None, dict[str, str]]:
+    """config.json must be the source's plus a readable quantization_config (none when dequantized, where its
+    dtype may name another dtype: returned as {key: name}, for check_renamed_dtype)."""
     config_path = out / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -99,22 +102,35 @@ def check_config(source: Source, out: Path, report: VerifyReport) -> tuple[bool,
     except (FileNotFoundError, ValueError, FP8ConvertError) as e:
         what = str(e).removeprefix(f"{config_path}: ") if isinstance(e, FP8ConvertError) else f"not valid JSON ({e})"
         report.fail(str(config_path), "missing: the output is incomplete" if isinstance(e, FileNotFoundError) else what)
-        return False, None
+        return False, None, {}
     for promise in fmt.unkept if fmt else ():  # what loaders act on though no tensor backs it
         report.fail(str(config_path), promise)
     rest = {k: v for k, v in config.items() if k != "quantization_config"}
     source_rest = {k: v for k, v in source.config.items() if k not in ("quantization_config", "compression_config")}
-    if dequantized:  # `dequantize --dtype` names the dtype it wrote
-        for key in CONFIG_DTYPE_KEYS:
-            if key in rest and rest[key] != source_rest.get(key) and rest[key] in CONFIG_DTYPES.values():
-                source_rest[key] = rest[key]
+    renamed = {  # `dequantize --dtype` names the dtype it wrote: checked against the weights by check_renamed_dtype
+        key: rest[key]
+        for key in CONFIG_DTYPE_KEYS
+        if dequantized and key in rest and rest[key] != source_rest.get(key) and isinstance(rest[key], str)
+    }
+    source_rest |= renamed
     if rest != source_rest:
         keys = sorted(k for k in set(rest) | set(source_rest) if rest.get(k) != source_rest.get(k))
         report.fail(
             str(config_path),
             f"differs from the source's config.json beyond quantization_config (keys: {', '.join(keys)})",
         )
-    return True, fmt
+    return True, fmt, renamed
+
+
+def check_renamed_dtype(renamed: dict[str, str], pairs: list[Pair], out: Path, report: VerifyReport) -> None:
+    """A dtype a dequantized output's config.json names instead of the source's must be its weights' one."""
+    written = sorted({DTYPES[p.outputs[0].dtype][1] for p in pairs if p.kind == "dequantized"})
+    for key, name in renamed.items():
+        if written != [name]:
+            report.fail(
+                str(out / "config.json"),
+                f"{key} is {name!r}, but the dequantized weights are {', '.join(written) or 'none'}",
+            )
 
 
 def check_manifest_and_side_files(source: Source, out: Path, report: VerifyReport) -> None:

@@ -170,5 +170,9 @@ def test_dequantize_to_another_dtype_says_so_in_config_json(fp8_src, tmp_path, c
     config = json.loads((out / "config.json").read_text())
     assert rc == 0 and config["torch_dtype"] == "float32" and "quantization_config" not in config, err
     assert verify(fp8_src, out, device="cpu").ok
-    (out / "config.json").write_text(json.dumps(config | {"torch_dtype": "int8"}))
-    assert any("torch_dtype" in f for f in verify(fp8_src, out, device="cpu").failures)
+    for other in ("int8", "float16"):  # not a float dtype; another than the weights'
+        (out / "config.json").write_text(json.dumps(config | {"torch_dtype": other}))
+        failures = verify(fp8_src, out, device="cpu").failures
+        assert any(f"torch_dtype is '{other}', but the dequantized weights are float32" in f for f in failures), (
+            failures
+        )
