@@ -44,8 +44,8 @@ class Report:
 
     out_dir: str
     source: str
-    scheme: str
-    format: str
+    scheme: str | None  # None for a dequantize
+    format: str  # "dequantized" for a dequantize
     device: str
     shards: int
     shards_resumed: int
@@ -227,8 +227,8 @@ def _new_report(
     return Report(
         out_dir=str(out_dir),
         source=the_plan.source.label,
-        scheme=settings.scheme,
-        format=settings.format,
+        scheme=None if settings.dequantize else settings.scheme,
+        format="dequantized" if settings.dequantize else settings.format,
         device=settings.device,
         shards=len(the_plan.shards),
         shards_resumed=len(done),

@@ -98,6 +98,7 @@ def test_dequantize_json_failure_prints_an_error_object(fp8_src, tmp_path, capsy
     rc, stdout, err = run(capsys, "dequantize", fp8_src, tmp_path / "out3", "--json", "-q", "--device", "cpu")
     doc = json.loads(stdout)
     assert rc == 0 and doc["dequantize"] is True and doc["tensors_dequantized"] == 14 and doc["complete"]
+    assert (doc["format"], doc["scheme"]) == ("dequantized", None)  # as verify names such an output
 
 
 def test_dequantize_summary_speaks_in_plurals_and_units(fp8_src, tmp_path, capsys):
