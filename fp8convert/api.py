@@ -28,7 +28,7 @@ from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest
 from .output.partial import written_bytes, written_units
 from .plan.build import build_plan
 from .plan.plan import Action, Plan, unique_inputs
-from .plan.summary import plan_warnings, refuse_unloadable
+from .plan.summary import plan_warnings, refuse_empty, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress, log
 from .run.warmup import PAGES_WAIT_S, TorchStart, torch_has_cuda
@@ -128,6 +128,7 @@ def quantize(
             the_plan = build_plan(source, settings.options)
             if not settings.write_unloadable:
                 refuse_unloadable(the_plan)
+            refuse_empty(the_plan)
             if on_plan:
                 on_plan(the_plan)
             done, complete = prepare_output(

@@ -114,7 +114,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("gpt2",),
         keep=(Keep(r"\.(c_attn|c_proj|c_fc)$", "Conv1D weight stored [in, out] (transformers has no FP8 Conv1D)"),),
         quantized="nothing: every linear is a Conv1D",
-        notes="kept whole; the output equals the source",
+        notes="quantize refuses it: there is nothing to quantize",
     ),
     Architecture(
         # vllm/model_executor/models/qwen3_moe.py: router `mlp.gate` is a GateLinear built with the quant

@@ -42,7 +42,7 @@ def build_plan(source: Source, options: Options) -> Plan:
     plans = [tensor_plan(d, quant, options, high_precision) for d in decisions]
     notes += source_notes(quant, plans, options)
     if not any(t.quantize for t in plans) and not options.dequantize:
-        notes.append("no tensor is quantized: every weight is kept in high precision")
+        notes.append("no tensor is quantized: every weight is kept in high precision; quantize refuses to write this")
     units = group_into_units(plans)
     shards, shard_of = lay_out_shards(units, options.max_shard_size)
     notes += architecture_notes(arch, source)

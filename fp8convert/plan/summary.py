@@ -13,7 +13,7 @@ from .batches import make_batches
 from .family import GENERIC, MTP_LAYERS, MTP_MODULE, Caveat, Limit, PlanWarning, mtp_layers
 from .parallel import tp_warnings
 from .plan import COMPUTED, Action, Plan
-from .rules import experts_of
+from .rules import experts_of, is_linear_weight
 
 CUDA_CONTEXT_HOST_BYTES = 1 << 30  # torch + CUDA runtime resident memory, roughly
 PYTHON_HOST_BYTES = 400 << 20  # interpreter + torch on CPU, roughly
@@ -169,6 +169,18 @@ def refuse_unloadable(plan: Plan) -> None:
     """Refuse an output vLLM cannot load even at TP 1 (fused block groups that break its rule)."""
     if not plan.options.dequantize and Scheme.BLOCK in plan.options.schemes and (why := unloadable(plan)):
         raise FP8ConvertError(f"{plan.source.label}: {why}; --write-unloadable writes it anyway")
+
+
+def refuse_empty(plan: Plan) -> None:
+    """Refuse an FP8 output without one FP8 weight: it converts nothing, and fp8convert refuses it as a source."""
+    if plan.options.dequantize or any(t.quantize for t in plan.tensors):
+        return
+    kept = [t for t in plan.tensors if is_linear_weight(t.name, t.shape, t.source.dtype, t.reason)]
+    why = "it has no linear weight"
+    if kept:  # the reason most of them share, with one of them
+        reason = Counter(t.reason for t in kept).most_common(1)[0][0]
+        why = f"e.g. {next(t.name for t in kept if t.reason == reason)}: {reason}"
+    raise FP8ConvertError(f"{plan.source.label}: no weight is quantized ({why}); nothing to write")
 
 
 # Which GPUs vLLM 0.33's kernel selection runs each layout on (CompressedTensorsW8A8Fp8, FlashInfer MXFP8,

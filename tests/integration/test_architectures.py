@@ -35,7 +35,7 @@ from harness import (
 )
 from tiny_ckpt import llama_tensors, write_checkpoint
 from vllm_rules import CONTRACTS, vllm_name
-from zoo import MORE_ARCHS, NOT_IN_VLLM_ARCHS, ZOO_ARCHS
+from zoo import MORE_ARCHS, NOT_IN_VLLM_ARCHS, NOTHING_QUANTIZED, ZOO_ARCHS
 
 MIN_COSINE = 0.99
 E4M3_BOUND = 2.0**-4 * 1.02  # relative error of a correctly dequantized weight (verify's bound, normal values)
@@ -97,7 +97,7 @@ LAYOUT_MARKERS = {
 
 def test_zoo_models_have_the_layouts_the_tests_rely_on(zoo_source, zoo_tensors):
     assert len(ZOO_ARCHS) >= 20
-    for arch in ZOO_ARCHS + MORE_ARCHS:
+    for arch in ZOO_ARCHS + MORE_ARCHS + NOTHING_QUANTIZED:
         assert len(list(zoo_source(arch).glob("model-*.safetensors"))) >= 3, f"{arch}: fewer than 3 shards"
         assert zoo.ARCHS[arch].model_type == read_json(zoo_source(arch) / "config.json")["model_type"]
         if arch in LAYOUT_MARKERS:
@@ -286,7 +286,7 @@ def test_compressed_tensors_in_transformers_skips_exactly_the_kept_linears(arch,
         skipped = any(match_name(module, entry) for entry in ignore)
         assert skipped == (t.dtype != FP8), f"{n} (in memory {module}): {t.dtype}, skipped={skipped}"
         checked += 1
-    assert checked or arch == "gpt2"  # GPT-2's linears are Conv1D, which compressed-tensors does not target
+    assert checked
 
 
 # ------------------------------------------------------------------ refusals and caveats
@@ -336,6 +336,16 @@ def test_fused_experts_that_fit_both_orientations_are_read_as_released(zoo_sourc
         name = f"{experts}.3.{member}.weight"
         deq = got[name].float() * got[name + "_scale"].float()
         assert ((deq - want.float()).norm() / want.float().norm()).item() <= E4M3_BOUND, name
+
+
+@pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "channel"), ("fp8", "block")])
+def test_gpt2_quantizes_nothing_and_is_refused(zoo_source, tmp_path, fmt, scheme):
+    """GPT-2's Conv1D weights are kept (transformers has no FP8 Conv1D): no FP8 weight would be written."""
+    out = tmp_path / "out"
+    with pytest.raises(fp8convert_module().FP8ConvertError) as ei:
+        run_quantize(zoo_source("gpt2"), out, format=fmt, scheme=scheme)
+    assert "no weight is quantized (e.g. transformer.h.0.attn.c_attn.weight: Conv1D weight" in str(ei.value)
+    assert not out.exists()
 
 
 def test_fused_experts_that_do_not_match_the_config_are_refused(zoo_source, tmp_path):
@@ -592,7 +602,7 @@ def test_docs_architecture_table_is_the_registry():
         "docs/architectures.md's supported-architectures table differs from the registry: paste architectures_table()"
     )
     listed = {t for arch in ARCHITECTURES for t in arch.model_types}
-    converted = set(ZOO_ARCHS + MORE_ARCHS + NOT_IN_VLLM_ARCHS)
+    converted = set(ZOO_ARCHS + MORE_ARCHS + NOT_IN_VLLM_ARCHS + NOTHING_QUANTIZED)
     assert listed <= converted, f"registered but never converted in the tests: {listed - converted}"
 
 

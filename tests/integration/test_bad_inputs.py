@@ -742,6 +742,22 @@ def test_zero_sized_linear_weight(tmp_path, capsys):
         assert run_cli(capsys, "verify", src, out)[0] == 0
 
 
+def test_a_plan_that_quantizes_nothing_is_refused_before_out_exists(tmp_path, capsys):
+    """An FP8 checkpoint without one FP8 weight is no conversion (and fp8convert itself would refuse it as
+    a source): every weight kept by --ignore is refused up front; inspect shows the same plan and says so."""
+    import fp8convert
+
+    src = write_checkpoint(tmp_path / "src", llama_tensors())
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "quantize", src, out, "-q", "--ignore", "re:.*")
+    assert_refused(rc, err, out, f"{src}: no weight is quantized (e.g. model.layers.0.", ": --ignore re:.*)")
+    with pytest.raises(fp8convert.FP8ConvertError, match="no weight is quantized") as refused:
+        fp8convert.quantize(src, out, ignore="re:.*")
+    assert ": ignore re:.*); nothing to write" in str(refused.value) and not out.exists()
+    assert main(["inspect", str(src), "--ignore", "re:.*"]) == 0
+    assert "every weight is kept in high precision; quantize refuses to write this" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "option,value",
     [
