@@ -28,7 +28,7 @@ from .output.manifest import DOWNLOAD_DIR, WORK_DIR, Manifest
 from .output.partial import written_bytes, written_units
 from .plan.build import build_plan
 from .plan.plan import Action, Plan, unique_inputs
-from .plan.summary import plan_warnings, refuse_empty, refuse_unloadable
+from .plan.summary import refuse_empty, refuse_unloadable
 from .run.prefetch import Prefetcher, default_threads, window_for
 from .run.progress import Progress, log
 from .run.warmup import PAGES_WAIT_S, TorchStart, torch_has_cuda
@@ -239,7 +239,7 @@ def _new_report(
         bytes_out=the_plan.out_bytes,
         ignore=the_plan.ignore_list,
         notes=list(the_plan.notes),
-        warnings=plan_warnings(the_plan),
+        warnings=list(the_plan.warnings),
         already_complete=complete,
         worker=spec.text,
         complete=complete,

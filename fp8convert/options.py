@@ -296,16 +296,20 @@ def keyword_spelling(message: str) -> str:
 
 
 def python_spelling(function):
-    """For the API's entry points: an FP8ConvertError leaving `function` names keywords, unless the CLI called it."""
+    """For the API's entry points: an FP8ConvertError leaving `function`, and the warnings of what it returns,
+    name keywords, unless the CLI called it."""
 
     @functools.wraps(function)
     def call(*args, **kwargs):
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         except FP8ConvertError as e:
             if not _COMMAND_LINE.get():
                 e.args = (keyword_spelling(str(e)),)
             raise
+        if not _COMMAND_LINE.get() and isinstance(getattr(result, "warnings", None), list):
+            result.warnings = [keyword_spelling(w) for w in result.warnings]
+        return result
 
     return call
 

@@ -11,7 +11,7 @@ from .. import verify as verify_mod
 from ..cluster import batch as batch_mod
 from ..errors import FP8ConvertError, UsageError
 from ..options import REPO_ID, SCHEMES, Settings
-from ..plan.summary import describe, plan_warnings, refuse_unloadable, render
+from ..plan.summary import describe, refuse_unloadable, render
 from ..units import format_size, plural
 from ._options import QUIET_REPORT, argument, command, hub_token, option, print_json, print_out, settings_from
 
@@ -101,7 +101,7 @@ def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to: s
 
 def print_warnings(the_plan, prefix: str = "") -> None:
     """The plan's warnings and notes on stderr, before anything is read; -q does not silence them."""
-    for line in plan_warnings(the_plan):
+    for line in the_plan.warnings:
         print(f"warning: {prefix}{line}", file=sys.stderr)
     for line in the_plan.notes:
         print(f"note: {prefix}{line}", file=sys.stderr)

@@ -18,6 +18,7 @@ from .architectures import architecture_of
 from .family import GENERIC, Architecture, config_value, mtp_layers
 from .plan import LAYER_PATTERN, Action, Plan, TensorPlan, group_into_units, lay_out_shards, natural_key
 from .rules import decide, experts_of, is_linear_weight, module_of
+from .summary import compatibility_warnings
 
 MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -55,7 +56,9 @@ def build_plan(source: Source, options: Options) -> Plan:
     ignore = [] if options.dequantize else ignore_list(plans, rules, source.config, options.format)
     groups = scheme_groups(plans, rules, source.config, options)
     key = fingerprint(source, options)
-    return Plan(source, options, units, shards, shard_of, ignore, notes, key, arch, warnings, groups)
+    plan = Plan(source, options, units, shards, shard_of, ignore, notes, key, arch, warnings, groups)
+    plan.warnings += [w.text for w in compatibility_warnings(plan)]
+    return plan
 
 
 def check_layers(source: Source) -> None:

@@ -224,7 +224,7 @@ class Plan:
     notes: list[str]
     fingerprint: str
     architecture: Architecture | None  # the registry's family; None: generic rules only
-    # what the user asked for that did not happen as asked (summary.plan_warnings adds where it will not load)
+    # what the user asked for that did not happen as asked, and where engines will not load the output
     warnings: list[str]
     scheme_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a recipe's other schemes and their modules
 

@@ -111,10 +111,6 @@ def compatibility_warnings(plan: Plan) -> list[PlanWarning]:
     return list(dict.fromkeys(warnings))
 
 
-def plan_warnings(plan: Plan) -> list[str]:
-    return plan.warnings + [w.text for w in compatibility_warnings(plan)]
-
-
 def unloadable(plan: Plan) -> str | None:
     """Why vLLM cannot load the plan's block-FP8 fused layers at any TP size, or None: it loads each member
     at its row offset in one weight with one 128x128 scale grid, so every member but the last must end on
@@ -268,7 +264,7 @@ def describe(plan: Plan, budget: int, device_type: str) -> dict:
         "target_tp": list(plan.options.target_tp),
         "ignore": plan.ignore_list,
         "memory": memory_estimate(plan, budget, device_type),
-        "warnings": plan.warnings + [w.text for w in warnings],
+        "warnings": plan.warnings,
         "transformers_cannot_load": cannot,
         "loads": load_table(plan, warnings, cannot),
         "notes": plan.notes,

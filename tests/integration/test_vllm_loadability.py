@@ -76,6 +76,17 @@ def test_the_refusal_names_the_way_out_and_the_opt_in_writes_it(tmp_path):
     assert any("vLLM cannot load" in w for w in report.warnings)
 
 
+def test_make_plan_warns_as_the_report_does_naming_keywords(tmp_path):
+    """The plan a Python caller inspects holds every warning the conversion's report gives, where engines
+    will not load it included, and both name the API's keywords rather than the command line's flags."""
+    src = write_checkpoint(tmp_path / "src", llama_tensors(**NARROW_KV))
+    plan = fp8convert_module().make_plan(str(src), scheme="block")
+    report = run_quantize(src, tmp_path / "out", scheme="block", write_unloadable=True)
+    assert plan.warnings == report.warnings
+    assert any(w.startswith("vLLM cannot load") and "use scheme channel or tensor" in w for w in plan.warnings)
+    assert not any("--" in w for w in plan.warnings)
+
+
 def test_cli_refuses_with_exit_1_and_writes_with_the_option(tmp_path, capsys, monkeypatch):
     from fp8convert.cli import main
 
