@@ -73,7 +73,7 @@ def env_number(env, name: str, default=None, kind=int):
 
 def parse_size(value: int | str, what: str = "size") -> int:
     """'5GB' -> 5_000_000_000 (decimal, as transformers' max_shard_size); '2GiB' is binary; ints pass."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         size = value
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(I?)B?\s*", str(value).upper())
@@ -144,7 +144,7 @@ class Options:
             )
         _set(  # after the scheme and format checks, whose errors come first
             self,
-            ignore=(self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore),  # one pattern alone
+            ignore=(self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore or ()),  # one pattern alone
             max_shard_size=parse_size(self.max_shard_size, "--max-shard-size"),
             target_tp=parse_target_tp(self.target_tp),
             dtype=parse_dtype(self.dtype),
@@ -209,7 +209,7 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
     is what --ignore takes; a pattern given twice must give one scheme. Errors name `where` (the recipe file),
     else --scheme."""
     parsed: dict[str, str] = {}
-    for rule in rules.items() if isinstance(rules, dict) else rules:
+    for rule in rules.items() if isinstance(rules, dict) else (rules,) if isinstance(rules, str) else rules:
         if isinstance(rule, str):  # the scheme follows the last '=': 're:.*experts.*=nvfp4a16'
             pattern, equals, scheme = rule.rpartition("=")
             if not equals:
@@ -343,6 +343,12 @@ class Settings(Options):
     @python_spelling
     def __post_init__(self):
         super().__post_init__()
+        for f in fields(self):  # a switch takes True or False: "no" would be true
+            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
+                raise UsageError(f"{f.name}={getattr(self, f.name)!r}: expected True or False")
+        threads = self.prefetch_threads
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise UsageError(f"prefetch_threads={threads!r}: expected a whole number of threads, 1 or more")
         if not DEVICE_TEXT.match(str(self.device)):  # spelling only: whether CUDA is there needs torch
             raise UsageError(
                 f"--device {self.device!r}: expected auto, cpu, cuda or cuda:N"
@@ -373,6 +379,8 @@ class Settings(Options):
         """`settings` with `overrides` (keyword names are the fields); an unknown name is an error."""
         if unknown := sorted(set(overrides) - SETTING_NAMES):
             raise TypeError(f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(SETTING_NAMES))})")
+        if settings is not None and not isinstance(settings, Settings):
+            raise TypeError(f"settings must be an fp8convert.Settings, got {settings!r}; or pass keywords (scheme=...)")
         return replace(settings or cls(), **overrides)
 
 

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
 from .formats import CompressedTensorsConfig, QuantizationConfig, read_quantization_config
 from .options import REPO_ID, Scheme, python_spelling
 from .output.card import TARGET_MARK, make_card, read_source_card
-from .output.finalize import check_output_complete
+from .output.finalize import check_output_complete, foreign_entries
 from .output.manifest import WORK_DIR, Manifest
 from .source.hub import CARD_NAME, hub_error, with_retries
+
+
+@dataclass
+class Pushed:
+    url: str  # the commit's, or the pull request's
+    pull_request: bool  # one was opened (with create_pr, none is where OUT holds nothing the branch lacks)
+    left_out: list[str]  # OUT's entries fp8convert did not write, not uploaded (directories end in '/')
 
 
 @python_spelling
@@ -25,9 +34,10 @@ def push(
     commit_message: str | None = None,
     token: str | None = None,
     create_pr: bool = False,
-) -> str:
+) -> Pushed:
     """Upload a complete output to `repo_id` (created if needed) with a model card naming it (generated when
-    missing); returns the commit URL, or with `create_pr` the pull request's. Rerunning resumes an upload."""
+    missing): the files fp8convert wrote, where its manifest lists them, so nothing a user put beside them
+    is published unasked. Rerunning resumes an upload."""
     from huggingface_hub import HfApi
 
     out = Path(out)
@@ -43,6 +53,7 @@ def push(
             card_path.write_text(retargeted, encoding="utf-8")
     else:
         card_path.write_text(card_from_output(out, declared, repo_id), encoding="utf-8")
+    left_out = foreign_entries(out) if Manifest(out).path.is_file() else []
     what = f"FP8 checkpoint ({declared.format})" if declared else "checkpoint dequantized from FP8"
     api = HfApi(token=token)
     try:
@@ -62,15 +73,16 @@ def push(
             revision=revision,
             create_pr=create_pr,
             commit_message=commit_message or f"{what} made with fp8convert",
-            ignore_patterns=[WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"],
+            ignore_patterns=[WORK_DIR, f"{WORK_DIR}/*", "*.partial", ".*.tmp"]
+            + [glob.escape(name) + ("*" if name.endswith("/") else "") for name in left_out],
             delete_patterns=stale or None,
         )
     except Exception as e:
         resume = "rerun the same push to resume it (files that arrived are not sent again)"
         raise hub_error(repo_id, e, revision, then=resume) from e
     if create_pr and getattr(info, "pr_url", None):
-        return info.pr_url
-    return getattr(info, "commit_url", None) or str(info)
+        return Pushed(info.pr_url, True, left_out)
+    return Pushed(getattr(info, "commit_url", None) or str(info), False, left_out)
 
 
 def retarget_card(text: str, repo_id: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 
@@ -62,8 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # click's usage errors (typer.TyperException) included
             return _failures.report(e, json_wanted="--json" in argv, json_printed=printed.json)
     if rc == _failures.SIGINT_EXIT:
-        print(_failures.stop_line(name, sigterm.received), file=sys.stderr)
-        return _failures.SIGTERM_EXIT if sigterm.received else _failures.SIGINT_EXIT
+        line = _failures.stop_line(name, sigterm.received)
+        rc = _failures.SIGTERM_EXIT if sigterm.received else _failures.SIGINT_EXIT
+        print(line, file=sys.stderr)
+        if "--json" in argv and not printed.json:  # a script reading stdout gets a document here too
+            with contextlib.suppress(OSError):
+                print(json.dumps({"ok": False, "error": line, "exit_code": rc}))
+        return rc
     return rc if isinstance(rc, int) else 0
 
 

@@ -89,8 +89,8 @@ def _convert(src: str, out: Path, settings: Settings, json_out: bool, push_to: s
     elif settings.progress:  # not -q
         print_out(summary_line(report))
     if push_to and report.complete:
-        url = publish.push(out, push_to, private=private, token=settings.token)
-        print_out(f"pushed {out} to {push_to}: {url}", stderr=json_out)
+        pushed = publish.push(out, push_to, private=private, token=settings.token)
+        print_out(f"pushed {out} to {push_to}: {pushed.url}", stderr=json_out)
     elif push_to:
         print(
             f"--push-to-hub: not from worker {report.worker}; the worker that finalizes {out} pushes it "
@@ -223,13 +223,14 @@ def inspect(
         print_out(f"  {t['name']:<70} {str(t['shape']):<16} {what}{origin}")
 
 
-@command("directory scheme format device json_out")
+@command("directory scheme format device json_out quiet")
 def demo(
     directory: argument(Path, "DIR", "Where to put the demo model and its FP8 conversion.", Path("fp8convert-demo")),
     scheme: option(str, "--scheme " + "|".join(SCHEMES), "The scheme of the conversion (see quantize).", "tensor"),
     format,
     device,
     json_out,
+    quiet: QUIET_REPORT,
 ):
     """Build a small random Llama-shaped BF16 model (embedded, no download) in DIR/source and convert it
     to DIR/fp8.
@@ -241,7 +242,7 @@ def demo(
     from ..demo import demo_source, next_steps  # imports torch
     from ..run import warmup
 
-    settings = Settings(scheme=scheme, format=format, device=device, overwrite=True, progress=True)
+    settings = Settings(scheme=scheme, format=format, device=device, overwrite=True, progress=not quiet)
     src = demo_source(directory / "source")
     print_out(f"built demo model {src}", stderr=json_out)
     _convert(str(src), directory / "fp8", settings, json_out, None, False)
@@ -317,11 +318,16 @@ def push(
 
       fp8convert push ./llama-fp8 their-org/llama-fp8 --create-pr       # a repo you may not write to directly
     """
-    url = publish.push(out, repo_id, private, revision, commit_message, hub_token(token), create_pr)
+    pushed = publish.push(out, repo_id, private, revision, commit_message, hub_token(token), create_pr)
+    if pushed.left_out:
+        print(f"note: not uploaded, as fp8convert did not write them: {', '.join(pushed.left_out)}", file=sys.stderr)
     if json_out:
-        print_json({"out": str(out), "repo_id": repo_id, "revision": revision, "pull_request": create_pr, "url": url})
+        print_json({"out": str(out), "repo_id": repo_id, "revision": revision, **asdict(pushed)})
+    elif create_pr and not pushed.pull_request:
+        print_out(f"no pull request opened on {repo_id}: {out} holds nothing its branch does not ({pushed.url})")
     else:
-        print_out(f"{'opened a pull request on' if create_pr else 'pushed ' + str(out) + ' to'} {repo_id}: {url}")
+        done = "opened a pull request on" if pushed.pull_request else f"pushed {out} to"
+        print_out(f"{done} {repo_id}: {pushed.url}")
 
 
 @command("out json_out token cache_dir")

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 STRING_KEYS = tuple("name source out scheme format scale_format device revision push_to_hub max_resident dtype".split())
 BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
 KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
+# [defaults] keys that are not a dequantize job's (it writes no FP8), and the one that is only a dequantize's
+QUANTIZE_ONLY, DEQUANTIZE_ONLY = ("scheme", "format", "scale_format", "ignore"), ("dtype",)
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
 
@@ -138,7 +140,8 @@ def _job(path: Path, index: int, entry, defaults: dict) -> Job:
     if isinstance(entry.get("name"), str):
         label += f" ({entry['name']})"
     _check_keys(entry, label)
-    merged = {**defaults, **entry}
+    other = QUANTIZE_ONLY if entry.get("dequantize", defaults.get("dequantize")) is True else DEQUANTIZE_ONLY
+    merged = {**{k: v for k, v in defaults.items() if k not in other}, **entry}
     for key in ("source", "out"):
         if not merged.get(key):
             raise FP8ConvertError(f"{label}: missing {key!r}")
@@ -205,7 +208,7 @@ def run_job(
             pushed_file = Path(job.out) / WORK_DIR / PUSHED
             pushed = read_json_object(pushed_file)
             if not (report.already_complete and job.push_to_hub in pushed):
-                pushed[job.push_to_hub] = publish.push(job.out, job.push_to_hub, private=job.private, token=token)
+                pushed[job.push_to_hub] = publish.push(job.out, job.push_to_hub, private=job.private, token=token).url
                 write_atomic(pushed_file, json_bytes(pushed))
             result.pushed = pushed[job.push_to_hub]
         elif not report.complete:

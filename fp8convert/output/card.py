@@ -30,6 +30,14 @@ SCHEME_TEXT = {
     Scheme.MXFP4A16: "MXFP4: 4-bit E2M1 values packed two a byte, one power-of-two scale per 32 consecutive inputs of "
     "each row, stored as its E8M0 exponent byte (uint8)",
 }
+# How a dequantize computes each weight, by the source's scheme (q: the stored FP8 or FP4 value)
+DEQUANTIZED_TEXT = {
+    Scheme.TENSOR: "FP8 weights: w = float32(q) * scale, one scale per weight",
+    Scheme.CHANNEL: "FP8 weights: w = float32(q) * scale, one scale per output row",
+    Scheme.BLOCK: "FP8 weights: w = float32(q) * scale, one scale per 128x128 tile (edge tiles included)",
+    Scheme.NVFP4A16: "FP4 weights: w = float32(q) * float32(scale) / global_scale, one scale per 16 inputs",
+    Scheme.MXFP4A16: "FP4 weights: w = float32(q) * 2^e, one power of two per 32 inputs",
+}
 WEIGHTS_NAME = {Scheme.NVFP4A16: "NVFP4", Scheme.MXFP4A16: "MXFP4"}  # what the card calls them; else FP8
 UE8M0_TEXT = "block: one float32 power-of-two (UE8M0) scale per 128x128 weight block, rounded up so no code overflows"
 ACTIVATIONS_TEXT = {
@@ -54,11 +62,14 @@ TRANSFORMERS_NEEDS = {
 }
 # Marks a generated card and records the local path its examples use, so `push` can put the repo id there.
 TARGET_MARK = "<!-- fp8convert card; examples use: {} -->"
+VERIFICATION = re.compile(r"^## Verification\n.*?(?=^## |^<!-- fp8convert card|\Z)", re.M | re.S)
 
 
 def weights_names(info: dict) -> list[str]:
-    """What the card calls the weights: 'FP8', 'NVFP4', or both for a recipe that mixes them."""
-    schemes = [info["scheme"], *(scheme for _, scheme in info.get("recipe") or ())]
+    """What the card calls the weights: 'FP8', 'NVFP4', or both for a recipe that mixes them (the schemes
+    weights were written in, where the plan says; a rule whose modules all stayed high precision adds none)."""
+    schemes = [info["scheme"], *(s for _, s in info.get("recipe") or ())]
+    schemes = [s for s in schemes if s in by] if (by := info.get("quantized_by_scheme")) else schemes
     return list(dict.fromkeys(WEIGHTS_NAME.get(s, "FP8") for s in schemes))
 
 
@@ -142,10 +153,12 @@ def make_card(
             "revision": plan.source.revision,  # None for a local directory
             "root": str(plan.source.root),
             "dtype": plan.options.dtype,
+            "source_scheme": plan.source_scheme,
         }
     source = str(info["source"])
     dequantized = bool(info.get("dequantize"))
-    name = (repo_id or source.rstrip("/")).rsplit("/", 1)[-1]
+    snapshot = SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))  # a Hub cache's, given as a folder
+    name = (repo_id or (f"{snapshot[1]}/{snapshot[2]}" if snapshot else source.rstrip("/"))).rsplit("/", 1)[-1]
     if not repo_id:
         weights = info["scheme"].upper() if info.get("scheme") in WEIGHTS_NAME else "FP8"
         weights = "-".join(weights_names(info)) if info.get("recipe") else weights
@@ -156,8 +169,8 @@ def make_card(
     # (the source card's own base_model names the source's parent)
     if not base_model and info.get("revision") and REPO_ID.match(source):
         base_model = source
-    elif not base_model and (m := SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))):
-        base_model = f"{m.group(1)}/{m.group(2)}"
+    elif not base_model and snapshot:
+        base_model = f"{snapshot[1]}/{snapshot[2]}"
     body = [introduction(info, base_model), ""]
     body += dequantization_section(info) if dequantized else [*quantization_section(info), "", *kept_section(info)]
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
@@ -221,15 +234,17 @@ def quantization_section(info: dict) -> list[str]:
         if info.get("static_activations")
         else ACTIVATIONS_TEXT.get((fmt, scheme), "dynamic FP8")
     )
+    by_scheme = info.get("quantized_by_scheme")
+    rules = [(p, s) for p, s in info.get("recipe") or () if not by_scheme or s in by_scheme]  # those that wrote weights
     lines = [
         "## Quantization",
         "",
         f"- Format: `{fmt}` (`quantization_config` in config.json)",
-        f"- Weights{' (the modules no recipe rule matches)' if info.get('recipe') else ''}: {weights}",
+        f"- Weights{' (the modules no recipe rule matches)' if rules else ''}: {weights}",
         f"- Activations: {activations}",
-        *(f"- Recipe: modules matching `{p}`: {SCHEME_TEXT.get(s, s)}" for p, s in info.get("recipe") or ()),
+        *(f"- Recipe: modules matching `{p}`: {SCHEME_TEXT.get(s, s)}" for p, s in rules),
     ]
-    if by_scheme := info.get("quantized_by_scheme"):
+    if by_scheme:
         lines.append("- Per scheme: " + ", ".join(f"{n} weights {s}" for s, n in by_scheme.items()))
     if q := info.get("quantized"):
         lines.append(
@@ -258,8 +273,8 @@ def dequantization_section(info: dict) -> list[str]:
     lines = [
         "## Dequantization",
         "",
-        f"- {dequantized['tensors']} FP8 weights: w = float32(q) * scale (block scales over their 128x128 tiles, "
-        f"edge tiles included), rounded once to {dtype}: {format_size(dequantized['bytes'])}",
+        f"- {dequantized['tensors']} {DEQUANTIZED_TEXT.get(info.get('source_scheme'), 'weights: w = q * scale')}, "
+        f"rounded once to {dtype}: {format_size(dequantized['bytes'])}",
         "- Scale tensors, static activation scales and `quantization_config` removed",
         "- Every other tensor copied byte for byte:",
     ]
@@ -320,8 +335,16 @@ def with_verification(text: str, figures: dict) -> str:
     lines = ["## Verification", "", "Dequantized weights compared with the source (`fp8convert verify`):", ""]
     lines += ["| measure | value |", "|---|---|"]
     lines += [f"| {str(k).replace('_', ' ')} | {_fmt_value(v)} |" for k, v in figures.items()]
-    section = "\n".join(lines) + "\n\n"
-    text = re.sub(r"^## Verification\n.*?(?=^## |^<!-- fp8convert card|\Z)", "", text, flags=re.M | re.S)
+    return _with_section(text, "\n".join(lines) + "\n\n")
+
+
+def keep_verification(old: str, new: str) -> str:
+    """The card `new` with the Verification section of `old`, the card it replaces on the same shards."""
+    return _with_section(new, m.group(0)) if (m := VERIFICATION.search(old)) else new
+
+
+def _with_section(text: str, section: str) -> str:
+    text = VERIFICATION.sub("", text)
     if m := re.search(r"^## Reproduce$", text, re.M):
         return text[: m.start()] + section + text[m.start() :]
     return text.rstrip() + "\n\n" + section

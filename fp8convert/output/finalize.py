@@ -22,7 +22,7 @@ from ..safetensors_io import DTYPES, INDEX_NAME, read_header
 from ..source import recorded_source
 from ..source.checkpoint import index_files, parse_index
 from ..units import listed
-from .card import make_card, read_source_card
+from .card import keep_verification, make_card, read_source_card
 from .lock import OutputLock, is_lock_file
 from .manifest import MANIFEST, WORK_DIR, Manifest, plan_change, source_change
 from .partial import RECORD_SUFFIX
@@ -225,6 +225,8 @@ def finalize(plan: Plan, out_dir: Path) -> None:
         write_atomic(out_dir / name, (plan.source.root / name).read_bytes())  # side files are small
     manifest = Manifest(out_dir)
     card = make_card(plan, read_source_card(plan.source.root), base_model=(manifest.read() or {}).get("base_model"))
+    if (previous := out_dir / "README.md").is_file():  # finalizing again: keep what verify added
+        card = keep_verification(previous.read_text(), card)
     write_atomic(out_dir / "README.md", card.encode())
     weight_map = {name: shard.name for shard in plan.shards for name in shard.tensors}
     total_size = sum(t.nbytes for s in plan.shards for t in s.tensors.values())

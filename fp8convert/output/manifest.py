@@ -121,7 +121,7 @@ def new_manifest(plan: Plan, base_model: str | None = None) -> dict:
 
 
 # The recorded options a plan change names, in the order it lists them, as the user spells them
-FLAG_OPTIONS = ("scheme", "format", "ignore", "max_shard_size", "target_tp", "scale_format")
+FLAG_OPTIONS = ("scheme", "format", "ignore", "max_shard_size", "scale_format")
 OPTION_NAMES = {"source": "source"} | {k: "--" + k.replace("_", "-") for k in FLAG_OPTIONS}
 OPTION_NAMES |= {
     "dequantize": "dequantize",

@@ -98,8 +98,9 @@ def describe_numbers(numbers: list[int]) -> str:
 
 
 def fingerprint(source: Source, options: Options) -> str:
-    """Same fingerprint, same output bytes."""
-    listed = [options.scheme, options.format, options.ignore, options.max_shard_size, options.target_tp]
+    """Same fingerprint, same output bytes; the card's TP notes aside: --target-tp only says what is reported,
+    so workers and reruns that differ in it write one conversion."""
+    listed = [options.scheme, options.format, options.ignore, options.max_shard_size]
     # Each addition only when set, so the defaults keep earlier fingerprints.
     if options.scale_format != ScaleFormat.FLOAT:
         listed.append(options.scale_format)

@@ -210,6 +210,16 @@ def decide(
     warnings = [f"--ignore {shlex.quote(p)} matched no weight that would otherwise be quantized" for p in unused]
     warnings += [f"--scheme {p}={s} matched no module" for p, s in options.recipe if p not in used_rules]
     notes = _one_layer_sets(decisions)
+    quantized = {module_of(d.name) for d in decisions if d.quantize}
+    idle = [
+        f"--scheme {p}={s}"
+        for p, s in options.recipe
+        if p in used_rules and not any(matches_pattern(m, p) for m in quantized)
+    ]
+    warnings += [
+        f"{r} quantizes no weight: every weight it matches stays in high precision (inspect --tensors says why)"
+        for r in idle
+    ]
     return _unsplit_kept(decisions, arch, options), notes, warnings
 
 

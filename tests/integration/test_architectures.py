@@ -584,6 +584,14 @@ def test_target_tp_option_in_inspect_and_quantize(source_model, capsys, tmp_path
     tp_lines = [line for line in err.splitlines() if "tensor-parallel" in line]
     assert tp_lines and all(line.startswith("warning:") and "TP 4" in line and "TP 2" not in line for line in tp_lines)
     assert "at TP 4" in (out / "README.md").read_text()  # the card reports the sizes asked for
+    # --target-tp changes what is reported, not the shards: a worker or rerun without it goes on with the same
+    # conversion (it was refused as another plan, which only --overwrite, redoing it all, got past)
+    split, common = tmp_path / "split", ["--scheme", "block", "--device", "cpu", "--max-shard-size", "100KB", "-q"]
+    assert main(["quantize", str(src), str(split), *common, "--target-tp", "4", "--worker", "0/2"]) == 0
+    assert main(["quantize", str(src), str(split), *common, "--worker", "1/2"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(split), *common[:-1], "--target-tp", "2"]) == 0
+    assert "already complete" in capsys.readouterr().out and main(["verify", str(src), str(split), "-q"]) == 0
 
 
 # ------------------------------------------------------------------ docs/architectures.md

@@ -77,6 +77,8 @@ def test_plurals_and_units_of_the_demo(tmp_path, capsys):
     (line,) = [line for line in out.splitlines() if line.startswith("wrote ")]
     assert re.match(r"wrote \S+: 1 shard, 28 tensors quantized, 11 kept, \d+\.\d\d MB -> \d+\.\d\d MB in ", line), line
     assert "(s)" not in line and "0.00 GB" not in line
+    rc, out, err = run(capsys, "demo", tmp_path / "d", "--device", "cpu", "-q")  # -q as quantize's
+    assert rc == 0 and "wrote " not in out and "quantize " not in err and "next:" in out, (out, err)
 
 
 @pytest.mark.slow
@@ -160,6 +162,29 @@ def test_the_api_takes_one_ignore_pattern_or_one_tp_size_alone(tmp_path):
     assert plan.options.ignore == ("re:.*down_proj$",) and plan.options.target_tp == (3,)
     kept = {t.name for t in plan.tensors if not t.quantize and t.name.endswith("_proj.weight")}
     assert kept and all(name.endswith("down_proj.weight") for name in kept), kept
+
+
+def test_the_api_takes_one_recipe_rule_alone_and_refuses_values_of_the_wrong_kind(tmp_path):
+    """recipe="PATTERN=SCHEME" is one rule (it was read letter by letter); a switch given "no", a size given
+    True, a prefetch_threads below 1 (it failed in the reading threads, with their tracebacks) or settings
+    that are not a Settings are refused in one line naming the keyword."""
+    from fp8convert.errors import UsageError
+
+    src = write_checkpoint(tmp_path / "src")
+    plan = api.make_plan(src, recipe="re:.*down_proj$=channel")
+    assert plan.options.recipe == (("re:.*down_proj$", "channel"),)
+    assert api.make_plan(src, ignore=None).options.ignore == ()
+    for keywords, says in [
+        ({"overwrite": "no"}, "overwrite='no': expected True or False"),
+        ({"max_shard_size": True}, "max_shard_size: cannot read True as a size"),
+        ({"prefetch_threads": -3}, "prefetch_threads=-3: expected a whole number of threads, 1 or more"),
+        ({"prefetch_threads": 0}, "prefetch_threads=0"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(says)):
+            api.quantize(src, tmp_path / "out", **keywords)
+    with pytest.raises(TypeError, match="settings must be an fp8convert.Settings, got 'block'"):
+        api.quantize(src, tmp_path / "out", "block")
+    assert not (tmp_path / "out").exists()
 
 
 def test_units_helpers():
@@ -525,6 +550,9 @@ def test_ctrl_c_in_verify_does_not_promise_a_resume(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(verify_mod, "verify", interrupted)
     rc, _, err = run(capsys, "verify", src, out)
     assert rc == 130 and err.strip() == "interrupted: nothing was changed; rerun it to verify"
+    # with --json, stdout holds the error document as for any other failure (it held nothing)
+    rc, stdout, err = run(capsys, "verify", src, out, "--json")
+    assert rc == 130 and json.loads(stdout) == {"ok": False, "error": err.strip(), "exit_code": 130}
 
 
 # ---------------------------------------------------------------- SIGTERM, as Slurm and Kubernetes stop jobs

@@ -137,6 +137,18 @@ def test_finalizing_a_complete_output_writes_nothing_so_a_read_only_copy_finaliz
     assert tree_bytes(out) == reference
 
 
+def test_finalizing_again_keeps_the_verification_in_the_card(ref, tmp_path, capsys):
+    """verify puts its figures in the card; finalizing the complete output again keeps them (it dropped them)."""
+    src, _ = ref
+    out = tmp_path / "out"
+    assert api.quantize(src, out, device="cpu").complete
+    assert run_cli(capsys, "verify", src, out, "-q")[0] == 0
+    card = (out / "README.md").read_text()
+    assert "## Verification" in card
+    assert run_cli(capsys, "finalize", out)[0] == 0
+    assert (out / "README.md").read_text() == card
+
+
 def test_the_last_worker_finalizes(ref, tmp_path, capsys):
     """Each worker writes only its own shards (its report says so); the one that finds every shard
     present finalizes, so `srun -n N fp8convert quantize ...` ends complete."""

@@ -177,3 +177,20 @@ def test_dequantize_to_another_dtype_says_so_in_config_json(fp8_src, tmp_path, c
         assert any(f"torch_dtype is '{other}', but the dequantized weights are float32" in f for f in failures), (
             failures
         )
+
+
+@pytest.mark.parametrize(
+    "scheme,says",
+    [
+        ("channel", "14 FP8 weights: w = float32(q) * scale, one scale per output row, rounded once to BF16"),
+        ("block", "14 FP8 weights: w = float32(q) * scale, one scale per 128x128 tile (edge tiles included)"),
+        ("nvfp4a16", "14 FP4 weights: w = float32(q) * float32(scale) / global_scale, one scale per 16 inputs"),
+    ],
+)
+def test_the_dequantized_cards_formula_is_the_sources_scheme(tmp_path, capsys, scheme, says):
+    """The card said block scales over 128x128 tiles, and FP8, whatever the source was."""
+    src = tmp_path / "src"
+    fp8convert.quantize(write_checkpoint(tmp_path / "bf16", llama_tensors()), src, scheme=scheme, device="cpu")
+    assert run(capsys, "dequantize", src, tmp_path / "out", "-q", "--device", "cpu")[0] == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert says in card, card

@@ -153,6 +153,7 @@ def test_push_of_a_dequantized_output(fake_hub, fp8_src, tmp_path):
 
 
 def test_batch_jobs_dequantize_and_requantize(fp8_src, tmp_path, capsys):
+    """A [defaults] scheme is the quantize jobs': a dequantize job beside them is not refused for it."""
     src, refs = fp8_src
     jobs = tmp_path / "jobs.toml"
     jobs.write_text(f"""
@@ -160,6 +161,7 @@ def test_batch_jobs_dequantize_and_requantize(fp8_src, tmp_path, capsys):
 device = "cpu"
 max_shard_size = "20KB"
 max_resident = "8KB"
+scheme = "channel"
 
 [[job]]
 source = "{src}"
@@ -169,7 +171,6 @@ dequantize = true
 [[job]]
 source = "{src}"
 out = "{tmp_path / "rq"}"
-scheme = "channel"
 """)
     assert main(["batch", str(jobs), "-q"]) == 0, capsys.readouterr().err
     assert tree_bytes(tmp_path / "deq") == refs["dequantize"]

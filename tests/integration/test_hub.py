@@ -572,7 +572,7 @@ def card_meta(text: str) -> dict:
 
 def test_push_uploads_every_file_byte_identical_without_work_dir(fake_hub, converted):
     assert (converted / ".fp8convert" / "manifest.json").is_file()
-    url = publish.push(converted, "fake-user/tiny-fp8", private=True, token=fake_hub.token)
+    url = publish.push(converted, "fake-user/tiny-fp8", private=True, token=fake_hub.token).url
     assert "fake-user/tiny-fp8" in url
     assert fake_hub.repo("fake-user/tiny-fp8").private
     remote = fake_hub.files("fake-user/tiny-fp8")
@@ -597,6 +597,19 @@ def test_push_uploads_every_file_byte_identical_without_work_dir(fake_hub, conve
     assert fake_hub.files("fake-user/tiny-fp8") == remote  # main untouched
     repo = fake_hub.repo("fake-user/tiny-fp8")
     assert repo.commits[repo.branches["resharded"]].title.startswith("resharded")
+
+
+def test_push_leaves_out_the_files_fp8convert_did_not_write_and_says_so(fake_hub, converted, capsys):
+    """A file or folder the user put in OUT after the conversion is not published unasked."""
+    (converted / "notes.txt").write_text("private")
+    (converted / "eval [draft]").mkdir()
+    (converted / "eval [draft]" / "scores.json").write_text("{}")
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["left_out"] == ["eval [draft]/", "notes.txt"]
+    assert "note: not uploaded, as fp8convert did not write them: eval [draft]/, notes.txt" in captured.err
+    remote = fake_hub.files("fake-user/tiny-fp8")
+    assert "config.json" in remote and not [n for n in remote if n.startswith(("notes", "eval"))], sorted(remote)
 
 
 def test_push_through_the_multi_commit_pipeline(fake_hub, converted, monkeypatch):
@@ -793,6 +806,13 @@ def test_push_with_token_option_and_create_pr(fake_hub, converted, monkeypatch, 
     assert "opened a pull request on fake-user/tiny-fp8" in out and "/discussions/1" in out, out
     assert fake_hub.files("fake-user/tiny-fp8") == main_before  # main untouched
     assert fake_hub.files("fake-user/tiny-fp8", "refs/pr/1")["README.md"].endswith(b"A note.\n")
+    # a pull request of nothing the branch lacks is not opened, and not claimed (it was, with main's commit URL)
+    (converted / "README.md").write_text((converted / "README.md").read_text().removesuffix("\nA note.\n"))
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token, "--create-pr", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["pull_request"] is False and "/commit/" in doc["url"], doc
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token, "--create-pr"]) == 0
+    assert "no pull request opened on fake-user/tiny-fp8" in capsys.readouterr().out
 
 
 def test_push_takes_json(fake_hub, converted, capsys):
@@ -861,7 +881,9 @@ def test_card_reproduce_line_and_base_model(tiny_ckpt, tmp_path, monkeypatch):
     snapshot.parent.mkdir(parents=True)
     tiny_ckpt.rename(snapshot)
     api.quantize(snapshot, tmp_path / "o4", device="cpu")
-    assert card_meta((tmp_path / "o4" / "README.md").read_text())["base_model"] == "acme/cached"
+    text = (tmp_path / "o4" / "README.md").read_text()
+    assert card_meta(text)["base_model"] == "acme/cached"
+    assert "\n# cached-FP8\n" in text and "./cached-FP8" in text  # named by its repo, not its commit hash
 
 
 @pytest.mark.parametrize(

@@ -296,6 +296,21 @@ def test_a_rule_that_matches_nothing_is_warned_of(moe_source, tmp_path, capsys):
     assert len(qc["config_groups"]) == 1 and qc["format"] == "float-quantized"
 
 
+def test_a_rule_whose_modules_all_stay_high_precision_is_warned_of_and_not_on_the_card(tmp_path, capsys):
+    """Experts 48 wide take no MXFP4 (32 inputs a scale): the rule writes nothing, so it is warned of, and
+    the card names only the FP8 weights written (it named MXFP4 in its title, tags and recipe lines)."""
+    from tiny_models import make_model
+
+    overrides = {"hidden_size": 128, "head_dim": 32, "num_attention_heads": 4, "moe_intermediate_size": 48}
+    src = make_model("qwen3_moe", tmp_path / "src", config_overrides=overrides)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, *cli_args(src, out, ["channel", f"{EXPERTS}=mxfp4a16"]))
+    assert rc == 0 and f"--scheme {EXPERTS}=mxfp4a16 quantizes no weight: every weight it matches stays" in err, err
+    card = (out / "README.md").read_text().split("## Reproduce")[0]  # its command still gives the rule
+    assert "# src-FP8\n" in card and "MXFP4" not in card and "mxfp4" not in card, card
+    assert "FP8 (e4m3) weights of" in card and "- Recipe:" not in card
+
+
 def test_worker_splits_and_resume_keep_the_recipe_and_its_bytes(converted, moe_source, tmp_path):
     """Two workers then finalize (which rebuilds the plan from the manifest's recipe) and a resumed run
     write what one process writes; a rerun with another recipe is refused, naming the recipe."""
