@@ -164,7 +164,7 @@ def hub_error(
         errors.RepositoryNotFoundError: "repository not found (or private: log in, or set HF_TOKEN or --token)",
         errors.RevisionNotFoundError: f"revision {revision or ''} not found".replace("  ", " "),
         errors.RemoteEntryNotFoundError: f"file not found on the Hub ({first_line(error)})",
-        errors.OfflineModeIsEnabled: "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it to download",
+        errors.OfflineModeIsEnabled: "HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it",
     }
     if kind := next((k for k in known if isinstance(error, k)), None):
         return FP8ConvertError(f"{repo_id}: {known[kind]}")

@@ -612,6 +612,15 @@ def test_push_leaves_out_the_files_fp8convert_did_not_write_and_says_so(fake_hub
     assert "config.json" in remote and not [n for n in remote if n.startswith(("notes", "eval"))], sorted(remote)
 
 
+def test_push_while_offline_is_one_line_that_says_so(fake_hub, converted, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["push", str(converted), "fake-user/tiny-fp8", "--token", fake_hub.token]) == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert line == "error: fake-user/tiny-fp8: HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it"
+
+
 def test_push_through_the_multi_commit_pipeline(fake_hub, converted, monkeypatch):
     """With hf_xet installed (the default), upload_folder is huggingface_hub's resumable pipelined upload."""
     pytest.importorskip("hf_xet")
