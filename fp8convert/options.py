@@ -209,13 +209,15 @@ def parse_recipe(rules, where: str = "") -> tuple[tuple[str, str], ...]:
     is what --ignore takes; a pattern given twice must give one scheme. Errors name `where` (the recipe file),
     else --scheme."""
     parsed: dict[str, str] = {}
-    for rule in rules.items() if isinstance(rules, dict) else (rules,) if isinstance(rules, str) else rules:
+    for rule in rules.items() if isinstance(rules, dict) else rules if isinstance(rules, (list, tuple)) else (rules,):
         if isinstance(rule, str):  # the scheme follows the last '=': 're:.*experts.*=nvfp4a16'
             pattern, equals, scheme = rule.rpartition("=")
             if not equals:
                 raise UsageError(f"--scheme {rule!r}: a recipe rule is PATTERN=SCHEME")
-        else:
+        elif isinstance(rule, (list, tuple)) and len(rule) == 2:
             pattern, scheme = rule
+        else:
+            raise UsageError(f"{where or '--scheme'}: recipe rule {rule!r} is not PATTERN=SCHEME")
         said = f"{where}: rule {pattern!r} = {scheme!r}" if where else f"--scheme {pattern}={scheme}"
         if not str(pattern).strip():
             raise UsageError(f"{said}: a rule needs a module pattern before '='")
@@ -254,10 +256,10 @@ def parse_dtype(value: str | None) -> str | None:
 
 def parse_target_tp(sizes) -> tuple[int, ...]:
     """Sorted distinct tensor-parallel sizes, each a positive integer (text is accepted: the CLI), or one alone."""
-    if isinstance(sizes, (int, str)):
+    if not isinstance(sizes, (list, tuple, set)):
         sizes = [sizes]
-    try:
-        values = sorted({int(v) for v in sizes})
+    try:  # not true (an int to Python), nor 2.5
+        values = sorted({int(v) if type(v) is int or isinstance(v, str) else int("not a size") for v in sizes})
     except (TypeError, ValueError):
         raise UsageError(f"--target-tp: expected whole numbers, got {list(sizes)!r}") from None
     if not values or values[0] < 1:

@@ -23,11 +23,17 @@ from .workers import parse_devices
 if TYPE_CHECKING:
     from ..plan.plan import Plan
 
-STRING_KEYS = tuple("name source out scheme format scale_format device revision push_to_hub max_resident dtype".split())
-BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize")
-KNOWN_KEYS = (*STRING_KEYS, "ignore", "devices", "max_shard_size", *BOOL_KEYS)
+STRING_KEYS = tuple(
+    "name source out scheme format scale_format device revision push_to_hub max_resident dtype base_model".split()
+)
+BOOL_KEYS = ("private", "stream_download", "overwrite", "dequantize", "write_unloadable")
+# recipe: a table of pattern = scheme, or a list of "PATTERN=SCHEME"; target_tp: a size or a list (Settings reads both)
+KNOWN_KEYS = (*STRING_KEYS, "ignore", "recipe", "target_tp", "devices", "max_shard_size", *BOOL_KEYS)
 # [defaults] keys that are not a dequantize job's (it writes no FP8), and the one that is only a dequantize's
-QUANTIZE_ONLY, DEQUANTIZE_ONLY = ("scheme", "format", "scale_format", "ignore"), ("dtype",)
+QUANTIZE_ONLY, DEQUANTIZE_ONLY = (
+    ("scheme", "format", "scale_format", "ignore", "recipe", "write_unloadable"),
+    ("dtype",),
+)
 PUSHED = "pushed.json"  # in OUT/.fp8convert: repos this output was pushed to, so a rerun does not push again
 
 

@@ -549,6 +549,22 @@ def test_batch_task_index_runs_one_job(ref, tmp_path, capsys, monkeypatch):
     assert "task index 3" in line
 
 
+def test_a_job_takes_every_quantize_option_and_writes_the_command_lines_bytes(ref, tmp_path, capsys, monkeypatch):
+    """recipe (a table of pattern = scheme), target_tp, base_model and write_unloadable, as quantize takes them."""
+    src, _ = ref
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    rule, flags = "re:.*mlp.*", ["--device", "cpu", "-q", "--target-tp", "2", "--base-model", "acme/tiny"]
+    assert main(["quantize", src, tmp_path / "cli", *flags, "--scheme", "channel", "--scheme", f"{rule}=block"]) == 0
+    jobs = tmp_path / "jobs.toml"
+    jobs.write_text(
+        f'[defaults]\ndevice = "cpu"\nscheme = "channel"\nwrite_unloadable = true\n\n[[job]]\nsource = "{src}"\n'
+        f'out = "{tmp_path / "job"}"\ntarget_tp = 2\nbase_model = "acme/tiny"\n[job.recipe]\n"{rule}" = "block"\n'
+    )
+    rc, _, err = run_cli(capsys, "batch", jobs, "-q")
+    assert rc == 0, err
+    assert tree_bytes(tmp_path / "job") == tree_bytes(tmp_path / "cli")
+
+
 def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
     src, _ = ref
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
@@ -592,6 +608,8 @@ def test_batch_json_lines_and_validation(ref, tmp_path, capsys, monkeypatch):
             '[[job]]\nsource = "a"\nout = "b"\ndtype = "fp16"\n',
             ["job 0", "--dtype applies to dequantize"],
         ),
+        "recipe.toml": ('[[job]]\nsource = "a"\nout = "b"\nrecipe = 5\n', ["job 0", "recipe rule 5"]),
+        "tp.toml": ('[[job]]\nsource = "a"\nout = "b"\ntarget_tp = [2, true]\n', ["job 0", "--target-tp"]),
     }
     for name, (text, needles) in bad.items():
         (tmp_path / name).write_text(text)
