@@ -258,10 +258,10 @@ def parse_target_tp(sizes) -> tuple[int, ...]:
     """Sorted distinct tensor-parallel sizes, each a positive integer (text is accepted: the CLI), or one alone."""
     if not isinstance(sizes, (list, tuple, set)):
         sizes = [sizes]
-    try:  # not true (an int to Python), nor 2.5
-        values = sorted({int(v) if type(v) is int or isinstance(v, str) else int("not a size") for v in sizes})
-    except (TypeError, ValueError):
-        raise UsageError(f"--target-tp: expected whole numbers, got {list(sizes)!r}") from None
+    # whole numbers or their text (the CLI's); not true (an int to Python) or 2.5
+    if not all(type(v) is int or (isinstance(v, str) and v.strip().lstrip("-").isdigit()) for v in sizes):
+        raise UsageError(f"--target-tp: expected whole numbers, got {list(sizes)!r}")
+    values = sorted({int(v) for v in sizes})
     if not values or values[0] < 1:
         raise UsageError(f"--target-tp: sizes must be 1 or more, got {list(sizes)!r}")
     return tuple(values)
