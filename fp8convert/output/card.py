@@ -157,20 +157,20 @@ def make_card(
         }
     source = str(info["source"])
     dequantized = bool(info.get("dequantize"))
-    snapshot = SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))  # a Hub cache's, given as a folder
-    name = (repo_id or (f"{snapshot[1]}/{snapshot[2]}" if snapshot else source.rstrip("/"))).rsplit("/", 1)[-1]
+    # the repo of a Hub cache snapshot given as a directory
+    cached = f"{m[1]}/{m[2]}" if (m := SNAPSHOT.search((info.get("root") or source).replace("\\", "/"))) else None
+    name = (repo_id or cached or source.rstrip("/")).rsplit("/", 1)[-1]
     if not repo_id:
         weights = info["scheme"].upper() if info.get("scheme") in WEIGHTS_NAME else "FP8"
         weights = "-".join(weights_names(info)) if info.get("recipe") else weights
         name = f"{name}-{info.get('dequantized_dtype') if dequantized else weights}"
     where = repo_id or f"./{name}"
     cmd = reproduce_command(info, where, base_model)  # the --base-model given, before the guesses below
-    # --base-model, else a Hub source's repo id, else the repo of a Hub cache snapshot given as a directory
-    # (the source card's own base_model names the source's parent)
+    # --base-model, else a Hub source's repo id, else the cached snapshot's repo (the source card's own
+    # base_model names the source's parent)
     if not base_model and info.get("revision") and REPO_ID.match(source):
         base_model = source
-    elif not base_model and snapshot:
-        base_model = f"{snapshot[1]}/{snapshot[2]}"
+    base_model = base_model or cached
     body = [introduction(info, base_model), ""]
     body += dequantization_section(info) if dequantized else [*quantization_section(info), "", *kept_section(info)]
     lines = [front_matter(info, base_model, source_card_text), "", f"# {name}", "", *body]
